@@ -1,0 +1,349 @@
+"""The environment contract: the one module that names the job's variables.
+
+Every process of a job learns its place from environment variables, exactly as
+dmlc-core's tracker and ps-lite define them (``DMLC_ROLE``, ``DMLC_PS_ROOT_URI``,
+...), plus a few of our own (``PSLAUNCH_SECRET``, ``PS_START_TIMEOUT``, ...).
+The launcher builds them here, and the KVStore and the trainer read them here
+(:class:`ClusterEnv`), so a name is spelled in exactly one place.
+
+Precedence, highest first, for a server or worker:
+
+1. the contract (:func:`contract`): never taken from anywhere else;
+2. ``--env-server`` / ``--env-worker`` for that role;
+3. ``--env``;
+4. the forwarded variables of the launcher's environment (:func:`forwarded`);
+5. on the local backend only, the launcher's whole inherited environment.
+
+This module imports nothing heavy: the trainer imports it before torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+# --- the dmlc / ps-lite contract -------------------------------------------
+ROLE = "DMLC_ROLE"
+ROOT_URI = "DMLC_PS_ROOT_URI"
+ROOT_PORT = "DMLC_PS_ROOT_PORT"
+NUM_WORKER = "DMLC_NUM_WORKER"
+NUM_SERVER = "DMLC_NUM_SERVER"
+TASK_ID = "DMLC_TASK_ID"
+JOB_CLUSTER = "DMLC_JOB_CLUSTER"
+NODE_HOST = "DMLC_NODE_HOST"
+INTERFACE = "DMLC_INTERFACE"
+# Written by ps-lite inside a process once it has a rank; never set by us.
+RANK = "DMLC_RANK"
+# launch.py --p3
+PS_VAN_TYPE = "DMLC_PS_VAN_TYPE"
+PS_WATER_MARK = "DMLC_PS_WATER_MARK"
+
+# --- ps-lite knobs that our KVStore honours too ---------------------------
+VERBOSE = "PS_VERBOSE"
+HEARTBEAT_INTERVAL = "PS_HEARTBEAT_INTERVAL"
+HEARTBEAT_TIMEOUT = "PS_HEARTBEAT_TIMEOUT"
+BIGARRAY_BOUND = "MXNET_KVSTORE_BIGARRAY_BOUND"
+
+# --- ours -------------------------------------------------------------------
+SECRET = "PSLAUNCH_SECRET"
+INSECURE = "PSLAUNCH_INSECURE"
+JOB_ID = "PSLAUNCH_JOB_ID"
+# Number of this job's servers and workers on the process's host; the trainer
+# divides the host's cores by it for its default thread count.
+LOCAL_PROCS = "PSLAUNCH_LOCAL_PROCS"
+START_TIMEOUT = "PS_START_TIMEOUT"
+PORT_RANGE = "PS_PORT_RANGE"
+MAC_PAYLOAD = "PS_MAC_PAYLOAD"
+
+# --- general-purpose variables the launcher touches -------------------------
+OMP_NUM_THREADS = "OMP_NUM_THREADS"
+PYTHONPATH = "PYTHONPATH"
+PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
+PYTHONFAULTHANDLER = "PYTHONFAULTHANDLER"
+SUBMIT_CLUSTER = "DMLC_SUBMIT_CLUSTER"
+
+ROLES = ("scheduler", "server", "worker")
+
+#: Variables the launcher owns. An inherited or ``--env`` value is ignored.
+CONTRACT = frozenset(
+    {ROLE, ROOT_URI, ROOT_PORT, NUM_WORKER, NUM_SERVER, TASK_ID, JOB_CLUSTER,
+     NODE_HOST, SECRET, JOB_ID, LOCAL_PROCS, START_TIMEOUT}
+)
+
+FORWARD_PREFIXES = ("PS_", "DMLC_", "OMP_", "KMP_", "MXNET_", "AWS_")
+FORWARD_NAMES = frozenset({"PYTHONPATH", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES"})
+
+_SECRET_WORDS = ("SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL")
+REDACTED = "<redacted>"
+
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def is_valid_name(name: str) -> bool:
+    """True for a portable environment variable name (``[A-Za-z_][A-Za-z0-9_]*``)."""
+    return bool(_NAME_RE.match(name))
+
+
+def is_secret(name: str) -> bool:
+    """True when a variable's value must never be shown (logs, dry runs, errors)."""
+    upper = name.upper()
+    return any(word in upper for word in _SECRET_WORDS) or upper.endswith("_KEY")
+
+
+def redact(env: Mapping[str, str]) -> dict[str, str]:
+    """A copy of ``env`` with every secret value replaced by ``<redacted>``."""
+    return {k: (REDACTED if is_secret(k) else v) for k, v in env.items()}
+
+
+def redact_text(text: str, env: Mapping[str, str]) -> str:
+    """Replace every secret value of ``env`` that occurs in ``text``."""
+    for k, v in env.items():
+        if v and len(v) >= 4 and is_secret(k):
+            text = text.replace(v, REDACTED)
+    return text
+
+
+def is_forwarded(name: str) -> bool:
+    """True when the launcher carries ``name`` from its own environment to every node."""
+    return name in FORWARD_NAMES or name.startswith(FORWARD_PREFIXES)
+
+
+def forwarded(environ: Mapping[str, str], extra_names: Iterable[str] = ()) -> dict[str, str]:
+    """The variables of ``environ`` that reach every node on every backend.
+
+    ``PS_*``, ``DMLC_*`` (``DMLC_INTERFACE`` included), ``OMP_*``, ``KMP_*``,
+    ``MXNET_*``, ``AWS_*``, ``PYTHONPATH``, ``LD_LIBRARY_PATH`` and
+    ``CUDA_VISIBLE_DEVICES``, plus ``extra_names``. Contract variables are
+    left out: the launcher sets those itself.
+    """
+    extra = set(extra_names)
+    return {
+        k: v for k, v in environ.items()
+        if (is_forwarded(k) or k in extra) and k not in CONTRACT and k != SUBMIT_CLUSTER
+    }
+
+
+def contract(
+    role: str,
+    *,
+    root_uri: str,
+    root_port: int,
+    num_workers: int,
+    num_servers: int,
+    secret: str,
+    start_timeout: float,
+    job_id: str,
+    task_id: int | None = None,
+    cluster: str | None = None,
+    node_host: str | None = None,
+    local_procs: int | None = None,
+) -> dict[str, str]:
+    """The contract variables of one process.
+
+    All roles get ``DMLC_ROLE``, ``DMLC_PS_ROOT_URI``, ``DMLC_PS_ROOT_PORT``,
+    ``DMLC_NUM_WORKER``, ``DMLC_NUM_SERVER``, ``PSLAUNCH_SECRET``,
+    ``PSLAUNCH_JOB_ID`` and ``PS_START_TIMEOUT``. Servers and workers also get
+    ``DMLC_TASK_ID`` (workers ``0..N-1``, servers ``N..N+S-1``),
+    ``DMLC_JOB_CLUSTER`` and, when known, ``DMLC_NODE_HOST`` and
+    ``PSLAUNCH_LOCAL_PROCS``. A backend whose node address is only known on the
+    node (mpi, sge, yarn) passes ``node_host=None``; its wrapper fills it in.
+    """
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}")
+    env = {
+        ROLE: role,
+        ROOT_URI: root_uri,
+        ROOT_PORT: str(root_port),
+        NUM_WORKER: str(num_workers),
+        NUM_SERVER: str(num_servers),
+        SECRET: secret,
+        JOB_ID: job_id,
+        START_TIMEOUT: _fmt_seconds(start_timeout),
+    }
+    if role != "scheduler":
+        if task_id is None or cluster is None:
+            raise ValueError(f"a {role} needs a task id and a cluster name")
+        env[TASK_ID] = str(task_id)
+        env[JOB_CLUSTER] = cluster
+        if node_host is not None:
+            env[NODE_HOST] = node_host
+        if local_procs is not None:
+            env[LOCAL_PROCS] = str(local_procs)
+    return env
+
+
+def _fmt_seconds(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+@dataclass(frozen=True)
+class Composed:
+    """A process's final environment and the names whose other values lost to the contract."""
+
+    env: dict[str, str]
+    overridden: tuple[str, ...]
+
+
+def compose(
+    contract_env: Mapping[str, str],
+    *,
+    role_env: Mapping[str, str] = {},
+    cli_env: Mapping[str, str] = {},
+    forwarded_env: Mapping[str, str] = {},
+    inherited: Mapping[str, str] | None = None,
+) -> Composed:
+    """Merge the layers, lowest precedence first, and report overridden contract names.
+
+    ``overridden`` lists contract variables that the inherited environment,
+    the forwarded set, ``--env`` or a per-role ``--env-*`` tried to set to a
+    different value; the caller warns once about them.
+    """
+    env: dict[str, str] = {}
+    overridden: set[str] = set()
+    for layer in (inherited or {}, forwarded_env, cli_env, role_env):
+        for k, v in layer.items():
+            if k in CONTRACT:
+                if k in contract_env and contract_env[k] != v:
+                    overridden.add(k)
+                elif k not in contract_env and k in (ROLE, ROOT_URI, ROOT_PORT, NODE_HOST):
+                    overridden.add(k)
+                continue
+            env[k] = v
+    env.update(contract_env)
+    # Like torchrun: one OpenMP thread per process unless the user says otherwise.
+    env.setdefault(OMP_NUM_THREADS, "1")
+    return Composed(env=env, overridden=tuple(sorted(overridden)))
+
+
+def launcher_defaults(env: dict[str, str]) -> dict[str, str]:
+    """Add the launcher's process defaults that only apply when unset.
+
+    ``PYTHONUNBUFFERED=1`` so Python output reaches the console line by line,
+    ``PYTHONFAULTHANDLER=1`` so ``--timeout`` can dump Python stacks.
+    """
+    env.setdefault(PYTHONUNBUFFERED, "1")
+    env.setdefault(PYTHONFAULTHANDLER, "1")
+    return env
+
+
+# --- the reading side: what a process of a job sees --------------------------
+
+
+class ClusterEnvError(ValueError):
+    """The contract variables are missing or malformed."""
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def parse_port_range(text: str) -> tuple[int, int]:
+    """``"9000-9100"`` -> ``(9000, 9100)``; raises ValueError with the rule on bad input."""
+    m = re.fullmatch(r"\s*(\d{1,5})\s*-\s*(\d{1,5})\s*", text or "")
+    if not m:
+        raise ValueError(f"bad port range {text!r}: expected LOW-HIGH, for example 9091-9998")
+    lo, hi = int(m.group(1)), int(m.group(2))
+    if not (1 <= lo <= hi <= 65535):
+        raise ValueError(f"bad port range {text!r}: need 1 <= LOW <= HIGH <= 65535")
+    return lo, hi
+
+
+@dataclass(frozen=True)
+class ClusterEnv:
+    """The contract as one process reads it. Built by :meth:`from_environ`."""
+
+    role: str
+    root_uri: str
+    root_port: int
+    num_workers: int
+    num_servers: int
+    task_id: int | None = None
+    node_host: str | None = None
+    interface: str | None = None
+    secret: str | None = None
+    insecure: bool = False
+    job_id: str | None = None
+    cluster: str | None = None
+    start_timeout: float = 60.0
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0
+    port_range: tuple[int, int] | None = None
+    mac_payload: bool = False
+    verbose: int = 0
+    bigarray_bound: int = 1_000_000
+    local_procs: int | None = None
+
+    @property
+    def is_worker(self) -> bool:
+        return self.role == "worker"
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> ClusterEnv:
+        """Parse the contract; raise :class:`ClusterEnvError` naming the bad variable.
+
+        As in MXNet, a missing ``DMLC_ROLE`` means worker.
+        """
+        role = environ.get(ROLE, "worker").strip().lower()
+        if role not in ROLES:
+            raise ClusterEnvError(f"{ROLE}={role!r} is not one of scheduler, server, worker")
+
+        def need(name: str) -> str:
+            value = environ.get(name)
+            if value is None or not value.strip():
+                raise ClusterEnvError(
+                    f"{name} is not set; start this program with pslaunch (or set the dmlc variables by hand)")
+            return value.strip()
+
+        def integer(name: str, value: str, minimum: int = 0) -> int:
+            try:
+                n = int(value)
+            except ValueError:
+                raise ClusterEnvError(f"{name}={value!r} is not an integer") from None
+            if n < minimum:
+                raise ClusterEnvError(f"{name}={n} must be at least {minimum}")
+            return n
+
+        def seconds(name: str, default: float) -> float:
+            value = environ.get(name)
+            if value is None or not value.strip():
+                return default
+            try:
+                x = float(value)
+            except ValueError:
+                raise ClusterEnvError(f"{name}={value!r} is not a number of seconds") from None
+            if x < 0:
+                raise ClusterEnvError(f"{name}={value!r} must not be negative")
+            return x
+
+        port_range = None
+        if environ.get(PORT_RANGE, "").strip():
+            try:
+                port_range = parse_port_range(environ[PORT_RANGE])
+            except ValueError as e:
+                raise ClusterEnvError(f"{PORT_RANGE}: {e}") from None
+        task = environ.get(TASK_ID, "").strip()
+        local = environ.get(LOCAL_PROCS, "").strip()
+        verbose = environ.get(VERBOSE, "").strip() or "0"
+        return cls(
+            role=role,
+            root_uri=need(ROOT_URI),
+            root_port=integer(ROOT_PORT, need(ROOT_PORT), 1),
+            num_workers=integer(NUM_WORKER, need(NUM_WORKER)),
+            num_servers=integer(NUM_SERVER, need(NUM_SERVER)),
+            task_id=integer(TASK_ID, task) if task else None,
+            node_host=environ.get(NODE_HOST, "").strip() or None,
+            interface=environ.get(INTERFACE, "").strip() or None,
+            secret=environ.get(SECRET) or None,
+            insecure=_truthy(environ.get(INSECURE)),
+            job_id=environ.get(JOB_ID) or None,
+            cluster=environ.get(JOB_CLUSTER) or None,
+            start_timeout=seconds(START_TIMEOUT, 60.0),
+            heartbeat_interval=seconds(HEARTBEAT_INTERVAL, 1.0),
+            heartbeat_timeout=seconds(HEARTBEAT_TIMEOUT, 10.0),
+            port_range=port_range,
+            mac_payload=_truthy(environ.get(MAC_PAYLOAD)),
+            verbose=integer(VERBOSE, verbose),
+            bigarray_bound=integer(BIGARRAY_BOUND, environ.get(BIGARRAY_BOUND, "") or "1000000", 1),
+            local_procs=integer(LOCAL_PROCS, local, 1) if local else None,
+        )
