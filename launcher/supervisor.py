@@ -35,7 +35,8 @@ from . import backends, envvars, netif
 from .errors import ConfigError, LaunchError
 from .output import Console, PipePump
 from .plan import Plan, ProcSpec, build_plan
-from .process import LocalProcess, ProcessHandle, ProcRecord, Watchdog, describe_exit, spawning
+from .process import (LocalProcess, ProcessHandle, ProcRecord, Watchdog, describe_exit, group_members,
+                      spawning)
 from .spec import Host, JobSpec
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,49 @@ def is_listening(host: str, port: int, timeout: float = 0.2) -> bool:
         return False
 
 
+def _listen_inodes(port: int) -> set[str] | None:
+    """Socket inodes listening on TCP ``port`` (from /proc/net), or None without /proc."""
+    inodes: set[str] = set()
+    found_table = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as f:
+                next(f, None)
+                found_table = True
+                for line in f:
+                    fields = line.split()
+                    # local_address is HEXIP:HEXPORT, st 0A is LISTEN, inode is field 9
+                    if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(fields[9])
+        except OSError:
+            continue
+    return inodes if found_table else None
+
+
+def listener_is_in_group(pgid: int, port: int) -> bool:
+    """True when a process of group ``pgid`` holds the socket listening on ``port``.
+
+    Someone else may hold the port (it was taken between our probe and the
+    scheduler's bind); a successful connect alone would not tell us.
+    """
+    inodes = _listen_inodes(port)
+    if inodes is None:
+        return True  # no /proc: trust the connect
+    targets = {f"socket:[{i}]" for i in inodes}
+    for pid in group_members(pgid):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in targets:
+                    return True
+            except OSError:
+                continue
+    return False
+
+
 # --- signals -------------------------------------------------------------------
 
 
@@ -191,6 +235,7 @@ class Supervisor:
         self.spec = spec
         self.console = console or Console(log_dir=spec.log_dir)
         self.handles: list[ProcessHandle] = []
+        self.discarded: list[ProcessHandle] = []  # schedulers that lost their port; swept at the end
         self.scheduler: Optional[LocalProcess] = None
         self.plan: Optional[Plan] = None
         self.signals = _Signals()
@@ -279,6 +324,7 @@ class Supervisor:
             # The scheduler died before it listened.
             code = sched.exit_code
             if not port_is_free(port) and attempt < MAX_PORT_ATTEMPTS:
+                self.discarded.append(sched)
                 log.warning("port %d was taken before the scheduler could bind it; retrying on the next port", port)
                 continue
             self.handles.append(sched)
@@ -299,7 +345,7 @@ class Supervisor:
             code = sched.poll()
             if code is not None:
                 return "exited-0" if code == 0 else "died"
-            if is_listening(host, port):
+            if is_listening(host, port) and listener_is_in_group(sched.pgid, port):
                 return "listening"
             if time.monotonic() > deadline:
                 raise LaunchError(
@@ -364,7 +410,7 @@ class Supervisor:
         end = time.monotonic() + 5.0
         while any(h.poll() is None for h in self.handles) and time.monotonic() < end:
             time.sleep(POLL_INTERVAL)
-        for h in self.handles:
+        for h in self.handles + self.discarded:
             h.cleanup()
         # give the output pumps a moment to deliver the last lines
         end = time.monotonic() + 2.0
