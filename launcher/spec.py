@@ -1,0 +1,190 @@
+"""Frozen descriptions of a job: :class:`Host`, :class:`JobSpec` and backend options.
+
+``cli.py`` builds exactly one :class:`JobSpec` from options and YAML; nothing
+after that mutates it. Every field is validated here, with messages that name
+the option and the fix, so a backend never sees an impossible value.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .errors import ConfigError
+
+BACKENDS = ("local", "ssh", "mpi", "sge", "yarn")
+
+
+class Role(str, enum.Enum):
+    SCHEDULER = "scheduler"
+    SERVER = "server"
+    WORKER = "worker"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Host:
+    """One hostfile line: ``[user@]name[:port] [slots=N]``.
+
+    ``slots`` is ``None`` when the line gives none (no limit, as dmlc). ``origin``
+    is ``"FILE:LINE"`` for messages.
+    """
+
+    name: str
+    port: Optional[int] = None
+    user: Optional[str] = None
+    slots: Optional[int] = None
+    origin: str = ""
+
+    def __str__(self) -> str:
+        return self.display
+
+    @property
+    def display(self) -> str:
+        """``user@name:port`` as written (IPv6 in brackets when a port follows)."""
+        name = f"[{self.name}]" if ":" in self.name and self.port else self.name
+        text = f"{self.user}@{name}" if self.user else name
+        return f"{text}:{self.port}" if self.port else text
+
+
+@dataclass(frozen=True)
+class SSHOptions:
+    """``--ssh-*`` and ``--sync-*`` options (used by the ssh backend)."""
+
+    user: Optional[str] = None
+    port: Optional[int] = None
+    key: Optional[str] = None
+    connect_timeout: float = 10.0
+    accept_new_host_keys: bool = False
+    known_hosts: Optional[str] = None
+    sync_exclude: tuple[str, ...] = (".git", "__pycache__")
+    sync_delete: bool = False
+    keepalive: float = 5.0
+
+
+@dataclass(frozen=True)
+class MPIOptions:
+    """``--mpirun`` and friends (used by the mpi backend)."""
+
+    mpirun: str = "mpirun"
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SGEOptions:
+    """``--sge-*`` options (used by the sge backend)."""
+
+    native: Optional[str] = None
+    log_dir: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything the launcher needs to run one job. Frozen and validated.
+
+    Example:
+        >>> JobSpec(command=("python", "train.py"), num_workers=2, num_servers=1)
+        JobSpec(command=('python', 'train.py'), num_workers=2, ...)
+
+    ``env`` holds ``--env`` values already resolved against the launcher's
+    environment; ``environ`` is the snapshot of that environment the job uses
+    for forwarding, so planning stays a pure function of the spec.
+    """
+
+    command: tuple[str, ...]
+    num_workers: int
+    num_servers: int
+    launcher: str = "local"
+    hosts: tuple[Host, ...] = ()
+    hostfile: Optional[str] = None
+    sync_dst_dir: Optional[str] = None
+    env: tuple[tuple[str, str], ...] = ()
+    env_server: tuple[tuple[str, str], ...] = ()
+    env_worker: tuple[tuple[str, str], ...] = ()
+    environ: tuple[tuple[str, str], ...] = ()
+    host_ip: Optional[str] = None
+    log_level: str = "INFO"
+    log_file: Optional[str] = None
+    queue: str = "default"
+    jobname: Optional[str] = None
+    worker_cores: int = 1
+    worker_memory_mb: int = 1024
+    server_cores: int = 1
+    server_memory_mb: int = 1024
+    files: tuple[str, ...] = ()
+    archives: tuple[str, ...] = ()
+    dry_run: bool = False
+    log_dir: Optional[str] = None
+    summary_json: Optional[str] = None
+    port_range: tuple[int, int] = (9091, 9998)
+    start_timeout: float = 60.0
+    kill_grace: float = 10.0
+    timeout: Optional[float] = None
+    workdir: Optional[str] = None
+    p3: bool = False
+    ssh: SSHOptions = field(default_factory=SSHOptions)
+    mpi: MPIOptions = field(default_factory=MPIOptions)
+    sge: SGEOptions = field(default_factory=SGEOptions)
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ConfigError("no command given: put the program to run after the options, "
+                              "e.g. pslaunch -n 2 python train.py")
+        if self.num_workers < 1:
+            raise ConfigError(f"-n/--num-workers must be at least 1, got {self.num_workers}")
+        if self.num_servers < 0:
+            raise ConfigError(f"-s/--num-servers must be 0 or more, got {self.num_servers}")
+        if self.launcher not in BACKENDS:
+            raise ConfigError(f"unknown launcher {self.launcher!r}: choose one of {', '.join(BACKENDS)}")
+        if self.launcher == "ssh" and not self.hosts:
+            raise ConfigError("--launcher ssh needs hosts: give -H/--hostfile FILE with one host per line")
+        lo, hi = self.port_range
+        if not 1 <= lo <= hi <= 65535:
+            raise ConfigError(f"--port-range {lo}-{hi}: need 1 <= LOW <= HIGH <= 65535")
+        for name, value in (("--start-timeout", self.start_timeout), ("--kill-grace", self.kill_grace)):
+            if value < 0:
+                raise ConfigError(f"{name} must not be negative, got {value}")
+        if self.timeout is not None and self.timeout <= 0:
+            raise ConfigError(f"--timeout must be positive, got {self.timeout}")
+        for name, value in (("--worker-cores", self.worker_cores), ("--server-cores", self.server_cores)):
+            if value < 1:
+                raise ConfigError(f"{name} must be at least 1, got {value}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ConfigError(f"--log-level {self.log_level}: choose DEBUG, INFO, WARNING or ERROR")
+
+    @property
+    def num_procs(self) -> int:
+        """Servers plus workers (the scheduler not counted)."""
+        return self.num_workers + self.num_servers
+
+    @property
+    def has_scheduler(self) -> bool:
+        """dmlc starts a scheduler only when there are servers (``-s 0`` is a plain job)."""
+        return self.num_servers > 0
+
+    def environ_dict(self) -> dict[str, str]:
+        return dict(self.environ)
+
+    @property
+    def name(self) -> str:
+        """The job name: ``--jobname`` or ``pslaunch-<program>``."""
+        if self.jobname:
+            return self.jobname
+        prog = re.sub(r"[^A-Za-z0-9_.-]", "_", self.command[0].rsplit("/", 1)[-1])
+        return f"pslaunch-{prog}"
+
+
+def parse_memory_mb(text: str, option: str) -> int:
+    """dmlc's memory strings: ``"1g"`` -> 1024, ``"512m"`` -> 512 (also ``"1.5G"``)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([gGmM])[bB]?\s*", str(text))
+    if not m:
+        raise ConfigError(f"{option} {text!r}: give a size ending in g or m, for example 2g or 512m")
+    value, unit = float(m.group(1)), m.group(2).lower()
+    mb = int(round(value * 1024)) if unit == "g" else int(round(value))
+    if mb < 1:
+        raise ConfigError(f"{option} {text!r}: must be at least 1m")
+    return mb

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Runs the whole test suite, after installing everything it needs: the project
+# (scripts/setup.sh), system packages and services for the backend tests
+# (scripts/install-test-deps.sh: sshd, rsync, MPI, Grid Engine, MXNet 1.9.1).
+# Needs root (apt-get, network namespaces, Grid Engine). Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+T0=$(date +%s.%N)
+phase() {  # phase NAME CMD...: run a phase and print its time
+    local name=$1; shift
+    local t0; t0=$(date +%s.%N)
+    printf '\n=== %s\n' "$name" >&2
+    "$@"
+    printf '=== %s took %.1fs\n' "$name" "$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{print b-a}')" >&2
+}
+phase "set-up (scripts/setup.sh)" scripts/setup.sh
+DEPS_ENV=$(mktemp)
+phase "test dependencies and services (scripts/install-test-deps.sh)" \
+    bash -c "scripts/install-test-deps.sh > '$DEPS_ENV'"
+# shellcheck disable=SC1090
+source "$DEPS_ENV"
+rm -f "$DEPS_ENV"
+rc=0
+phase "tests (pytest)" .venv/bin/python -m pytest "$@" || rc=$?
+printf '=== total %.1fs, pytest exit code %d\n' "$(awk -v a="$T0" -v b="$(date +%s.%N)" 'BEGIN{print b-a}')" "$rc" >&2
+exit $rc

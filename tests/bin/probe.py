@@ -1,0 +1,95 @@
+"""Test helper run under the launcher: records what it sees, then behaves as told.
+
+Writes ``OUT/<scheduler|server-R|worker-R>.json`` with its environment, argv,
+cwd, pid, pgid and host, then (by flags) listens as a scheduler, spawns a
+grandchild, ignores SIGTERM, fails with a code, or sleeps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from launcher import envvars  # noqa: E402
+
+
+def name_of(env: dict) -> str:
+    role = env.get(envvars.ROLE, "worker")
+    if role == "scheduler":
+        return "scheduler"
+    task = int(env.get(envvars.TASK_ID, "0"))
+    nw = int(env.get(envvars.NUM_WORKER, "0"))
+    return f"server-{task - nw}" if role == "server" else f"worker-{task}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--listen", action="store_true", help="as scheduler: listen on the root port")
+    ap.add_argument("--sleep", type=float, default=0.0)
+    ap.add_argument("--exit", type=int, default=0)
+    ap.add_argument("--fail", default=None, help="ROLE-RANK:CODE[:DELAY], e.g. worker-1:3:0.5")
+    ap.add_argument("--child", action="store_true", help="spawn a sleeping grandchild")
+    ap.add_argument("--ignore-term", action="store_true")
+    ap.add_argument("--take-port-once", default=None, metavar="FLAGFILE")
+    ap.add_argument("--print", action="append", default=[])
+    ap.add_argument("rest", nargs=argparse.REMAINDER)
+    a = ap.parse_args()
+    env = dict(os.environ)
+    me = name_of(env)
+    if a.ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    listener = None
+    if me == "scheduler" and a.take_port_once and not os.path.exists(a.take_port_once):
+        # Simulate losing the port between the launcher's probe and our bind:
+        # a detached helper grabs it, and we die as ps-lite does ("bind failed").
+        open(a.take_port_once, "w").close()
+        holder = subprocess.Popen([sys.executable, "-c", (
+            "import socket,sys,time; s=socket.socket(); s.bind((sys.argv[1], int(sys.argv[2]))); "
+            "s.listen(); print('held', flush=True); time.sleep(8)"),
+            env[envvars.ROOT_URI], env[envvars.ROOT_PORT]], stdout=subprocess.PIPE, start_new_session=True)
+        holder.stdout.readline()
+        print("bind failed", file=sys.stderr)
+        return 1
+    if me == "scheduler" and a.listen:
+        listener = socket.socket()
+        listener.bind((env[envvars.ROOT_URI], int(env[envvars.ROOT_PORT])))
+        listener.listen(64)
+    child_pid = None
+    if a.child:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)"])
+        child_pid = child.pid
+    record = {
+        "name": me, "env": env, "argv": sys.argv[1:], "rest": a.rest, "cwd": os.getcwd(), "pid": os.getpid(),
+        "pgid": os.getpgid(0), "sid": os.getsid(0), "host": socket.gethostname(), "child": child_pid,
+        "time": time.time(),
+    }
+    tmp = os.path.join(a.out, f".{me}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, os.path.join(a.out, f"{me}.json"))
+    for line in a.print:
+        print(line, flush=True)
+    if a.fail:
+        target, code, *delay = a.fail.split(":")
+        if target == me:
+            time.sleep(float(delay[0]) if delay else 0.0)
+            print(f"{me} failing with code {code}", file=sys.stderr, flush=True)
+            return int(code)
+    end = time.monotonic() + a.sleep
+    while time.monotonic() < end:
+        time.sleep(min(0.1, max(0.0, end - time.monotonic())))
+    if listener is not None:
+        listener.close()
+    return a.exit
+
+
+if __name__ == "__main__":
+    sys.exit(main())

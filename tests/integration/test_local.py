@@ -1,0 +1,293 @@
+"""The local backend with real processes: env per role, exit codes, teardown, orphans, quoting."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import (REPO, assert_no_orphans, pid_alive, pslaunch_argv, read_probes, run_pslaunch,
+                      wait_for)
+
+pytestmark = pytest.mark.integration
+
+CONTRACT = ("DMLC_ROLE", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_WORKER", "DMLC_NUM_SERVER",
+            "PSLAUNCH_SECRET", "PS_START_TIMEOUT", "PSLAUNCH_JOB_ID")
+
+
+def all_pids(probes: dict) -> list[int]:
+    pids = []
+    for rec in probes.values():
+        pids.append(rec["pid"])
+        if rec.get("child"):
+            pids.append(rec["child"])
+    return pids
+
+
+@pytest.mark.timeout(60)
+def test_env_contract_per_role(probe, monkeypatch) -> None:
+    monkeypatch.setenv("PS_VERBOSE", "1")
+    monkeypatch.setenv("DMLC_ROLE", "worker")  # overridden, with a warning
+    monkeypatch.setenv("UNRELATED_VAR", "kept locally")
+    r = run_pslaunch("-n", "3", "-s", "2", "--env", "FOO=bar", "--env-server", "OMP_NUM_THREADS:3",
+                     "--env-worker", "WHO=worker", "--kill-grace", "1", *probe())
+    assert r.returncode == 0, r.stderr
+    assert "the launcher sets DMLC_ROLE itself" in r.stderr
+    probes = read_probes(probe.dir)
+    assert sorted(probes) == ["scheduler", "server-0", "server-1", "worker-0", "worker-1", "worker-2"]
+    sched = probes["scheduler"]["env"]
+    port = sched["DMLC_PS_ROOT_PORT"]
+    secret = sched["PSLAUNCH_SECRET"]
+    assert len(secret) == 64 and int(secret, 16) >= 0
+    for name, rec in probes.items():
+        env = rec["env"]
+        role = name.split("-")[0]
+        assert env["DMLC_ROLE"] == role
+        assert env["DMLC_PS_ROOT_URI"] == "127.0.0.1" and env["DMLC_PS_ROOT_PORT"] == port
+        assert env["DMLC_NUM_WORKER"] == "3" and env["DMLC_NUM_SERVER"] == "2"
+        assert env["PSLAUNCH_SECRET"] == secret and env["PS_START_TIMEOUT"] == "60"
+        assert env["PS_VERBOSE"] == "1" and env["FOO"] == "bar" and env["UNRELATED_VAR"] == "kept locally"
+        assert rec["pgid"] == rec["pid"] and rec["sid"] == rec["pid"]  # own session and group
+        assert rec["cwd"] == str(REPO)
+        if role == "scheduler":
+            assert "DMLC_TASK_ID" not in env and "DMLC_NODE_HOST" not in env
+            continue
+        rank = int(name.split("-")[1])
+        assert env["DMLC_TASK_ID"] == str(rank if role == "worker" else 3 + rank)
+        assert env["DMLC_JOB_CLUSTER"] == "local" and env["DMLC_NODE_HOST"] == "127.0.0.1"
+        assert env["PSLAUNCH_LOCAL_PROCS"] == "5"
+        if role == "server":
+            assert env["OMP_NUM_THREADS"] == "3" and "WHO" not in env
+        else:
+            assert env["WHO"] == "worker" and env["OMP_NUM_THREADS"] == "1"
+    assert "all 6 processes exited 0" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_output_is_labelled_and_logged(probe, tmp_path) -> None:
+    logs = tmp_path / "logs"
+    r = run_pslaunch("-n", "2", "-s", "1", "--log-dir", str(logs), *probe("--print", "héllo wörld ✓"))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    for label in ("scheduler", "server 0", "worker 0", "worker 1"):
+        assert f"[{label}] héllo wörld ✓" in lines
+    assert sorted(p.name for p in logs.iterdir()) == ["scheduler.log", "server-0.log", "worker-0.log",
+                                                      "worker-1.log"]
+    assert (logs / "worker-1.log").read_text(encoding="utf-8") == "héllo wörld ✓\n"
+
+
+@pytest.mark.timeout(60)
+def test_quoting_round_trip(probe) -> None:
+    hostile = ["a b", "'", '"', "$HOME", ";", "$(id)", "`id`", "*", "\\", "", "--", "-n", "3", "ünï"]
+    r = run_pslaunch("-n", "1", "-s", "0", *probe("--", *hostile))
+    assert r.returncode == 0, r.stderr
+    rec = read_probes(probe.dir)["worker-0"]
+    assert rec["rest"][-len(hostile):] == hostile
+
+
+@pytest.mark.timeout(60)
+def test_worker_failure_exit_code_and_teardown(probe, tmp_path) -> None:
+    summary = tmp_path / "summary.json"
+    t0 = time.monotonic()
+    r = run_pslaunch("-n", "3", "-s", "1", "--kill-grace", "1", "--summary-json", str(summary),
+                     *probe("--listen", "--sleep", "60", "--child", "--fail", "worker-1:3:1.0"))
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 3, r.stderr
+    assert elapsed < 10, elapsed
+    assert "worker 1 (on localhost, pid" in r.stderr and "exited with code 3 first" in r.stderr
+    assert "worker-1 failing with code 3" in r.stderr  # the tail of its output is in the report
+    probes = read_probes(probe.dir)
+    assert_no_orphans(all_pids(probes), timeout=10)
+    doc = json.loads(summary.read_text())
+    assert doc["exit_code"] == 3 and doc["reason"] == "failure" and doc["first_failure"] == "worker-1"
+    procs = {p["name"]: p for p in doc["processes"]}
+    assert sorted(procs) == ["scheduler", "server-0", "worker-0", "worker-1", "worker-2"]
+    assert procs["worker-1"]["exit_code"] == 3 and not procs["worker-1"]["stopped_by_launcher"]
+    for name in ("scheduler", "server-0", "worker-0", "worker-2"):
+        assert procs[name]["stopped_by_launcher"] and procs[name]["signal"] == "SIGTERM"
+        assert procs[name]["exit_code"] == 143
+    for p in procs.values():
+        assert p["pid"] == probes[p["name"]]["pid"] and p["host"] == "localhost"
+        assert p["start_time"] <= p["end_time"]
+    assert "PSLAUNCH_SECRET" not in summary.read_text()
+
+
+@pytest.mark.timeout(60)
+def test_killed_by_signal_reports_128_plus_n() -> None:
+    # worker 0 kills itself with SIGSEGV; the launcher exits 128+11
+    prog = [sys.executable, "-c", "import os, signal, time\n"
+            "if os.environ['DMLC_TASK_ID'] == '0': os.kill(os.getpid(), signal.SIGSEGV)\n"
+            "time.sleep(30)"]
+    r = run_pslaunch("-n", "2", "-s", "0", "--kill-grace", "1", *prog)
+    assert r.returncode == 128 + signal.SIGSEGV, r.stderr
+    assert "was killed by SIGSEGV (exit code 139)" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_all_success_exits_zero_and_no_scheduler_with_s0(probe) -> None:
+    r = run_pslaunch("-n", "2", "-s", "0", *probe())
+    assert r.returncode == 0, r.stderr
+    probes = read_probes(probe.dir)
+    assert sorted(probes) == ["worker-0", "worker-1"]
+    assert all(p["env"]["DMLC_NUM_SERVER"] == "0" for p in probes.values())
+
+
+def start_launcher(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(pslaunch_argv(*args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def wait_probes(directory, names: int, timeout: float = 30) -> dict:
+    return wait_for(lambda: (lambda p: p if len(p) == names else None)(read_probes(directory)), timeout,
+                    what=f"{names} processes to start")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_stops_everything(probe, sig, code) -> None:
+    p = start_launcher(["-n", "2", "-s", "1", "--kill-grace", "2", *probe("--listen", "--sleep", "60", "--child")])
+    probes = wait_probes(probe.dir, 4)
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=20)
+    assert p.returncode == code, err
+    assert_no_orphans(all_pids(probes), timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_second_ctrl_c_kills_at_once(probe) -> None:
+    p = start_launcher(["-n", "2", "-s", "1", "--kill-grace", "30",
+                        *probe("--listen", "--sleep", "60", "--ignore-term")])
+    probes = wait_probes(probe.dir, 4)
+    p.send_signal(signal.SIGINT)
+    time.sleep(1.0)
+    assert p.poll() is None  # SIGTERM is ignored, the launcher waits out the grace period
+    assert all(pid_alive(r["pid"]) for r in probes.values())
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=20)
+    assert time.monotonic() - t0 < 5
+    assert p.returncode == 130, err
+    assert "killing every process" in err
+    assert_no_orphans(all_pids(probes), timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_kill_9_of_the_launcher_leaves_no_orphans(probe) -> None:
+    p = start_launcher(["-n", "3", "-s", "1", "--kill-grace", "1", *probe("--listen", "--sleep", "60", "--child")])
+    probes = wait_probes(probe.dir, 5)
+    pids = all_pids(probes)
+    assert all(pid_alive(x) for x in pids)
+    p.kill()
+    p.wait()
+    assert_no_orphans(pids, timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_kill_9_while_processes_ignore_sigterm(probe) -> None:
+    p = start_launcher(["-n", "1", "-s", "1", "--kill-grace", "1", *probe("--listen", "--sleep", "60", "--ignore-term")])
+    probes = wait_probes(probe.dir, 3)
+    p.kill()
+    p.wait()
+    assert_no_orphans(all_pids(probes), timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_leftover_grandchildren_are_swept_after_success(probe) -> None:
+    r = run_pslaunch("-n", "2", "-s", "0", "--kill-grace", "1", *probe("--child"))
+    assert r.returncode == 0, r.stderr
+    assert_no_orphans([p["child"] for p in read_probes(probe.dir).values()], timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_busy_port_is_skipped(probe, free_port) -> None:
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", free_port))
+    holder.listen()
+    try:
+        r = run_pslaunch("-n", "1", "-s", "1", "--port-range", f"{free_port}-{free_port + 20}", *probe("--listen"))
+    finally:
+        holder.close()
+    assert r.returncode == 0, r.stderr
+    port = int(read_probes(probe.dir)["scheduler"]["env"]["DMLC_PS_ROOT_PORT"])
+    assert free_port < port <= free_port + 20
+
+
+@pytest.mark.timeout(60)
+def test_port_lost_between_probe_and_bind_is_retried(probe, free_port, tmp_path) -> None:
+    flag = tmp_path / "took-port"
+    r = run_pslaunch("-n", "1", "-s", "1", "--kill-grace", "1", "--port-range", f"{free_port}-{free_port + 20}",
+                     *probe("--listen", "--take-port-once", str(flag)))
+    assert r.returncode == 0, r.stderr
+    assert flag.exists()
+    assert f"port {free_port} was taken before the scheduler could bind it" in r.stderr
+    assert int(read_probes(probe.dir)["scheduler"]["env"]["DMLC_PS_ROOT_PORT"]) > free_port
+
+
+@pytest.mark.timeout(60)
+def test_timeout_dumps_python_stacks_and_fails(probe) -> None:
+    t0 = time.monotonic()
+    r = run_pslaunch("-n", "1", "-s", "1", "--timeout", "2", "--kill-grace", "1", *probe("--listen", "--sleep", "60"))
+    assert r.returncode == 124, r.stderr
+    assert time.monotonic() - t0 < 15
+    assert "longer than --timeout 2s" in r.stderr
+    # faulthandler's dump of the sleeping worker, labelled
+    assert "[worker 0] Fatal Python error: Aborted" in r.stderr
+    assert "[worker 0] Current thread" in r.stderr and "probe.py" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_missing_program_is_a_clean_error() -> None:
+    r = run_pslaunch("-n", "2", "-s", "1", "no-such-program-xyz")
+    assert r.returncode == 127
+    assert r.stderr.strip().endswith("no such program or directory (is it on PATH? give a path such as ./prog)")
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_scheduler_failure_stops_the_job(probe) -> None:
+    r = run_pslaunch("-n", "2", "-s", "1", *probe("--fail", "scheduler:5"))
+    assert r.returncode == 5, r.stderr
+    assert "scheduler (on localhost, pid" in r.stderr
+    assert sorted(read_probes(probe.dir)) == ["scheduler"]  # nothing else was started
+
+
+@pytest.mark.timeout(60)
+def test_program_in_cwd_runs_as_dot_slash(tmp_path) -> None:
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/sh\necho \"ran $DMLC_ROLE\"\n")
+    script.chmod(0o755)
+    r = run_pslaunch("-n", "1", "-s", "0", "job.sh", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "[worker 0] ran worker" in r.stdout
+
+
+@pytest.mark.timeout(60)
+def test_seed_usage_line_through_scripts_launch_py(probe) -> None:
+    r = subprocess.run([sys.executable, "scripts/launch.py", "-n", "2", "-s", "1", "--launcher", "local",
+                        *probe()], cwd=REPO, capture_output=True, text=True, timeout=50)
+    assert r.returncode == 0, r.stderr
+    assert sorted(read_probes(probe.dir)) == ["scheduler", "server-0", "worker-0", "worker-1"]
+
+
+@pytest.mark.timeout(60)
+def test_summary_written_on_success(probe, tmp_path) -> None:
+    summary = tmp_path / "s.json"
+    r = run_pslaunch("-n", "1", "-s", "1", "--summary-json", str(summary), *probe())
+    assert r.returncode == 0
+    doc = json.loads(summary.read_text())
+    assert doc["exit_code"] == 0 and doc["reason"] == "success" and doc["first_failure"] is None
+    assert {p["name"]: p["exit_code"] for p in doc["processes"]} == {"scheduler": 0, "server-0": 0, "worker-0": 0}
+    assert all(p["signal"] is None for p in doc["processes"])
+
+
+@pytest.mark.timeout(30)
+def test_env_reaches_children_unchanged_through_os_environ(probe) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="7")
+    r = run_pslaunch("-n", "1", "-s", "0", *probe(), env=env)
+    assert r.returncode == 0
+    assert read_probes(probe.dir)["worker-0"]["env"]["OMP_NUM_THREADS"] == "7"

@@ -1,0 +1,198 @@
+"""Argument parsing, YAML config, errors and the dry run, in-process (nothing is started)."""
+
+from __future__ import annotations
+
+import click
+import pytest
+
+from launcher import cli
+from launcher.errors import ConfigError
+
+
+def spec_of(args: list[str], environ: dict | None = None):
+    """Parse like pslaunch does and return the JobSpec (without running it)."""
+    captured = {}
+
+    def fake_execute(spec):
+        captured["spec"] = spec
+        return 0
+
+    orig = cli.execute
+    cli.execute = fake_execute
+    try:
+        code = cli.main(args)
+    finally:
+        cli.execute = orig
+    assert code == 0, code
+    return captured["spec"]
+
+
+def test_command_starts_at_first_non_option() -> None:
+    s = spec_of(["-n", "3", "python", "train.py", "-n", "5", "-s", "2", "--env", "X", "--sync", "d", "--", "z"])
+    assert s.command == ("python", "train.py", "-n", "5", "-s", "2", "--env", "X", "--sync", "d", "--", "z")
+    assert s.num_workers == 3 and s.num_servers == 3  # -s defaults to -n, as launch.py
+
+
+def test_double_dash_before_command_is_consumed() -> None:
+    s = spec_of(["-n", "1", "--", "-weird-program", "--flag"])
+    assert s.command == ("-weird-program", "--flag")
+
+
+def test_defaults_local_without_hostfile_ssh_with(tmp_path) -> None:
+    assert spec_of(["-n", "1", "true"]).launcher == "local"
+    hosts = tmp_path / "hosts"
+    hosts.write_text("a\nb:2222\n")
+    s = spec_of(["-n", "1", "-H", str(hosts), "true"])
+    assert s.launcher == "ssh" and [h.name for h in s.hosts] == ["a", "b"]
+    assert spec_of(["-n", "1", "--host-file", str(hosts), "--cluster", "mpi", "true"]).launcher == "mpi"
+
+
+def test_submit_cluster_env_var(monkeypatch) -> None:
+    monkeypatch.setenv("DMLC_SUBMIT_CLUSTER", "sge")
+    assert spec_of(["-n", "1", "true"]).launcher == "sge"
+
+
+def test_env_options(monkeypatch) -> None:
+    monkeypatch.setenv("MYVAR", "from shell")
+    s = spec_of(["-n", "1", "--env", "MYVAR", "--env", "A=1=2", "--env-server", "OMP_NUM_THREADS:3",
+                 "--env-worker", "B=x:y", "--env-worker", "C:d=e", "true"])
+    assert dict(s.env) == {"MYVAR": "from shell", "A": "1=2"}
+    assert dict(s.env_server) == {"OMP_NUM_THREADS": "3"}
+    assert dict(s.env_worker) == {"B": "x:y", "C": "d=e"}
+
+
+def test_memory_and_cores() -> None:
+    s = spec_of(["-n", "1", "--worker-memory", "2g", "--server-memory", "512m", "--worker-cores", "4", "true"])
+    assert (s.worker_memory_mb, s.server_memory_mb, s.worker_cores) == (2048, 512, 4)
+
+
+def run_err(args: list[str], capsys) -> tuple[int, str]:
+    code = cli.main(args)
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-n", "2"], "no command given"),
+    (["-n", "0", "true"], "-n/--num-workers must be at least 1, got 0"),
+    (["-n", "1", "-s", "-1", "true"], "-s/--num-servers must be 0 or more"),
+    (["-n", "x", "true"], "Invalid value for '-n' / '--num-workers'"),
+    (["true"], "Missing option '-n' / '--num-workers'"),
+    (["-n", "1", "--env", "1BAD=x", "true"], "--env '1BAD=x': expected NAME or NAME=VALUE"),
+    (["-n", "1", "--env", "NOT_SET_ANYWHERE_123", "true"], "--env NOT_SET_ANYWHERE_123: NOT_SET_ANYWHERE_123 is not set"),
+    (["-n", "1", "--env-worker", "JUSTNAME", "true"], "--env-worker 'JUSTNAME': expected NAME=VALUE"),
+    (["-n", "1", "-H", "/nonexistent/hosts", "true"], "cannot read hostfile /nonexistent/hosts"),
+    (["-n", "1", "--launcher", "ssh", "true"], "--launcher ssh needs hosts"),
+    (["-n", "1", "--launcher", "nope", "true"], "Invalid value for '--launcher'"),
+    (["-n", "1", "--port-range", "10-5", "true"], "--port-range: bad port range '10-5'"),
+    (["-n", "1", "--worker-memory", "lots", "true"], "--worker-memory 'lots': give a size ending in g or m"),
+    (["-n", "1", "--bogus", "true"], "No such option '--bogus'"),
+    (["-n", "1", "--kill-grace", "-1", "true"], "--kill-grace must not be negative"),
+    (["-n", "1", "--timeout", "0", "true"], "--timeout must be positive"),
+])
+def test_user_errors_are_one_line_exit_2(args, message, capsys) -> None:
+    code, err = run_err(args, capsys)
+    assert code == 2, err
+    assert "\n" not in err and "Traceback" not in err
+    assert err.startswith("pslaunch: error: ")
+    assert message in err
+
+
+def test_bad_hostfile_line_exit_2(tmp_path, capsys) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("good\n\nbad:port\n")
+    code, err = run_err(["-n", "1", "-H", str(hosts), "true"], capsys)
+    assert code == 2 and err == f"pslaunch: error: {hosts}:3: port 'port' is not a number from 1 to 65535"
+
+
+def test_local_with_hostfile_is_refused(tmp_path, capsys) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("a\n")
+    code, err = run_err(["-n", "1", "-H", str(hosts), "--launcher", "local", "true"], capsys)
+    assert code == 2 and "--launcher local does not use a hostfile" in err
+
+
+# --- YAML ---------------------------------------------------------------------------
+
+
+def test_yaml_config_and_cli_wins(tmp_path) -> None:
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("num-workers: 4\nnum_servers: 2\nenv: {A: '1', B: '2'}\nkill-grace: 3\n"
+                   "command: [python, x.py, --lr, '0.1']\nport-range: 9500-9600\n")
+    s = spec_of(["--config", str(cfg)])
+    assert (s.num_workers, s.num_servers, s.kill_grace, s.port_range) == (4, 2, 3.0, (9500, 9600))
+    assert s.command == ("python", "x.py", "--lr", "0.1") and dict(s.env) == {"A": "1", "B": "2"}
+    s = spec_of(["--config", str(cfg), "-n", "1", "--kill-grace", "7", "python", "y.py"])
+    assert (s.num_workers, s.num_servers, s.kill_grace, s.command) == (1, 2, 7.0, ("python", "y.py"))
+
+
+def test_yaml_command_as_string(tmp_path) -> None:
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("num-workers: 1\ncommand: python 'a b.py' --x\n")
+    assert spec_of(["--config", str(cfg)]).command == ("python", "a b.py", "--x")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("num_worker: 2\n", "unknown key 'num_worker' (did you mean 'num-workers'?)"),
+    ("bogus: 1\n", "unknown key 'bogus'"),
+    ("- a\n- b\n", "expected a mapping of option names"),
+    ("num-workers: [1, 2]\n", "num-workers takes a single value"),
+    ("num-workers: 2\n  bad: indent\n", "job.yaml:2"),
+    ("num-workers: 1\nport-range: 5-1\ncommand: [x]\n", "--port-range: bad port range"),
+])
+def test_yaml_errors(tmp_path, text, message, capsys) -> None:
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(text)
+    code, err = run_err(["--config", str(cfg), "true"], capsys)
+    assert code == 2, err
+    assert message in err and "\n" not in err
+
+
+def test_missing_config_file(capsys) -> None:
+    code, err = run_err(["--config", "/nonexistent.yaml", "-n", "1", "true"], capsys)
+    assert code == 2 and "cannot read --config /nonexistent.yaml" in err
+
+
+# --- dry run ------------------------------------------------------------------------
+
+
+def test_dry_run_table_and_redaction(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "supersecretvalue")
+    monkeypatch.setenv("PS_VERBOSE", "1")
+    code = cli.main(["-n", "2", "-s", "1", "--dry-run", "--env", "MY_TOKEN=hunter2", "python", "t.py", "a b"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "supersecretvalue" not in out and "hunter2" not in out
+    assert "AWS_SECRET_ACCESS_KEY='<redacted>'" in out and "PSLAUNCH_SECRET='<redacted>'" in out
+    assert "command (every role): python t.py 'a b'" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("scheduler  ", "server  ", "worker  "))]
+    assert rows == [["scheduler", "-", "-", "localhost", "-"], ["server", "0", "2", "localhost", "127.0.0.1"],
+                    ["worker", "0", "0", "localhost", "127.0.0.1"], ["worker", "1", "1", "localhost", "127.0.0.1"]]
+    assert "PS_VERBOSE=1" in out
+
+
+def test_dry_run_of_a_backend_not_available_still_shows_plan(tmp_path, capsys) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("A\nB\nC\n")
+    code = cli.main(["-n", "3", "-s", "2", "-H", str(hosts), "--dry-run", "x"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "note: the ssh backend is not available yet" in out
+    rows = [line.split()[:4] for line in out.splitlines() if line.startswith(("server ", "worker "))]
+    assert rows == [["server", "0", "3", "A"], ["server", "1", "4", "B"], ["worker", "0", "0", "C"],
+                    ["worker", "1", "1", "A"], ["worker", "2", "2", "B"]]
+
+
+def test_help_teaches(capsys) -> None:
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("COMMAND", "--num-workers", "--hostfile", "DMLC_ROLE", "Examples", "Exit code"):
+        assert needle in out
+
+
+def test_parse_env_item_rules() -> None:
+    assert cli.parse_env_item("A=b", "--env", {}, True) == ("A", "b")
+    assert cli.parse_env_item("A:b", "--env-server", {}, False) == ("A", "b")
+    with pytest.raises(ConfigError):
+        cli.parse_env_item("A:b", "--env", {}, True)
+    assert isinstance(cli.run_command, click.Command)

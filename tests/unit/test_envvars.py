@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import pytest
+
+from launcher import envvars
+from launcher.envvars import ClusterEnv, ClusterEnvError
+
+
+@pytest.mark.parametrize("name", ["PSLAUNCH_SECRET", "AWS_SECRET_ACCESS_KEY", "GITHUB_TOKEN", "DB_PASSWORD",
+                                  "FTP_PASSWD", "GOOGLE_APPLICATION_CREDENTIALS", "API_KEY", "my_key"])
+def test_secret_names(name: str) -> None:
+    assert envvars.is_secret(name)
+
+
+@pytest.mark.parametrize("name", ["PS_VERBOSE", "DMLC_ROLE", "KEYBOARD", "HOME", "MONKEY"])
+def test_not_secret(name: str) -> None:
+    assert not envvars.is_secret(name)
+
+
+def test_redact() -> None:
+    env = {"AWS_SECRET_ACCESS_KEY": "abcd1234", "PS_VERBOSE": "1"}
+    assert envvars.redact(env) == {"AWS_SECRET_ACCESS_KEY": "<redacted>", "PS_VERBOSE": "1"}
+    assert envvars.redact_text("key is abcd1234!", env) == "key is <redacted>!"
+
+
+def test_forwarded_allow_list() -> None:
+    environ = {"PS_VERBOSE": "1", "PS_X": "2", "DMLC_INTERFACE": "eth0", "DMLC_ROLE": "worker", "OMP_A": "1",
+               "KMP_B": "1", "MXNET_C": "1", "AWS_D": "1", "PYTHONPATH": "/p", "LD_LIBRARY_PATH": "/l",
+               "CUDA_VISIBLE_DEVICES": "1", "HOME": "/h", "PATH": "/bin", "DMLC_SUBMIT_CLUSTER": "ssh"}
+    got = envvars.forwarded(environ, extra_names=["HOME"])
+    assert set(got) == {"PS_VERBOSE", "PS_X", "DMLC_INTERFACE", "OMP_A", "KMP_B", "MXNET_C", "AWS_D",
+                        "PYTHONPATH", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "HOME"}
+
+
+def contract_env(**kw):
+    base = dict(root_uri="127.0.0.1", root_port=9091, num_workers=2, num_servers=1, secret="s" * 64,
+                start_timeout=30, job_id="j", task_id=1, cluster="local", node_host="127.0.0.1", local_procs=3)
+    base.update(kw)
+    return envvars.contract("worker", **base)
+
+
+def test_round_trip_contract_to_cluster_env() -> None:
+    env = contract_env()
+    env.update({"PS_HEARTBEAT_INTERVAL": "2", "PS_PORT_RANGE": "10000-10100", "PS_VERBOSE": "1"})
+    c = ClusterEnv.from_environ(env)
+    assert (c.role, c.root_uri, c.root_port, c.num_workers, c.num_servers, c.task_id) == \
+        ("worker", "127.0.0.1", 9091, 2, 1, 1)
+    assert (c.node_host, c.secret, c.cluster, c.start_timeout, c.local_procs) == \
+        ("127.0.0.1", "s" * 64, "local", 30.0, 3)
+    assert (c.heartbeat_interval, c.heartbeat_timeout, c.port_range, c.verbose) == (2.0, 10.0, (10000, 10100), 1)
+
+
+def test_cluster_env_missing_role_means_worker() -> None:
+    env = contract_env()
+    del env["DMLC_ROLE"]
+    assert ClusterEnv.from_environ(env).role == "worker"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"DMLC_PS_ROOT_URI": None}, "DMLC_PS_ROOT_URI is not set"),
+    ({"DMLC_NUM_WORKER": "two"}, "DMLC_NUM_WORKER='two' is not an integer"),
+    ({"DMLC_ROLE": "boss"}, "DMLC_ROLE='boss' is not one of"),
+    ({"PS_START_TIMEOUT": "soon"}, "PS_START_TIMEOUT='soon' is not a number"),
+    ({"PS_PORT_RANGE": "10-5"}, "PS_PORT_RANGE: bad port range"),
+])
+def test_cluster_env_errors(change, message) -> None:
+    env = contract_env()
+    for k, v in change.items():
+        if v is None:
+            env.pop(k)
+        else:
+            env[k] = v
+    with pytest.raises(ClusterEnvError, match=message):
+        ClusterEnv.from_environ(env)
+
+
+def test_compose_reports_only_real_conflicts() -> None:
+    c = contract_env()
+    out = envvars.compose(c, inherited={"DMLC_ROLE": "worker", "HOME": "/h"}, cli_env={"DMLC_TASK_ID": "7"})
+    assert out.overridden == ("DMLC_TASK_ID",)
+    assert out.env["DMLC_TASK_ID"] == "1" and out.env["HOME"] == "/h"

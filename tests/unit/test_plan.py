@@ -1,0 +1,158 @@
+from __future__ import annotations
+
+import pytest
+
+from launcher import envvars
+from launcher.errors import ConfigError
+from launcher.plan import build_plan, place
+from launcher.spec import Host, JobSpec, Role
+
+A, B, C = Host("A"), Host("B"), Host("C")
+
+
+def test_dmlc_placement_three_hosts() -> None:
+    # launch.py with -n 3 -s 2 over A, B, C: server0->A, server1->B, worker0->C, worker1->A, worker2->B
+    got = [(str(s.role), s.rank, s.task_id, s.host.name) for s in place(3, 2, [A, B, C])]
+    assert got == [
+        ("server", 0, 3, "A"),
+        ("server", 1, 4, "B"),
+        ("worker", 0, 0, "C"),
+        ("worker", 1, 1, "A"),
+        ("worker", 2, 2, "B"),
+    ]
+
+
+def test_task_ids_workers_first_servers_after() -> None:
+    slots = place(4, 2)
+    assert sorted((s.task_id, str(s.role), s.rank) for s in slots) == [
+        (0, "worker", 0), (1, "worker", 1), (2, "worker", 2), (3, "worker", 3), (4, "server", 0), (5, "server", 1)]
+    assert all(s.host is None for s in slots)
+    # servers come first in start order
+    assert [str(s.role) for s in slots][:2] == ["server", "server"]
+
+
+def test_slots_cap_hosts_and_skip_full_ones() -> None:
+    a, b = Host("a", slots=1), Host("b", slots=3)
+    got = [s.host.name for s in place(3, 1, [a, b])]
+    assert got == ["a", "b", "b", "b"]
+
+
+def test_hosts_without_slots_are_unlimited() -> None:
+    got = [s.host.name for s in place(4, 2, [Host("a", slots=1), Host("b")])]
+    assert got == ["a", "b", "b", "b", "b", "b"]
+
+
+def test_not_enough_slots() -> None:
+    with pytest.raises(ConfigError, match="5 processes .* do not fit in the hostfile's 3 slots"):
+        place(3, 2, [Host("a", slots=1), Host("b", slots=2)])
+
+
+def test_no_servers() -> None:
+    slots = place(2, 0, [A, B])
+    assert [(str(s.role), s.rank, s.task_id, s.host.name) for s in slots] == [
+        ("worker", 0, 0, "A"), ("worker", 1, 1, "B")]
+
+
+def spec(**kw) -> JobSpec:
+    base = dict(command=("python", "t.py"), num_workers=2, num_servers=1,
+                environ=(("HOME", "/root"), ("PS_VERBOSE", "1"), ("DMLC_INTERFACE", "lo"),
+                         ("PYTHONPATH", "/x"), ("LD_LIBRARY_PATH", "/l"), ("OMP_NUM_THREADS", "4"),
+                         ("KMP_AFFINITY", "c"), ("MXNET_X", "1"), ("AWS_SECRET_ACCESS_KEY", "s3cr3t"),
+                         ("CUDA_VISIBLE_DEVICES", "0"), ("UNRELATED", "u"),
+                         ("DMLC_ROLE", "worker"), ("DMLC_PS_ROOT_URI", "10.9.9.9")))
+    base.update(kw)
+    return JobSpec(**base)
+
+
+def make(s: JobSpec, inherit: bool = False, node_hosts=None):
+    return build_plan(s, root_uri="10.0.0.1", root_port=9091, secret="ab" * 32, job_id="j1",
+                      node_hosts=node_hosts if node_hosts is not None else {None: "10.0.0.1"},
+                      inherit_environ=inherit)
+
+
+def test_contract_per_role_key_by_key() -> None:
+    plan = make(spec())
+    sched = plan.scheduler
+    assert sched is not None and sched.task_id is None
+    for key, value in {"DMLC_ROLE": "scheduler", "DMLC_PS_ROOT_URI": "10.0.0.1", "DMLC_PS_ROOT_PORT": "9091",
+                       "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "PSLAUNCH_SECRET": "ab" * 32,
+                       "PS_START_TIMEOUT": "60", "PSLAUNCH_JOB_ID": "j1"}.items():
+        assert sched.env[key] == value
+    assert "DMLC_TASK_ID" not in sched.env and "DMLC_NODE_HOST" not in sched.env
+    by_name = {p.name: p for p in plan.procs}
+    assert list(by_name) == ["server-0", "worker-0", "worker-1"]
+    expect = {
+        "server-0": dict(DMLC_ROLE="server", DMLC_TASK_ID="2"),
+        "worker-0": dict(DMLC_ROLE="worker", DMLC_TASK_ID="0"),
+        "worker-1": dict(DMLC_ROLE="worker", DMLC_TASK_ID="1"),
+    }
+    for name, own in expect.items():
+        env = by_name[name].env
+        contract = {**own, "DMLC_PS_ROOT_URI": "10.0.0.1", "DMLC_PS_ROOT_PORT": "9091", "DMLC_NUM_WORKER": "2",
+                    "DMLC_NUM_SERVER": "1", "DMLC_JOB_CLUSTER": "local", "DMLC_NODE_HOST": "10.0.0.1",
+                    "PSLAUNCH_SECRET": "ab" * 32, "PS_START_TIMEOUT": "60", "PSLAUNCH_JOB_ID": "j1",
+                    "PSLAUNCH_LOCAL_PROCS": "3"}
+        for k, v in contract.items():
+            assert env[k] == v, (name, k)
+
+
+def test_forwarded_set_and_nothing_else_without_inheritance() -> None:
+    env = make(spec()).procs[1].env
+    for k, v in {"PS_VERBOSE": "1", "DMLC_INTERFACE": "lo", "PYTHONPATH": "/x", "LD_LIBRARY_PATH": "/l",
+                 "OMP_NUM_THREADS": "4", "KMP_AFFINITY": "c", "MXNET_X": "1", "CUDA_VISIBLE_DEVICES": "0",
+                 "AWS_SECRET_ACCESS_KEY": "s3cr3t"}.items():
+        assert env[k] == v
+    assert "HOME" not in env and "UNRELATED" not in env
+    assert env["PYTHONUNBUFFERED"] == "1" and env["PYTHONFAULTHANDLER"] == "1"
+
+
+def test_local_inherits_whole_environment_lowest() -> None:
+    env = make(spec(), inherit=True).procs[1].env
+    assert env["HOME"] == "/root" and env["UNRELATED"] == "u"
+
+
+def test_omp_default_one_thread() -> None:
+    s = spec(environ=(("HOME", "/root"),))
+    assert make(s).procs[0].env["OMP_NUM_THREADS"] == "1"
+
+
+def test_precedence_contract_role_env_forwarded() -> None:
+    s = spec(env=(("PS_VERBOSE", "2"), ("FOO", "cli"), ("BAR", "cli"), ("DMLC_ROLE", "x")),
+             env_worker=(("FOO", "worker"), ("DMLC_NUM_WORKER", "9")),
+             env_server=(("FOO", "server"),))
+    plan = make(s)
+    server, worker = plan.procs[0], plan.procs[1]
+    assert worker.env["FOO"] == "worker" and server.env["FOO"] == "server"
+    assert worker.env["BAR"] == "cli" and worker.env["PS_VERBOSE"] == "2"
+    assert worker.env["DMLC_ROLE"] == "worker" and worker.env["DMLC_NUM_WORKER"] == "2"
+    assert plan.scheduler.env["FOO"] == "cli"  # per-role values are for servers/workers only
+    # inherited DMLC_ROLE / DMLC_PS_ROOT_URI and --env DMLC_ROLE are overridden and reported
+    assert set(plan.overridden) >= {"DMLC_ROLE", "DMLC_PS_ROOT_URI", "DMLC_NUM_WORKER"}
+
+
+def test_node_host_unknown_left_to_wrapper() -> None:
+    s = spec(launcher="mpi", hosts=(A, B))
+    plan = make(s, node_hosts={A: None, B: None})
+    assert all(envvars.NODE_HOST not in p.env for p in plan.procs)
+    assert {p.env["DMLC_JOB_CLUSTER"] for p in plan.procs} == {"mpi"}
+
+
+def test_local_procs_counts_per_host() -> None:
+    s = spec(launcher="ssh", hosts=(A, B, C), num_workers=3, num_servers=2)
+    plan = make(s, node_hosts={A: "1.1.1.1", B: "2.2.2.2", C: "3.3.3.3"})
+    got = {p.name: (p.host.name, p.env["PSLAUNCH_LOCAL_PROCS"], p.env["DMLC_NODE_HOST"]) for p in plan.procs}
+    assert got == {"server-0": ("A", "2", "1.1.1.1"), "server-1": ("B", "2", "2.2.2.2"),
+                   "worker-0": ("C", "1", "3.3.3.3"), "worker-1": ("A", "2", "1.1.1.1"),
+                   "worker-2": ("B", "2", "2.2.2.2")}
+    assert plan.procs[0].label == "server 0 @ A"
+
+
+def test_no_scheduler_with_zero_servers() -> None:
+    plan = make(spec(num_servers=0))
+    assert plan.scheduler is None
+    assert [p.env["DMLC_NUM_SERVER"] for p in plan.procs] == ["0", "0"]
+
+
+def test_p3_sets_van_type() -> None:
+    env = make(spec(p3=True)).procs[0].env
+    assert env["DMLC_PS_VAN_TYPE"] == "p3" and env["DMLC_PS_WATER_MARK"] == "10"
