@@ -226,8 +226,8 @@ class Link:
 
     def send(self, cmd: int, key: int = 0, part: int = 0, req: int = 0, status: int = 0,
              dtype: int = 0, count: int = 0, flags: int = 0, payload: Sequence[Any] = (),
-             digest: bytes | None = None, track: bool = False) -> Any:
-        """Seal and send one message; tensor payloads go without a copy.
+             digest: bytes | None = None, track: bool = False, copy: bool = False) -> Any:
+        """Seal and send one message; tensor payloads go without a copy unless ``copy``.
 
         Returns the ``zmq.MessageTracker`` of the last frame when ``track``.
         """
@@ -241,8 +241,8 @@ class Link:
             return None
         sock.send(head, zmq.SNDMORE)
         for p in payload[:-1]:
-            sock.send(p, zmq.SNDMORE, copy=False)
-        return sock.send(payload[-1], 0, copy=False, track=track)
+            sock.send(p, zmq.SNDMORE, copy=copy)
+        return sock.send(payload[-1], 0, copy=copy, track=track)
 
     def send_json(self, cmd: int, obj: Any, key: int = 0, req: int = 0, status: int = 0) -> None:
         self.send(cmd, key=key, req=req, status=status, payload=[P.dumps(obj)])
@@ -368,8 +368,12 @@ class Hub:
 
     def send(self, peer: P.Peer, cmd: int, key: int = 0, part: int = 0, req: int = 0,
              status: int = 0, dtype: int = 0, count: int = 0, flags: int = 0,
-             payload: Sequence[Any] = (), digest: bytes | None = None) -> bool:
-        """Seal and send one message to ``peer``; False when the peer is gone."""
+             payload: Sequence[Any] = (), digest: bytes | None = None, copy: bool = False) -> bool:
+        """Seal and send one message to ``peer``; False when the peer is gone.
+
+        Payload frames go without a copy (pass received ``zmq.Frame`` objects to
+        share their buffers), or copied now with ``copy``.
+        """
         session = peer.session
         if session is None:
             return False
@@ -384,8 +388,8 @@ class Hub:
                 return True
             sock.send(head, zmq.SNDMORE)
             for p in payload[:-1]:
-                sock.send(p, zmq.SNDMORE, copy=False)
-            sock.send(payload[-1], 0, copy=False)
+                sock.send(p, zmq.SNDMORE, copy=copy)
+            sock.send(payload[-1], 0, copy=copy)
             return True
         except zmq.ZMQError as e:
             if e.errno == errno.EHOSTUNREACH:
