@@ -311,7 +311,19 @@ _uncaught: list[BaseException] = []
 
 def _excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
     _uncaught.append(exc)
+    if isinstance(exc, (KVAbortError, KVAuthError, KVTimeoutError)):
+        # The job failed elsewhere, or the cluster is unreachable: a traceback of
+        # this worker would only hide the one line that says why.
+        logger.error("kvstore: %s: %s", exc_type.__name__, exc)
+        return
     _previous_hook(exc_type, exc, tb)
+
+
+def _install_excepthook() -> None:
+    global _previous_hook
+    if sys.excepthook is not _excepthook:
+        _previous_hook = sys.excepthook
+        sys.excepthook = _excepthook
 
 
 _previous_hook = sys.excepthook
@@ -339,15 +351,11 @@ class _DistStore(KVStore):
             raise KVConfigError(f"a {kvtype} kvstore is created by workers, but DMLC_ROLE="
                                 f"{env.role}: import trainer.kvstore first, it runs that role")
         setup_logging(env.verbose)
+        _install_excepthook()
         self._device_sum = "device" in kvtype
         self._client = KVClient(env, check_dist_env(env), asynchronous=kvtype == "dist_async")
         self._shapes: dict[Key, tuple[torch.Size, torch.dtype]] = {}
         self._staging: dict[Key, np.ndarray] = {}
-        global _previous_hook
-        if not _live:
-            if sys.excepthook is not _excepthook:
-                _previous_hook = sys.excepthook
-                sys.excepthook = _excepthook
         _live.add(self)
 
     @property

@@ -11,9 +11,9 @@ Scenarios:
     async      dist_async with SGD lr=1: every push is applied at once.
     optim      sgd/momentum on the servers; states round trip.
     place      balanced placement: report the bytes per server.
-    die        rank 1 kills itself mid-run; the others wait in pull.
+    stall      after one round every worker writes ``ready-<rank>``; rank 1 then
+               sleeps (the test kills or stops it) while the others wait in pushpull.
     fail       rank 1 raises an exception mid-run.
-    hang-init  rank 0 never calls init (the others wait in the barrier).
     noop       create the store and close it.
 """
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,9 @@ from trainer import kvstore  # the scheduler and servers stop here
 
 import numpy as np
 import torch
+
+
+OUT_DIR = "."
 
 
 def fail(msg: str) -> None:
@@ -125,15 +127,14 @@ def scenario_place(kv: kvstore.KVStore, out: dict) -> None:
     out["servers"] = {str(k): [p.server for p in client.keys[k].parts] for k in client.keys}
 
 
-def scenario_die(kv: kvstore.KVStore, out: dict) -> None:
+def scenario_stall(kv: kvstore.KVStore, out: dict) -> None:
     kv.init(0, torch.zeros(4))
     got = torch.empty(4)
     kv.pushpull(0, torch.ones(4), got)
+    Path(OUT_DIR, f"ready-{kv.rank}").write_text(str(os.getpid()))
     if kv.rank == 1:
-        time.sleep(0.3)
-        os.kill(os.getpid(), signal.SIGKILL)
-    Path(os.environ["KV_OUT"], f"waiting-{kv.rank}").write_text(str(time.time()))
-    kv.pushpull(0, torch.ones(4), got)  # never completes: rank 1 is gone
+        time.sleep(3600)
+    kv.pushpull(0, torch.ones(4), got)  # never completes: rank 1 does not push
     fail("the round completed without rank 1")
 
 
@@ -160,7 +161,8 @@ def main() -> None:
     ap.add_argument("--type", default="dist_sync")
     ap.add_argument("--out", default=os.environ.get("KV_OUT", "."))
     args = ap.parse_args()
-    os.environ["KV_OUT"] = args.out
+    global OUT_DIR
+    OUT_DIR = args.out
     out: dict = {}
     with kvstore.create(args.type) as kv:
         out["rank"] = kv.rank

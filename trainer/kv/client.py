@@ -32,7 +32,7 @@ import zmq
 from launcher.envvars import ClusterEnv
 
 from . import protocol as P
-from .errors import KVAbortError, KVConfigError, KVStoreError, KVTimeoutError
+from .errors import KVAbortError, KVAuthError, KVConfigError, KVStoreError, KVTimeoutError
 from .node import SchedulerSession
 from .placement import Part, Placement
 from .transport import CLEAN_LINGER_MS, Link, Verbose, node_address
@@ -46,6 +46,8 @@ ABORT_GRACE = 1.0
 _ZERO_COPY_MIN = 4 << 20
 
 _ACK, _VALUE, _JSON = 0, 1, 2
+_ERRORS: dict[str, type[KVStoreError]] = {
+    cls.__name__: cls for cls in (KVAbortError, KVAuthError, KVTimeoutError, KVConfigError)}
 _pipe_ids = itertools.count()
 
 
@@ -103,7 +105,7 @@ class _Control(threading.Thread):
             self.sched.connect(self.c.started + env.start_timeout, "worker", self.c.host)
             self._loop()
         except KVStoreError as e:
-            self._abort(str(e))
+            self._abort(str(e), type(e).__name__)
         except zmq.ZMQError as e:
             if e.errno != zmq.ETERM:
                 self._abort(f"control connection failed: {e}")
@@ -165,8 +167,8 @@ class _Control(threading.Thread):
                     reason = None
                 raise KVAbortError(f"the scheduler aborted the job: {reason or 'no reason given'}")
 
-    def _abort(self, reason: str) -> None:
-        self._to_main(b"abort", reason.encode())
+    def _abort(self, reason: str, kind: str = "KVAbortError") -> None:
+        self._to_main(b"abort", f"{kind}:{reason}".encode())
         if self.c.finished:
             return
         # The main thread raises KVAbortError at its next kvstore call, or at once
@@ -242,8 +244,7 @@ class KVClient:
             if self._pipe.poll(min(left, 0.5) * 1000):
                 kind, data = self._pipe.recv_multipart()
                 if kind == b"abort":
-                    self.aborted = data.decode()
-                    raise KVAbortError(self.aborted)
+                    self._raise_abort(data)
                 if kind == b"ready":
                     ready = P.load_json(data)
         self.rank = int(ready["rank"])
@@ -281,8 +282,12 @@ class KVClient:
             elif kind == b"failed":
                 self._failed_sent = True
             elif kind == b"abort":
-                self.aborted = data.decode()
-                raise KVAbortError(self.aborted)
+                self._raise_abort(data)
+
+    def _raise_abort(self, data: bytes) -> None:
+        kind, _, reason = data.decode().partition(":")
+        self.aborted = reason
+        raise _ERRORS.get(kind, KVAbortError)(reason)
 
     def _poll(self, timeout_ms: float) -> None:
         pending = self._pending

@@ -206,12 +206,11 @@ class Link:
                     self.session = session
                     return
             except P.AuthError as e:
-                if e.reason == "bad-proof":
-                    raise KVAuthError(f"{self.name} could not prove it knows the job secret: "
-                                      "it belongs to another job (check DMLC_PS_ROOT_URI/PORT)"
-                                      ) from None
-                raise KVAuthError(f"{self.name} rejected our PSLAUNCH_SECRET: every process of "
-                                  "the job must get the same secret from the launcher") from None
+                what = ("does not know our PSLAUNCH_SECRET" if e.reason == "bad-proof"
+                        else "rejected our PSLAUNCH_SECRET")
+                raise KVAuthError(f"cannot authenticate with {self.name}: it {what}; every "
+                                  "process of a job needs the secret its launcher made (is "
+                                  "this the right job, DMLC_PS_ROOT_URI/PORT?)") from None
             except P.ProtocolError as e:
                 self.drops.drop(e.reason, self.name)
 
