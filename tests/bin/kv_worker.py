@@ -13,6 +13,7 @@ Scenarios:
     place      balanced placement: report the bytes per server.
     stall      after one round every worker writes ``ready-<rank>``; rank 1 then
                sleeps (the test kills or stops it) while the others wait in pushpull.
+    gate       like stall, but every worker waits for a file ``go``, then finishes.
     fail       rank 1 raises an exception mid-run.
     noop       create the store and close it.
 """
@@ -136,6 +137,17 @@ def scenario_stall(kv: kvstore.KVStore, out: dict) -> None:
         time.sleep(3600)
     kv.pushpull(0, torch.ones(4), got)  # never completes: rank 1 does not push
     fail("the round completed without rank 1")
+
+
+def scenario_gate(kv: kvstore.KVStore, out: dict) -> None:
+    kv.init(0, torch.zeros(4))
+    got = torch.empty(4)
+    kv.pushpull(0, torch.ones(4), got)
+    Path(OUT_DIR, f"ready-{kv.rank}").write_text(str(os.getpid()))
+    while not Path(OUT_DIR, "go").exists():
+        time.sleep(0.05)
+    kv.pushpull(0, torch.ones(4), got)
+    expect(bool((got == kv.num_workers).all()), f"after the gate: {got.tolist()}")
 
 
 def scenario_fail(kv: kvstore.KVStore, out: dict) -> None:
