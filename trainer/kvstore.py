@@ -36,7 +36,6 @@ if os.environ.get(_envvars.ROLE, "").strip().lower() in ("scheduler", "server"):
 import atexit  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
-import weakref  # noqa: E402
 from typing import Any, NoReturn, Union
 
 import numpy as np  # noqa: E402
@@ -305,7 +304,9 @@ class _LocalStore(KVStore):
         self._updater.set_states(restored)
 
 
-_live: weakref.WeakSet[_DistStore] = weakref.WeakSet()
+# Open dist stores, kept alive until closed: a store the program dropped without
+# close() still ends the job properly at exit (MXNet's destructor does that).
+_live: set[_DistStore] = set()
 _uncaught: list[BaseException] = []
 
 

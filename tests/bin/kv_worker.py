@@ -16,6 +16,7 @@ Scenarios:
     gate       like stall, but every worker waits for a file ``go``, then finishes.
     fail       rank 1 raises an exception mid-run.
     noop       create the store and close it.
+    noclose    sync, without closing the store: the end of the program does it.
 """
 
 from __future__ import annotations
@@ -169,13 +170,19 @@ SCENARIOS = {name[len("scenario_"):]: f for name, f in globals().items()
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=sorted(SCENARIOS))
+    ap.add_argument("scenario", choices=sorted(SCENARIOS) + ["noclose"])
     ap.add_argument("--type", default="dist_sync")
     ap.add_argument("--out", default=os.environ.get("KV_OUT", "."))
     args = ap.parse_args()
     global OUT_DIR
     OUT_DIR = args.out
     out: dict = {}
+    if args.scenario == "noclose":  # rely on the interpreter's exit to close the store
+        kv = kvstore.create(args.type)
+        out["rank"] = kv.rank
+        scenario_sync(kv, out)
+        Path(args.out, f"worker-{out['rank']}.json").write_text(json.dumps(out))
+        return
     with kvstore.create(args.type) as kv:
         out["rank"] = kv.rank
         SCENARIOS[args.scenario](kv, out)

@@ -115,7 +115,10 @@ def test_missing_server_times_out_instead_of_hanging(job_factory) -> None:
     text = job.output("scheduler")
     assert "timed out after 8 s (PS_START_TIMEOUT) waiting for " in text, text
     assert "server 0 (task 2)" in text and "to register with the scheduler at 127.0.0.1:" in text
-    assert "server 0 (task 2)" in job.output("worker-0")
+    for name in ("worker-0", "worker-1"):
+        # told by the scheduler, or (if it started after the scheduler gave up) its own timeout
+        text = job.output(name)
+        assert "server 0 (task 2)" in text or "in time" in text, text
 
 
 def test_missing_scheduler_times_out(job_factory) -> None:

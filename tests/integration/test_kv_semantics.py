@@ -62,6 +62,11 @@ def test_three_workers_two_servers(tmp_path: Path) -> None:
     assert results[2]["sum"] == [9.0] * 4
 
 
+def test_store_closes_itself_at_exit(tmp_path: Path) -> None:
+    run, results = launch(tmp_path, "noclose", env={envvars.BIGARRAY_BOUND: "100"})
+    ok(run, results)
+
+
 def test_async_applies_every_push(tmp_path: Path) -> None:
     run, results = launch(tmp_path, "async", kvtype="dist_async")
     ok(run, results)

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import errno
 import logging
+import struct
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from launcher import netif
 from launcher.envvars import ClusterEnv
@@ -143,6 +143,24 @@ def bind(sock: zmq.Socket, host: str, port: int = 0,
                 "the address must belong to this host (check DMLC_NODE_HOST, DMLC_INTERFACE "
                 "and DMLC_PS_ROOT_URI)")
         raise KVConfigError(f"cannot bind {what} to {host}:{shown}: {e.strerror}; {hint}") from None
+
+
+_MONITOR_EVENT = struct.Struct("=HI")
+
+
+def _monitor_events(monitor: zmq.Socket) -> list[tuple[int, int]]:
+    """``(event, value)`` for every waiting monitor message (value: the fd for
+    connection events). Parsed here rather than with ``zmq.utils.monitor``,
+    which imports asyncio and slows the start of the scheduler."""
+    out = []
+    while monitor.poll(0):
+        try:
+            frames = monitor.recv_multipart(zmq.NOBLOCK)
+        except zmq.ZMQError:
+            break
+        if frames and len(frames[0]) >= _MONITOR_EVENT.size:
+            out.append(_MONITOR_EVENT.unpack_from(frames[0]))
+    return out
 
 
 def _tune(sock: zmq.Socket) -> None:
@@ -261,15 +279,7 @@ class Link:
         """True when the monitor reports that the peer closed the connection."""
         if self.monitor is None:
             return False
-        closed = False
-        while self.monitor.poll(0):
-            try:
-                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
-            except zmq.ZMQError:
-                break
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                closed = True
-        return closed
+        return any(e == zmq.EVENT_DISCONNECTED for e, _ in _monitor_events(self.monitor))
 
     def close(self, linger_ms: int = 0) -> None:
         if self.monitor is not None:
@@ -325,11 +335,12 @@ class Hub:
         acceptor = self.acceptor
         peers = acceptor.peers
         verbose = self._v.messages
+        events, pollin = zmq.EVENTS, zmq.POLLIN
         for _ in range(budget):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            # EVENTS instead of catching zmq.Again: an exception costs more than a message
+            if not sock.getsockopt(events) & pollin:
                 break
+            frames = sock.recv_multipart(copy=False)
             rid = frames[0].bytes
             peer = peers.get(rid)
             if peer is not None:
@@ -404,14 +415,10 @@ class Hub:
         out: list[P.Peer] = []
         if self.monitor is None:
             return out
-        while self.monitor.poll(0):
-            try:
-                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
-            except zmq.ZMQError:
-                break
-            if event["event"] != zmq.EVENT_DISCONNECTED:
+        for event, fd in _monitor_events(self.monitor):
+            if event != zmq.EVENT_DISCONNECTED:
                 continue
-            peer = self._by_fd.pop(int(event["value"]), None)
+            peer = self._by_fd.pop(fd, None)
             if peer is not None and self.acceptor.forget(peer.rid) is not None:
                 out.append(peer)
         return out
