@@ -144,6 +144,8 @@ def _sum(values: list[torch.Tensor], device: torch.device | None) -> torch.Tenso
 
 def _flat_numpy(t: torch.Tensor) -> tuple[np.ndarray, bool]:
     """A flat numpy array with ``t``'s data, and whether it is a private copy."""
+    if t.is_cpu and t.is_contiguous() and t.dtype is not torch.bfloat16:  # the common case
+        return (t.detach() if t.requires_grad else t).numpy().reshape(-1), False
     if t.dtype == torch.bfloat16:
         raise KVConfigError("bfloat16 tensors cannot go through the kvstore; use float32 or float16")
     t = t.detach()
@@ -394,6 +396,11 @@ class _DistStore(KVStore):
             self._shapes[k] = (vals[0].shape, vals[0].dtype)
 
     def push(self, key: Any, value: Any, priority: int = 0) -> None:
+        if type(value) is torch.Tensor and type(key) in (int, str):  # one key, one device
+            self._check(key, value)
+            arr, owned = _flat_numpy(value)
+            self._client.push((key,), (arr,), owned=owned)
+            return
         groups = _group(key, value, "value")
         arrays, owned = [], True
         for k, vals in groups:
@@ -419,23 +426,41 @@ class _DistStore(KVStore):
                 dests.append(buf)
         return dests
 
-    @staticmethod
-    def _fan_out(groups: list[tuple[Key, list[torch.Tensor]]], dests: list[np.ndarray]) -> None:
-        for (_, outs), dest in zip(groups, dests):
+    def _fan_out(self, groups: list[tuple[Key, list[torch.Tensor]]],
+                 dests: list[np.ndarray]) -> None:
+        for (k, outs), dest in zip(groups, dests):
             src = outs[0]
-            if dest.ctypes.data != src.data_ptr() or src.device.type != "cpu":
+            if dest is self._staging.get(k):  # not received in place: copy it over
                 src = torch.from_numpy(dest).reshape(outs[0].shape)
                 outs[0].copy_(src)
             for o in outs[1:]:
                 o.copy_(src)
 
+    def _direct(self, key: Any, out: Any) -> np.ndarray | None:
+        """``out``'s own memory as a flat array when it can receive the value directly."""
+        if (type(out) is torch.Tensor and type(key) in (int, str) and out.is_cpu
+                and out.is_contiguous()):
+            self._check(key, out)
+            if out.dtype == self._shapes[key][1]:
+                return (out.detach() if out.requires_grad else out).numpy().reshape(-1)
+        return None
+
     def pull(self, key: Any, out: Any, priority: int = 0) -> None:
+        dest = self._direct(key, out)
+        if dest is not None:
+            self._client.pull((key,), (dest,))
+            return
         groups = _group(key, out, "out")
         dests = self._dests(groups)
         self._client.pull([k for k, _ in groups], dests)
         self._fan_out(groups, dests)
 
     def pushpull(self, key: Any, value: Any, out: Any, priority: int = 0) -> None:
+        dest = self._direct(key, out)
+        if dest is not None and type(value) is torch.Tensor:
+            self._check(key, value)
+            self._client.push((key,), (_flat_numpy(value)[0],), dests=(dest,), owned=True)
+            return
         groups = _group(key, value, "value")
         out_groups = _group(key, out, "out")
         arrays = []
