@@ -49,7 +49,7 @@ _ACK, _VALUE, _JSON = 0, 1, 2
 _ERRORS: dict[str, type[KVStoreError]] = {
     cls.__name__: cls for cls in (KVAbortError, KVAuthError, KVTimeoutError, KVConfigError)}
 _pipe_ids = itertools.count()
-_EVENTS, _POLLIN = zmq.EVENTS, zmq.POLLIN
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # ints: enum arithmetic is slow
 
 
 @dataclass

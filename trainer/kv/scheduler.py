@@ -265,6 +265,10 @@ class Scheduler:
             while True:
                 poller.poll(tick * 1000)
                 now = time.monotonic()
+                # Map closed connections to peers before reading messages, so a new
+                # peer that got a recycled fd is never blamed; handle them after the
+                # messages, so a FAIL sent just before dying is what gets reported.
+                gone = self.hub.gone()
                 for peer, msg in self.hub.receive():
                     try:
                         done = self._handle(peer, msg, now)
@@ -277,7 +281,7 @@ class Scheduler:
                         self.v("is stopped")
                         self._report_drops()
                         return
-                for peer in self.hub.gone():
+                for peer in gone:
                     node = self.nodes.get(peer.rid)
                     if node is not None and not node.finalized:
                         self.abort(f"{node.name} disconnected before the end of the job: it "

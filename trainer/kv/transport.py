@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 #: Linger (ms) for sockets closed at the end of a clean run: enough to flush goodbyes.
 CLEAN_LINGER_MS = 2000
+# Plain ints: pyzmq's enum flags cost microseconds per operation on the hot path.
+_SNDMORE, _EVENTS, _POLLIN = int(zmq.SNDMORE), int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 class Verbose:
@@ -256,9 +258,9 @@ class Link:
         if not payload:
             sock.send(head)
             return None
-        sock.send(head, zmq.SNDMORE)
+        sock.send(head, _SNDMORE)
         for p in payload[:-1]:
-            sock.send(p, zmq.SNDMORE, copy=copy)
+            sock.send(p, _SNDMORE, copy=copy)
         return sock.send(payload[-1], 0, copy=copy, track=track)
 
     def send_json(self, cmd: int, obj: Any, key: int = 0, req: int = 0, status: int = 0) -> None:
@@ -335,7 +337,7 @@ class Hub:
         acceptor = self.acceptor
         peers = acceptor.peers
         verbose = self._v.messages
-        events, pollin = zmq.EVENTS, zmq.POLLIN
+        events, pollin = _EVENTS, _POLLIN
         for _ in range(budget):
             # EVENTS instead of catching zmq.Again: an exception costs more than a message
             if not sock.getsockopt(events) & pollin:
@@ -392,13 +394,13 @@ class Hub:
             self._v.sent(peer.label, cmd, key, part, sum(memoryview(p).nbytes for p in payload))
         sock = self.sock
         try:
-            sock.send(peer.rid, zmq.SNDMORE)
+            sock.send(peer.rid, _SNDMORE)
             if not payload:
                 sock.send(head)
                 return True
-            sock.send(head, zmq.SNDMORE)
+            sock.send(head, _SNDMORE)
             for p in payload[:-1]:
-                sock.send(p, zmq.SNDMORE, copy=copy)
+                sock.send(p, _SNDMORE, copy=copy)
             sock.send(payload[-1], 0, copy=copy)
             return True
         except zmq.ZMQError as e:
