@@ -282,6 +282,7 @@ class Scheduler:
                         self._report_drops()
                         return
                 for peer in gone:
+                    self.hub.forget(peer)
                     node = self.nodes.get(peer.rid)
                     if node is not None and not node.finalized:
                         self.abort(f"{node.name} disconnected before the end of the job: it "

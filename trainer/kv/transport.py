@@ -413,7 +413,11 @@ class Hub:
         return self.send(peer, cmd, key=key, req=req, status=status, payload=[P.dumps(obj)])
 
     def gone(self) -> list[P.Peer]:
-        """Authenticated peers whose connection has closed since the last call."""
+        """Authenticated peers whose connection has closed since the last call.
+
+        They stay authenticated, so messages they sent before closing can still
+        be read; call :meth:`forget` once those are handled.
+        """
         out: list[P.Peer] = []
         if self.monitor is None:
             return out
@@ -421,9 +425,13 @@ class Hub:
             if event != zmq.EVENT_DISCONNECTED:
                 continue
             peer = self._by_fd.pop(fd, None)
-            if peer is not None and self.acceptor.forget(peer.rid) is not None:
+            if peer is not None and peer.rid in self.acceptor.peers:
                 out.append(peer)
         return out
+
+    def forget(self, peer: P.Peer) -> None:
+        """Drop a peer whose connection has closed."""
+        self.acceptor.forget(peer.rid)
 
     def close(self, linger_ms: int = 0) -> None:
         if self.monitor is not None:
