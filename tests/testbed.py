@@ -100,6 +100,8 @@ class TestHost:
     alias: str
     sshd_pid: int = 0
 
+    __test__ = False  # not a test class for pytest
+
     @property
     def name(self) -> str:
         return f"h{self.index}"
@@ -241,6 +243,34 @@ class Testbed:
     def ssh_argv(self, host: TestHost, *command: str) -> list[str]:
         """An OpenSSH client command line for ``host`` with the testbed's config."""
         return ["ssh", "-F", str(self.ssh_config), "-o", "BatchMode=yes", host.alias, *command]
+
+    def netns_link(self, host: TestHost) -> str:
+        """``net:[INODE]`` as ``readlink /proc/PID/ns/net`` shows it for a process on ``host``."""
+        return f"net:[{os.stat(f'/run/netns/{host.netns}').st_ino}]"
+
+    def host_of(self, netns_link: str) -> Optional[TestHost]:
+        """The host whose namespace ``netns_link`` (from /proc/PID/ns/net) is; None: the root namespace."""
+        for h in self.hosts:
+            if self.netns_link(h) == netns_link:
+                return h
+        return None
+
+    def listeners(self, host: TestHost) -> list[tuple[str, int, str]]:
+        """Listening TCP sockets on ``host`` other than sshd's: (address, port, process name)."""
+        r = _run(["ip", "netns", "exec", host.netns, "ss", "-H", "-ltnp"], check=False)
+        out = []
+        for line in r.stdout.splitlines():
+            fields = line.split()
+            if len(fields) < 5:
+                continue
+            local = fields[3]
+            addr, _, port = local.rpartition(":")
+            users = line.split("users:", 1)[1] if "users:" in line else ""
+            name = users.split('"')[1] if '"' in users else "?"
+            if name in ("sshd", "sshd-session"):
+                continue
+            out.append((addr.strip("[]"), int(port), name))
+        return out
 
     def host_by_addr(self, addr: str) -> TestHost:
         for h in self.hosts:
