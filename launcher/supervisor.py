@@ -34,8 +34,16 @@ from . import backends, envvars, netif
 from .errors import ConfigError, LaunchError
 from .output import Console, PipePump
 from .plan import Plan, ProcSpec, build_plan
-from .process import (LocalProcess, ProcessHandle, ProcRecord, Watchdog, describe_exit, group_members,
-                      scan_groups, spawning)
+from .process import (
+    LocalProcess,
+    ProcessHandle,
+    ProcRecord,
+    Watchdog,
+    describe_exit,
+    group_members,
+    scan_groups,
+    spawning,
+)
 from .spec import Host, JobSpec
 
 log = logging.getLogger(__name__)
