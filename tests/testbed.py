@@ -294,6 +294,13 @@ class Testbed:
         teardown(self.number, self.state)
 
 
+def _proc_title(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def _proc_start(pid: int) -> str:
     try:
         stat = Path(f"/proc/{pid}/stat").read_bytes()
@@ -302,17 +309,46 @@ def _proc_start(pid: int) -> str:
     return stat[stat.rfind(b")") + 2:].split()[19].decode()
 
 
-def teardown(number: int, state: Optional[Path] = None) -> None:
-    """Remove testbed ``number`` (idempotent, never raises)."""
+def _signal(pids: Iterable[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def teardown(number: int, state: Optional[Path] = None, grace: float = 5.0) -> None:
+    """Remove testbed ``number`` (idempotent, never raises).
+
+    The sshd listeners go first; then whatever still runs in the namespaces
+    gets ``grace`` seconds to finish before SIGKILL. A login shell killed in
+    the middle of its rc files can leave damage behind on this machine (for
+    example pyenv's rehash lock, which makes every later shell wait 60 s).
+    """
     r = _run(["ip", "netns", "list"], check=False)
     mine = [line.split()[0] for line in r.stdout.splitlines() if line.startswith(f"psb{number}-h")]
-    for ns in mine:
-        pids = _run(["ip", "netns", "pids", ns], check=False).stdout.split()
-        for pid in pids:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
+
+    def pids() -> list[int]:
+        out = []
+        for ns in mine:
+            out += [int(p) for p in _run(["ip", "netns", "pids", ns], check=False).stdout.split()]
+        return out
+
+    def comm(pid: int) -> str:
+        try:
+            return Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            return ""
+
+    everything = pids()
+    _signal([p for p in everything if b"[listener]" in _proc_title(p)], signal.SIGTERM)  # no new sessions
+    end = time.monotonic() + grace
+    while time.monotonic() < end:
+        left = [p for p in pids() if comm(p) not in ("sshd", "sshd-session", "")]
+        if not left:
+            break
+        time.sleep(0.1)
+    _signal(pids(), signal.SIGKILL)
     for ns in mine:
         _run(["ip", "netns", "del", ns], check=False)
     for br in (f"psb{number}a", f"psb{number}b"):

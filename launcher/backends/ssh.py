@@ -270,9 +270,15 @@ class RemoteHost:
                     log.debug("%s: kill -%s failed: %s", self.label, signame, e)
 
     def close(self) -> None:
-        """Stop the threads, close every channel (the wrappers then stop their groups), disconnect."""
+        """Stop the threads, close every channel (the wrappers then stop their groups), disconnect.
+
+        A kill command still in flight is waited for (briefly): its login shell is left to finish.
+        """
         self._stop.set()
         self._signals.put(None)  # type: ignore[arg-type]
+        for t in self._threads:
+            if t.name.startswith("pslaunch-signals") and not self.lost:
+                t.join(5.0)
         for p in self.procs:
             p.close_channel()
         self.session.close()
@@ -345,7 +351,9 @@ class SSHProcess(ProcessHandle):
         self._drain_stderr()
         if self._code is None:
             status = chan.recv_exit_status() if chan.exit_status_ready() else None
-            if not self.lost:
+            if self.closed and self.started.is_set():
+                pass  # we closed the channel ourselves (teardown, a failed start): no news is expected
+            elif not self.lost:
                 tail = f": {self._stderr_tail[-1]}" if self._stderr_tail else ""
                 if not self.started.is_set():
                     self.failure = (f"the remote wrapper on {self.host} ended before starting the process "
@@ -419,8 +427,11 @@ class SSHProcess(ProcessHandle):
     def dump_stacks(self) -> None:
         self.remote.signal("ABRT", self)
 
-    def cleanup(self) -> None:
-        """Tell the wrapper the job is over: it kills what is left of the group and exits."""
+    def cleanup(self, groups: Optional[Mapping[int, list[int]]] = None) -> None:
+        """Tell the wrapper the job is over: it kills what is left of the group and exits.
+
+        ``groups`` (the local process table) does not apply to remote processes.
+        """
         chan = self.chan
         if chan is None or self.closed or self.lost or self.remote.lost:
             return
