@@ -481,9 +481,9 @@ class SSHBackend(Backend):
 
     @classmethod
     def dry_run(cls, spec: JobSpec, plan: Plan) -> list[str]:
-        lines = [f"ssh: one connection per host; each process runs under pslaunch's remote wrapper "
-                 f"({REMOTE_PYTHON} on the host, nothing installed): {wrapper_command()[:40]}...; "
-                 "its argv and environment travel on the channel's stdin, never on a command line"]
+        lines = [f"ssh: one connection per host; every process is one channel running "
+                 f"\"exec {REMOTE_PYTHON} -S -c '<bootstrap>'\", which reads pslaunch's remote wrapper, then "
+                 "the process's argv, environment and directory from the channel's stdin (never a command line)"]
         per_host: dict[Host, list[str]] = collections.defaultdict(list)
         for p in plan.procs:
             if p.host is not None:

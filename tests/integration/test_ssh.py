@@ -216,11 +216,13 @@ def test_timeout_dumps_remote_python_stacks(testbed: Testbed, out: Path, tmp_pat
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("given", ["environment", "--env"])
 def test_dmlc_interface_cidr_selects_the_second_subnet_everywhere(testbed: Testbed, out: Path,
-                                                                  tmp_path: Path) -> None:
-    env = testbed.env(DMLC_INTERFACE=testbed.subnet_b)
+                                                                  tmp_path: Path, given: str) -> None:
+    env = testbed.env(DMLC_INTERFACE=testbed.subnet_b) if given == "environment" else testbed.env()
+    extra = ("--env", f"DMLC_INTERFACE={testbed.subnet_b}") if given == "--env" else ()
     r = run_ssh(testbed, "-n", "2", "-s", "1", "-H", hostfile(testbed, tmp_path, 3), "--kill-grace", "1",
-                *probe(out, "--listen"), env=env)
+                *extra, *probe(out, "--listen"), env=env)
     assert r.returncode == 0, r.stderr
     probes = read_probes(out)
     assert probes["scheduler"]["env"]["DMLC_PS_ROOT_URI"] == testbed.root_b
@@ -708,3 +710,66 @@ def test_seed_usage_line_trains_mnist_over_ssh(testbed: Testbed, tmp_path: Path)
         assert all(ipaddress.ip_address(a) in net for a in addrs), (host, addrs)
     for hh in h[:3]:
         assert "scripts/train_mnist.py" in "\n".join(_remote_files(testbed, hh, dst))
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_connecting_stops_at_once(testbed: Testbed, out: Path, tmp_path: Path) -> None:
+    dead = f"10.200.{testbed.number}.98"  # no host there: connecting waits for the timeout
+    (tmp_path / "hosts").write_text(f"{testbed.hosts[0].addr_a}\n{dead}\n")
+    p = start_ssh(testbed, "-n", "2", "-s", "1", "-H", str(tmp_path / "hosts"), "--ssh-connect-timeout", "30",
+                  *probe(out))
+    time.sleep(2.0)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=20)
+    assert p.returncode == 130, err
+    assert time.monotonic() - t0 < 5
+    assert "Traceback" not in err
+    assert read_probes(out) == {}
+
+
+# --- pslaunch doctor ----------------------------------------------------------------------------------------
+
+
+def run_doctor(testbed: Testbed, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return run_pslaunch("doctor", *args, env=env or testbed.env(), timeout=90)
+
+
+@pytest.mark.timeout(120)
+def test_doctor_all_hosts_ready(testbed: Testbed, tmp_path: Path) -> None:
+    hosts = hostfile(testbed, tmp_path, 3)
+    r = run_doctor(testbed, "-H", hosts, "--python", PY, "--env", f"DMLC_INTERFACE={testbed.subnet_b}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["HOST", "SSH", "PYTHON", "IMPORTS", "INTERFACE", "PORT", "REACH"]
+    for h in testbed.hosts[:3]:
+        row = next(x for x in lines if x.startswith(h.addr_a + " "))
+        assert "FAIL" not in row
+        assert f"ok {h.iface_b} {h.addr_b}" in row and "ok launcher trainer" in row and f"3.{sys.version_info[1]}" in row
+    assert f"3 of 3 hosts ready; scheduler address {testbed.root_b}:" in r.stdout
+
+
+@pytest.mark.timeout(120)
+def test_doctor_reports_every_problem_and_fails(testbed: Testbed, tmp_path: Path) -> None:
+    dead = f"10.200.{testbed.number}.97"
+    (tmp_path / "hosts").write_text(f"{testbed.hosts[0].addr_a}\n{testbed.hosts[1].addr_a}\nnosuchuser@"
+                                    f"{testbed.hosts[2].addr_a}\n{dead}\n")
+    empty = testbed.sync_root / "doctor-empty"
+    for h in testbed.hosts[:2]:
+        testbed.run(h, ["mkdir", "-p", str(empty)], check=True)
+    r = run_doctor(testbed, "-H", str(tmp_path / "hosts"), "--ssh-connect-timeout", "3", "--sync-dst-dir", str(empty),
+                   "--env", "PYTHONPATH=/nonexistent", "--env", f"DMLC_INTERFACE={testbed.hosts[0].iface_b}",
+                   "--host-ip", "127.0.0.1")
+    assert r.returncode == 1, r.stdout + r.stderr
+    problems = r.stdout.split("problems:\n", 1)[1].splitlines()
+    h0, h1, h2 = testbed.hosts[:3]
+    expect = [
+        f"{h0.addr_a}: imports: import launcher in {empty}: ModuleNotFoundError: No module named 'launcher'",
+        f"{h0.addr_a}: reach: cannot connect to the launching host at 127.0.0.1:",
+        f"{h1.addr_a}: interface: DMLC_INTERFACE={h0.iface_b} matches no interface",
+        f"{h2.addr_a}: ssh: ssh authentication as nosuchuser on {h2.addr_a}:22 failed",
+        f"{dead}: ssh: cannot reach {dead}:22: no answer within 3s",
+    ]
+    for e in expect:
+        assert any(p.strip().startswith(e) for p in problems), (e, problems)
+    assert "0 of 4 hosts ready" in r.stdout

@@ -178,7 +178,9 @@ def test_dry_run_of_a_backend_not_available_still_shows_plan(tmp_path, capsys) -
     code = cli.main(["-n", "3", "-s", "2", "-H", str(hosts), "--dry-run", "x"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "note: the ssh backend is not available yet" in out
+    assert "ssh: one connection per host" in out  # the ssh backend's own dry-run lines
+    assert cli.main(["-n", "1", "--launcher", "yarn", "--dry-run", "x"]) == 0
+    assert "note: the yarn backend is not available yet" in capsys.readouterr().out
     rows = [line.split()[:4] for line in out.splitlines() if line.startswith(("server ", "worker "))]
     assert rows == [["server", "0", "3", "A"], ["server", "1", "4", "B"], ["worker", "0", "0", "C"],
                     ["worker", "1", "1", "A"], ["worker", "2", "2", "B"]]

@@ -118,7 +118,7 @@ def test_dry_run_shows_hosts_commands_and_sync(monkeypatch) -> None:
                       node_hosts={Host("A"): "A", Host("B", port=2222, user="bob"): "B"}, inherit_environ=False)
     lines = SSHBackend.dry_run(spec, plan)
     text = "\n".join(lines)
-    assert "argv and environment travel on the channel's stdin" in lines[0]
+    assert "argv, environment and directory from the channel's stdin (never a command line)" in lines[0]
     assert "  A: me@A:22, cwd /tmp/job: server 0, worker 1" in lines
     assert "  bob@B:2222: bob@B:2222, cwd /tmp/job: worker 0" in lines
     assert ("  rsync -az --stats --timeout=60 --delete --exclude=.git --exclude=__pycache__ '--exclude=*.log' -e "

@@ -6,7 +6,14 @@ import paramiko
 import pytest
 
 from launcher.spec import Host, SSHOptions
-from launcher.sshconn import HostKeyError, Target, check_host_key, fingerprint, keyscan_command, resolve_target
+from launcher.sshconn import (
+    HostKeyError,
+    Target,
+    check_host_key,
+    fingerprint,
+    keyscan_command,
+    resolve_target,
+)
 
 CONFIG = """
 Host gpu-*

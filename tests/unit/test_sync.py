@@ -8,7 +8,13 @@ import pytest
 
 from launcher.spec import Host
 from launcher.sshconn import Target
-from launcher.sync import is_excluded, local_tree, parse_rsync_stats, rsync_argv, ssh_command_for_rsync
+from launcher.sync import (
+    is_excluded,
+    local_tree,
+    parse_rsync_stats,
+    rsync_argv,
+    ssh_command_for_rsync,
+)
 
 TARGET = Target(host=Host("node1"), hostname="10.0.0.5", port=2222, user="alice",
                 key_files=("/home/a/.ssh/id key",), known_hosts=("/home/a/.ssh/known_hosts", "/etc/kh"),
