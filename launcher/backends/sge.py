@@ -152,15 +152,17 @@ def _role_procs(procs: Sequence[ProcSpec], role: Role) -> list[ProcSpec]:
 _PER_TASK = (envvars.TASK_ID, envvars.NODE_HOST, envvars.LOCAL_PROCS)
 
 
-def build_task_file(spec: JobSpec, procs: Sequence[ProcSpec]) -> dict[str, Any]:
-    """The task file (see :mod:`launcher.task`): each role's variables, the command, ``PATH``.
+def task_roles(procs: Sequence[ProcSpec]) -> dict[str, Any]:
+    """Each role's part of a task file: ``{"first_task_id", "count", "env"}`` (shared with yarn).
 
-    The per-task variables (``DMLC_TASK_ID``, ``DMLC_NODE_HOST``) are left
-    to the wrapper; ``PSLAUNCH_LOCAL_PROCS`` is dropped because nobody here
-    knows which tasks share a host. ``PATH`` is the launcher's, so the
-    command resolves as it does here (a job's own ``PATH`` is Grid Engine's).
+    The per-task variables (``DMLC_TASK_ID``, ``DMLC_NODE_HOST``) are left to
+    the wrapper; ``PSLAUNCH_LOCAL_PROCS`` is dropped because nobody here knows
+    which tasks share a host.
+
+    Raises:
+        LaunchError: the tasks of a role differ in more than their task ids,
+            or their ids are not consecutive (a bulk job cannot express that).
     """
-    environ = spec.environ_dict()
     roles: dict[str, Any] = {}
     for role in (Role.SERVER, Role.WORKER):
         members = _role_procs(procs, role)
@@ -175,10 +177,21 @@ def build_task_file(spec: JobSpec, procs: Sequence[ProcSpec]) -> dict[str, Any]:
         if task_ids != list(range(first, first + len(members))):
             raise LaunchError(f"the {role}s' task ids {task_ids} are not consecutive")
         roles[str(role)] = {"first_task_id": first, "count": len(members), "env": envs[0]}
+    return roles
+
+
+def build_task_file(spec: JobSpec, procs: Sequence[ProcSpec]) -> dict[str, Any]:
+    """The task file (see :mod:`launcher.task`): each role's variables, the command, ``PATH``.
+
+    ``PATH`` is the launcher's, so the command resolves as it does here (a
+    job's own ``PATH`` is Grid Engine's); a program in the working directory
+    becomes ``./prog`` as on the local backend.
+    """
+    environ = spec.environ_dict()
     common = {envvars.PATH: environ[envvars.PATH]} if environ.get(envvars.PATH) else {}
     argv = list(spec.command)
     argv[0] = resolve_program(argv[0], {envvars.PATH: common.get(envvars.PATH, os.defpath)}, spec.workdir)
-    return {"version": 1, "argv": argv, "env": common, "roles": roles}
+    return {"version": 1, "argv": argv, "env": common, "roles": task_roles(procs)}
 
 
 @dataclass(frozen=True)
