@@ -545,10 +545,16 @@ class YarnBackend(Backend):
                         " ".join(str(e).split()), shlex.join(kill_command(self.app_id)))
 
     def close(self) -> None:
-        """Kill the application if it still runs, wait for its final state, stop skein's driver."""
+        """Kill the application if a container still runs, wait for its final state, stop skein's driver.
+
+        When every container has ended, skein's application master ends the
+        application by itself (SUCCEEDED, or FAILED after a failure): wait for
+        that instead of killing it, so YARN records the true final status.
+        """
         try:
             if self.app_id is not None and not self._finished:
-                self.kill_application()
+                if any(h.code is None for h in self._handles):
+                    self.kill_application()
                 deadline = time.monotonic() + CLOSE_WAIT
                 while not self._finished and time.monotonic() < deadline:
                     if self._thread is None or not self._thread.is_alive():
@@ -557,6 +563,8 @@ class YarnBackend(Backend):
                         except Exception:  # noqa: BLE001
                             break
                     time.sleep(0.1)
+                if not self._finished:
+                    self.kill_application()
             if self.app_id is not None:
                 log.info("container logs: yarn logs -applicationId %s", self.app_id)
         finally:
