@@ -480,6 +480,9 @@ class SGEBackend(Backend):
         self._write_task_file(task_file, build_task_file(spec, procs))
         by_role = {str(r): _role_procs(procs, r) for r in (Role.SERVER, Role.WORKER)}
         qdel = shutil.which("qdel")
+        if qdel is None:
+            log.warning("qdel is not on PATH: if pslaunch is killed with SIGKILL, nothing can delete its "
+                        "Grid Engine jobs")
         with spawn_guard():  # a Ctrl-C now is raised only once every submitted task has a handle
             for t in templates:
                 for i in range(1, t.count + 1):  # Grid Engine appends to existing files
