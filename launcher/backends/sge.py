@@ -374,7 +374,7 @@ class SGETask(ProcessHandle):
         self.terminated = False
         self.reason = ""
         self.code: Optional[int] = None
-        self.offsets = {out_path: 0, err_path: 0}
+        self.files: dict[str, Any] = {}  # output file -> open binary file, once Grid Engine created it
         self.started_file = ""
 
     def _poll(self) -> Optional[int]:
@@ -585,18 +585,25 @@ class SGEBackend(Backend):
             self._stop.wait(TICK)
 
     def _tail(self, t: SGETask, final: bool = False) -> None:
+        """Feed what the task's output files gained since the last call (kept open once they exist)."""
         for path, stream in ((t.out_path, t.output.stdout), (t.err_path, t.output.stderr)):
-            try:
-                with open(path, "rb") as f:
-                    f.seek(t.offsets[path])
+            f = t.files.get(path)
+            if f is None:
+                try:
+                    f = t.files[path] = open(path, "rb")  # closed by the final call
+                except OSError:
+                    f = None  # not created yet: the task is queued
+            if f is not None:
+                try:
                     while True:
                         chunk = f.read(65536)
                         if not chunk:
                             break
-                        t.offsets[path] += len(chunk)
                         stream.feed(chunk)
-            except OSError:
-                pass  # not created yet (the task is queued)
+                except OSError as e:
+                    log.debug("reading %s: %s", path, e)
+                if final:
+                    f.close()
             if final:
                 stream.close()
 
