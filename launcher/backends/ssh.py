@@ -221,7 +221,7 @@ class RemoteHost:
             open_procs = [p for p in self.procs if p.chan is not None and not p.closed]
             for p in open_procs:
                 p.send_keepalive()
-            waiting = [p for p in open_procs if p.exit_code is None]
+            waiting = [p for p in open_procs if p.running]
             silent = time.monotonic() - self.last_heard
             if waiting and silent > self.lost_after and not self.lost:
                 self.mark_lost(f"no reply to keep-alives for {silent:.0f}s")
@@ -232,7 +232,7 @@ class RemoteHost:
                 return
             self.lost = True
             self.lost_reason = why
-        running = [p for p in self.procs if p.exit_code is None]
+        running = [p for p in self.procs if p.running]
         log.error("host %s is lost: %s (link down, host down or sshd gone); its %d running process%s "
                   "count as failed (exit code %d); the wrappers there stop them once the keep-alives stop",
                   self.label, why, len(running), "" if len(running) == 1 else "es", EXIT_LOST)
@@ -260,7 +260,7 @@ class RemoteHost:
                     break
                 batch[more[0]].append(more[1])
             for signame, procs in batch.items():
-                pgids = [p.pgid for p in procs if p.pgid and not p.closed and p.exit_code is None]
+                pgids = [p.pgid for p in procs if p.pgid and not p.closed and p.running]
                 if not pgids or self.lost or not self.session.active:
                     continue
                 try:
@@ -404,10 +404,16 @@ class SSHProcess(ProcessHandle):
     def _poll(self) -> int | None:
         return self._code
 
+    @property
+    def running(self) -> bool:
+        """No exit code yet (the reader thread's view; :meth:`poll` is the supervisor's)."""
+        return self._code is None
+
     def set_lost(self) -> None:
         self.lost = True
         if self._code is None:
             self._code = EXIT_LOST
+        self.output.close()  # nothing more will come; the supervisor need not wait for it
 
     def send_keepalive(self) -> None:
         chan = self.chan
@@ -568,11 +574,14 @@ class SSHBackend(Backend):
         iface = interface_spec(self.spec)
         if not iface:
             address = host.session.peer_address
-            try:
-                host.node_address = netif.resolve_ipv4(address)
-            except netif.NetifError:
-                host.node_address = netif.resolve_ipv4(host.session.target.hostname)
-            return
+            for candidate in (address, host.session.target.hostname):
+                try:
+                    host.node_address = netif.resolve_ipv4(candidate)
+                    return
+                except netif.NetifError:
+                    continue
+            raise ConfigError(f"{host.label}: no IPv4 address for DMLC_NODE_HOST (the connection reached "
+                              f"{address}; ps-lite needs IPv4): set DMLC_INTERFACE to the host's IPv4 network")
         source = (Path(netif.__file__)).read_bytes()
         r = host.session.exec(netif_command(iface), stdin=source)
         try:
@@ -702,7 +711,7 @@ class SSHBackend(Backend):
         (a wrapper whose channel closes stops its group too, should the kill not get through)."""
         groups: dict[int, tuple[RemoteHost, list[int]]] = {}
         for h in handles:
-            if h.pgid and h.exit_code is None and not h.remote.lost:
+            if h.pgid and h.running and not h.remote.lost:
                 groups.setdefault(id(h.remote), (h.remote, []))[1].append(h.pgid)
         for host, pgids in groups.values():
             try:
