@@ -14,7 +14,8 @@ What :func:`build` makes, for testbed number ``X`` (the first free one)::
       A side: 10.200.X.(10+i)/24 on an interface named IFACES[i][0] (eth0, ens1, ...)
       B side: 10.201.X.(10+i)/24 on an interface named IFACES[i][1] (data0, ib0, ...)
 
-Interface names differ between hosts on purpose (only the CIDR form of
+Host 3's sshd allows one session per connection (``MaxSessions 1``), to
+exercise clients that need several. Interface names differ between hosts on purpose (only the CIDR form of
 ``DMLC_INTERFACE`` selects the same network everywhere). Each host's sshd runs
 in a private mount namespace with tmpfs on ``/tmp`` and on :attr:`Testbed.sync_root`,
 so a file found there on a host really crossed ssh. :attr:`Testbed.shared`
@@ -60,6 +61,7 @@ IFACES = (("eth0", "data0"), ("ens1", "ib0"), ("enp2s0", "bond0"), ("eno1", "ib1
 MAX_HOSTS = len(IFACES)
 SSHD = "/usr/sbin/sshd"
 PASSPHRASE = "pslaunch-test-passphrase"
+LIMITED_HOST = 3  # this host's sshd allows one session per connection (MaxSessions 1)
 
 _SSHD_CONFIG = """\
 Port 22
@@ -491,8 +493,9 @@ def _keys(tb: Testbed) -> None:
 def _start_sshd(tb: Testbed, h: TestHost) -> None:
     hostdir = tb.state / h.name
     cfg = hostdir / "sshd_config"
+    extra = "MaxSessions 1\n" if h.index == LIMITED_HOST else ""
     cfg.write_text(_SSHD_CONFIG.format(hostkey=hostdir / "ssh_host_ed25519_key",
-                                       authorized_keys=tb.authorized_keys))
+                                       authorized_keys=tb.authorized_keys) + extra)
     script = (f"mount -t tmpfs -o mode=1777 tmpfs /tmp && mount -t tmpfs -o mode=0755 tmpfs {tb.sync_root} "
               f"&& exec {SSHD} -D -e -f {cfg}")
     log = open(hostdir / "sshd.log", "ab")

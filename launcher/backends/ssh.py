@@ -10,23 +10,23 @@ Lifecycle (driven by the supervisor, see :mod:`launcher.backends.base`):
    ``launcher/netif.py`` to its ``python3``; without it, the address the
    connection reached) and, with ``--sync-dst-dir``, sync the working
    directory (:mod:`launcher.sync`).
-2. :meth:`SSHBackend.start`: one session channel per process on the host's
-   connection. The channel runs :func:`wrapper_command` (a few lines of
-   Python that read ``ssh_remote.py`` from stdin and run it; nothing is
-   installed); the argv, the environment and the working directory follow on
+2. :meth:`SSHBackend.start`: per host, one session channel on the host's
+   connection runs :func:`wrapper_command` (a few lines of Python that read
+   ``ssh_remote.py`` from stdin and run it; nothing is installed). The argv,
+   environment and working directory of every process of that host follow on
    stdin (:func:`wrapper_payload`), so no value ever appears on a command
-   line. The wrapper starts the process in its own process group and reports
-   its pid; output comes back framed (:class:`FrameDecoder`).
-3. Supervision: the launcher sends a keep-alive byte to every wrapper each
-   ``--ssh-keepalive`` seconds and each wrapper answers. A host silent for
+   line. The wrapper starts each process in its own process group and
+   reports its pid; output comes back framed by process (:class:`FrameDecoder`).
+   One login shell and one Python per host, however many processes it runs.
+3. Supervision: the launcher sends a keep-alive to every host's wrapper each
+   ``--ssh-keepalive`` seconds and the wrapper answers. A host silent for
    :data:`LOST_FACTOR` intervals is *lost*: its processes count as failed
-   (exit code 255) and the job stops; the wrappers there stop their process
-   groups on their own when the keep-alives stop reaching them.
+   (exit code 255) and the job stops; the wrapper there stops its process
+   groups on its own when the keep-alives stop reaching it.
 4. Teardown: ``kill -s TERM -- -PGID ...`` (one command per host, on the
-   same connection), ``KILL`` after ``--kill-grace``; then each channel is
-   closed, and a wrapper whose channel closes kills what is left of its
-   group. If the launcher dies (``kill -9``), sshd closes the channels and
-   the wrappers do the same.
+   same connection), ``KILL`` after ``--kill-grace``; then the wrapper's
+   stdin is closed and it kills what is left of every group. If the launcher
+   dies (``kill -9``), sshd closes the channel and the wrapper does the same.
 
 Every remote command line is built by a pure function here
 (:func:`wrapper_command`, :func:`kill_command`, :func:`netif_command`,
@@ -77,7 +77,9 @@ log = logging.getLogger(__name__)
 REMOTE_PYTHON = "python3"
 LOST_FACTOR = 4  # a host is lost after this many keep-alive intervals without a reply
 EXIT_LOST = 255  # ssh's own code for "the connection failed"
-FRAME = struct.Struct(">cI")
+IN_FRAME = struct.Struct(">cI")  # launcher -> wrapper: kind, length
+OUT_FRAME = struct.Struct(">cHI")  # wrapper -> launcher: kind, process id, length
+HOST_ID = 0xFFFF
 _HERE = Path(__file__).resolve().parent
 
 # Reads exactly N bytes of wrapper source (N as 10 digits first) from stdin and runs it,
@@ -101,21 +103,28 @@ def wrapper_source() -> bytes:
 
 
 def wrapper_command(python: str = REMOTE_PYTHON) -> str:
-    """The remote command of every process channel: the bootstrap, nothing job-specific."""
+    """The remote command of a host's wrapper channel: the bootstrap, nothing job-specific."""
     return f"exec {shlex.quote(python)} -S -c {shlex.quote(BOOTSTRAP)}"
 
 
-def wrapper_header(proc: ProcSpec, cwd: Optional[str], keepalive: float, grace: float) -> dict:
-    """What the wrapper needs to start ``proc``: sent on stdin, never on a command line."""
-    return {"argv": list(proc.argv), "env": dict(proc.env), "cwd": cwd, "keepalive": keepalive,
-            "lost_after": LOST_FACTOR * keepalive, "grace": grace}
+def wrapper_header(procs: Sequence[tuple[int, ProcSpec]], cwd: Optional[str], keepalive: float,
+                   grace: float) -> dict:
+    """What the wrapper needs to start a host's processes (``(id, proc)`` pairs, in start order).
+
+    Sent on the channel's stdin, never on a command line.
+    """
+    return {"procs": [{"id": i, "argv": list(p.argv), "env": dict(p.env), "cwd": cwd} for i, p in procs],
+            "keepalive": keepalive, "lost_after": LOST_FACTOR * keepalive, "grace": grace}
 
 
 def wrapper_payload(header: Mapping, source: Optional[bytes] = None) -> bytes:
-    """The bytes written to a process channel's stdin: wrapper source, then the header frame."""
+    """The bytes written first to a wrapper channel's stdin: the source, then the header frame."""
     src = wrapper_source() if source is None else source
     body = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    return b"%010d" % len(src) + src + FRAME.pack(b"H", len(body)) + body
+    return b"%010d" % len(src) + src + IN_FRAME.pack(b"H", len(body)) + body
+
+
+KEEPALIVE = IN_FRAME.pack(b"k", 0)
 
 
 def kill_command(signame: str, pgids: Sequence[int]) -> str:
@@ -143,20 +152,21 @@ def prepare_dir_command(path: str) -> str:
 
 
 class FrameDecoder:
-    """Splits the wrapper's stdout into ``(kind, payload)`` frames."""
+    """Splits the wrapper's stdout into ``(kind, process id, payload)`` frames."""
 
     def __init__(self) -> None:
         self._buf = bytearray()
 
-    def feed(self, data: bytes) -> list[tuple[bytes, bytes]]:
+    def feed(self, data: bytes) -> list[tuple[bytes, int, bytes]]:
         self._buf += data
         frames = []
-        while len(self._buf) >= FRAME.size:
-            kind, length = FRAME.unpack_from(self._buf)
-            if len(self._buf) < FRAME.size + length:
+        size = OUT_FRAME.size
+        while len(self._buf) >= size:
+            kind, ident, length = OUT_FRAME.unpack_from(self._buf)
+            if len(self._buf) < size + length:
                 break
-            frames.append((kind, bytes(self._buf[FRAME.size:FRAME.size + length])))
-            del self._buf[:FRAME.size + length]
+            frames.append((kind, ident, bytes(self._buf[size:size + length])))
+            del self._buf[:size + length]
         return frames
 
     @property
@@ -186,7 +196,7 @@ def _basic_target(host: Host, opts: SSHOptions) -> Target:
 
 
 class RemoteHost:
-    """A connected host: its session, processes, keep-alives and signal queue."""
+    """A connected host: its session, its wrapper channel, keep-alives and the signal queue."""
 
     def __init__(self, session: HostSession, spec: JobSpec) -> None:
         self.session = session
@@ -195,126 +205,30 @@ class RemoteHost:
         self.node_address: Optional[str] = None
         self.workdir: Optional[str] = spec.workdir
         self.procs: list[SSHProcess] = []
+        self.chan: Optional[paramiko.Channel] = None
+        self.closed = False  # the wrapper channel ended (or we closed it)
         self.last_heard = time.monotonic()
         self.lost = False
         self.lost_reason = ""
         self.interval = max(0.1, spec.ssh.keepalive)
         self.lost_after = LOST_FACTOR * self.interval
         self._stop = threading.Event()
-        self._signals: queue.Queue[tuple[str, SSHProcess]] = queue.Queue()
+        self._signals: queue.Queue[Optional[tuple[str, SSHProcess]]] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
-
-    def start_threads(self) -> None:
-        if self._threads:
-            return
-        for target, name in ((self._keepalive_loop, "keepalive"), (self._signal_loop, "signals")):
-            t = threading.Thread(target=target, name=f"pslaunch-{name}-{self.label}", daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def heard(self) -> None:
-        self.last_heard = time.monotonic()
-
-    def _keepalive_loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            open_procs = [p for p in self.procs if p.chan is not None and not p.closed]
-            for p in open_procs:
-                p.send_keepalive()
-            waiting = [p for p in open_procs if p.running]
-            silent = time.monotonic() - self.last_heard
-            if waiting and silent > self.lost_after and not self.lost:
-                self.mark_lost(f"no reply to keep-alives for {silent:.0f}s")
-
-    def mark_lost(self, why: str) -> None:
-        with self._lock:
-            if self.lost:
-                return
-            self.lost = True
-            self.lost_reason = why
-        running = [p for p in self.procs if p.running]
-        log.error("host %s is lost: %s (link down, host down or sshd gone); its %d running process%s "
-                  "count as failed (exit code %d); the wrappers there stop them once the keep-alives stop",
-                  self.label, why, len(running), "" if len(running) == 1 else "es", EXIT_LOST)
-        for p in running:
-            p.set_lost()
-
-    def signal(self, signame: str, proc: SSHProcess) -> None:
-        self._signals.put((signame, proc))
-
-    def _signal_loop(self) -> None:
-        while True:
-            item = self._signals.get()
-            if item is None:  # type: ignore[comparison-overlap]
-                return
-            batch: dict[str, list[SSHProcess]] = collections.defaultdict(list)
-            batch[item[0]].append(item[1])
-            time.sleep(0.01)  # the supervisor signals every process in one loop: batch them
-            while True:
-                try:
-                    more = self._signals.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:  # type: ignore[comparison-overlap]
-                    self._signals.put(None)  # type: ignore[arg-type]
-                    break
-                batch[more[0]].append(more[1])
-            for signame, procs in batch.items():
-                pgids = [p.pgid for p in procs if p.pgid and not p.closed and p.running]
-                if not pgids or self.lost or not self.session.active:
-                    continue
-                try:
-                    r = self.session.exec(kill_command(signame, pgids), timeout=max(5.0, self.lost_after))
-                    log.debug("%s: kill -%s %s: exit %d", self.label, signame, pgids, r.code)
-                except LaunchError as e:
-                    log.debug("%s: kill -%s failed: %s", self.label, signame, e)
-
-    def close(self) -> None:
-        """Stop the threads, close every channel (the wrappers then stop their groups), disconnect.
-
-        A kill command still in flight is waited for (briefly): its login shell is left to finish.
-        """
-        self._stop.set()
-        self._signals.put(None)  # type: ignore[arg-type]
-        for t in self._threads:
-            if t.name.startswith("pslaunch-signals") and not self.lost:
-                t.join(5.0)
-        for p in self.procs:
-            p.close_channel()
-        self.session.close()
-
-
-# --- the process handle --------------------------------------------------------------------
-
-
-class SSHProcess(ProcessHandle):
-    """A server or worker on a remote host, under the wrapper, on one ssh channel."""
-
-    def __init__(self, proc: ProcSpec, output: ProcOutput, host: RemoteHost) -> None:
-        super().__init__(proc, output, host.label)
-        self.remote = host
-        self.chan: Optional[paramiko.Channel] = None
-        self.pgid: Optional[int] = None
-        self._code: Optional[int] = None
-        self.failure: Optional[str] = None
-        self.failure_code = 1
-        self.lost = False
-        self.closed = False
-        self.started = threading.Event()
-        self.first_output: Optional[float] = None
-        self.spawned_at: Optional[float] = None
+        self._cleaned: set[int] = set()
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=5)
-        self._reader: Optional[threading.Thread] = None
 
-    # -- starting -------------------------------------------------------------------------
+    # -- the wrapper channel ------------------------------------------------------------
 
-    def launch(self) -> None:
-        """Open the channel, start the wrapper and send it the process (returns at once)."""
+    def launch(self, procs: Sequence[SSHProcess]) -> None:
+        """Start the wrapper and hand it ``procs`` (returns at once; pids arrive as frames)."""
         import paramiko
 
-        spec = self.remote.spec
-        header = wrapper_header(self.proc, self.remote.workdir, self.remote.interval, spec.kill_grace)
-        chan = self.remote.session.open_channel()
+        self.procs.extend(procs)
+        header = wrapper_header([(p.ident, p.proc) for p in procs], self.workdir, self.interval,
+                                self.spec.kill_grace)
+        chan = self.session.open_channel()
         self.chan = chan
         try:
             chan.settimeout(0.5)
@@ -323,15 +237,23 @@ class SSHProcess(ProcessHandle):
         except (paramiko.SSHException, EOFError, OSError) as e:
             self.closed = True
             chan.close()
-            raise LaunchError(f"{self.label}: cannot start the remote wrapper on {self.host}: {e}") from None
-        self._reader = threading.Thread(target=self._read, name=f"pslaunch-{self.name}", daemon=True)
-        self._reader.start()
+            raise LaunchError(f"{self.label}: cannot start pslaunch's remote wrapper: {e}") from None
+        self.last_heard = time.monotonic()
+        self._start_thread(self._read, "reader")
+        self._start_thread(self._keepalive_loop, "keepalive")
+        self._start_thread(self._signal_loop, "signals")
+
+    def _start_thread(self, target: object, name: str) -> None:
+        t = threading.Thread(target=target, name=f"pslaunch-{name}-{self.label}", daemon=True)  # type: ignore[arg-type]
+        t.start()
+        self._threads.append(t)
 
     def _read(self) -> None:
         import paramiko
 
         chan = self.chan
         assert chan is not None
+        by_id = {p.ident: p for p in self.procs}
         decoder = FrameDecoder()
         while True:
             self._drain_stderr()
@@ -345,31 +267,167 @@ class SSHProcess(ProcessHandle):
                 data = b""
             if not data:
                 break
-            self.remote.heard()
-            for kind, payload in decoder.feed(data):
-                self._frame(kind, payload)
+            self.last_heard = time.monotonic()
+            for kind, ident, payload in decoder.feed(data):
+                proc = by_id.get(ident)
+                if proc is not None:
+                    proc.frame(kind, payload)
         self._drain_stderr()
-        if self._code is None:
-            status = chan.recv_exit_status() if chan.exit_status_ready() else None
-            if self.closed and self.started.is_set():
-                pass  # we closed the channel ourselves (teardown, a failed start): no news is expected
-            elif not self.lost:
-                tail = f": {self._stderr_tail[-1]}" if self._stderr_tail else ""
-                if not self.started.is_set():
-                    self.failure = (f"the remote wrapper on {self.host} ended before starting the process "
-                                    f"(ssh exit status {status}){tail}; the ssh backend needs python3 >= 3.5 "
-                                    "on every host")
-                    self.failure_code = status if status not in (None, 0) else EXIT_LOST
-                else:
-                    log.error("%s: the connection to %s ended without an exit code (ssh exit status %s)%s",
-                              self.label, self.host, status, tail)
-                self._code = status if status not in (None, 0) else EXIT_LOST
+        status = chan.recv_exit_status() if chan.exit_status_ready() else None
+        deliberate = self.closed
         self.closed = True
-        self.started.set()
-        self.output.close()
-        self.remote.session.channel_closed()
+        unfinished = [p for p in self.procs if p.running]
+        if unfinished and not self.lost and not deliberate:
+            tail = f": {self._stderr_tail[-1]}" if self._stderr_tail else ""
+            if not any(p.started.is_set() for p in unfinished):
+                why = (f"pslaunch's remote wrapper on {self.label} ended before starting the processes "
+                       f"(ssh exit status {status}){tail}; the ssh backend needs python3 >= 3.5 on every host")
+            else:
+                why = f"the connection to {self.label} ended without their exit codes (ssh exit status {status}){tail}"
+                log.error("%s", why)
+            for p in unfinished:
+                p.wrapper_gone(why, status)
+        for p in self.procs:
+            p.started.set()
+            if not p.lost:
+                p.output.close()
+        self.session.channel_closed()
 
-    def _frame(self, kind: bytes, payload: bytes) -> None:
+    def _drain_stderr(self) -> None:
+        """The wrapper's own stderr (a shell's 'python3: not found', a traceback): shown on the console."""
+        chan = self.chan
+        while chan is not None and chan.recv_stderr_ready():
+            data = chan.recv_stderr(65536)
+            if not data:
+                break
+            text = data.decode(errors="replace")
+            self._stderr_tail.extend(x for x in text.splitlines() if x.strip())
+            for line in text.splitlines():
+                if line.strip():
+                    log.warning("%s: %s", self.label, line)
+
+    def _keepalive_loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            chan = self.chan
+            if chan is None or self.closed:
+                return
+            try:
+                chan.send(KEEPALIVE)
+            except Exception:  # noqa: BLE001 - a closed channel: the reader notices
+                pass
+            silent = time.monotonic() - self.last_heard
+            if any(p.running for p in self.procs) and silent > self.lost_after and not self.lost:
+                self.mark_lost(f"no reply to keep-alives for {silent:.0f}s")
+
+    def mark_lost(self, why: str) -> None:
+        with self._lock:
+            if self.lost:
+                return
+            self.lost = True
+            self.lost_reason = why
+        running = [p for p in self.procs if p.running]
+        log.error("host %s is lost: %s (link down, host down or sshd gone); its %d running process%s "
+                  "count as failed (exit code %d); the wrapper there stops them once the keep-alives stop",
+                  self.label, why, len(running), "" if len(running) == 1 else "es", EXIT_LOST)
+        for p in running:
+            p.set_lost()
+
+    # -- signals --------------------------------------------------------------------
+
+    def signal(self, signame: str, proc: SSHProcess) -> None:
+        self._signals.put((signame, proc))
+
+    def _signal_loop(self) -> None:
+        while True:
+            item = self._signals.get()
+            if item is None:
+                return
+            batch: dict[str, list[SSHProcess]] = collections.defaultdict(list)
+            batch[item[0]].append(item[1])
+            time.sleep(0.01)  # the supervisor signals every process in one loop: batch them
+            stop = False
+            while True:
+                try:
+                    more = self._signals.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                batch[more[0]].append(more[1])
+            for signame, procs in batch.items():
+                pgids = [p.pgid for p in procs if p.pgid and p.running]
+                if not pgids or self.lost or self.closed or not self.session.active:
+                    continue
+                try:
+                    r = self.session.exec(kill_command(signame, pgids), timeout=max(5.0, self.lost_after))
+                    log.debug("%s: kill -%s %s: exit %d", self.label, signame, pgids, r.code)
+                except LaunchError as e:
+                    log.debug("%s: kill -%s failed: %s", self.label, signame, e)
+            if stop:
+                return
+
+    def kill_now(self, pgids: Sequence[int]) -> None:
+        """SIGKILL ``pgids`` and wait for the command (a failed start)."""
+        try:
+            self.session.exec(kill_command("KILL", pgids), timeout=5.0)
+        except (LaunchError, ValueError) as e:
+            log.debug("%s: kill after a failed start: %s", self.label, e)
+
+    # -- the end ------------------------------------------------------------------------
+
+    def cleaned(self, proc: SSHProcess) -> None:
+        """The supervisor is done with ``proc``; once done with all, the wrapper sweeps and exits."""
+        with self._lock:
+            self._cleaned.add(proc.ident)
+            done = len(self._cleaned) >= len(self.procs)
+        chan = self.chan
+        if done and chan is not None and not self.closed and not self.lost:
+            try:
+                chan.shutdown_write()  # EOF: the wrapper kills what is left of every group and exits
+            except Exception:  # noqa: BLE001
+                pass
+
+    def close(self) -> None:
+        """Stop the threads, close the channel (the wrapper then stops every group), disconnect.
+
+        A kill command still in flight is waited for (briefly): its login shell is left to finish.
+        """
+        self._stop.set()
+        self._signals.put(None)
+        for t in self._threads:
+            if t.name.startswith("pslaunch-signals") and not self.lost:
+                t.join(5.0)
+        if self.chan is not None:
+            self.closed = True
+            try:
+                self.chan.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self.session.close()
+
+
+# --- the process handle --------------------------------------------------------------------
+
+
+class SSHProcess(ProcessHandle):
+    """A server or worker on a remote host, run by that host's wrapper."""
+
+    def __init__(self, proc: ProcSpec, output: ProcOutput, host: RemoteHost, ident: int) -> None:
+        super().__init__(proc, output, host.label)
+        self.remote = host
+        self.ident = ident
+        self.pgid: Optional[int] = None
+        self._code: Optional[int] = None
+        self.failure: Optional[str] = None
+        self.failure_code = 1
+        self.lost = False
+        self.started = threading.Event()
+        self.first_output: Optional[float] = None
+        self.spawned_at: Optional[float] = None
+
+    def frame(self, kind: bytes, payload: bytes) -> None:
+        """One frame from the wrapper about this process (the host's reader thread)."""
         if kind == b"o" or kind == b"e":
             if self.first_output is None:
                 self.first_output = time.monotonic()
@@ -389,15 +447,12 @@ class SSHProcess(ProcessHandle):
             self._code = self.failure_code
             self.started.set()
 
-    def _drain_stderr(self) -> None:
-        chan = self.chan
-        while chan is not None and chan.recv_stderr_ready():
-            data = chan.recv_stderr(65536)
-            if not data:
-                break
-            text = data.decode(errors="replace")
-            self._stderr_tail.extend(x for x in text.splitlines() if x.strip())
-            self.output.stderr.feed(data)
+    def wrapper_gone(self, why: str, status: Optional[int]) -> None:
+        """The wrapper channel ended before this process's exit code came."""
+        if not self.started.is_set():
+            self.failure = why
+            self.failure_code = status if status not in (None, 0) else EXIT_LOST
+        self._code = EXIT_LOST if status in (None, 0) or self.started.is_set() else status
 
     # -- the ProcessHandle interface ----------------------------------------------------------
 
@@ -415,15 +470,6 @@ class SSHProcess(ProcessHandle):
             self._code = EXIT_LOST
         self.output.close()  # nothing more will come; the supervisor need not wait for it
 
-    def send_keepalive(self) -> None:
-        chan = self.chan
-        if chan is None or self.closed:
-            return
-        try:
-            chan.send(b"k")
-        except Exception:  # noqa: BLE001 - a closed channel: the reader notices
-            pass
-
     def terminate(self) -> None:
         self.remote.signal("TERM", self)
 
@@ -434,26 +480,11 @@ class SSHProcess(ProcessHandle):
         self.remote.signal("ABRT", self)
 
     def cleanup(self, groups: Optional[Mapping[int, list[int]]] = None) -> None:
-        """Tell the wrapper the job is over: it kills what is left of the group and exits.
+        """The job is over for this process: its host's wrapper sweeps leftovers once all are.
 
         ``groups`` (the local process table) does not apply to remote processes.
         """
-        chan = self.chan
-        if chan is None or self.closed or self.lost or self.remote.lost:
-            return
-        try:
-            chan.shutdown_write()
-        except Exception:  # noqa: BLE001
-            pass
-
-    def close_channel(self) -> None:
-        chan = self.chan
-        if chan is not None:
-            self.closed = True
-            try:
-                chan.close()
-            except Exception:  # noqa: BLE001
-                pass
+        self.remote.cleaned(self)
 
     def describe(self) -> str:
         where = f"on {self.host}" + (f", pid {self.pid}" if self.pid else "")
@@ -487,9 +518,9 @@ class SSHBackend(Backend):
 
     @classmethod
     def dry_run(cls, spec: JobSpec, plan: Plan) -> list[str]:
-        lines = [f"ssh: one connection per host; every process is one channel running "
-                 f"\"exec {REMOTE_PYTHON} -S -c '<bootstrap>'\", which reads pslaunch's remote wrapper, then "
-                 "the process's argv, environment and directory from the channel's stdin (never a command line)"]
+        lines = [f"ssh: one connection per host; on each, one channel runs \"exec {REMOTE_PYTHON} -S -c "
+                 "'<bootstrap>'\", which reads pslaunch's remote wrapper, then each process's argv, environment "
+                 "and directory from the channel's stdin (never a command line)"]
         per_host: dict[Host, list[str]] = collections.defaultdict(list)
         for p in plan.procs:
             if p.host is not None:
@@ -658,35 +689,26 @@ class SSHBackend(Backend):
     def start(self, procs: Sequence[ProcSpec]) -> list[ProcessHandle]:
         t0 = time.monotonic()
         handles: list[SSHProcess] = []
+        per_host: dict[int, tuple[RemoteHost, list[SSHProcess]]] = {}
         try:
-            per_host: dict[int, list[SSHProcess]] = collections.defaultdict(list)
-            for p in procs:
+            for i, p in enumerate(procs):
                 if p.host is None or p.host not in self.by_line:
                     raise LaunchError(f"{p.label}: no connection to its host (internal error)")
                 host = self.by_line[p.host]
-                h = SSHProcess(p, self.console.proc(p.name, p.label, str(p.role)), host)
+                h = SSHProcess(p, self.console.proc(p.name, p.label, str(p.role)), host, i)
                 handles.append(h)
-                host.procs.append(h)
-                per_host[id(host)].append(h)
+                per_host.setdefault(id(host), (host, []))[1].append(h)
             self.handles.extend(handles)
-            for host in {id(h.remote): h.remote for h in handles}.values():
-                host.heard()
-                host.start_threads()
-
-            def launch_all(group: list[SSHProcess]) -> None:
-                for h in group:
-                    h.launch()
-
-            self._run_parallel(launch_all, list(per_host.values()))
+            self._run_parallel(lambda item: item[0].launch(item[1]), list(per_host.values()))
             deadline = time.monotonic() + max(self.spec.start_timeout, 1.0)
             for h in handles:
                 if not h.started.wait(max(0.0, deadline - time.monotonic())):
-                    raise LaunchError(f"{h.label}: the remote wrapper on {h.host} did not start the process "
-                                      f"within --start-timeout {self.spec.start_timeout:g}s")
+                    raise LaunchError(f"{h.label}: pslaunch's remote wrapper on {h.host} did not start the "
+                                      f"process within --start-timeout {self.spec.start_timeout:g}s")
                 if h.failure is not None:
                     raise LaunchError(f"{h.label}: {h.failure}", exit_code=h.failure_code)
         except BaseException:
-            self._abort(handles)
+            self._abort([host for host, _ in per_host.values()])
             raise
         self.timings["spawn"] = time.monotonic() - t0
         log.debug("started %d process%s in %.2fs", len(handles), "" if len(handles) == 1 else "es",
@@ -694,11 +716,11 @@ class SSHBackend(Backend):
         return list(handles)
 
     @staticmethod
-    def _run_parallel(fn: object, groups: list) -> None:
+    def _run_parallel(fn: object, items: list) -> None:
         errors: list[BaseException] = []
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(groups))),
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(items))),
                                                    thread_name_prefix="pslaunch-start") as pool:
-            for fut in [pool.submit(fn, g) for g in groups]:  # type: ignore[arg-type]
+            for fut in [pool.submit(fn, item) for item in items]:  # type: ignore[arg-type]
                 try:
                     fut.result()
                 except Exception as e:  # noqa: BLE001
@@ -706,20 +728,19 @@ class SSHBackend(Backend):
         if errors:
             raise errors[0]
 
-    def _abort(self, handles: Sequence[SSHProcess]) -> None:
-        """A start failed or was interrupted: kill everything it started, now, then close the channels
-        (a wrapper whose channel closes stops its group too, should the kill not get through)."""
-        groups: dict[int, tuple[RemoteHost, list[int]]] = {}
-        for h in handles:
-            if h.pgid and h.running and not h.remote.lost:
-                groups.setdefault(id(h.remote), (h.remote, []))[1].append(h.pgid)
-        for host, pgids in groups.values():
-            try:
-                host.session.exec(kill_command("KILL", pgids), timeout=5.0)
-            except (LaunchError, ValueError) as e:
-                log.debug("%s: kill after a failed start: %s", host.label, e)
-        for h in handles:
-            h.close_channel()
+    def _abort(self, hosts: Sequence[RemoteHost]) -> None:
+        """A start failed or was interrupted: kill everything it started, now, then close the wrapper
+        channels (a wrapper whose channel closes stops its groups too, should the kill not get through)."""
+        for host in hosts:
+            pgids = [p.pgid for p in host.procs if p.pgid and p.running]
+            if pgids and not host.lost and not host.closed:
+                host.kill_now(pgids)
+            if host.chan is not None:
+                host.closed = True
+                try:
+                    host.chan.close()
+                except Exception:  # noqa: BLE001
+                    pass
 
     # -- close --------------------------------------------------------------------------
 

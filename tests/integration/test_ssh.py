@@ -194,12 +194,24 @@ def test_missing_program_is_one_line_and_nothing_stays(testbed: Testbed, tmp_pat
 
 
 @pytest.mark.timeout(90)
-def test_more_processes_than_sshd_max_sessions(testbed: Testbed, out: Path, tmp_path: Path) -> None:
-    # sshd allows 10 sessions per connection by default: the backend opens another connection
-    r = run_ssh(testbed, "-n", "12", "-s", "0", "-H", hostfile(testbed, tmp_path, 1), "--kill-grace", "1",
-                *probe(out))
-    assert r.returncode == 0, r.stderr
-    assert len(read_probes(out)) == 12
+def test_many_processes_on_a_host_whose_sshd_allows_one_session(testbed: Testbed, out: Path, tmp_path: Path) -> None:
+    # host 3: MaxSessions 1. The wrapper takes that session; the interface lookup, the sync and the
+    # teardown's kill need more: the backend opens more connections to the host.
+    limited = testbed.hosts[3]
+    hosts = str(testbed.write_hostfile(tmp_path / "hosts", [limited]))
+    src = _project(tmp_path)
+    dst = f"{testbed.sync_root}/limited-{uuid.uuid4().hex[:6]}"
+    env = testbed.env(DMLC_INTERFACE=testbed.subnet_b)
+    r = run_ssh(testbed, "-n", "12", "-s", "1", "-H", hosts, "--kill-grace", "1", "--sync-dst-dir", dst,
+                "--log-level", "DEBUG", *probe(out, "--listen", "--sleep", "60", "--fail", "worker-5:4:2"),
+                env=env, cwd=src)
+    assert r.returncode == 4, r.stderr
+    assert "sshd refused another session (MaxSessions); opening connection 2" in r.stderr
+    assert re.search(r"kill -TERM \[(\d+, ){11}\d+\]: exit 0", r.stderr), r.stderr  # one command, 12 groups
+    probes = read_probes(out)
+    assert len(probes) == 14
+    assert all(p["env"]["DMLC_NODE_HOST"] == limited.addr_b for n, p in probes.items() if n != "scheduler")
+    assert "exited with code 4 first" in r.stderr
 
 
 @pytest.mark.timeout(90)

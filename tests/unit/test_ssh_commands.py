@@ -11,6 +11,8 @@ import pytest
 
 from launcher.backends.ssh import (
     BOOTSTRAP,
+    HOST_ID,
+    KEEPALIVE,
     FrameDecoder,
     SSHBackend,
     hosts_with_processes,
@@ -48,14 +50,16 @@ def test_wrapper_source_runs_on_old_pythons() -> None:
 def test_wrapper_payload_layout() -> None:
     proc = ProcSpec(Role.WORKER, 1, 1, Host("h"), ("python", "x.py", "a b", "$(id)"),
                     {"PSLAUNCH_SECRET": "s3cr3t", "DMLC_ROLE": "worker"})
-    header = wrapper_header(proc, "/work dir", keepalive=2.0, grace=3.0)
-    assert header == {"argv": ["python", "x.py", "a b", "$(id)"], "env": {"PSLAUNCH_SECRET": "s3cr3t",
-                      "DMLC_ROLE": "worker"}, "cwd": "/work dir", "keepalive": 2.0, "lost_after": 8.0, "grace": 3.0}
+    header = wrapper_header([(4, proc)], "/work dir", keepalive=2.0, grace=3.0)
+    assert header == {"procs": [{"id": 4, "argv": ["python", "x.py", "a b", "$(id)"],
+                                 "env": {"PSLAUNCH_SECRET": "s3cr3t", "DMLC_ROLE": "worker"}, "cwd": "/work dir"}],
+                      "keepalive": 2.0, "lost_after": 8.0, "grace": 3.0}
     payload = wrapper_payload(header, source=b"print(1)\n")
     assert payload[:10] == b"0000000009" and payload[10:19] == b"print(1)\n"
     kind, length = struct.unpack(">cI", payload[19:24])
     assert kind == b"H" and json.loads(payload[24:24 + length]) == header and len(payload) == 24 + length
-    # the secret travels on stdin only: the command line is the same for every process
+    assert KEEPALIVE == b"k\0\0\0\0"
+    # the secret travels on stdin only: the command line is the same for every host and job
     assert "s3cr3t" not in wrapper_command() and "DMLC" not in wrapper_command()
 
 
@@ -80,8 +84,9 @@ def test_netif_and_directory_commands_quote_their_arguments() -> None:
 
 
 def test_frame_decoder_handles_split_and_joined_frames() -> None:
-    frames = [(b"p", b'{"pid": 5, "pgid": 5}'), (b"o", b"hello\n"), (b"h", b""), (b"x", b'{"code": 0}')]
-    data = b"".join(struct.pack(">cI", k, len(p)) + p for k, p in frames)
+    frames = [(b"p", 0, b'{"pid": 5, "pgid": 5}'), (b"o", 3, b"hello\n"), (b"h", HOST_ID, b""),
+              (b"x", 0, b'{"code": 0}')]
+    data = b"".join(struct.pack(">cHI", k, n, len(p)) + p for k, n, p in frames)
     dec = FrameDecoder()
     got = []
     for i in range(0, len(data), 3):
@@ -118,7 +123,8 @@ def test_dry_run_shows_hosts_commands_and_sync(monkeypatch) -> None:
                       node_hosts={Host("A"): "A", Host("B", port=2222, user="bob"): "B"}, inherit_environ=False)
     lines = SSHBackend.dry_run(spec, plan)
     text = "\n".join(lines)
-    assert "argv, environment and directory from the channel's stdin (never a command line)" in lines[0]
+    assert "each process's argv, environment and directory from the channel's stdin (never a command line)" \
+        in lines[0]
     assert "  A: me@A:22, cwd /tmp/job: server 0, worker 1" in lines
     assert "  bob@B:2222: bob@B:2222, cwd /tmp/job: worker 0" in lines
     assert ("  rsync -az --stats --timeout=60 --delete --exclude=.git --exclude=__pycache__ '--exclude=*.log' -e "

@@ -13,58 +13,68 @@ import time
 import pytest
 from conftest import pid_alive, wait_for
 
-from launcher.backends.ssh import FrameDecoder, wrapper_command, wrapper_payload
+from launcher.backends.ssh import (
+    HOST_ID,
+    KEEPALIVE,
+    FrameDecoder,
+    wrapper_command,
+    wrapper_header,
+    wrapper_payload,
+)
 from launcher.plan import ProcSpec
 from launcher.spec import Role
 
 
 class Wrapped:
-    """One wrapper started as sshd would: ``$SHELL -c COMMAND`` with pipes for stdin/stdout/stderr."""
+    """One host's wrapper started as sshd would: ``$SHELL -c COMMAND`` with pipes for stdin/stdout/stderr."""
 
-    def __init__(self, argv: list[str], env: dict | None = None, cwd: str | None = None,
+    def __init__(self, *argvs: list[str], env: dict | None = None, cwd: str | None = None,
                  keepalive: float = 5.0, grace: float = 1.0, lost_after: float | None = None) -> None:
         self.p = subprocess.Popen(["sh", "-c", wrapper_command(sys.executable)], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-        proc = ProcSpec(Role.WORKER, 0, 0, None, tuple(argv), env or {})
-        header = {"argv": list(proc.argv), "env": dict(proc.env), "cwd": cwd, "keepalive": keepalive,
-                  "lost_after": lost_after if lost_after is not None else 4 * keepalive, "grace": grace}
+        procs = [(i, ProcSpec(Role.WORKER, i, i, None, tuple(argv), env or {})) for i, argv in enumerate(argvs)]
+        header = wrapper_header(procs, cwd, keepalive, grace)
+        if lost_after is not None:
+            header["lost_after"] = lost_after
         self.send(wrapper_payload(header))
         self.decoder = FrameDecoder()
-        self.frames: list[tuple[bytes, bytes]] = []
+        self.frames: list[tuple[bytes, int, bytes]] = []
 
     def send(self, data: bytes) -> None:
         assert self.p.stdin is not None
         self.p.stdin.write(data)
         self.p.stdin.flush()
 
-    def read_until(self, kind: bytes, timeout: float = 10.0) -> bytes:
-        end = time.monotonic() + timeout
+    def _pump(self, timeout: float) -> bool:
         fd = self.p.stdout.fileno()  # type: ignore[union-attr]
+        if not select.select([fd], [], [], timeout)[0]:
+            return True
+        data = os.read(fd, 65536)
+        if not data:
+            return False
+        self.frames.extend(self.decoder.feed(data))
+        return True
+
+    def read_until(self, kind: bytes, ident: int = 0, timeout: float = 10.0) -> bytes:
+        end = time.monotonic() + timeout
         while True:
-            for i, (k, payload) in enumerate(self.frames):
-                if k == kind:
+            for i, (k, n, payload) in enumerate(self.frames):
+                if k == kind and n == ident:
                     del self.frames[i]
                     return payload
             left = end - time.monotonic()
             if left <= 0:
-                raise AssertionError(f"no {kind!r} frame within {timeout}s; have {self.frames!r}")
-            r, _, _ = select.select([fd], [], [], left)
-            if r:
-                data = os.read(fd, 65536)
-                if not data:
-                    raise AssertionError(f"EOF before a {kind!r} frame; have {self.frames!r}; stderr "
-                                         f"{self.p.stderr.read()!r}")  # type: ignore[union-attr]
-                self.frames.extend(self.decoder.feed(data))
+                raise AssertionError(f"no {kind!r} frame for {ident} within {timeout}s; have {self.frames!r}")
+            if not self._pump(left):
+                raise AssertionError(f"EOF before a {kind!r} frame; have {self.frames!r}; stderr "
+                                     f"{self.p.stderr.read()!r}")  # type: ignore[union-attr]
 
-    def output(self, kind: bytes = b"o") -> bytes:
-        """Everything of ``kind`` received so far (reads what is ready first)."""
-        fd = self.p.stdout.fileno()  # type: ignore[union-attr]
-        while select.select([fd], [], [], 0.01)[0]:
-            data = os.read(fd, 65536)
-            if not data:
+    def output(self, kind: bytes = b"o", ident: int = 0) -> bytes:
+        """Everything of ``kind`` received so far for process ``ident`` (reads what is ready first)."""
+        while select.select([self.p.stdout.fileno()], [], [], 0.01)[0]:  # type: ignore[union-attr]
+            if not self._pump(0):
                 break
-            self.frames.extend(self.decoder.feed(data))
-        return b"".join(p for k, p in self.frames if k == kind)
+        return b"".join(p for k, n, p in self.frames if k == kind and n == ident)
 
     def close(self) -> None:
         if self.p.poll() is None:
@@ -109,9 +119,9 @@ def test_keepalive_is_answered() -> None:
     w = Wrapped(py("import time; time.sleep(30)"))
     try:
         w.read_until(b"p")
-        w.send(b"kk")
-        w.read_until(b"h")
-        w.read_until(b"h")
+        w.send(KEEPALIVE + KEEPALIVE)
+        w.read_until(b"h", HOST_ID)
+        w.read_until(b"h", HOST_ID)
     finally:
         w.close()
 
@@ -205,5 +215,20 @@ def test_large_output_arrives_whole() -> None:
     try:
         w.read_until(b"x", timeout=20)
         assert len(w.output()) == 3000001
+    finally:
+        w.close()
+
+
+@pytest.mark.timeout(30)
+def test_several_processes_on_one_channel_each_in_its_own_group() -> None:
+    code = "import os,sys; print(os.getpid(), os.getpgid(0), flush=True); sys.exit(int(sys.argv[1]))"
+    w = Wrapped(py(code) + ["0"], py(code) + ["4"], ["no-such-program-xyz"], py(code) + ["7"])
+    try:
+        pids = [json.loads(w.read_until(b"p", i))["pid"] for i in (0, 1, 3)]
+        assert len(set(pids)) == 3
+        assert json.loads(w.read_until(b"f", 2))["code"] == 127
+        assert [json.loads(w.read_until(b"x", i))["code"] for i in (0, 1, 3)] == [0, 4, 7]
+        for i, pid in zip((0, 1, 3), pids):
+            assert w.output(b"o", i).decode().split() == [str(pid), str(pid)]
     finally:
         w.close()
