@@ -7,9 +7,8 @@ every process is running, split into the backend's phases:
   host key check, authentication);
 * **sync**: ``--sync-dst-dir`` of a small project (rsync, a fresh target
   every run, so every file is sent) and the per-host address lookup;
-* **spawn**: a channel per process, the remote wrapper started, the process
-  started and its pid reported back (sshd's MaxSessions, 10, makes the
-  backend open a second connection beyond 9 processes per host);
+* **spawn**: per host, the wrapper channel (sshd session, login shell,
+  ``python3``), then every process started and its pid reported back;
 * **first output**: until the first line of every process has arrived.
 
 Drives :class:`launcher.backends.ssh.SSHBackend` directly (the scheduler is
@@ -37,7 +36,8 @@ from launcher.output import Console  # noqa: E402
 from launcher.plan import build_plan  # noqa: E402
 from launcher.spec import Host, JobSpec, SSHOptions  # noqa: E402
 
-PROGRAM = ("python3", "-S", "-c", "import time; print('running', flush=True); time.sleep(60)")
+# Every process: this Python (the hosts share the file system) printing one line, then waiting.
+PROGRAM = (sys.executable, "-S", "-c", "import time; print('running', flush=True); time.sleep(60)")
 PHASES = ("connect", "sync", "spawn", "first output", "total")
 
 
@@ -118,10 +118,10 @@ def bench_ssh_main(host_counts: list[int], per_host: list[int], repeats: int, sy
         src = _project(root)
         print(f"ssh launch latency on the namespace testbed ({os.cpu_count()} cores, shared by the hosts' sshd "
               f"and processes); median of {repeats} runs; sync: {'a 40-file tree, every file sent' if sync else 'off'}")
-        print("seconds from the start until every process runs, by phase (spawn: channel + remote wrapper + "
-              "process started and pid reported)")
+        print("seconds from the start until every process runs, by phase (spawn: per host the wrapper's channel, "
+              "login shell and python3, then every process started and its pid reported)")
         print(f"baseline: one command ('true') on an open connection (sshd session + the user's login shell) "
-              f"takes {shell_baseline(tb):.2f}s here; every process start includes one")
+              f"takes {shell_baseline(tb):.2f}s here; connect+sync include two per host, spawn one")
         head = f"{'hosts':>5} {'per host':>8} {'procs':>5} | " + " ".join(f"{p:>12}" for p in PHASES)
         print(head)
         print("-" * len(head))
