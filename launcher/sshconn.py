@@ -490,24 +490,37 @@ class HostSession:
         return not self.closed and any(t.is_active() for t in self.transports)
 
     def open_channel(self, timeout: Optional[float] = None) -> paramiko.Channel:
-        """A new session channel; opens another connection when sshd's MaxSessions is reached."""
+        """A new session channel; opens another connection when sshd's MaxSessions is reached.
+
+        sshd may still count a session whose channel we have just closed: a refusal on a
+        connection that carries none of our channels is retried for a moment first.
+        """
         import paramiko
 
         timeout = self.opts.connect_timeout if timeout is None else timeout
+        deadline = time.monotonic() + min(timeout, 5.0)
         with self._lock:
             if self.closed:
                 raise LaunchError(f"{self.label}: the connection is closed")
-            for i, t in enumerate(self.transports):
-                if i in self._full:
-                    continue
-                try:
-                    return t.open_session(timeout=timeout)
-                except paramiko.ChannelException as e:
-                    if e.code not in _SESSION_REFUSED or not self._has_open_channels(t):
-                        raise LaunchError(f"{self.label}: cannot open an ssh channel: {e.text}") from None
-                    self._full.add(i)
-                except (paramiko.SSHException, EOFError, OSError) as e:
-                    raise LaunchError(f"{self.label}: the ssh connection failed: {e or type(e).__name__}") from None
+            while True:
+                refused_idle = False
+                for i, t in enumerate(self.transports):
+                    if i in self._full:
+                        continue
+                    try:
+                        return t.open_session(timeout=timeout)
+                    except paramiko.ChannelException as e:
+                        if e.code not in _SESSION_REFUSED:
+                            raise LaunchError(f"{self.label}: cannot open an ssh channel: {e.text}") from None
+                        if self._has_open_channels(t):
+                            self._full.add(i)
+                        else:
+                            refused_idle = True
+                    except (paramiko.SSHException, EOFError, OSError) as e:
+                        raise LaunchError(f"{self.label}: the ssh connection failed: {e or type(e).__name__}") from None
+                if not refused_idle or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
             log.debug("%s: sshd refused another session (MaxSessions); opening connection %d",
                       self.label, len(self.transports) + 1)
             transport = connect(self.target, self.opts)
@@ -521,7 +534,7 @@ class HostSession:
     def _has_open_channels(transport: paramiko.Transport) -> bool:
         """Whether a refusal can be sshd's session limit (the connection already carries sessions)."""
         channels = getattr(transport, "_channels", None)
-        return channels is None or len(channels) > 0
+        return channels is None or len(channels) > 0  # paramiko keeps no public count
 
     def channel_closed(self) -> None:
         """A channel ended: its connection may take another one."""
