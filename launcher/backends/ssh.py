@@ -80,6 +80,7 @@ EXIT_LOST = 255  # ssh's own code for "the connection failed"
 IN_FRAME = struct.Struct(">cI")  # launcher -> wrapper: kind, length
 OUT_FRAME = struct.Struct(">cHI")  # wrapper -> launcher: kind, process id, length
 HOST_ID = 0xFFFF
+MAGIC = b"\0pslaunch-frames\0"  # the wrapper's first bytes: frames follow
 _HERE = Path(__file__).resolve().parent
 
 # Reads exactly N bytes of wrapper source (N as 10 digits first) from stdin and runs it,
@@ -146,19 +147,45 @@ def netif_command(iface: str, python: str = REMOTE_PYTHON) -> str:
 
 
 def prepare_dir_command(path: str) -> str:
-    """Create the sync target; print its absolute path and, when present, rsync's path."""
+    """Create the sync target; print its absolute path and rsync's path (empty without rsync).
+
+    The lines are marked: a login shell's rc files may print to stdout too.
+    """
     q = shlex.quote(path)
-    return f"mkdir -p -- {q} && cd -- {q} && pwd && {{ command -v rsync || true; }}"
+    return (f"mkdir -p -- {q} && cd -- {q} && echo \"pslaunch-dir=$(pwd)\" && "
+            "echo \"pslaunch-rsync=$(command -v rsync)\"")
+
+
+def parse_prepare_dir(output: str) -> tuple[Optional[str], bool]:
+    """(the absolute directory, whether rsync exists) from :func:`prepare_dir_command`'s output."""
+    found = dict(line.partition("=")[::2] for line in output.splitlines() if line.startswith("pslaunch-"))
+    return found.get("pslaunch-dir") or None, bool(found.get("pslaunch-rsync", "").strip())
 
 
 class FrameDecoder:
-    """Splits the wrapper's stdout into ``(kind, process id, payload)`` frames."""
+    """Splits the wrapper's stdout into ``(kind, process id, payload)`` frames.
 
-    def __init__(self) -> None:
+    Bytes before the wrapper's marker (a login shell's rc files printing to
+    stdout) are not frames: they are collected in :attr:`preamble`.
+    """
+
+    def __init__(self, expect_marker: bool = True) -> None:
         self._buf = bytearray()
+        self._synced = not expect_marker
+        self.preamble = bytearray()
 
     def feed(self, data: bytes) -> list[tuple[bytes, int, bytes]]:
         self._buf += data
+        if not self._synced:
+            at = self._buf.find(MAGIC)
+            if at < 0:
+                keep = len(MAGIC) - 1  # the marker may be split across reads
+                self.preamble += self._buf[:max(0, len(self._buf) - keep)]
+                del self._buf[:max(0, len(self._buf) - keep)]
+                return []
+            self.preamble += self._buf[:at]
+            del self._buf[:at + len(MAGIC)]
+            self._synced = True
         frames = []
         size = OUT_FRAME.size
         while len(self._buf) >= size:
@@ -272,6 +299,11 @@ class RemoteHost:
                 proc = by_id.get(ident)
                 if proc is not None:
                     proc.frame(kind, payload)
+            if decoder.preamble:
+                for line in bytes(decoder.preamble).decode(errors="replace").splitlines():
+                    if line.strip():
+                        log.warning("%s: the login shell printed: %s", self.label, line)
+                decoder.preamble.clear()
         self._drain_stderr()
         status = chan.recv_exit_status() if chan.exit_status_ready() else None
         deliberate = self.closed
@@ -634,9 +666,8 @@ class SSHBackend(Backend):
         r = host.session.exec(prepare_dir_command(dst))
         if r.code != 0:
             raise LaunchError(f"sync to {host.label}:{dst} failed: cannot create the directory: {r.err_line}")
-        out = r.stdout.decode(errors="replace").splitlines()
-        abs_dst = out[0].strip() if out else dst
-        remote_rsync = len(out) > 1 and bool(out[1].strip())
+        found, remote_rsync = parse_prepare_dir(r.stdout.decode(errors="replace"))
+        abs_dst = found or dst
         host.workdir = abs_dst
         local_tools = shutil.which("rsync") is not None and shutil.which("ssh") is not None
         if local_tools and remote_rsync:

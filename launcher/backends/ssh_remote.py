@@ -17,7 +17,9 @@ frames of ``kind (1 byte) + length (4 bytes, big endian) + payload``:
   line. Sent once, first.
 * ``k``: a keep-alive (empty).
 
-Wrapper -> launcher (the channel's stdout), frames of ``kind (1 byte) +
+Wrapper -> launcher (the channel's stdout): the marker ``\0pslaunch-frames\0``
+(what the login shell's rc files printed before it is not the wrapper's), then
+frames of ``kind (1 byte) +
 process id (2 bytes) + length (4 bytes) + payload``:
 
 * ``p`` JSON ``{"pid", "pgid"}`` once a process runs; ``f`` JSON
@@ -50,6 +52,7 @@ import time
 IN_HEAD = struct.Struct(">cI")
 OUT_HEAD = struct.Struct(">cHI")
 HOST_ID = 0xFFFF
+MAGIC = b"\0pslaunch-frames\0"
 OUT_CAP = 4 * 1024 * 1024  # stop reading the processes' pipes while this much waits for the channel
 
 
@@ -190,6 +193,7 @@ class Wrapper(object):
             return 2
         for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self.on_signal)
+        self.out += MAGIC  # whatever a login shell printed before this is not ours
         os.set_blocking(1, False)
         interval = float(header.get("keepalive") or 5.0)
         lost_after = float(header.get("lost_after") or 4 * interval)

@@ -13,12 +13,14 @@ from launcher.backends.ssh import (
     BOOTSTRAP,
     HOST_ID,
     KEEPALIVE,
+    MAGIC,
     FrameDecoder,
     SSHBackend,
     hosts_with_processes,
     interface_spec,
     kill_command,
     netif_command,
+    parse_prepare_dir,
     prepare_dir_command,
     wrapper_command,
     wrapper_header,
@@ -77,22 +79,27 @@ def test_kill_command_signals_process_groups_only() -> None:
 def test_netif_and_directory_commands_quote_their_arguments() -> None:
     assert netif_command("10.1.0.0/16") == "python3 -S - 10.1.0.0/16"
     assert netif_command("eth0; touch x") == "python3 -S - 'eth0; touch x'"
-    assert prepare_dir_command("/tmp/job") == ("mkdir -p -- /tmp/job && cd -- /tmp/job && pwd && "
-                                               "{ command -v rsync || true; }")
-    assert prepare_dir_command("my dir/$(id)") == ("mkdir -p -- 'my dir/$(id)' && cd -- 'my dir/$(id)' && pwd && "
-                                                   "{ command -v rsync || true; }")
+    assert prepare_dir_command("/tmp/job") == ('mkdir -p -- /tmp/job && cd -- /tmp/job && echo "pslaunch-dir=$(pwd)" '
+                                               '&& echo "pslaunch-rsync=$(command -v rsync)"')
+    assert prepare_dir_command("my dir/$(id)").startswith("mkdir -p -- 'my dir/$(id)' && cd -- 'my dir/$(id)' && ")
+    # what a login shell prints from its rc files does not confuse the parser
+    assert parse_prepare_dir("Welcome!\npslaunch-dir=/home/u/job x\npslaunch-rsync=/usr/bin/rsync\n") == \
+        ("/home/u/job x", True)
+    assert parse_prepare_dir("pslaunch-dir=/tmp/j\npslaunch-rsync=\n") == ("/tmp/j", False)
 
 
 def test_frame_decoder_handles_split_and_joined_frames() -> None:
     frames = [(b"p", 0, b'{"pid": 5, "pgid": 5}'), (b"o", 3, b"hello\n"), (b"h", HOST_ID, b""),
               (b"x", 0, b'{"code": 0}')]
     data = b"".join(struct.pack(">cHI", k, n, len(p)) + p for k, n, p in frames)
+    stream = b"Welcome to node1\n" + MAGIC + data  # a chatty .bashrc first
     dec = FrameDecoder()
     got = []
-    for i in range(0, len(data), 3):
-        got += dec.feed(data[i:i + 3])
-    assert got == frames and dec.pending == 0
-    assert FrameDecoder().feed(data) == frames
+    for i in range(0, len(stream), 3):
+        got += dec.feed(stream[i:i + 3])
+    assert got == frames and dec.pending == 0 and bytes(dec.preamble) == b"Welcome to node1\n"
+    assert FrameDecoder().feed(MAGIC + data) == frames
+    assert FrameDecoder(expect_marker=False).feed(data) == frames
 
 
 def _spec(**kw) -> JobSpec:
