@@ -276,8 +276,23 @@ def run_doctor(hosts: Sequence[Host], opts: SSHOptions, *, python: str, cwd: str
     return (0 if all(r.ok for r in rows) else 1), report
 
 
-@click.command(name="pslaunch doctor", context_settings=dict(help_option_names=["-h", "--help"],
-                                                            max_content_width=100))
+DOCTOR_HELP = """Check every host of a hostfile before a job, in parallel, and print one table.
+
+\b
+Per host: ssh (connection, host key, authentication), python (path, version),
+imports (launcher and trainer in the job's directory), interface (what
+DMLC_INTERFACE selects there), port (a free one on that address), reach
+(a TCP connection back to this host's scheduler address).
+Exit code 0 when every check passes on every host, 1 otherwise.
+
+\b
+Example:
+    pslaunch doctor -H hosts --python /opt/venv/bin/python --env DMLC_INTERFACE=10.1.0.0/16
+"""
+
+
+@click.command(name="pslaunch doctor", help=DOCTOR_HELP,
+               context_settings=dict(help_option_names=["-h", "--help"], max_content_width=100))
 @click.option("-H", "--hostfile", "--host-file", "hostfile", required=True, help="The job's hostfile.")
 @click.option("--ssh-user", default=None, help="User for hosts whose line gives none.")
 @click.option("--ssh-port", type=int, default=None, help="Port for hosts whose line gives none.")
