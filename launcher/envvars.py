@@ -63,6 +63,15 @@ PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
 PYTHONFAULTHANDLER = "PYTHONFAULTHANDLER"
 SUBMIT_CLUSTER = "DMLC_SUBMIT_CLUSTER"
 
+# --- the mpi backend ----------------------------------------------------------
+# The rank table mpirun carries to every rank wrapper (launcher/mpirank.py).
+MPI_TABLE = "PSLAUNCH_MPI_TABLE"
+# "env" (default) or "mpi4py": where the rank wrapper takes its MPI rank from.
+MPI_RANK_SOURCE = "PSLAUNCH_MPI_RANK_SOURCE"
+# Set by mpirun in every rank: Open MPI, PMIx (Open MPI 5), PMI (MPICH/Hydra).
+MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
 ROLES = ("scheduler", "server", "worker")
 
 #: Variables the launcher owns. An inherited or ``--env`` value is ignored.

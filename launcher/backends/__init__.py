@@ -48,3 +48,4 @@ def get(name: str) -> type[Backend]:
 
 
 register("local", _lazy(".local", "LocalBackend"))
+register("mpi", _lazy(".mpi", "MPIBackend"))
