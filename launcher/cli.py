@@ -12,7 +12,6 @@ This module only parses, validates and maps errors to exit codes:
 
 from __future__ import annotations
 
-import difflib
 import logging
 import os
 import sys
@@ -122,6 +121,8 @@ def load_config(path: str, command: click.Command) -> dict[str, Any]:
         key = str(raw_key).replace("-", "_")
         param = keys.get(key)
         if param is None:
+            import difflib
+
             hint = difflib.get_close_matches(key, list(keys), n=1)
             suggestion = f" (did you mean {hint[0].replace('_', '-')!r}?)" if hint else ""
             raise ConfigError(f"{path}: unknown key {raw_key!r}{suggestion}; keys are the long option "
@@ -251,6 +252,9 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
     if hostfile and launcher in ("local", "sge", "yarn"):
         raise ConfigError(f"--launcher {launcher} does not use a hostfile; drop -H {hostfile} "
                           "or choose --launcher ssh or mpi")
+    if kw.get("sync_dst_dir") and launcher in ("local", "sge", "yarn"):
+        raise ConfigError(f"--sync-dst-dir copies the working directory to remote hosts over ssh; "
+                          f"--launcher {launcher} has none (drop --sync-dst-dir)")
     env = tuple(parse_env_item(e, "--env", environ, True) for e in kw.get("env") or ())
     env_server = tuple(parse_env_item(e, "--env-server", environ, False) for e in kw.get("env_server") or ())
     env_worker = tuple(parse_env_item(e, "--env-worker", environ, False) for e in kw.get("env_worker") or ())
