@@ -132,7 +132,8 @@ def rank_entry(table: Mapping[str, Any], rank: int, size: Optional[int]) -> tupl
     if not 0 <= rank < len(ranks):
         raise WrapperError(f"MPI rank {rank} is not in the job's table of {len(ranks)} ranks")
     role, role_rank, own = ranks[rank]
-    env = dict(table.get("roles", {}).get(role, {}))
+    env = dict(table.get("pinned", {}))
+    env.update(table.get("roles", {}).get(role, {}))
     env.update(own)
     return role, int(role_rank), env
 
@@ -296,9 +297,10 @@ class _Watchdog:
 class _Runner:
     """Runs the command for one rank and relays its output until it is gone."""
 
-    def __init__(self, rank: int, grace: float) -> None:
+    def __init__(self, rank: int, grace: float, source: str = "env") -> None:
         self.rank = rank
         self.grace = grace
+        self.source = source
         self.child: Optional[subprocess.Popen] = None
         self.pending = _PENDING_SIGNALS
         self.kill_at: Optional[float] = None
@@ -338,7 +340,8 @@ class _Runner:
         child = self.child
         watchdog.send(f"pgid {child.pid}")
         # The start record goes out before any output line of the command.
-        start = {"pid": child.pid, "addr": env.get(envvars.NODE_HOST), "wrapper": os.getpid(), **_machine()}
+        start = {"pid": child.pid, "addr": env.get(envvars.NODE_HOST), "wrapper": os.getpid(),
+                 "source": self.source, **_machine()}
         _emit(self.rank, START, json.dumps(start, separators=(",", ":")).encode())
         assert child.stdout is not None and child.stderr is not None
         relays = {child.stdout.fileno(): _Relay(self.rank, 1, STDOUT_LINE, STDOUT_PART),
@@ -446,7 +449,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _role, _role_rank, job_env = rank_entry(table, rank, size)
         env = child_environ(environ, job_env)
         env[envvars.NODE_HOST] = node_address(env)
-        runner = _Runner(rank, float(table.get("grace", 10.0)))
+        runner = _Runner(rank, float(table.get("grace", 10.0)), "mpi4py" if mpi is not None else "env")
         watchdog = _Watchdog(runner.grace)
         code = runner.run(args, env, watchdog)
     except WrapperError as e:

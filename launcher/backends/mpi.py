@@ -26,6 +26,7 @@ names the first rank that failed, as on every other backend.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import ipaddress
 import json
@@ -182,7 +183,8 @@ def rank_table(procs: Sequence[ProcSpec], layout: RankLayout, grace: float,
         same for every rank (passed by name on mpirun's command line, values in
         its environment); ``table`` has per role the variables shared by that
         role's ranks (``roles``) and per MPI rank ``[role, rank, own variables]``
-        (``ranks``), plus the kill grace the wrappers give the commands.
+        (``ranks``), the shared values mpirun may rewrite (``pinned``), and the
+        kill grace the wrappers give the commands.
     """
     ordered = [procs[i] for i in layout.order]
     envs = [dict(p.env) for p in ordered]
@@ -197,7 +199,10 @@ def rank_table(procs: Sequence[ProcSpec], layout: RankLayout, grace: float,
     for p, env in zip(ordered, envs):
         shared = roles[str(p.role)]
         ranks.append([str(p.role), p.rank, {k: v for k, v in env.items() if k not in common and k not in shared}])
-    table = {"grace": grace, "roles": roles, "ranks": ranks}
+    # mpirun may rewrite some shared values on the way (Open MPI prepends its prefix to
+    # LD_LIBRARY_PATH): the wrappers restore the job's own values for the command.
+    pinned = {k: common[k] for k in envvars.MPI_REWRITTEN if k in common}
+    table = {"grace": grace, "roles": roles, "ranks": ranks, "pinned": pinned}
     return common, table
 
 
@@ -393,6 +398,8 @@ class MPIRank(ProcessHandle):
         self.node = info
         pid = info.get("pid")
         self.pid = pid if isinstance(pid, int) else None
+        log.debug("%s is MPI rank %d (rank from %s) on %s, pid %s, DMLC_NODE_HOST %s", self.label, self.mpi_rank,
+                  info.get("source"), info.get("host"), self.pid, info.get("addr"))
         if self.pid is not None and self.job.is_this_machine(info):
             self.local_pgid = self.pid  # the wrapper started it as a group leader
             if self.job.watchdog is not None:
@@ -421,10 +428,10 @@ class MPIRank(ProcessHandle):
     def dump_stacks(self) -> None:
         self.job.dump_stacks()
 
-    def cleanup(self) -> None:
+    def cleanup(self, groups: Optional[Mapping[int, list[int]]] = None) -> None:
         if self.local_pgid is None:
             return
-        if group_members(self.local_pgid):
+        if group_members(self.local_pgid, groups):
             try:
                 os.killpg(self.local_pgid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -588,6 +595,7 @@ class MPIJob:
                 pass
         if self.watchdog is not None:
             self.watchdog.forget(self.popen.pid)
+        log.debug("mpirun (pid %d) exited with code %s", self.popen.pid, self.mpirun_code())
 
 
 class MPIBackend(Backend):
@@ -688,7 +696,9 @@ class MPIBackend(Backend):
     @classmethod
     def dry_run(cls, spec: JobSpec, plan: Plan) -> list[str]:
         """The mpirun command line(s), Open MPI's hostfile and the rank table; no job is started."""
-        procs = plan.procs
+        # With hosts, each wrapper works DMLC_NODE_HOST out on its node (the plan shows a guess).
+        procs = [dataclasses.replace(p, env={k: v for k, v in p.env.items() if k != envvars.NODE_HOST})
+                 if p.host is not None else p for p in plan.procs]
         if not procs:
             return []
         lines: list[str] = []
@@ -707,8 +717,8 @@ class MPIBackend(Backend):
             except (ConfigError, LaunchError) as e:
                 lines.append(f"{info.impl.title}: {e}")
                 continue
-            lines.append(f"mpirun command ({info.impl.title}); variables passed by name, values from "
-                         "the environment above:")
+            lines.append(f"mpirun command ({info.impl.title}): the variables all ranks share go by name (values "
+                         f"from the environment above), the role's and rank's in {envvars.MPI_TABLE}:")
             lines.append("  " + shlex.join(argv))
             if hostfile_text is not None:
                 lines.append(f"{_HOSTFILE_PLACEHOLDER} (one line per MPI rank, --map-by seq):")
