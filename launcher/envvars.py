@@ -71,6 +71,9 @@ MPI_RANK_SOURCE = "PSLAUNCH_MPI_RANK_SOURCE"
 # Set by mpirun in every rank: Open MPI, PMIx (Open MPI 5), PMI (MPICH/Hydra).
 MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+# Placed last in mpirun's environment: MPICH 4.0's mpiexec does not pass the last
+# variable of its environment to remote ranks, even when -genvlist names it.
+MPI_ENV_END = "PSLAUNCH_MPI_ENV_END"
 # mpirun rewrites these on the way (Open MPI prepends its own prefix): the job's values are restored.
 MPI_REWRITTEN = ("PATH", "LD_LIBRARY_PATH")
 

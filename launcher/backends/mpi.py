@@ -240,6 +240,14 @@ def mpi_interface(impl: MPIImpl, spec: str, ifaces: Sequence[netif.Iface]) -> Op
     return chosen.name
 
 
+def mpich_default_interface(root_uri: str, ifaces: Sequence[netif.Iface]) -> Optional[str]:
+    """MPICH with hosts and no ``DMLC_INTERFACE``: the interface that holds the scheduler's address."""
+    for i in ifaces:
+        if i.address == root_uri and not i.address.startswith("127."):
+            return i.name
+    return None
+
+
 def openmpi_hostfile(layout: RankLayout, local_names: frozenset[str] = frozenset(),
                      local_hostname: str = "") -> str:
     """Open MPI's hostfile for ``--map-by seq``: one line per MPI rank, its host.
@@ -678,8 +686,12 @@ class MPIBackend(Backend):
         if len(encoded) > MAX_TABLE_CHARS:
             raise LaunchError(f"the rank table for {len(procs)} ranks is {len(encoded)} characters, more than "
                               f"one environment variable may hold; use fewer --env-server/--env-worker values")
-        iface = mpi_interface(self.info.impl, procs[0].env.get(envvars.INTERFACE, "") if procs else "",
-                              netif.interfaces())
+        ifaces = netif.interfaces()
+        iface = mpi_interface(self.info.impl, procs[0].env.get(envvars.INTERFACE, ""), ifaces)
+        if iface is None and self.info.impl is MPIImpl.MPICH and layout.hosts:
+            # Without DMLC_INTERFACE, Hydra's proxies call mpiexec back at this host's *name*;
+            # the scheduler's address is one the hosts reach, so mpiexec listens there.
+            iface = mpich_default_interface(procs[0].env.get(envvars.ROOT_URI, ""), ifaces)
         hostfile_text = None
         if self.info.impl is MPIImpl.OPENMPI and layout.hosts:
             hostfile_text = openmpi_hostfile(layout, local_names(spec.hosts), socket.gethostname())
@@ -688,9 +700,13 @@ class MPIBackend(Backend):
             env_names=[*common, envvars.MPI_TABLE], command=spec.command, python=sys.executable,
             hostfile=_HOSTFILE_PLACEHOLDER if hostfile_text is not None else None, interface=iface,
             is_root=os.geteuid() == 0, cores=physical_cores(), extra_args=spec.mpi.extra_args)
-        env = {k: v for k, v in spec.environ_dict().items() if k not in envvars.CONTRACT}
+        env = {k: v for k, v in spec.environ_dict().items()
+               if k not in envvars.CONTRACT and k != envvars.MPI_ENV_END}
         env.update(common)
         env[envvars.MPI_TABLE] = encoded
+        # Hydra (MPICH 4.0) loses the last variable of mpiexec's environment on its way to
+        # remote ranks: end with one that nobody needs (subprocess keeps the dict's order).
+        env[envvars.MPI_ENV_END] = "1"
         return argv, env, hostfile_text
 
     @classmethod

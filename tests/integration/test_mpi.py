@@ -11,8 +11,10 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -293,3 +295,143 @@ def test_mxnet_dist_sync_under_mpi(mpirun, mxnet: str) -> None:
         assert line.startswith("[worker ") and "expected 3.0" in line
     assert "all 4 processes exited 0" in r.stderr
 
+
+
+# --- several hosts: the ssh issue's network-namespace testbed ----------------------------------------
+
+from testbed import testbed  # noqa: E402,F401 - the session's namespace hosts (a fixture)
+
+
+@pytest.fixture
+def remote(mpirun, testbed, request):  # noqa: F811
+    """``(testbed, pslaunch options)`` for an mpirun that reaches the namespace hosts over ssh.
+
+    OpenSSH's client reads the user's ~ from the password database, so mpirun's
+    ssh goes through a two-line script that adds the testbed's config. It lies
+    in the testbed's shared directory: Open MPI's daemons start each other
+    (tree spawn), and each host has its own /tmp.
+    """
+    ssh = testbed.shared / "mpi-ssh"
+    if not ssh.exists():
+        tmp = testbed.shared / f".mpi-ssh.{os.getpid()}"
+        tmp.write_text(f'#!/bin/sh\nexec ssh -F {testbed.ssh_config} -o BatchMode=yes "$@"\n')
+        tmp.chmod(0o755)
+        os.replace(tmp, ssh)
+    if "mpich" in Path(mpirun).name:
+        args = f"-launcher ssh -launcher-exec {ssh}"
+    else:
+        args = f"--mca plm_rsh_agent {ssh}"
+    out = testbed.shared / f"probes-{request.node.name}-{os.getpid()}".replace("[", "-").replace("]", "")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(mode=0o777)
+    yield testbed, ["--launcher", "mpi", "--mpirun", mpirun, "--mpirun-args", args, "--kill-grace", "1"], out
+    shutil.rmtree(out, ignore_errors=True)
+
+
+def probe_in(out: Path, *args: str) -> list[str]:
+    return [sys.executable, str(BIN / "probe.py"), "--out", str(out), *args]
+
+
+def assert_hosts_clean(tb, timeout: float = 15) -> None:
+    def leftovers():
+        return {h.name: tb.describe_pids(tb.job_pids(h)) for h in tb.hosts if tb.job_pids(h)}
+    try:
+        wait_for(lambda: not leftovers(), timeout, what="no job processes left on the namespace hosts")
+    except AssertionError:
+        raise AssertionError(f"left on the hosts: {leftovers()}") from None
+
+
+@pytest.mark.timeout(120)
+def test_hosts_env_contract_and_placement_match_the_plan(remote, tmp_path) -> None:
+    tb, opts, out = remote
+    hosts = tb.hosts[:3]
+    hostfile = tb.write_hostfile(tmp_path / "hosts", hosts)
+    # DMLC_INTERFACE as a CIDR of the second subnet: every host names its interface differently
+    env = tb.env(DMLC_INTERFACE=tb.subnet_b, PS_VERBOSE="1")
+    r = run_pslaunch(*opts, "-H", str(hostfile), "-n", "3", "-s", "2", "--env", "FOO=bar",
+                     "--env-worker", "WHO=worker", *probe_in(out, "--listen", "--print", "hi"), env=env,
+                     timeout=100)
+    assert r.returncode == 0, r.stdout + r.stderr
+    probes = read_probes(out)
+    assert sorted(probes) == ["scheduler", "server-0", "server-1", "worker-0", "worker-1", "worker-2"]
+    from launcher.plan import place
+    from launcher.spec import Host
+    plan = {f"{s.role}-{s.rank}": s.host.name
+            for s in place(3, 2, [Host(h.addr_a) for h in hosts])}
+    # dmlc's round-robin, servers first: server0->A, server1->B, worker0->C, worker1->A, worker2->B
+    a, b, c = (h.addr_a for h in hosts)
+    assert plan == {"server-0": a, "server-1": b, "worker-0": c, "worker-1": a, "worker-2": b}
+    sched = probes["scheduler"]["env"]
+    assert sched["DMLC_PS_ROOT_URI"] == tb.root_b
+    per_host = {a: "2", b: "2", c: "1"}
+    for name, host in plan.items():
+        rec = probes[name]
+        env = rec["env"]
+        role, rank = name.split("-")
+        th = tb.host_by_addr(host)
+        # the wrapper worked DMLC_NODE_HOST out on that host: its own address on subnet B
+        assert env["DMLC_NODE_HOST"] == th.addr_b, (name, env["DMLC_NODE_HOST"])
+        assert env["DMLC_ROLE"] == role
+        assert env["DMLC_TASK_ID"] == str(int(rank) + (3 if role == "server" else 0))
+        assert env["DMLC_PS_ROOT_URI"] == tb.root_b and env["DMLC_PS_ROOT_PORT"] == sched["DMLC_PS_ROOT_PORT"]
+        assert env["DMLC_NUM_WORKER"] == "3" and env["DMLC_NUM_SERVER"] == "2"
+        assert env["PSLAUNCH_SECRET"] == sched["PSLAUNCH_SECRET"] and env["DMLC_JOB_CLUSTER"] == "mpi"
+        assert env["PS_VERBOSE"] == "1" and env["DMLC_INTERFACE"] == tb.subnet_b and env["FOO"] == "bar"
+        assert env["PSLAUNCH_LOCAL_PROCS"] == per_host[host]
+        assert str(REPO) in env["PYTHONPATH"].split(os.pathsep)
+        assert ("WHO" in env) == (role == "worker")
+        assert f"[{role} {rank} @ {host}] hi" in r.stdout.splitlines()
+    assert_hosts_clean(tb)
+
+
+@pytest.mark.timeout(120)
+def test_hosts_rank_exiting_3_fails_the_job_and_cleans_every_host(remote, tmp_path) -> None:
+    tb, opts, out = remote
+    hostfile = tb.write_hostfile(tmp_path / "hosts", tb.hosts[:3])
+    env = tb.env(DMLC_INTERFACE=tb.subnet_a)
+    r = run_pslaunch(*opts, "-H", str(hostfile), "-n", "3", "-s", "1",
+                     *probe_in(out, "--listen", "--sleep", "60", "--child", "--fail", "worker-2:3:1.5"),
+                     env=env, timeout=100)
+    assert r.returncode == 3, r.stdout + r.stderr
+    # worker 2 went to the first host (server0->A, worker0->B, worker1->C, worker2->A)
+    assert f"worker 2 @ {tb.hosts[0].addr_a} (MPI rank" in r.stderr and "exited with code 3 first" in r.stderr
+    assert "worker-2 failing with code 3" in r.stderr
+    assert sorted(read_probes(out)) == ["scheduler", "server-0", "worker-0", "worker-1", "worker-2"]
+    assert_hosts_clean(tb)
+
+
+@pytest.mark.timeout(120)
+def test_hosts_ctrl_c_tears_down_every_host(remote, tmp_path) -> None:
+    tb, opts, out = remote
+    hostfile = tb.write_hostfile(tmp_path / "hosts", tb.hosts[:2])
+    # no DMLC_INTERFACE: the scheduler takes the address that routes to the first host, and
+    # each wrapper the address its host uses to reach the scheduler
+    env = tb.env()
+    env.pop("DMLC_INTERFACE", None)
+    p = start_launcher([*opts, "-H", str(hostfile), "-n", "2", "-s", "1",
+                        *probe_in(out, "--listen", "--sleep", "60", "--child", "--ignore-term")], env=env)
+    probes = wait_probes(out, 4, timeout=60)
+    assert probes["scheduler"]["env"]["DMLC_PS_ROOT_URI"] == tb.root_a
+    # server0 -> host 0, worker0 -> host 1, worker1 -> host 0
+    assert probes["server-0"]["env"]["DMLC_NODE_HOST"] == tb.hosts[0].addr_a
+    assert probes["worker-0"]["env"]["DMLC_NODE_HOST"] == tb.hosts[1].addr_a
+    assert probes["worker-1"]["env"]["DMLC_NODE_HOST"] == tb.hosts[0].addr_a
+    assert all(tb.job_pids(h) for h in tb.hosts[:2])
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert_no_orphans(all_pids(probes), timeout=15)
+    assert_hosts_clean(tb)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.mxnet
+def test_hosts_mxnet_dist_sync(remote, mxnet: str, tmp_path) -> None:
+    tb, opts, _ = remote
+    hostfile = tb.write_hostfile(tmp_path / "hosts", tb.hosts[:3])
+    r = run_pslaunch(*opts, "-H", str(hostfile), "-n", "2", "-s", "1", "--timeout", "150",
+                     mxnet, str(BIN / "mxnet_dist_sync.py"), env=tb.env(DMLC_INTERFACE=tb.subnet_b), timeout=170)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [x for x in r.stdout.splitlines() if "pulled" in x]
+    assert len(lines) == 2 and all("expected 3.0" in x for x in lines), r.stdout
+    assert_hosts_clean(tb)

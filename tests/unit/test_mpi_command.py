@@ -326,3 +326,9 @@ def test_registered() -> None:
     from launcher import backends
     assert backends.get("mpi") is mpi.MPIBackend
     assert Role.SERVER  # the module imports without MPI installed
+
+
+def test_mpich_listens_on_the_scheduler_address_by_default() -> None:
+    assert mpi.mpich_default_interface("10.200.0.1", IFACES) == "ib0"
+    assert mpi.mpich_default_interface("127.0.0.1", IFACES) is None
+    assert mpi.mpich_default_interface("192.168.9.9", IFACES) is None
