@@ -59,6 +59,8 @@ WRAPPER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # The table is one environment value; stay well under Linux's 128 KiB per string.
 MAX_TABLE_CHARS = 100_000
 VERSION_TIMEOUT = 15.0
+# A longer run of mpirun's output without a newline cannot be a record; it is shown as is.
+MAX_UNTERMINATED = 64 * 1024
 # Open MPI's hostfile is written at start; argv builders and dry runs use this name for it.
 _HOSTFILE_PLACEHOLDER = "<tmpdir>/hostfile"
 
@@ -480,7 +482,11 @@ class MPIJob:
     def feed(self, err: bool, data: bytes) -> None:
         with self._lock:
             data = self._buffers[err] + data
-            *lines, self._buffers[err] = data.split(b"\n")
+            *lines, rest = data.split(b"\n")
+            if len(rest) > MAX_UNTERMINATED:  # not a record (those are short): mpirun's own text
+                lines.append(rest)
+                rest = b""
+            self._buffers[err] = rest
         for line in lines:
             self._line(err, line)
 
@@ -544,7 +550,10 @@ class MPIJob:
         if r.node:
             r.note = "its wrapper ended without reporting"
             return 128 + signal.SIGKILL
-        r.note = f"mpirun exited with code {code} before this rank started"
+        if not r.note:
+            r.note = f"mpirun exited with code {code} before this rank started"
+            # what mpirun said is this rank's story: put it in the failure report's tail
+            r.output.tail.extend(self.out.lines())
         return code or 1
 
     def _blamed_for(self, code: int) -> Optional[MPIRank]:
@@ -621,6 +630,9 @@ class MPIBackend(Backend):
 
     def check(self) -> None:
         _check_hosts(self.spec.hosts)
+        if self.spec.sync_dst_dir:
+            log.warning("--sync-dst-dir is ignored by --launcher mpi (as by dmlc's): mpirun runs the command "
+                        "at the same path on every host; copy it there first, or use --launcher ssh")
         self.info = probe_mpirun(self.spec.mpi.mpirun)
         log.debug("mpirun: %s (%s) at %s", self.info.impl.title, self.info.version, self.info.path)
 
