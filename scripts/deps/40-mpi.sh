@@ -10,7 +10,7 @@ for bin in /usr/bin/mpirun.openmpi /usr/bin/mpirun.mpich; do
     [ -x "$bin" ] || die "$bin is missing after installing openmpi-bin and mpich"
 done
 if [ -x .venv/bin/python ] && ! .venv/bin/python -c 'import mpi4py' 2>/dev/null; then
-    log "installing mpi4py into .venv"
+    log "installing mpi4py into .venv (the version pyproject's mpi extra asks for)"
     .venv/bin/python -m pip install -q --disable-pip-version-check 'mpi4py>=4.1' >&2
 fi
 log "$(/usr/bin/mpirun.openmpi --version 2>&1 | head -n1); $(/usr/bin/mpirun.mpich --version 2>&1 | head -n2 | tr '\n' ' ')"
