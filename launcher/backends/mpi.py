@@ -321,6 +321,46 @@ def build_mpirun_argv(
     return argv
 
 
+def mpirun_command(spec: JobSpec, info: MPIInfo, procs: Sequence[ProcSpec], layout: RankLayout,
+                   *, resolve: bool = True) -> tuple[list[str], dict[str, str], Optional[str]]:
+    """mpirun's argv, its environment and Open MPI's hostfile text (None without hosts).
+
+    The argv names :data:`_HOSTFILE_PLACEHOLDER` where the hostfile's path goes.
+    ``resolve=False`` (dry runs) looks no host name up.
+    """
+    extra: dict[str, str] = {}
+    source = spec.environ_dict().get(envvars.MPI_RANK_SOURCE)
+    if source:
+        extra[envvars.MPI_RANK_SOURCE] = source
+    common, table = rank_table(procs, layout, spec.kill_grace, extra)
+    encoded = mpirank.encode_table(table)
+    if len(encoded) > MAX_TABLE_CHARS:
+        raise LaunchError(f"the rank table for {len(procs)} ranks is {len(encoded)} characters, more than "
+                          "one environment variable may hold; use fewer --env-server/--env-worker values")
+    ifaces = netif.interfaces()
+    iface = mpi_interface(info.impl, procs[0].env.get(envvars.INTERFACE, ""), ifaces)
+    if iface is None and info.impl is MPIImpl.MPICH and layout.hosts:
+        # Without DMLC_INTERFACE, Hydra's proxies call mpiexec back at this host's *name*;
+        # the scheduler's address is one the hosts reach, so mpiexec listens there.
+        iface = mpich_default_interface(procs[0].env.get(envvars.ROOT_URI, ""), ifaces)
+    hostfile_text = None
+    if info.impl is MPIImpl.OPENMPI and layout.hosts:
+        hostfile_text = openmpi_hostfile(layout, local_names(spec.hosts, resolve), socket.gethostname())
+    argv = build_mpirun_argv(
+        info.impl, info.path, nprocs=len(procs), layout=layout,
+        env_names=[*common, envvars.MPI_TABLE], command=spec.command, python=sys.executable,
+        hostfile=_HOSTFILE_PLACEHOLDER if hostfile_text is not None else None, interface=iface,
+        is_root=os.geteuid() == 0, cores=physical_cores(), extra_args=spec.mpi.extra_args)
+    env = {k: v for k, v in spec.environ_dict().items()
+           if k not in envvars.CONTRACT and k != envvars.MPI_ENV_END}
+    env.update(common)
+    env[envvars.MPI_TABLE] = encoded
+    # Hydra (MPICH 4.0) loses the last variable of mpiexec's environment on its way to
+    # remote ranks: end with one that nobody needs (subprocess keeps the dict's order).
+    env[envvars.MPI_ENV_END] = "1"
+    return argv, env, hostfile_text
+
+
 # --- facts about this machine ---------------------------------------------------------------
 
 
@@ -635,6 +675,9 @@ class MPIBackend(Backend):
                         "at the same path on every host; copy it there first, or use --launcher ssh")
         self.info = probe_mpirun(self.spec.mpi.mpirun)
         log.debug("mpirun: %s (%s) at %s", self.info.impl.title, self.info.version, self.info.path)
+        # a DMLC_INTERFACE that mpirun cannot be told about fails before anything starts
+        iface = dict(self.spec.env).get(envvars.INTERFACE) or self.spec.environ_dict().get(envvars.INTERFACE, "")
+        mpi_interface(self.info.impl, iface, netif.interfaces())
 
     def prepare(self) -> Mapping[Optional[Host], Optional[str]]:
         # Each rank's wrapper works out its node's address (DMLC_NODE_HOST) on the node.
@@ -648,7 +691,7 @@ class MPIBackend(Backend):
         assert self.info is not None
         spec = self.spec
         layout = rank_layout(procs)
-        argv, env, hostfile_text = self._command(procs, layout)
+        argv, env, hostfile_text = mpirun_command(spec, self.info, procs, layout)
         if hostfile_text is not None:
             self.tmpdir = tempfile.mkdtemp(prefix="pslaunch-mpi-")
             path = os.path.join(self.tmpdir, "hostfile")
@@ -685,42 +728,6 @@ class MPIBackend(Backend):
         by_proc = {i: ranks[r] for r, i in enumerate(layout.order)}
         return [by_proc[i] for i in range(len(procs))]
 
-    def _command(self, procs: Sequence[ProcSpec], layout: RankLayout) -> tuple[list[str], dict[str, str], Optional[str]]:
-        """mpirun's argv, its environment, and Open MPI's hostfile text (if any)."""
-        assert self.info is not None
-        spec = self.spec
-        extra: dict[str, str] = {}
-        source = spec.environ_dict().get(envvars.MPI_RANK_SOURCE)
-        if source:
-            extra[envvars.MPI_RANK_SOURCE] = source
-        common, table = rank_table(procs, layout, spec.kill_grace, extra)
-        encoded = mpirank.encode_table(table)
-        if len(encoded) > MAX_TABLE_CHARS:
-            raise LaunchError(f"the rank table for {len(procs)} ranks is {len(encoded)} characters, more than "
-                              f"one environment variable may hold; use fewer --env-server/--env-worker values")
-        ifaces = netif.interfaces()
-        iface = mpi_interface(self.info.impl, procs[0].env.get(envvars.INTERFACE, ""), ifaces)
-        if iface is None and self.info.impl is MPIImpl.MPICH and layout.hosts:
-            # Without DMLC_INTERFACE, Hydra's proxies call mpiexec back at this host's *name*;
-            # the scheduler's address is one the hosts reach, so mpiexec listens there.
-            iface = mpich_default_interface(procs[0].env.get(envvars.ROOT_URI, ""), ifaces)
-        hostfile_text = None
-        if self.info.impl is MPIImpl.OPENMPI and layout.hosts:
-            hostfile_text = openmpi_hostfile(layout, local_names(spec.hosts), socket.gethostname())
-        argv = build_mpirun_argv(
-            self.info.impl, self.info.path, nprocs=len(procs), layout=layout,
-            env_names=[*common, envvars.MPI_TABLE], command=spec.command, python=sys.executable,
-            hostfile=_HOSTFILE_PLACEHOLDER if hostfile_text is not None else None, interface=iface,
-            is_root=os.geteuid() == 0, cores=physical_cores(), extra_args=spec.mpi.extra_args)
-        env = {k: v for k, v in spec.environ_dict().items()
-               if k not in envvars.CONTRACT and k != envvars.MPI_ENV_END}
-        env.update(common)
-        env[envvars.MPI_TABLE] = encoded
-        # Hydra (MPICH 4.0) loses the last variable of mpiexec's environment on its way to
-        # remote ranks: end with one that nobody needs (subprocess keeps the dict's order).
-        env[envvars.MPI_ENV_END] = "1"
-        return argv, env, hostfile_text
-
     @classmethod
     def dry_run(cls, spec: JobSpec, plan: Plan) -> list[str]:
         """The mpirun command line(s), Open MPI's hostfile and the rank table; no job is started."""
@@ -738,10 +745,8 @@ class MPIBackend(Backend):
             infos = [MPIInfo(spec.mpi.mpirun, MPIImpl.OPENMPI, ""), MPIInfo(spec.mpi.mpirun, MPIImpl.MPICH, "")]
         layout = rank_layout(procs)
         for info in infos:
-            self = cls.__new__(cls)
-            self.spec, self.info = spec, info
             try:
-                argv, _env, hostfile_text = self._command(procs, layout)
+                argv, _env, hostfile_text = mpirun_command(spec, info, procs, layout, resolve=False)
             except (ConfigError, LaunchError) as e:
                 lines.append(f"{info.impl.title}: {e}")
                 continue
@@ -770,5 +775,6 @@ class MPIBackend(Backend):
 
 __all__ = [
     "MPIBackend", "MPIImpl", "MPIInfo", "MPIJob", "MPIRank", "RankLayout", "build_mpirun_argv",
-    "detect_implementation", "mpi_interface", "openmpi_hostfile", "probe_mpirun", "rank_layout", "rank_table",
+    "detect_implementation", "mpi_interface", "mpirun_command", "openmpi_hostfile", "probe_mpirun",
+    "rank_layout", "rank_table",
 ]
