@@ -297,7 +297,8 @@ class Supervisor:
     def _log_start(self, plan: Plan) -> None:
         s = self.spec
         hosts = sorted({p.host.name for p in plan.procs if p.host is not None})
-        where = f"{len(hosts)} host{'s' if len(hosts) != 1 else ''}" if hosts else "this machine"
+        where = f"{len(hosts)} host{'s' if len(hosts) != 1 else ''}" if hosts else \
+            ("the cluster's hosts" if s.launcher in ("sge", "yarn") else "this machine")
         sched = f", scheduler at {plan.root_uri}:{plan.root_port}" if plan.scheduler else ""
         log.info("starting %d server%s and %d worker%s on %s (%s)%s",
                  s.num_servers, "" if s.num_servers == 1 else "s",

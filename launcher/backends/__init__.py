@@ -49,3 +49,5 @@ def get(name: str) -> type[Backend]:
 
 register("local", _lazy(".local", "LocalBackend"))
 register("mpi", _lazy(".mpi", "MPIBackend"))
+register("sge", _lazy(".sge", "SGEBackend"))
+register("yarn", _lazy(".yarn", "YarnBackend"))
