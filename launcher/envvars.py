@@ -92,7 +92,7 @@ MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 # variable of its environment to remote ranks, even when -genvlist names it.
 MPI_ENV_END = "PSLAUNCH_MPI_ENV_END"
 # mpirun rewrites these on the way (Open MPI prepends its own prefix): the job's values are restored.
-MPI_REWRITTEN = ("PATH", "LD_LIBRARY_PATH")
+MPI_REWRITTEN = (PATH, "LD_LIBRARY_PATH")
 
 ROLES = ("scheduler", "server", "worker")
 
