@@ -443,10 +443,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except ImportError:
                 raise WrapperError(f"no MPI rank in the environment ({', '.join(envvars.MPI_RANK_VARS)}) "
                                    "and mpi4py is not installed (pip install mpi4py)") from None
+            except Exception as e:  # noqa: BLE001 - mpi4py raises RuntimeError and others
+                raise WrapperError(f"mpi4py could not initialise MPI: {str(e).splitlines()[0] if str(e) else e!r}",
+                                   ) from None
             mpi = MPI
             rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
         table = decode_table(environ.get(envvars.MPI_TABLE, ""))
-        _role, _role_rank, job_env = rank_entry(table, rank, size)
+        _, _, job_env = rank_entry(table, rank, size)
         env = child_environ(environ, job_env)
         env[envvars.NODE_HOST] = node_address(env)
         runner = _Runner(rank, float(table.get("grace", 10.0)), "mpi4py" if mpi is not None else "env")

@@ -59,6 +59,8 @@ WRAPPER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # The table is one environment value; stay well under Linux's 128 KiB per string.
 MAX_TABLE_CHARS = 100_000
 VERSION_TIMEOUT = 15.0
+# After every rank exited 0, how long mpirun may take to exit before it is stopped.
+MPIRUN_EXIT_WAIT = 30.0
 # A longer run of mpirun's output without a newline cannot be a record; it is shown as is.
 MAX_UNTERMINATED = 64 * 1024
 # Open MPI's hostfile is written at start; argv builders and dry runs use this name for it.
@@ -508,6 +510,8 @@ class MPIJob:
         self._buffers = {False: b"", True: b""}
         self._signalled: set[str] = set()
         self._machine = _this_machine()
+        self._all_done_at: Optional[float] = None
+        self._lingered = False
 
     def attach(self, ranks: Sequence[MPIRank]) -> None:
         self.ranks = list(ranks)
@@ -581,6 +585,8 @@ class MPIJob:
             return r.reported
         code = self.mpirun_code()
         if code is None:
+            if r.reported == 0 and self._mpirun_lingers():
+                return 0  # every rank is done; close() stops mpirun
             return None
         if r.reported == 0:
             if code != 0 and r is self._blamed_for(code):
@@ -595,6 +601,20 @@ class MPIJob:
             # what mpirun said is this rank's story: put it in the failure report's tail
             r.output.tail.extend(self.out.lines())
         return code or 1
+
+    def _mpirun_lingers(self) -> bool:
+        """True once every rank has exited 0 and mpirun has not followed within :data:`MPIRUN_EXIT_WAIT`."""
+        if self._all_done_at is None:
+            if not all(x.reported == 0 for x in self.ranks):
+                return False
+            self._all_done_at = time.monotonic()
+        if time.monotonic() - self._all_done_at < MPIRUN_EXIT_WAIT:
+            return False
+        if not self._lingered:
+            self._lingered = True
+            log.warning("every rank exited 0 but mpirun (pid %d) did not exit within %gs; stopping it",
+                        self.popen.pid if self.popen else 0, MPIRUN_EXIT_WAIT)
+        return True
 
     def _blamed_for(self, code: int) -> Optional[MPIRank]:
         if all(r.reported == 0 for r in self.ranks):

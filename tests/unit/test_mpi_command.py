@@ -332,3 +332,91 @@ def test_mpich_listens_on_the_scheduler_address_by_default() -> None:
     assert mpi.mpich_default_interface("10.200.0.1", IFACES) == "ib0"
     assert mpi.mpich_default_interface("127.0.0.1", IFACES) is None
     assert mpi.mpich_default_interface("192.168.9.9", IFACES) is None
+
+
+# --- the demultiplexer and per-rank exit codes (no MPI needed) -------------------------------------------
+
+
+class _FakePopen:
+    pid = 999999
+
+    def __init__(self) -> None:
+        self.code = None
+
+    def poll(self):
+        return self.code
+
+
+def _job(n: int = 2, s: int = 1):
+    import io
+
+    from launcher.output import Console
+
+    out, err = io.BytesIO(), io.BytesIO()
+    console = Console(stdout=out, stderr=err, color=False)
+    procs = _procs(n, s)
+    job = mpi.MPIJob([], console.proc("mpirun", "mpirun", "mpirun"), None)
+    ranks = [mpi.MPIRank(p, console.proc(p.name, p.label, str(p.role)), job, r) for r, p in enumerate(procs)]
+    job.attach(ranks)
+    job.popen = _FakePopen()
+    return job, ranks, out, err
+
+
+def test_demux_routes_records_to_ranks_and_the_rest_to_mpirun() -> None:
+    job, ranks, out, err = _job()
+    rec = mpirank.record
+    job.feed(False, rec(1, "s", b'{"pid": 4242, "host": "h"}') + rec(1, "o", "héllo".encode()) + b"mpirun says hi\n")
+    split = rec(0, "o", b"x")  # a record cut in two by the pipe
+    job.feed(False, rec(2, "O", b"par") + rec(2, "o", b"tial") + split[:3])
+    job.feed(False, split[3:])
+    job.feed(True, rec(2, "e", b"oops") + b"[mpiexec@vm] something")
+    job.close(False)
+    job.close(True)
+    text = out.getvalue().decode()
+    assert "[worker 0] héllo\n" in text and "[worker 1] partial\n" in text and "[server 0] x\n" in text
+    assert "[mpirun] mpirun says hi\n" in text
+    assert "[worker 1] oops\n" in err.getvalue().decode() and "[mpirun] [mpiexec@vm] something\n" in err.getvalue().decode()
+    assert ranks[1].pid == 4242 and "\x1e" not in text
+
+
+def test_exit_codes_fail_fast_and_wait_for_mpirun_on_zero() -> None:
+    job, ranks, _, _ = _job()
+    job.feed(False, mpirank.record(0, "x", b"0") + mpirank.record(2, "x", b"3"))
+    assert ranks[2].poll() == 3  # a failure counts at once
+    assert ranks[0].poll() is None  # a zero waits for mpirun
+    assert ranks[1].poll() is None
+    job.popen.code = 1
+    assert ranks[0].poll() == 0
+    assert ranks[1].poll() == 1 and "before this rank started" in ranks[1].note
+
+
+def test_all_zero_but_mpirun_fails_is_blamed_on_rank_0() -> None:
+    job, ranks, _, _ = _job()
+    job.feed(False, b"".join(mpirank.record(r, "x", b"0") for r in range(3)))
+    job.popen.code = 7
+    assert [r.poll() for r in ranks] == [7, 0, 0]
+    assert "every rank exited 0 but mpirun exited with code 7" in ranks[0].describe()
+
+
+def test_started_rank_that_never_reports_was_killed() -> None:
+    job, ranks, _, _ = _job()
+    job.feed(False, mpirank.record(1, "s", b'{"pid": 5}'))
+    job.popen.code = 143
+    assert ranks[1].poll() == 137 and "without reporting" in ranks[1].note
+
+
+def test_first_failure_time_is_when_the_record_arrived(monkeypatch) -> None:
+    job, ranks, _, _ = _job()
+    job.feed(False, mpirank.record(2, "x", b"3"))
+    job.feed(False, mpirank.record(1, "x", b"143"))
+    ranks[1].poll()  # looked at first, but it ended later
+    ranks[2].poll()
+    assert ranks[2].end_time <= ranks[1].end_time
+
+
+def test_lingering_mpirun_does_not_hold_a_finished_job(monkeypatch) -> None:
+    job, ranks, _, _ = _job()
+    job.feed(False, b"".join(mpirank.record(r, "x", b"0") for r in range(3)))
+    assert ranks[0].poll() is None
+    monkeypatch.setattr(mpi, "MPIRUN_EXIT_WAIT", 0.0)
+    assert [r.poll() for r in ranks] == [0, 0, 0]
