@@ -447,6 +447,7 @@ class MPIRank(ProcessHandle):
         self.note = ""
 
     def started(self, info: dict[str, Any]) -> None:
+        """The wrapper's start record: the command's pid, the node, its address."""
         self.node = info
         pid = info.get("pid")
         self.pid = pid if isinstance(pid, int) else None
@@ -458,6 +459,7 @@ class MPIRank(ProcessHandle):
                 self.job.watchdog.watch(self.local_pgid)
 
     def exited(self, code: int) -> None:
+        """The wrapper's exit record: the command's exit code (128+N for signal N)."""
         if self.reported is None:
             self.reported = code
             self.reported_at = time.time()
@@ -514,6 +516,7 @@ class MPIJob:
         self._lingered = False
 
     def attach(self, ranks: Sequence[MPIRank]) -> None:
+        """The rank handles, in MPI rank order (they need the job first, the job needs them)."""
         self.ranks = list(ranks)
 
     def is_this_machine(self, info: Mapping[str, Any]) -> bool:
@@ -524,6 +527,7 @@ class MPIJob:
     # -- mpirun's output --------------------------------------------------------------
 
     def feed(self, err: bool, data: bytes) -> None:
+        """Bytes from mpirun's stdout (``err`` false) or stderr: records go to their rank."""
         with self._lock:
             data = self._buffers[err] + data
             *lines, rest = data.split(b"\n")
@@ -535,6 +539,7 @@ class MPIJob:
             self._line(err, line)
 
     def close(self, err: bool) -> None:
+        """mpirun's stdout or stderr reached its end: flush, and close every rank's stream."""
         with self._lock:
             rest, self._buffers[err] = self._buffers[err], b""
         if rest:
@@ -573,6 +578,7 @@ class MPIJob:
     # -- status ------------------------------------------------------------------------
 
     def mpirun_code(self) -> Optional[int]:
+        """mpirun's exit code (128+N for signal N) once it has exited."""
         if self.code is None and self.popen is not None:
             code = self.popen.poll()
             if code is not None:
