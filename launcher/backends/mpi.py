@@ -59,6 +59,8 @@ WRAPPER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # The table is one environment value; stay well under Linux's 128 KiB per string.
 MAX_TABLE_CHARS = 100_000
 VERSION_TIMEOUT = 15.0
+# After mpirun exited, how long to wait for the rest of its output (the last records).
+OUTPUT_DRAIN_WAIT = 5.0
 # After every rank exited 0, how long mpirun may take to exit before it is stopped.
 MPIRUN_EXIT_WAIT = 30.0
 # A longer run of mpirun's output without a newline cannot be a record; it is shown as is.
@@ -514,6 +516,8 @@ class MPIJob:
         self._machine = _this_machine()
         self._all_done_at: Optional[float] = None
         self._lingered = False
+        self._out_closed = threading.Event()
+        self._exited_at: Optional[float] = None
 
     def attach(self, ranks: Sequence[MPIRank]) -> None:
         """The rank handles, in MPI rank order (they need the job first, the job needs them)."""
@@ -547,6 +551,8 @@ class MPIJob:
         for r in self.ranks:
             (r.output.stderr if err else r.output.stdout).close()
         (self.out.stderr if err else self.out.stdout).close()
+        if not err:
+            self._out_closed.set()
 
     def _line(self, err: bool, line: bytes) -> None:
         parsed = mpirank.parse_record(line)
@@ -589,7 +595,7 @@ class MPIJob:
         """A rank's exit code once it is known (see :class:`MPIRank`)."""
         if r.reported is not None and r.reported != 0:
             return r.reported
-        code = self.mpirun_code()
+        code = self._finished()
         if code is None:
             if r.reported == 0 and self._mpirun_lingers():
                 return 0  # every rank is done; close() stops mpirun
@@ -607,6 +613,22 @@ class MPIJob:
             # what mpirun said is this rank's story: put it in the failure report's tail
             r.output.tail.extend(self.out.lines())
         return code or 1
+
+    def _finished(self) -> Optional[int]:
+        """mpirun's exit code once it has exited *and* its stdout (the ranks' records) is read.
+
+        mpirun can be seen to exit before the pump has read the last records it
+        wrote; a rank's exit record must not be taken for missing.
+        """
+        code = self.mpirun_code()
+        if code is None:
+            return None
+        if not self._out_closed.is_set():
+            if self._exited_at is None:
+                self._exited_at = time.monotonic()
+            if time.monotonic() - self._exited_at < OUTPUT_DRAIN_WAIT:
+                return None  # (a leftover holding the pipe open delays us this long at most)
+        return code
 
     def _mpirun_lingers(self) -> bool:
         """True once every rank has exited 0 and mpirun has not followed within :data:`MPIRUN_EXIT_WAIT`."""

@@ -386,6 +386,9 @@ def test_exit_codes_fail_fast_and_wait_for_mpirun_on_zero() -> None:
     assert ranks[0].poll() is None  # a zero waits for mpirun
     assert ranks[1].poll() is None
     job.popen.code = 1
+    assert ranks[1].poll() is None  # mpirun exited, but its last records may still be in the pipe
+    job.feed(False, mpirank.record(0, "o", b"late line"))
+    job.close(False)
     assert ranks[0].poll() == 0
     assert ranks[1].poll() == 1 and "before this rank started" in ranks[1].note
 
@@ -394,6 +397,7 @@ def test_all_zero_but_mpirun_fails_is_blamed_on_rank_0() -> None:
     job, ranks, _, _ = _job()
     job.feed(False, b"".join(mpirank.record(r, "x", b"0") for r in range(3)))
     job.popen.code = 7
+    job.close(False)
     assert [r.poll() for r in ranks] == [7, 0, 0]
     assert "every rank exited 0 but mpirun exited with code 7" in ranks[0].describe()
 
@@ -402,6 +406,7 @@ def test_started_rank_that_never_reports_was_killed() -> None:
     job, ranks, _, _ = _job()
     job.feed(False, mpirank.record(1, "s", b'{"pid": 5}'))
     job.popen.code = 143
+    job.close(False)
     assert ranks[1].poll() == 137 and "without reporting" in ranks[1].note
 
 
@@ -420,3 +425,19 @@ def test_lingering_mpirun_does_not_hold_a_finished_job(monkeypatch) -> None:
     assert ranks[0].poll() is None
     monkeypatch.setattr(mpi, "MPIRUN_EXIT_WAIT", 0.0)
     assert [r.poll() for r in ranks] == [0, 0, 0]
+
+
+def test_exit_record_read_after_mpirun_exited_still_counts(monkeypatch) -> None:
+    job, ranks, _, _ = _job()
+    job.popen.code = 0  # mpirun seen gone ...
+    assert [r.poll() for r in ranks] == [None, None, None]
+    job.feed(False, b"".join(mpirank.record(r, "x", b"0") for r in range(3)))  # ... its records read after
+    job.close(False)
+    assert [r.poll() for r in ranks] == [0, 0, 0]
+
+
+def test_a_pipe_held_open_delays_the_verdict_only_briefly(monkeypatch) -> None:
+    job, ranks, _, _ = _job()
+    job.popen.code = 1
+    monkeypatch.setattr(mpi, "OUTPUT_DRAIN_WAIT", 0.0)
+    assert ranks[0].poll() == 1 and "before this rank started" in ranks[0].note
