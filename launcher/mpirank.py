@@ -33,7 +33,8 @@ Record format, one line on the wrapper's stdout (stdout records) or stderr
 
 with kind ``o``/``e`` a whole stdout/stderr line, ``O``/``E`` the first part
 of a long line (no newline yet), ``s`` the start (JSON: pid, host, node
-address), ``x`` the exit code. Lines from mpirun itself carry no mark.
+address), ``x`` the exit code (written to both streams). Lines from mpirun
+itself carry no mark.
 
 Standard library only, importable as ``launcher.mpirank`` and runnable as a
 script on a node where only Python is installed (its siblings ``envvars.py``,
@@ -409,6 +410,17 @@ def _emit_error(rank: Optional[int], message: str) -> None:
         pass
 
 
+def _emit_exit(rank: int, code: int) -> None:
+    """The exit record, on stdout and on stderr: the launcher keeps the first that arrives
+    (one copy reaching it is enough; a lost exit record would make it guess)."""
+    data = record(rank, EXIT, str(code).encode())
+    for fd in (1, 2):
+        try:
+            os.write(fd, data)
+        except OSError:
+            pass
+
+
 def _emit(rank: int, kind: str, payload: bytes) -> None:
     try:
         os.write(1, record(rank, kind, payload))
@@ -455,14 +467,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         runner = _Runner(rank, float(table.get("grace", 10.0)), "mpi4py" if mpi is not None else "env")
         watchdog = _Watchdog(runner.grace)
         code = runner.run(args, env, watchdog)
+        _emit_exit(rank, code)  # as soon as it is known: the rest is housekeeping
     except WrapperError as e:
         _emit_error(rank, str(e))
         code = e.code
+        if rank is not None:
+            _emit_exit(rank, code)
     finally:
         if watchdog is not None:
             watchdog.close()
-    if rank is not None:
-        _emit(rank, EXIT, str(code).encode())
     if mpi is not None:
         try:
             mpi.Finalize()

@@ -606,6 +606,11 @@ class MPIJob:
                 return code
             return 0
         if r.node:
+            if code == 0:
+                # Both families exit non-zero if any rank did: its exit record was lost on the
+                # way, and the command exited 0 (the wrapper exits with the command's code).
+                log.debug("%s: no exit record, but mpirun exited 0, so it exited 0", r.label)
+                return 0
             r.note = "its wrapper ended without reporting"
             return 128 + signal.SIGKILL
         if not r.note:

@@ -441,3 +441,13 @@ def test_a_pipe_held_open_delays_the_verdict_only_briefly(monkeypatch) -> None:
     job.popen.code = 1
     monkeypatch.setattr(mpi, "OUTPUT_DRAIN_WAIT", 0.0)
     assert ranks[0].poll() == 1 and "before this rank started" in ranks[0].note
+
+
+def test_lost_exit_record_with_mpirun_0_means_0() -> None:
+    job, ranks, _, _ = _job()
+    job.feed(False, b"".join(mpirank.record(r, "s", b'{"pid": 7}') for r in range(3)))
+    job.feed(True, mpirank.record(0, "x", b"0") + mpirank.record(1, "x", b"0"))  # rank 2's never came
+    job.feed(False, mpirank.record(0, "x", b"0"))  # the copy on the other stream is ignored
+    job.popen.code = 0
+    job.close(False)
+    assert [r.poll() for r in ranks] == [0, 0, 0]
