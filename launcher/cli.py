@@ -213,6 +213,9 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
 @click.option("--ssh-key", default=None, metavar="FILE", help="ssh: private key file.")
 @click.option("--ssh-connect-timeout", type=float, default=10.0, show_default=True, metavar="SECONDS",
               help="ssh: connection timeout per host.")
+@click.option("--ssh-keepalive", type=float, default=5.0, show_default=True, metavar="SECONDS",
+              help="ssh: keep-alive interval; a host silent for 4 intervals is lost (the job fails), and its "
+                   "processes stop themselves.")
 @click.option("--accept-new-host-keys", is_flag=True,
               help="ssh: trust and record host keys not yet in known_hosts (a changed key is always refused).")
 @click.option("--sync-exclude", multiple=True, metavar="PATTERN",
@@ -270,7 +273,7 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
             raise ConfigError(f"{option} {value}: must be a port number from 1 to 65535")
     if kw.get("ssh_key") and not os.path.isfile(os.path.expanduser(kw["ssh_key"])):
         raise ConfigError(f"--ssh-key {kw['ssh_key']}: no such file")
-    for name in ("ssh_connect_timeout",):
+    for name in ("ssh_connect_timeout", "ssh_keepalive"):
         if kw.get(name) is not None and kw[name] <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
     ssh = SSHOptions(
@@ -280,6 +283,7 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
         accept_new_host_keys=bool(kw.get("accept_new_host_keys")),
         sync_exclude=(".git", "__pycache__") + tuple(kw.get("sync_exclude") or ()),
         sync_delete=bool(kw.get("sync_delete")),
+        keepalive=kw.get("ssh_keepalive") or 5.0,
     )
     return JobSpec(
         command=command, num_workers=n, num_servers=s, launcher=launcher, hosts=hosts, hostfile=hostfile,

@@ -92,7 +92,7 @@ def scheduler_address(spec: JobSpec, node_hosts: Mapping[Optional[Host], Optiona
     routes to the first host.
     """
     environ = spec.environ_dict()
-    iface = environ.get(envvars.INTERFACE, "").strip()
+    iface = (dict(spec.env).get(envvars.INTERFACE) or environ.get(envvars.INTERFACE, "")).strip()
     try:
         if _is_literal_host_ip(spec.host_ip):
             return netif.resolve_ipv4(spec.host_ip or "")
@@ -510,7 +510,7 @@ def dry_run_plan(spec: JobSpec) -> Plan:
     """The plan with placeholders where only a real launch can tell (no network, no ports)."""
     environ = spec.environ_dict()
     remote = spec.launcher != "local"
-    iface = environ.get(envvars.INTERFACE, "").strip()
+    iface = (dict(spec.env).get(envvars.INTERFACE) or environ.get(envvars.INTERFACE, "")).strip()
     try:
         if _is_literal_host_ip(spec.host_ip):
             root_uri = spec.host_ip or ""

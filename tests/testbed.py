@@ -14,7 +14,8 @@ What :func:`build` makes, for testbed number ``X`` (the first free one)::
       A side: 10.200.X.(10+i)/24 on an interface named IFACES[i][0] (eth0, ens1, ...)
       B side: 10.201.X.(10+i)/24 on an interface named IFACES[i][1] (data0, ib0, ...)
 
-Interface names differ between hosts on purpose (only the CIDR form of
+Host 3's sshd allows one session per connection (``MaxSessions 1``), to
+exercise clients that need several. Interface names differ between hosts on purpose (only the CIDR form of
 ``DMLC_INTERFACE`` selects the same network everywhere). Each host's sshd runs
 in a private mount namespace with tmpfs on ``/tmp`` and on :attr:`Testbed.sync_root`,
 so a file found there on a host really crossed ssh. :attr:`Testbed.shared`
@@ -60,6 +61,7 @@ IFACES = (("eth0", "data0"), ("ens1", "ib0"), ("enp2s0", "bond0"), ("eno1", "ib1
 MAX_HOSTS = len(IFACES)
 SSHD = "/usr/sbin/sshd"
 PASSPHRASE = "pslaunch-test-passphrase"
+LIMITED_HOST = 3  # this host's sshd allows one session per connection (MaxSessions 1)
 
 _SSHD_CONFIG = """\
 Port 22
@@ -99,6 +101,8 @@ class TestHost:
     iface_b: str
     alias: str
     sshd_pid: int = 0
+
+    __test__ = False  # not a test class for pytest
 
     @property
     def name(self) -> str:
@@ -242,6 +246,34 @@ class Testbed:
         """An OpenSSH client command line for ``host`` with the testbed's config."""
         return ["ssh", "-F", str(self.ssh_config), "-o", "BatchMode=yes", host.alias, *command]
 
+    def netns_link(self, host: TestHost) -> str:
+        """``net:[INODE]`` as ``readlink /proc/PID/ns/net`` shows it for a process on ``host``."""
+        return f"net:[{os.stat(f'/run/netns/{host.netns}').st_ino}]"
+
+    def host_of(self, netns_link: str) -> Optional[TestHost]:
+        """The host whose namespace ``netns_link`` (from /proc/PID/ns/net) is; None: the root namespace."""
+        for h in self.hosts:
+            if self.netns_link(h) == netns_link:
+                return h
+        return None
+
+    def listeners(self, host: TestHost) -> list[tuple[str, int, str]]:
+        """Listening TCP sockets on ``host`` other than sshd's: (address, port, process name)."""
+        r = _run(["ip", "netns", "exec", host.netns, "ss", "-H", "-ltnp"], check=False)
+        out = []
+        for line in r.stdout.splitlines():
+            fields = line.split()
+            if len(fields) < 5:
+                continue
+            local = fields[3]
+            addr, _, port = local.rpartition(":")
+            users = line.split("users:", 1)[1] if "users:" in line else ""
+            name = users.split('"')[1] if '"' in users else "?"
+            if name in ("sshd", "sshd-session"):
+                continue
+            out.append((addr.strip("[]"), int(port), name))
+        return out
+
     def host_by_addr(self, addr: str) -> TestHost:
         for h in self.hosts:
             if addr in (h.addr_a, h.addr_b):
@@ -264,6 +296,13 @@ class Testbed:
         teardown(self.number, self.state)
 
 
+def _proc_title(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def _proc_start(pid: int) -> str:
     try:
         stat = Path(f"/proc/{pid}/stat").read_bytes()
@@ -272,17 +311,46 @@ def _proc_start(pid: int) -> str:
     return stat[stat.rfind(b")") + 2:].split()[19].decode()
 
 
-def teardown(number: int, state: Optional[Path] = None) -> None:
-    """Remove testbed ``number`` (idempotent, never raises)."""
+def _signal(pids: Iterable[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def teardown(number: int, state: Optional[Path] = None, grace: float = 5.0) -> None:
+    """Remove testbed ``number`` (idempotent, never raises).
+
+    The sshd listeners go first; then whatever still runs in the namespaces
+    gets ``grace`` seconds to finish before SIGKILL. A login shell killed in
+    the middle of its rc files can leave damage behind on this machine (for
+    example pyenv's rehash lock, which makes every later shell wait 60 s).
+    """
     r = _run(["ip", "netns", "list"], check=False)
     mine = [line.split()[0] for line in r.stdout.splitlines() if line.startswith(f"psb{number}-h")]
-    for ns in mine:
-        pids = _run(["ip", "netns", "pids", ns], check=False).stdout.split()
-        for pid in pids:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
+
+    def pids() -> list[int]:
+        out = []
+        for ns in mine:
+            out += [int(p) for p in _run(["ip", "netns", "pids", ns], check=False).stdout.split()]
+        return out
+
+    def comm(pid: int) -> str:
+        try:
+            return Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            return ""
+
+    everything = pids()
+    _signal([p for p in everything if b"[listener]" in _proc_title(p)], signal.SIGTERM)  # no new sessions
+    end = time.monotonic() + grace
+    while time.monotonic() < end:
+        left = [p for p in pids() if comm(p) not in ("sshd", "sshd-session", "")]
+        if not left:
+            break
+        time.sleep(0.1)
+    _signal(pids(), signal.SIGKILL)
     for ns in mine:
         _run(["ip", "netns", "del", ns], check=False)
     for br in (f"psb{number}a", f"psb{number}b"):
@@ -425,8 +493,9 @@ def _keys(tb: Testbed) -> None:
 def _start_sshd(tb: Testbed, h: TestHost) -> None:
     hostdir = tb.state / h.name
     cfg = hostdir / "sshd_config"
+    extra = "MaxSessions 1\n" if h.index == LIMITED_HOST else ""
     cfg.write_text(_SSHD_CONFIG.format(hostkey=hostdir / "ssh_host_ed25519_key",
-                                       authorized_keys=tb.authorized_keys))
+                                       authorized_keys=tb.authorized_keys) + extra)
     script = (f"mount -t tmpfs -o mode=1777 tmpfs /tmp && mount -t tmpfs -o mode=0755 tmpfs {tb.sync_root} "
               f"&& exec {SSHD} -D -e -f {cfg}")
     log = open(hostdir / "sshd.log", "ab")
