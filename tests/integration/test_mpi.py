@@ -375,13 +375,16 @@ def test_hosts_env_contract_and_placement_match_the_plan(remote, tmp_path) -> No
     assert plan == {"server-0": a, "server-1": b, "worker-0": c, "worker-1": a, "worker-2": b}
     sched = probes["scheduler"]["env"]
     assert sched["DMLC_PS_ROOT_URI"] == tb.root_b
+    assert tb.host_of(probes["scheduler"]["netns"]) is None  # the scheduler runs on the launching host
     per_host = {a: "2", b: "2", c: "1"}
     for name, host in plan.items():
         rec = probes[name]
         env = rec["env"]
         role, rank = name.split("-")
         th = tb.host_by_addr(host)
-        # the wrapper worked DMLC_NODE_HOST out on that host: its own address on subnet B
+        # it ran in that host's network namespace ...
+        assert tb.host_of(rec["netns"]) == th, (name, rec["netns"])
+        # ... and its wrapper worked DMLC_NODE_HOST out there: that host's address on subnet B
         assert env["DMLC_NODE_HOST"] == th.addr_b, (name, env["DMLC_NODE_HOST"])
         assert env["DMLC_ROLE"] == role
         assert env["DMLC_TASK_ID"] == str(int(rank) + (3 if role == "server" else 0))
