@@ -222,7 +222,11 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
               help="--sync-dst-dir: skip files matching PATTERN (.git and __pycache__ always). Repeatable.")
 @click.option("--sync-delete", is_flag=True, help="--sync-dst-dir: delete remote files that are gone here.")
 # mpi
-@click.option("--mpirun", default="mpirun", show_default=True, metavar="PATH", help="mpi: the mpirun to use.")
+@click.option("--mpirun", default="mpirun", show_default=True, metavar="PATH",
+              help="mpi: the mpirun to use (Open MPI or MPICH).")
+@click.option("--mpirun-args", default=None, metavar="ARGS",
+              help="mpi: extra mpirun options, one shell-quoted string "
+                   "(e.g. \"--mca plm_rsh_args '-p 2222'\").")
 # cluster schedulers (sge, yarn)
 @click.option("--queue", default=None, help="sge/yarn: queue to submit to.")
 @click.option("--jobname", default=None, help="sge/yarn: job name (default: pslaunch-<program>).")
@@ -295,9 +299,19 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
         port_range=parse_port_range_option(kw.get("port_range") or "9091-9998"),
         start_timeout=kw.get("start_timeout", 60.0), kill_grace=kw.get("kill_grace", 10.0),
         timeout=kw.get("timeout"), workdir=os.getcwd(), p3=bool(kw.get("p3")),
-        ssh=ssh, mpi=MPIOptions(mpirun=kw.get("mpirun") or "mpirun"),
+        ssh=ssh, mpi=MPIOptions(mpirun=kw.get("mpirun") or "mpirun",
+                                extra_args=_split_args(kw.get("mpirun_args"), "--mpirun-args")),
         sge=SGEOptions(native=kw.get("sge_native"), log_dir=kw.get("sge_log_dir"), pe=kw.get("sge_pe") or "smp"),
     )
+
+
+def _split_args(text: Optional[str], option: str) -> tuple[str, ...]:
+    import shlex
+
+    try:
+        return tuple(shlex.split(text or ""))
+    except ValueError as e:
+        raise ConfigError(f"{option} {text!r}: {e}") from None
 
 
 def execute(spec: JobSpec) -> int:

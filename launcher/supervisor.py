@@ -522,7 +522,8 @@ def dry_run_plan(spec: JobSpec) -> Plan:
             root_uri = "<this host's address toward the hosts>"
     except netif.NetifError as e:
         raise ConfigError(str(e)) from None
-    if spec.launcher == "local":
+    if spec.launcher == "local" or (spec.launcher == "mpi" and not spec.hosts):
+        # everything on this machine: nodes bind the scheduler's address
         node_hosts: dict[Optional[Host], Optional[str]] = {None: root_uri}
     else:
         node_hosts = {h: (f"<{h.name} on {iface}>" if iface else h.name) for h in spec.hosts}
