@@ -172,7 +172,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario", choices=sorted(SCENARIOS) + ["noclose"])
     ap.add_argument("--type", default="dist_sync")
-    ap.add_argument("--out", default=os.environ.get("KV_OUT", "."))
+    ap.add_argument("--out", default=".", help="directory for worker-<rank>.json (default: .)")
     args = ap.parse_args()
     global OUT_DIR
     OUT_DIR = args.out
