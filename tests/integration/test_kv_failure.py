@@ -28,10 +28,10 @@ def wait_file(path: Path, timeout: float) -> None:
 
 
 @pytest.fixture
-def job_factory(tmp_path: Path):  # noqa: ANN201
+def job_factory(tmp_path: Path):
     jobs = []
 
-    def make(**kw) -> KVJob:  # noqa: ANN003
+    def make(**kw) -> KVJob:
         job = KVJob(tmp_path, **kw)
         jobs.append(job)
         return job
@@ -41,7 +41,7 @@ def job_factory(tmp_path: Path):  # noqa: ANN201
         job.cleanup()
 
 
-def stalled_job(make, tmp_path: Path, **kw) -> KVJob:  # noqa: ANN001, ANN003
+def stalled_job(make, tmp_path: Path, **kw) -> KVJob:
     job = make(command=worker_command("stall", "--out", str(tmp_path)), **kw).start()
     for rank in range(job.workers):
         wait_file(tmp_path / f"ready-{rank}", 90)
