@@ -398,7 +398,7 @@ class _DistStore(KVStore):
         except ClusterEnvError as e:
             raise KVConfigError(f"{kvtype}: {e}") from None
         if env.role != "worker":
-            raise KVConfigError(f"a {kvtype} kvstore is created by workers, but DMLC_ROLE="
+            raise KVConfigError(f"a {kvtype} kvstore is created by workers, but {_envvars.ROLE}="
                                 f"{env.role}: import trainer.kvstore first, it runs that role")
         setup_logging(env.verbose)
         _install_excepthook()

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from launcher import envvars as E
 from launcher.envvars import ClusterEnv
 
 from . import protocol as P
@@ -370,7 +371,7 @@ class Server:
                         raise KVAbortError(reason)
                     if self.rank < 0 and now - started > env.start_timeout + 5:
                         raise KVTimeoutError(f"{self.sched.name} sent no address book within "
-                                             f"{env.start_timeout:g} s (PS_START_TIMEOUT)")
+                                             f"{env.start_timeout:g} s ({E.START_TIMEOUT})")
                     next_tick = self.sched.next_due(now)
         except KVAbortError:
             self._report_drops()

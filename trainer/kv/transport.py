@@ -29,6 +29,7 @@ from typing import Any
 
 import zmq
 
+from launcher import envvars as E
 from launcher import netif
 from launcher.envvars import ClusterEnv
 
@@ -111,7 +112,7 @@ def scheduler_address(env: ClusterEnv) -> str:
     try:
         return netif.resolve_ipv4(env.root_uri)
     except netif.NetifError as e:
-        raise KVConfigError(f"DMLC_PS_ROOT_URI: {e}") from None
+        raise KVConfigError(f"{E.ROOT_URI}: {e}") from None
 
 
 def bind(sock: zmq.Socket, host: str, port: int = 0,
@@ -133,7 +134,7 @@ def bind(sock: zmq.Socket, host: str, port: int = 0,
                 except zmq.ZMQError as e:
                     if e.errno != errno.EADDRINUSE:
                         raise
-            raise KVConfigError(f"no free port in PS_PORT_RANGE={lo}-{hi} on {host} for {what}; "
+            raise KVConfigError(f"no free port in {E.PORT_RANGE}={lo}-{hi} on {host} for {what}; "
                                 "widen the range")
         attempt("*")
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -142,8 +143,8 @@ def bind(sock: zmq.Socket, host: str, port: int = 0,
         shown = port or "an ephemeral port"
         hint = ("another process holds the port: pick another one"
                 if e.errno == errno.EADDRINUSE else
-                "the address must belong to this host (check DMLC_NODE_HOST, DMLC_INTERFACE "
-                "and DMLC_PS_ROOT_URI)")
+                f"the address must belong to this host (check {E.NODE_HOST}, {E.INTERFACE} "
+                f"and {E.ROOT_URI})")
         raise KVConfigError(f"cannot bind {what} to {host}:{shown}: {e.strerror}; {hint}") from None
 
 
@@ -226,11 +227,11 @@ class Link:
                     self.session = session
                     return
             except P.AuthError as e:
-                what = ("does not know our PSLAUNCH_SECRET" if e.reason == "bad-proof"
-                        else "rejected our PSLAUNCH_SECRET")
+                what = (f"does not know our {E.SECRET}" if e.reason == "bad-proof"
+                        else f"rejected our {E.SECRET}")
                 raise KVAuthError(f"cannot authenticate with {self.name}: it {what}; every "
                                   "process of a job needs the secret its launcher made (is "
-                                  "this the right job, DMLC_PS_ROOT_URI/PORT?)") from None
+                                  f"this the right job, {E.ROOT_URI}/PORT?)") from None
             except P.ProtocolError as e:
                 self.drops.drop(e.reason, self.name)
 
@@ -449,8 +450,8 @@ def check_dist_env(env: ClusterEnv) -> bytes:
     if env.secret:
         return P.secret_key(env.secret)
     if env.insecure:
-        logger.warning("PSLAUNCH_INSECURE is set: the parameter-server traffic is not "
-                       "authenticated; use this only on a trusted host")
+        logger.warning("%s is set: the parameter-server traffic is not "
+                       "authenticated; use this only on a trusted host", E.INSECURE)
         return b""
-    raise KVConfigError("PSLAUNCH_SECRET is not set: start the job with pslaunch, or set "
-                        "PSLAUNCH_INSECURE=1 (or pass --insecure) for a manual run on a trusted host")
+    raise KVConfigError(f"{E.SECRET} is not set: start the job with pslaunch, or set "
+                        f"{E.INSECURE}=1 (or pass --insecure) for a manual run on a trusted host")
