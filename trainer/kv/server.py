@@ -6,11 +6,12 @@ Each stored array is a :class:`Slot` keyed by ``(key id, part)``. Requests:
 * ``PUSH`` in **sync** mode: the pushes of all workers for a slot are summed
   (into the first pushed buffer, in place); when the last one arrives the
   optimizer runs once on the sum (or the sum becomes the value when there is
-  no optimizer), then the held pushpulls and pulls get the new value. A plain
-  push gets no reply unless it fails. A worker's second push before the round
-  completes waits for the next round.
+  no optimizer), then every push of the round (pushpull or not) and every held
+  pull is answered with the new value: the worker keeps it for the pull that
+  nearly always follows a push, which then costs no request. A worker's second
+  push before the round completes waits for the next round.
 * ``PUSH`` in **async** mode (``F_ASYNC``): applied at once; an optimizer is
-  required.
+  required; no reply unless it fails, or it asks for the value (``F_PULL``).
 * ``PULL``: answered at once from the value, or held until the round
   completes when the same worker has pushed into the current round.
 * ``SET_OPTIMIZER`` (JSON spec), ``GET_STATES``/``SET_STATES``, ``STOP``.
@@ -143,8 +144,9 @@ class Server:
             slot.merged_frame = msg.frames[0]
         else:
             slot.merged += grad
-        if msg.flags & P.F_PULL:
-            slot.pending.append((peer, msg.req, 1))
+        # Every push is answered with the round's value: a pull nearly always
+        # follows, and this spares it a request and a round trip.
+        slot.pending.append((peer, msg.req, 1))
         if len(slot.pushed) >= self.num_workers:
             self._complete(msg.key, msg.part, slot)
 
