@@ -69,6 +69,8 @@ def test_hung_worker_is_caught_by_heartbeats(job_factory, tmp_path: Path) -> Non
     stopped = job.signal("worker-1", signal.SIGSTOP)  # alive, connected, silent
     codes = job.wait(15, names=["scheduler", "server-0", "worker-0"])
     elapsed = max(job.exit_times.values()) - stopped
+    print(f"\nhang detection: every other process exited {elapsed:.2f} s after SIGSTOP of worker 1 "
+          "(PS_HEARTBEAT_TIMEOUT=3)")
     job.signal("worker-1", signal.SIGKILL)
     for name in ("scheduler", "server-0", "worker-0"):
         assert codes[name] not in (None, 0), (name, job.outputs())
