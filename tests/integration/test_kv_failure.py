@@ -76,7 +76,8 @@ def test_hung_worker_is_caught_by_heartbeats(job_factory, tmp_path: Path) -> Non
         assert codes[name] not in (None, 0), (name, job.outputs())
         assert "worker 1 (task 1, pid" in job.output(name)
         assert "sent no heartbeat for 3 s (PS_HEARTBEAT_TIMEOUT)" in job.output(name)
-    assert 2.5 < elapsed < 3 + 5
+    # detected by the heartbeat path (not earlier); the rest is the processes' own exit
+    assert 2.5 < elapsed < 3 + 7
 
 
 def test_exception_in_a_worker_is_reported_to_all(job_factory, tmp_path: Path) -> None:
@@ -133,9 +134,10 @@ def test_missing_scheduler_times_out(job_factory) -> None:
 
 
 def test_wrong_secret_is_rejected(job_factory) -> None:
-    job = job_factory(command=worker_command("noop"), start_timeout=12,
+    # a start timeout long enough for worker 1 to start (torch) on a busy machine
+    job = job_factory(command=worker_command("noop"), start_timeout=20,
                       role_env={"worker-1": {envvars.SECRET: "77" * 32}}).start()
-    codes = job.wait(40)
+    codes = job.wait(60)
     assert codes["worker-1"] not in (None, 0)
     assert ("cannot authenticate with the scheduler at 127.0.0.1" in job.output("worker-1")
             and "PSLAUNCH_SECRET" in job.output("worker-1")), job.output("worker-1")
