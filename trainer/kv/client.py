@@ -1,0 +1,556 @@
+"""The worker's side of the parameter server: numpy arrays in, numpy arrays out.
+
+:class:`KVClient` is what ``trainer.kvstore`` builds its ``dist_*`` stores on.
+It keeps torch out: callers hand it flat, contiguous numpy arrays (views of
+their tensors when possible) and get values copied into flat numpy
+destinations.
+
+Threads: the main thread owns the data plane (one authenticated DEALER per
+server). A daemon control thread owns the connection to the scheduler: it
+registers, sends heartbeats, and relays barriers, the final handshake, ready,
+release, done and abort messages to and from the main thread over an inproc
+pair socket, which the main thread polls together with its server sockets,
+so a blocked push or pull sees an abort at once. If the main thread is busy
+elsewhere when the job is aborted, the control thread ends the process (exit
+status 1) after a short grace period: no worker outlives a failed job.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zmq
+
+from launcher.envvars import ClusterEnv
+
+from . import protocol as P
+from .errors import KVAbortError, KVConfigError, KVStoreError, KVTimeoutError
+from .node import SchedulerSession
+from .placement import Part, Placement
+from .transport import CLEAN_LINGER_MS, Link, Verbose, node_address
+
+logger = logging.getLogger(__name__)
+
+#: Seconds the control thread waits for the main thread to act on an abort.
+ABORT_GRACE = 1.0
+#: Sending a caller's buffer of at least this many bytes is zero-copy (tracked).
+_ZERO_COPY_MIN = 1 << 16
+
+_ACK, _VALUE, _JSON = 0, 1, 2
+_pipe_ids = itertools.count()
+
+
+@dataclass
+class KeyInfo:
+    """Where a key lives: its wire id, dtype code, element count and parts."""
+
+    id: int
+    code: int
+    count: int
+    parts: list[Part]
+
+
+class _Batch:
+    """Replies a call is waiting for."""
+
+    __slots__ = ("left", "results", "error")
+
+    def __init__(self) -> None:
+        self.left = 0
+        self.results: list[P.Message] = []
+        self.error: str | None = None
+
+
+def dtype_code(dtype: np.dtype) -> int:
+    """The wire code of a numpy dtype, or KVConfigError for one we do not carry."""
+    code = P.DTYPE_CODES.get(np.dtype(dtype).str)
+    if code is None:
+        raise KVConfigError(f"dtype {np.dtype(dtype)} cannot go through the kvstore; use float32, "
+                            "float64, float16 or an integer type")
+    return code
+
+
+class _Control(threading.Thread):
+    """The control thread: scheduler session, heartbeats, relays (see the module docstring)."""
+
+    def __init__(self, client: KVClient, endpoint: str) -> None:
+        super().__init__(name="kv-control", daemon=True)
+        self.c = client
+        self.pipe = client.ctx.socket(zmq.PAIR)
+        self.pipe.setsockopt(zmq.LINGER, 0)
+        self.pipe.connect(endpoint)
+        self.sched = SchedulerSession(client.ctx, client.env, client.secret, client.v)
+
+    def _to_main(self, kind: bytes, data: bytes = b"") -> None:
+        try:
+            self.pipe.send_multipart([kind, data])
+        except zmq.ZMQError:
+            pass
+
+    def run(self) -> None:
+        env = self.c.env
+        try:
+            self.sched.connect(self.c.started + env.start_timeout, "worker", self.c.host)
+            self._loop()
+        except KVStoreError as e:
+            self._abort(str(e))
+        except zmq.ZMQError as e:
+            if e.errno != zmq.ETERM:
+                self._abort(f"control connection failed: {e}")
+        finally:
+            self.sched.close(CLEAN_LINGER_MS if self.c.finished else 0)
+            self.pipe.close(0)
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sched.sock, zmq.POLLIN)
+        poller.register(self.pipe, zmq.POLLIN)
+        if self.sched.monitor is not None:
+            poller.register(self.sched.monitor, zmq.POLLIN)
+        link = self.sched.link
+        while True:
+            events = dict(poller.poll(self.sched.wait_hint() * 1000))
+            if self.pipe in events:
+                while self.pipe.poll(0):
+                    kind, data = self.pipe.recv_multipart()
+                    if kind == b"barrier":
+                        link.send(P.BARRIER, key=int(data))
+                    elif kind == b"finalize":
+                        link.send(P.FINALIZE)
+                    elif kind == b"fail":
+                        link.send_json(P.FAIL, {"reason": data.decode()})
+                        self._to_main(b"failed")
+                    elif kind == b"stop":
+                        return
+            if self.sched.sock in events:
+                for msg in self.sched.receive():
+                    if msg.cmd == P.READY:
+                        self._to_main(b"ready", bytes(msg.frames[0].buffer))
+                    elif msg.cmd == P.RELEASE:
+                        self._to_main(b"release", str(msg.key).encode())
+                    elif msg.cmd == P.DONE:
+                        self._to_main(b"done")
+                    elif msg.cmd == P.ABORT:
+                        info = msg.json()
+                        raise KVAbortError(f"the scheduler aborted the job: {info.get('reason')}")
+            if not self.c.finished:
+                reason = self.sched.tick(time.monotonic())
+                if reason:
+                    raise KVAbortError(reason)
+
+    def _abort(self, reason: str) -> None:
+        self._to_main(b"abort", reason.encode())
+        if self.c.finished:
+            return
+        # The main thread raises KVAbortError at its next kvstore call, or at once
+        # if it is waiting on one. If it is busy elsewhere, do not let it run on.
+        deadline = time.monotonic() + ABORT_GRACE
+        while time.monotonic() < deadline:
+            try:
+                if self.pipe.poll(50) and self.pipe.recv_multipart()[0] == b"stop":
+                    return
+            except zmq.ZMQError:
+                return
+        logger.error("%s aborting: %s", self.c.v.who, reason)
+        logging.shutdown()
+        os._exit(1)
+
+
+class KVClient:
+    """A worker's connection to the scheduler and the servers.
+
+    Args:
+        env: the process's contract (role worker).
+        secret: the job's HMAC key (:func:`trainer.kv.transport.check_dist_env`).
+        asynchronous: ``dist_async``: servers apply each push at once.
+
+    Raises:
+        KVConfigError: the contract is unusable (no servers, bad addresses).
+        KVAuthError, KVTimeoutError, KVAbortError: start-up failed.
+    """
+
+    def __init__(self, env: ClusterEnv, secret: bytes, asynchronous: bool = False) -> None:
+        if env.num_servers < 1:
+            raise KVConfigError("a dist kvstore needs at least one server (DMLC_NUM_SERVER=0): "
+                                "start the job with -s 1 or more")
+        if env.num_workers < 1:
+            raise KVConfigError("DMLC_NUM_WORKER must be at least 1")
+        self.env = env
+        self.secret = secret
+        self.asynchronous = asynchronous
+        self._flags = P.F_ASYNC if asynchronous else 0
+        self.started = time.monotonic()
+        self.finished = False
+        self.closed = False
+        self.aborted: str | None = None
+        self.v = Verbose(env.verbose, "W[?]")
+        self.host = node_address(env)
+        self.ctx = zmq.Context()
+        endpoint = f"inproc://kv-control-{os.getpid()}-{next(_pipe_ids)}"
+        self._pipe = self.ctx.socket(zmq.PAIR)
+        self._pipe.setsockopt(zmq.LINGER, 0)
+        self._pipe.bind(endpoint)
+        self._released: set[int] = set()
+        self._done = False
+        self._failed_sent = False
+        self._control = _Control(self, endpoint)
+        self._control.start()
+        self.links: list[Link] = []
+        try:
+            self._start()
+        except BaseException:
+            self._shutdown(0)
+            raise
+
+    def _start(self) -> None:
+        env = self.env
+        deadline = self.started + env.start_timeout + 5
+        ready = None
+        while ready is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise KVTimeoutError(f"no address book from the scheduler at {env.root_uri}:"
+                                     f"{env.root_port} within {env.start_timeout:g} s "
+                                     "(PS_START_TIMEOUT): is it running and reachable?")
+            if self._pipe.poll(min(left, 0.5) * 1000):
+                kind, data = self._pipe.recv_multipart()
+                if kind == b"abort":
+                    self.aborted = data.decode()
+                    raise KVAbortError(self.aborted)
+                if kind == b"ready":
+                    ready = P.load_json(data)
+        self.rank = int(ready["rank"])
+        self.num_workers = int(ready["num_workers"])
+        self.num_servers = int(ready["num_servers"])
+        self.v.who = f"W[{self.rank}]"
+        for r, (host, port) in enumerate(ready["servers"]):
+            self.links.append(Link(self.ctx, host, int(port), self.secret,
+                                   f"server {r} at {host}:{port}", f"S[{r}]",
+                                   env.mac_payload, self.v))
+        for link in self.links:
+            link.handshake(deadline)
+            link.send_json(P.REGISTER, {"rank": self.rank, "pid": os.getpid(), "host": self.host})
+        self.v("is connected to others")
+        self._poller = zmq.Poller()
+        self._poller.register(self._pipe, zmq.POLLIN)
+        self._by_sock = {}
+        for link in self.links:
+            self._poller.register(link.sock, zmq.POLLIN)
+            self._by_sock[link.sock] = link
+        self._pending: dict[int, tuple[int, _Batch | None, Any]] = {}
+        self._req = 0
+        self._deferred_error: str | None = None
+        self.keys: dict[Hashable, KeyInfo] = {}
+        self.placement = Placement(self.num_servers, env.bigarray_bound)
+
+    # --- receiving ------------------------------------------------------------------------
+    def _on_pipe(self) -> None:
+        while self._pipe.poll(0):
+            kind, data = self._pipe.recv_multipart()
+            if kind == b"release":
+                self._released.add(int(data))
+            elif kind == b"done":
+                self._done = True
+            elif kind == b"failed":
+                self._failed_sent = True
+            elif kind == b"abort":
+                self.aborted = data.decode()
+                raise KVAbortError(self.aborted)
+
+    def _poll(self, timeout_ms: float) -> None:
+        pending = self._pending
+        for sock, _ in self._poller.poll(timeout_ms):
+            if sock is self._pipe:
+                self._on_pipe()
+                continue
+            link = self._by_sock[sock]
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                msg = link.receive(frames)
+                if msg is None:
+                    continue
+                entry = pending.pop(msg.req, None)
+                if entry is None:
+                    link.drops.drop("unexpected", link.name)
+                    continue
+                kind, batch, dest = entry
+                if msg.status != P.ST_OK:
+                    text = f"{link.name}: {msg.text()}"
+                    if batch is None:
+                        self._deferred_error = self._deferred_error or text
+                    else:
+                        batch.error = batch.error or text
+                elif kind == _VALUE:
+                    if (msg.count != dest.size or not msg.dtype
+                            or P.DTYPES[msg.dtype][0] != dest.dtype.str):
+                        text = f"{link.name} sent {msg.count} elements for a {dest.size}-element pull"
+                        if batch is not None:
+                            batch.error = batch.error or text
+                    else:
+                        np.copyto(dest, np.frombuffer(msg.frames[0].buffer, dest.dtype))
+                elif kind == _JSON and batch is not None:
+                    batch.results.append(msg)
+                if batch is not None:
+                    batch.left -= 1
+
+    def _check(self) -> None:
+        if self.aborted:
+            raise KVAbortError(self.aborted)
+        if self.closed:
+            raise KVStoreError("the kvstore is closed")
+
+    def _wait(self, batch: _Batch) -> None:
+        while batch.left > 0:
+            self._poll(500)
+        self._raise_errors(batch)
+
+    def _raise_errors(self, batch: _Batch | None = None) -> None:
+        text = (batch.error if batch is not None else None) or self._deferred_error
+        if text:
+            if batch is None or not batch.error:
+                self._deferred_error = None
+            raise KVStoreError(text)
+
+    def _send(self, link: Link, cmd: int, kind: int, batch: _Batch | None, dest: Any = None,
+              key: int = 0, part: int = 0, dtype: int = 0, count: int = 0, flags: int = 0,
+              payload: Sequence[Any] = (), track: bool = False) -> Any:
+        self._req = req = (self._req + 1) & 0xFFFFFFFF
+        self._pending[req] = (kind, batch, dest)
+        if batch is not None:
+            batch.left += 1
+        return link.send(cmd, key, part, req, 0, dtype, count, flags, payload, track=track)
+
+    def _wait_trackers(self, trackers: list[Any]) -> None:
+        for t in trackers:
+            while not t.done:
+                try:
+                    t.wait(0.05)
+                except zmq.NotDone:
+                    self._poll(0)
+
+    # --- the API -------------------------------------------------------------------------------
+    def init(self, keys: Sequence[Hashable], arrays: Sequence[np.ndarray]) -> None:
+        """Register keys (same order on every worker); rank 0's arrays become the values."""
+        self._check()
+        new = []
+        for key, arr in zip(keys, arrays):
+            if key in self.keys:
+                raise KVConfigError(f"key {key!r} was already initialised; init each key once")
+            new.append((key, arr))
+        parts = self.placement.assign([(a.size, a.itemsize) for _, a in new])
+        for (key, arr), p in zip(new, parts):
+            self.keys[key] = KeyInfo(len(self.keys), dtype_code(arr.dtype), arr.size, p)
+        if self.rank == 0:
+            batch = _Batch()
+            for key, arr in new:
+                info = self.keys[key]
+                for part in info.parts:
+                    view = arr[part.lo:part.hi]
+                    self._send(self.links[part.server], P.INIT, _ACK, batch, key=info.id,
+                               part=part.index, dtype=info.code, count=view.size, payload=[view])
+            self._wait(batch)
+        self.barrier()
+
+    def _info(self, key: Hashable, arr: np.ndarray) -> KeyInfo:
+        info = self.keys.get(key)
+        if info is None:
+            raise KVConfigError(f"key {key!r} is not initialised: call kv.init({key!r}, value) "
+                                "first, on every worker")
+        if arr.size != info.count:
+            raise KVConfigError(f"key {key!r} holds {info.count} elements, got {arr.size}")
+        return info
+
+    def push(self, keys: Sequence[Hashable], arrays: Sequence[np.ndarray],
+             dests: Sequence[np.ndarray] | None = None, owned: bool = False) -> None:
+        """Push flat arrays; with ``dests``, also receive the updated values (pushpull).
+
+        ``owned`` says the arrays are scratch buffers of ours: they are sent
+        without a copy and without waiting. A caller's buffer is sent without
+        a copy too, and this call returns once ZeroMQ is done reading it.
+        """
+        self._check()
+        batch = _Batch() if dests is not None else None
+        flags = self._flags | (P.F_PULL if dests is not None else 0)
+        kind = _VALUE if dests is not None else _ACK
+        track = not owned and dests is None
+        trackers = []
+        for i, (key, arr) in enumerate(zip(keys, arrays)):
+            info = self._info(key, arr)
+            code = dtype_code(arr.dtype)
+            if code != info.code:
+                raise KVConfigError(f"key {key!r} holds {P.DTYPES[info.code][0]}, got {arr.dtype}")
+            dest = dests[i] if dests is not None else None
+            for part in info.parts:
+                view = arr[part.lo:part.hi] if len(info.parts) > 1 else arr
+                t = self._send(self.links[part.server], P.PUSH, kind, batch,
+                               None if dest is None else dest[part.lo:part.hi], key=info.id,
+                               part=part.index, dtype=code, count=view.size, flags=flags,
+                               payload=[view], track=track and view.nbytes >= _ZERO_COPY_MIN)
+                if t is not None and not t.done:
+                    trackers.append(t)
+        if batch is not None:
+            self._wait(batch)
+        else:
+            self._wait_trackers(trackers)
+            self._raise_errors()
+
+    def pull(self, keys: Sequence[Hashable], dests: Sequence[np.ndarray]) -> None:
+        """Copy the current values into flat ``dests`` (after this worker's own pushes)."""
+        self._check()
+        batch = _Batch()
+        for key, dest in zip(keys, dests):
+            info = self._info(key, dest)
+            for part in info.parts:
+                self._send(self.links[part.server], P.PULL, _VALUE, batch,
+                           dest[part.lo:part.hi] if len(info.parts) > 1 else dest,
+                           key=info.id, part=part.index, flags=self._flags)
+        self._wait(batch)
+
+    def barrier(self, group: int = P.GROUP_WORKERS) -> None:
+        """Block until every member of ``group`` has reached its barrier."""
+        self._check()
+        self._released.discard(group)
+        self._pipe.send_multipart([b"barrier", str(group).encode()])
+        while group not in self._released:
+            self._poll(500)
+        self._released.discard(group)
+
+    def _all_servers(self, cmd: int, payloads: Sequence[Sequence[Any]] | None = None,
+                     kind: int = _ACK) -> _Batch:
+        batch = _Batch()
+        for i, link in enumerate(self.links):
+            self._send(link, cmd, kind, batch, payload=payloads[i] if payloads else ())
+        self._wait(batch)
+        return batch
+
+    def set_optimizer(self, spec: dict[str, Any]) -> None:
+        """Rank 0 installs the optimizer (a JSON spec) on every server; all workers sync."""
+        self._check()
+        if self.rank == 0:
+            body = P.dumps(spec)
+            self._all_servers(P.SET_OPTIMIZER, [[body]] * len(self.links))
+        self.barrier()
+
+    def get_states(self) -> tuple[dict[str, Any] | None, dict[Hashable, tuple[int, dict[str, np.ndarray]]]]:
+        """The optimizer spec and ``{key: (count, {state: flat array})}`` from every server."""
+        self._check()
+        batch = self._all_servers(P.GET_STATES, kind=_JSON)
+        by_part: dict[tuple[int, int], tuple[int, dict[str, np.ndarray]]] = {}
+        spec = None
+        for msg in batch.results:
+            meta = msg.json()
+            spec = spec or meta.get("optimizer")
+            frames = list(msg.frames[1:])
+            for entry in meta["slots"]:
+                arrays = {}
+                for name in entry["names"]:
+                    arrays[name] = frames.pop(0)
+                by_part[(int(entry["key"]), int(entry["part"]))] = (int(entry["count"]), arrays)
+        out: dict[Hashable, tuple[int, dict[str, np.ndarray]]] = {}
+        for key, info in self.keys.items():
+            got = [by_part.get((info.id, p.index)) for p in info.parts]
+            if any(g is None for g in got):
+                continue
+            count = max(g[0] for g in got)  # type: ignore[index]
+            dtype = np.dtype(P.DTYPES[info.code][0])
+            arrays = {}
+            for name in got[0][1]:  # type: ignore[index]
+                full = np.empty(info.count, dtype)
+                for p, g in zip(info.parts, got):
+                    full[p.lo:p.hi] = np.frombuffer(g[1][name].buffer, dtype)  # type: ignore[index]
+                arrays[name] = full
+            out[key] = (count, arrays)
+        return spec, out
+
+    def set_states(self, spec: dict[str, Any] | None,
+                   states: dict[Hashable, tuple[int, dict[str, np.ndarray]]]) -> None:
+        """Rank 0 restores optimizer states on the servers; all workers sync."""
+        self._check()
+        if self.rank == 0:
+            metas: list[dict[str, Any]] = [{"optimizer": spec, "slots": []} for _ in self.links]
+            frames: list[list[Any]] = [[] for _ in self.links]
+            for key, (count, arrays) in states.items():
+                info = self.keys.get(key)
+                if info is None:
+                    raise KVConfigError(f"optimizer state for key {key!r}, which is not "
+                                        "initialised: call kv.init first")
+                names = sorted(arrays)
+                for part in info.parts:
+                    metas[part.server]["slots"].append(
+                        {"key": info.id, "part": part.index, "count": int(count), "names": names})
+                    for n in names:
+                        a = np.ascontiguousarray(arrays[n]).reshape(-1)
+                        if a.size != info.count:
+                            raise KVConfigError(f"state {n!r} of key {key!r} has {a.size} "
+                                                f"elements, expected {info.count}")
+                        frames[part.server].append(
+                            a[part.lo:part.hi].astype(P.DTYPES[info.code][0], copy=False))
+            self._all_servers(P.SET_STATES, [[P.dumps(m), *f] for m, f in zip(metas, frames)])
+        self.barrier()
+
+    # --- the end -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """The end of the job: wait for our pushes, barrier, rank 0 stops the servers,
+        then the final handshake with the scheduler."""
+        if self.closed:
+            return
+        try:
+            self._check()
+            while self._pending:
+                self._poll(500)
+            self._raise_errors()
+            self.barrier()
+            if self.rank == 0:
+                self._all_servers(P.STOP)
+            self.v("is stopping")
+            self._pipe.send_multipart([b"finalize", b""])
+            while not self._done:
+                self._poll(500)
+            self.finished = True
+            self.v("is stopped")
+            self._shutdown(CLEAN_LINGER_MS)
+        except BaseException:
+            self._shutdown(0)
+            raise
+
+    def fail(self, reason: str) -> None:
+        """Tell the scheduler this worker failed (so every node stops at once), then shut down."""
+        if self.closed:
+            return
+        if not self.aborted:
+            try:
+                self._pipe.send_multipart([b"fail", reason.encode()])
+                deadline = time.monotonic() + 1.0
+                while not self._failed_sent and time.monotonic() < deadline:
+                    if self._pipe.poll(50):
+                        self._on_pipe()
+            except (KVAbortError, zmq.ZMQError):
+                pass
+        self._shutdown(0)
+
+    def _shutdown(self, linger_ms: int) -> None:
+        self.closed = True
+        try:
+            self._pipe.send_multipart([b"stop", b""], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        self._control.join(timeout=5)
+        for link in self.links:
+            link.close(linger_ms)
+        self._pipe.close(0)
+        if not self._control.is_alive():
+            self.ctx.term()
+        drops = sum(link.drops.total for link in self.links)
+        if drops:
+            logger.warning("%s dropped %d invalid messages", self.v.who, drops)

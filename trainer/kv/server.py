@@ -1,0 +1,398 @@
+"""A server: holds a shard of the keys and applies the updates (numpy, no torch).
+
+Each stored array is a :class:`Slot` keyed by ``(key id, part)``. Requests:
+
+* ``INIT``: rank 0 sets the initial value.
+* ``PUSH`` in **sync** mode: the pushes of all workers for a slot are summed
+  (into the first pushed buffer, in place); when the last one arrives the
+  optimizer runs once on the sum (or the sum becomes the value when there is
+  no optimizer), then every held request is answered: pushes with an ack,
+  pushpulls and held pulls with the new value. A worker's second push before
+  the round completes waits for the next round.
+* ``PUSH`` in **async** mode (``F_ASYNC``): applied at once; an optimizer is
+  required.
+* ``PULL``: answered at once from the value, or held until the round
+  completes when the same worker has pushed into the current round.
+* ``SET_OPTIMIZER`` (JSON spec), ``GET_STATES``/``SET_STATES``, ``STOP``.
+
+Values are sent without a copy. In sync mode that is safe because a value is
+only changed when a round completes, and a round cannot complete before every
+worker has pushed again, which each does after it has received its previous
+reply. Async replies are copies.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+
+from launcher.envvars import ClusterEnv
+
+from . import protocol as P
+from .errors import KVAbortError, KVTimeoutError
+from .node import SchedulerSession
+from .optim import OptimizerError, Updater, create_optimizer
+from .transport import CLEAN_LINGER_MS, Hub, Verbose, node_address
+
+logger = logging.getLogger(__name__)
+
+_NP_DTYPES = {code: np.dtype(name) for code, (name, _) in P.DTYPES.items()}
+#: Initial values smaller than this are copied out of the receive buffer.
+_SMALL = 1 << 20
+
+
+class Slot:
+    """One stored array (a key, or one part of a split key) and its sync round."""
+
+    __slots__ = ("value", "code", "count", "merged", "pushed", "pending", "backlog")
+
+    def __init__(self, value: np.ndarray, code: int) -> None:
+        self.value = value
+        self.code = code
+        self.count = value.size
+        self.merged: np.ndarray | None = None
+        self.pushed: set[bytes] = set()
+        self.pending: list[tuple[P.Peer, int, int]] = []
+        self.backlog: list[tuple[P.Peer, P.Message]] = []
+
+
+class Server:
+    """The server role. :meth:`run` returns once the job is done and raises on failure.
+
+    Args:
+        env: the process's contract.
+        secret: the job's HMAC key.
+    """
+
+    def __init__(self, env: ClusterEnv, secret: bytes) -> None:
+        self.env = env
+        self.v = Verbose(env.verbose, "S[?]")
+        self.ctx = zmq.Context()
+        self.hub = Hub(self.ctx, secret, env.mac_payload, self.v)
+        self.sched = SchedulerSession(self.ctx, env, secret, self.v)
+        self.num_workers = env.num_workers
+        self.slots: dict[tuple[int, int], Slot] = {}
+        self.updater: Updater | None = None
+        self.mac_payload = env.mac_payload
+        self.rank = -1
+        self.stopping = False
+
+    # --- replies -------------------------------------------------------------------------
+    def _ack(self, peer: P.Peer, msg: P.Message) -> None:
+        self.hub.send(peer, P.REPLY, msg.key, msg.part, msg.req)
+
+    def _error(self, peer: P.Peer, msg: P.Message, text: str) -> None:
+        logger.warning("%s refused %s from %s: %s", self.v.who,
+                       P.COMMAND_NAMES.get(msg.cmd, msg.cmd), peer.label, text)
+        self.hub.send(peer, P.REPLY, msg.key, msg.part, msg.req, status=P.ST_ERROR,
+                      payload=[text.encode()])
+
+    def _send_value(self, peer: P.Peer, key: int, part: int, req: int, slot: Slot,
+                    value: np.ndarray, digest: bytes | None) -> None:
+        self.hub.send(peer, P.REPLY, key, part, req, dtype=slot.code, count=slot.count,
+                      payload=[value], digest=digest)
+
+    def _slot(self, peer: P.Peer, msg: P.Message) -> Slot | None:
+        slot = self.slots.get((msg.key, msg.part))
+        if slot is None:
+            self._error(peer, msg, f"key {msg.key} (part {msg.part}) was never initialised on this "
+                        "server: every worker must call init with the same keys in the same order")
+        return slot
+
+    # --- data plane ------------------------------------------------------------------------
+    def _init(self, peer: P.Peer, msg: P.Message) -> None:
+        dtype = _NP_DTYPES[msg.dtype]
+        value = np.frombuffer(msg.frames[0].buffer, dtype)
+        if value.nbytes < _SMALL:
+            value = value.copy()
+        slot = self.slots.get((msg.key, msg.part))
+        if slot is not None and (slot.pushed or slot.backlog):
+            self._error(peer, msg, f"key {msg.key} was initialised again during a push round")
+            return
+        self.slots[(msg.key, msg.part)] = Slot(value, msg.dtype)
+        self._ack(peer, msg)
+
+    def _push(self, peer: P.Peer, msg: P.Message) -> None:
+        slot = self._slot(peer, msg)
+        if slot is None:
+            return
+        if msg.dtype != slot.code or msg.count != slot.count:
+            self._error(peer, msg, f"push of key {msg.key} has {msg.count} elements of "
+                        f"{P.DTYPES[msg.dtype][0]}, but init gave {slot.count} of "
+                        f"{P.DTYPES[slot.code][0]}: workers disagree on shapes or key order")
+            return
+        grad = np.frombuffer(msg.frames[0].buffer, _NP_DTYPES[msg.dtype])
+        if msg.flags & P.F_ASYNC:
+            self._push_async(peer, msg, slot, grad)
+            return
+        rid = peer.rid
+        if rid in slot.pushed or slot.backlog:
+            slot.backlog.append((peer, msg))
+            return
+        slot.pushed.add(rid)
+        if slot.merged is None:
+            slot.merged = grad
+        else:
+            slot.merged += grad
+        slot.pending.append((peer, msg.req, msg.flags & P.F_PULL))
+        if len(slot.pushed) >= self.num_workers:
+            self._complete(msg.key, msg.part, slot)
+
+    def _push_async(self, peer: P.Peer, msg: P.Message, slot: Slot, grad: np.ndarray) -> None:
+        if self.updater is None:
+            self._error(peer, msg, "dist_async needs an optimizer on the servers: call "
+                        "kv.set_optimizer(...) before the first push")
+            return
+        if slot.pushed:
+            self._error(peer, msg, "a dist_async push arrived during a dist_sync round: every "
+                        "worker must create the same kvstore type")
+            return
+        try:
+            self.updater((msg.key, msg.part), slot.value, grad)
+        except (TypeError, ValueError) as e:
+            self._error(peer, msg, f"the optimizer failed on key {msg.key}: {e}")
+            return
+        if msg.flags & P.F_PULL:
+            value = slot.value.copy()
+            digest = P.payload_digest([value]) if self.mac_payload else None
+            self._send_value(peer, msg.key, msg.part, msg.req, slot, value, digest)
+        else:
+            self._ack(peer, msg)
+
+    def _complete(self, key: int, part: int, slot: Slot) -> None:
+        merged = slot.merged
+        assert merged is not None
+        slot.merged = None
+        slot.pushed = set()
+        if self.updater is not None:
+            try:
+                self.updater((key, part), slot.value, merged)
+            except (TypeError, ValueError) as e:
+                text = f"the optimizer failed on key {key}: {e}"
+                logger.warning("%s %s", self.v.who, text)
+                for peer, req, _ in slot.pending:
+                    self.hub.send(peer, P.REPLY, key, part, req, status=P.ST_ERROR,
+                                  payload=[text.encode()])
+                slot.pending = []
+                return
+        else:
+            slot.value = merged
+        pending = slot.pending
+        slot.pending = []
+        digest = None
+        value = slot.value
+        for peer, req, want in pending:
+            if want:
+                if digest is None and self.mac_payload:
+                    digest = P.payload_digest([value])
+                self._send_value(peer, key, part, req, slot, value, digest)
+            else:
+                self.hub.send(peer, P.REPLY, key, part, req)
+        if slot.backlog:
+            backlog = slot.backlog
+            slot.backlog = []
+            for peer, msg in backlog:
+                self._dispatch(peer, msg)
+
+    def _pull(self, peer: P.Peer, msg: P.Message) -> None:
+        slot = self._slot(peer, msg)
+        if slot is None:
+            return
+        if slot.backlog:
+            slot.backlog.append((peer, msg))
+        elif peer.rid in slot.pushed:
+            slot.pending.append((peer, msg.req, 1))
+        else:
+            value = slot.value.copy() if msg.flags & P.F_ASYNC else slot.value
+            digest = P.payload_digest([value]) if self.mac_payload else None
+            self._send_value(peer, msg.key, msg.part, msg.req, slot, value, digest)
+
+    # --- control ------------------------------------------------------------------------------
+    def _set_optimizer(self, peer: P.Peer, msg: P.Message) -> None:
+        try:
+            self.updater = Updater(create_optimizer(msg.json()))
+        except OptimizerError as e:
+            self._error(peer, msg, str(e))
+            return
+        self._ack(peer, msg)
+
+    def _get_states(self, peer: P.Peer, msg: P.Message) -> None:
+        meta: dict[str, Any] = {"optimizer": None, "slots": []}
+        frames: list[Any] = []
+        if self.updater is not None:
+            meta["optimizer"] = self.updater.optimizer.to_spec()
+            for (key, part), (count, arrays) in self.updater.get_states().items():
+                names = sorted(arrays)
+                meta["slots"].append({"key": key, "part": part, "count": count, "names": names})
+                frames.extend(np.ascontiguousarray(arrays[n]).copy() for n in names)
+        self.hub.send(peer, P.REPLY, msg.key, msg.part, msg.req, payload=[P.dumps(meta), *frames])
+
+    def _set_states(self, peer: P.Peer, msg: P.Message) -> None:
+        if not msg.frames:
+            self._error(peer, msg, "SET_STATES without a description")
+            return
+        try:
+            meta = msg.json()
+            spec = meta.get("optimizer")
+            entries = meta["slots"]
+            if spec is not None:
+                self.updater = Updater(create_optimizer(spec))
+            if self.updater is None:
+                raise ValueError("no optimizer is set: call kv.set_optimizer(...) first")
+            frames = list(msg.frames[1:])
+            states: dict[Any, tuple[int, dict[str, np.ndarray]]] = {}
+            for entry in entries:
+                key, part = int(entry["key"]), int(entry["part"])
+                slot = self.slots.get((key, part))
+                if slot is None:
+                    raise ValueError(f"key {key} (part {part}) is not on this server")
+                arrays = {}
+                for name in entry["names"]:
+                    if not frames:
+                        raise ValueError("fewer state arrays than described")
+                    a = np.frombuffer(frames.pop(0).buffer, slot.value.dtype)
+                    if a.size != slot.count:
+                        raise ValueError(f"state {name!r} of key {key} has {a.size} elements, "
+                                         f"expected {slot.count}")
+                    arrays[str(name)] = a.copy()
+                states[(key, part)] = (int(entry["count"]), arrays)
+            if frames:
+                raise ValueError("more state arrays than described")
+        except (P.ProtocolError, OptimizerError, KeyError, TypeError, ValueError) as e:
+            self._error(peer, msg, f"cannot restore optimizer states: {e}")
+            return
+        self.updater.set_states(states)
+        self._ack(peer, msg)
+
+    def _hello(self, peer: P.Peer, msg: P.Message) -> None:
+        try:
+            info = msg.json()
+            peer.label = f"worker {int(info['rank'])} (pid {int(info['pid'])} on {info['host']})"
+        except (P.ProtocolError, KeyError, TypeError, ValueError):
+            self.hub.drops.drop("malformed", peer.label)
+
+    def _stop(self, peer: P.Peer, msg: P.Message) -> None:
+        self._ack(peer, msg)
+        if not self.stopping:
+            self.stopping = True
+            self.v("is stopping")
+            self.sched.link.send(P.FINALIZE)
+
+    def _dispatch(self, peer: P.Peer, msg: P.Message) -> None:
+        cmd = msg.cmd
+        if cmd == P.PUSH:
+            self._push(peer, msg)
+        elif cmd == P.PULL:
+            self._pull(peer, msg)
+        elif cmd == P.INIT:
+            self._init(peer, msg)
+        elif cmd == P.SET_OPTIMIZER:
+            self._set_optimizer(peer, msg)
+        elif cmd == P.GET_STATES:
+            self._get_states(peer, msg)
+        elif cmd == P.SET_STATES:
+            self._set_states(peer, msg)
+        elif cmd == P.REGISTER:
+            self._hello(peer, msg)
+        elif cmd == P.STOP:
+            self._stop(peer, msg)
+        else:
+            self.hub.drops.drop("unexpected", peer.label)
+
+    # --- main loop ---------------------------------------------------------------------------
+    def _control(self, msg: P.Message) -> bool:
+        """Handle a message from the scheduler; True when the job is done."""
+        if msg.cmd == P.READY:
+            info = msg.json()
+            self.rank = int(info["rank"])
+            self.v.who = f"S[{self.rank}]"
+            self.v("is connected to others")
+        elif msg.cmd == P.ABORT:
+            info = msg.json()
+            raise KVAbortError(f"the scheduler aborted the job: {info.get('reason')}")
+        elif msg.cmd == P.DONE:
+            return True
+        return False
+
+    def run(self) -> None:
+        """Serve until the scheduler says the job is done; raise on failure."""
+        env = self.env
+        started = time.monotonic()
+        try:
+            host = node_address(env)
+            port = self.hub.bind(host, port_range=env.port_range, what="this server")
+            self.v("Bind to role=server, ip=%s, port=%d", host, port)
+            self.sched.connect(started + env.start_timeout, "server", host, port)
+            poller = zmq.Poller()
+            hub_sock, sched_sock = self.hub.sock, self.sched.sock
+            poller.register(hub_sock, zmq.POLLIN)
+            poller.register(sched_sock, zmq.POLLIN)
+            if self.sched.monitor is not None:
+                poller.register(self.sched.monitor, zmq.POLLIN)
+            next_tick = 0.0
+            while True:
+                events = poller.poll(self.sched.wait_hint() * 1000)
+                for sock, _ in events:
+                    if sock is hub_sock:
+                        for peer, msg in self.hub.receive():
+                            try:
+                                self._dispatch(peer, msg)
+                            except P.ProtocolError as e:
+                                self.hub.drops.drop(e.reason, peer.label)
+                    elif sock is sched_sock:
+                        for msg in self.sched.receive():
+                            try:
+                                done = self._control(msg)
+                            except (P.ProtocolError, KeyError, TypeError, ValueError):
+                                self.sched.link.drops.drop("malformed", self.sched.name)
+                                continue
+                            if done:
+                                self.v("is stopped")
+                                self._report_drops()
+                                self.hub.close(CLEAN_LINGER_MS)
+                                self.sched.close(CLEAN_LINGER_MS)
+                                return
+                now = time.monotonic()
+                if now >= next_tick:
+                    next_tick = now + 0.1
+                    reason = self.sched.tick(now)
+                    if reason:
+                        raise KVAbortError(reason)
+                    if self.rank < 0 and now - started > env.start_timeout + 5:
+                        raise KVTimeoutError(f"{self.sched.name} sent no address book within "
+                                             f"{env.start_timeout:g} s (PS_START_TIMEOUT)")
+        except KVAbortError:
+            self._report_drops()
+            self.hub.close(0)
+            self.sched.close(0)
+            raise
+        except BaseException as e:
+            self._report_drops()
+            if self.sched.connected and not isinstance(e, KeyboardInterrupt):
+                try:
+                    self.sched.link.send_json(P.FAIL, {"reason": f"{type(e).__name__}: {e}"})
+                except zmq.ZMQError:
+                    pass
+            self.hub.close(0)
+            self.sched.close(1000)
+            raise
+        finally:
+            self.ctx.term()
+
+    def _report_drops(self) -> None:
+        drops = P.DropCounter()
+        drops.counts = dict(self.hub.drops.counts)
+        for k, n in self.sched.link.drops.counts.items():
+            drops.counts[k] = drops.counts.get(k, 0) + n
+        if drops.total:
+            logger.warning("%s dropped %d invalid messages (%s)", self.v.who, drops.total,
+                           drops.summary())
+
+
+def run(env: ClusterEnv, secret: bytes) -> None:
+    """Run the server role of this process (see :class:`Server`)."""
+    Server(env, secret).run()

@@ -1,0 +1,516 @@
+"""An MXNet-shaped KVStore for PyTorch tensors: local, device and parameter-server stores.
+
+Example:
+    >>> from trainer import kvstore
+    >>> kv = kvstore.create("local")
+    >>> kv.init(3, torch.ones(2, 3))
+    >>> kv.push(3, [torch.ones(2, 3), torch.ones(2, 3)])   # two "devices", summed
+    >>> out = torch.empty(2, 3); kv.pull(3, out)             # out == 2
+
+Types (matched like MXNet, by name):
+
+* ``local``: values from several devices are summed on the CPU; the store lives on the CPU.
+* ``device``: values are summed on the first value's device, where the store lives.
+* ``dist_sync`` / ``dist_device_sync`` / ``dist_async``: through the parameter
+  servers (:mod:`trainer.kv`); ``dist_device_sync`` sums the local devices on
+  the first device before pushing. Rank 0's ``init`` value wins, and with
+  ``set_optimizer`` the servers apply the updates (MXNet's update_on_kvstore),
+  so ``pull`` returns weights.
+
+Like ``import mxnet``, importing this module in a process whose ``DMLC_ROLE``
+is ``scheduler`` or ``server`` runs that role and exits; torch is not
+imported on those roles.
+"""
+
+from __future__ import annotations
+
+import os
+
+from launcher import envvars as _envvars
+
+if os.environ.get(_envvars.ROLE, "").strip().lower() in ("scheduler", "server"):
+    from trainer.kv.role import run_role as _run_role
+
+    _run_role()
+
+import atexit  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+import weakref  # noqa: E402
+from typing import Any, NoReturn, Union
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from trainer.kv.errors import (  # noqa: E402
+    KVAbortError,
+    KVAuthError,
+    KVConfigError,
+    KVStoreError,
+    KVTimeoutError,
+)
+from trainer.kv.optim import ArrayOps, OptimizerError, Updater, create_optimizer  # noqa: E402
+
+__all__ = ["create", "KVStore", "run_role", "KVStoreError", "KVConfigError", "KVAbortError",
+           "KVAuthError", "KVTimeoutError", "TYPES"]
+
+logger = logging.getLogger(__name__)
+
+Key = Union[int, str]
+#: The store types :func:`create` accepts.
+TYPES = ("local", "device", "dist_sync", "dist_device_sync", "dist_async")
+_ALIASES = {"dist": "dist_sync", "dist_sync_device": "dist_device_sync",
+            "local_update_cpu": "local", "local_allreduce_cpu": "local",
+            "local_allreduce_device": "device"}
+STATES_FORMAT = "pslaunch-kv-optimizer-states/1"
+
+
+def run_role() -> NoReturn:
+    """Run the scheduler or server role named by ``DMLC_ROLE``, then exit the process."""
+    from trainer.kv.role import run_role as role
+
+    role(())
+
+
+class _TorchOps(ArrayOps):
+    """The optimizer's array functions for torch tensors (any device)."""
+
+    @staticmethod
+    def zeros_like(a: Any) -> Any:
+        return torch.zeros_like(a)
+
+    @staticmethod
+    def sqrt(a: Any) -> Any:
+        return torch.sqrt(a)
+
+    @staticmethod
+    def divide(a: Any, b: Any, out: Any) -> Any:
+        return torch.div(a, b, out=out)
+
+    @staticmethod
+    def clip_(a: Any, bound: float) -> Any:
+        return a.clamp_(-bound, bound)
+
+
+TORCH_OPS = _TorchOps()
+
+
+# --- argument normalization ---------------------------------------------------------------
+
+
+def _tensor(v: Any, what: str) -> torch.Tensor:
+    if isinstance(v, torch.Tensor):
+        return v
+    if isinstance(v, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(v) if not v.flags.writeable else v)
+    raise KVConfigError(f"{what} must be a torch tensor or a numpy array, got {type(v).__name__}")
+
+
+def _check_key(k: Any) -> Key:
+    if isinstance(k, bool) or not isinstance(k, (int, str)):
+        raise KVConfigError(f"a key must be an int or a str, got {k!r}")
+    return k
+
+
+def _group(key: Any, value: Any, what: str) -> list[tuple[Key, list[torch.Tensor]]]:
+    """``(key, value)`` as ``[(key, [tensor per device]), ...]``, MXNet style."""
+    if isinstance(key, (list, tuple)):
+        if not isinstance(value, (list, tuple)) or len(value) != len(key):
+            raise KVConfigError(f"{len(key)} keys need a list of {len(key)} {what}s")
+        return [(_check_key(k), _devices(v, what)) for k, v in zip(key, value)]
+    return [(_check_key(key), _devices(value, what))]
+
+
+def _devices(v: Any, what: str) -> list[torch.Tensor]:
+    items = list(v) if isinstance(v, (list, tuple)) else [v]
+    if not items:
+        raise KVConfigError(f"an empty list is not a {what}")
+    out = [_tensor(t, what) for t in items]
+    shape = out[0].shape
+    for t in out[1:]:
+        if t.shape != shape:
+            raise KVConfigError(f"the {what}s of one key must have one shape: "
+                                f"{tuple(shape)} and {tuple(t.shape)}")
+    return out
+
+
+def _sum(values: list[torch.Tensor], device: torch.device | None) -> torch.Tensor:
+    """A new tensor holding the sum of ``values``, on ``device`` (None: the first value's)."""
+    dev = values[0].device if device is None else device
+    acc = values[0].detach().to(dev, copy=True)
+    for v in values[1:]:
+        acc += v.detach().to(dev)
+    return acc
+
+
+def _flat_numpy(t: torch.Tensor) -> tuple[np.ndarray, bool]:
+    """A flat numpy array with ``t``'s data, and whether it is a private copy."""
+    if t.dtype == torch.bfloat16:
+        raise KVConfigError("bfloat16 tensors cannot go through the kvstore; use float32 or float16")
+    t = t.detach()
+    if t.device.type == "cpu" and t.is_contiguous():
+        return t.reshape(-1).numpy(), False
+    return t.reshape(-1).to("cpu", copy=True).contiguous().numpy(), True
+
+
+# --- the stores ------------------------------------------------------------------------------
+
+
+class KVStore:
+    """The common interface (see the module docstring). Create one with :func:`create`."""
+
+    def __init__(self, kvtype: str) -> None:
+        self._type = kvtype
+        self._updater: Updater | None = None
+        self._spec: dict[str, Any] | None = None
+
+    @property
+    def type(self) -> str:
+        return self._type
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def num_workers(self) -> int:
+        return 1
+
+    def init(self, key: Any, value: Any) -> None:
+        raise NotImplementedError
+
+    def push(self, key: Any, value: Any, priority: int = 0) -> None:
+        raise NotImplementedError
+
+    def pull(self, key: Any, out: Any, priority: int = 0) -> None:
+        raise NotImplementedError
+
+    def pushpull(self, key: Any, value: Any, out: Any, priority: int = 0) -> None:
+        """Push ``value`` and pull the result into ``out``, in one round trip when distributed."""
+        self.push(key, value, priority)
+        self.pull(key, out, priority)
+
+    def set_optimizer(self, spec: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def get_optimizer_states(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def set_optimizer_states(self, states: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        """Wait for every worker (a no-op for a single process)."""
+
+    def close(self) -> None:
+        """End the job (dist: final barrier, rank 0 stops the servers)."""
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close()
+
+    @staticmethod
+    def _states_dict(spec: dict[str, Any] | None, per_key: dict[Any, tuple[int, dict[str, Any]]]
+                     ) -> dict[str, Any]:
+        return {"format": STATES_FORMAT, "optimizer": spec,
+                "states": {k: {"count": int(c), "arrays": dict(a)} for k, (c, a) in per_key.items()}}
+
+    @staticmethod
+    def _parse_states(states: dict[str, Any]) -> tuple[dict[str, Any] | None,
+                                                       dict[Any, tuple[int, dict[str, Any]]]]:
+        if not isinstance(states, dict) or states.get("format") != STATES_FORMAT:
+            raise KVConfigError("not optimizer states from get_optimizer_states() "
+                                f"(expected format {STATES_FORMAT!r})")
+        per_key = {}
+        for k, entry in states.get("states", {}).items():
+            per_key[k] = (int(entry["count"]), {n: _tensor(a, "state") for n, a in
+                                                 entry["arrays"].items()})
+        return states.get("optimizer"), per_key
+
+
+class _LocalStore(KVStore):
+    """``local`` and ``device``: one process, several devices."""
+
+    def __init__(self, kvtype: str) -> None:
+        super().__init__(kvtype)
+        self._on_device = kvtype == "device"
+        self._store: dict[Key, torch.Tensor] = {}
+
+    def _home(self, v: torch.Tensor) -> torch.device:
+        return v.device if self._on_device else torch.device("cpu")
+
+    def init(self, key: Any, value: Any) -> None:
+        for k, vals in _group(key, value, "value"):
+            if k in self._store:
+                raise KVConfigError(f"key {k!r} was already initialised; init each key once")
+            self._store[k] = vals[0].detach().to(self._home(vals[0]), copy=True)
+
+    def _stored(self, k: Key) -> torch.Tensor:
+        s = self._store.get(k)
+        if s is None:
+            raise KVConfigError(f"key {k!r} is not initialised: call kv.init({k!r}, value) first")
+        return s
+
+    def push(self, key: Any, value: Any, priority: int = 0) -> None:
+        for k, vals in _group(key, value, "value"):
+            stored = self._stored(k)
+            if vals[0].shape != stored.shape:
+                raise KVConfigError(f"key {k!r} holds shape {tuple(stored.shape)}, got "
+                                    f"{tuple(vals[0].shape)}")
+            merged = _sum(vals, None if self._on_device else torch.device("cpu"))
+            merged = merged.to(stored.device)
+            if self._updater is not None:
+                self._updater(k, stored, merged.to(stored.dtype))
+            else:
+                stored.copy_(merged)
+
+    def pull(self, key: Any, out: Any, priority: int = 0) -> None:
+        for k, outs in _group(key, out, "out"):
+            stored = self._stored(k)
+            for o in outs:
+                if o.shape != stored.shape:
+                    raise KVConfigError(f"key {k!r} holds shape {tuple(stored.shape)}, but the "
+                                        f"out tensor has {tuple(o.shape)}")
+                o.copy_(stored)
+
+    def set_optimizer(self, spec: dict[str, Any]) -> None:
+        try:
+            opt = create_optimizer(spec)
+        except OptimizerError as e:
+            raise KVConfigError(str(e)) from None
+        self._spec = opt.to_spec()
+        self._updater = Updater(opt, TORCH_OPS)
+
+    def get_optimizer_states(self) -> dict[str, Any]:
+        if self._updater is None:
+            return self._states_dict(None, {})
+        per_key = {k: (c, {n: a.detach().to("cpu", copy=True) for n, a in arrays.items()})
+                   for k, (c, arrays) in self._updater.get_states().items()}
+        return self._states_dict(self._spec, per_key)
+
+    def set_optimizer_states(self, states: dict[str, Any]) -> None:
+        spec, per_key = self._parse_states(states)
+        if self._updater is None:
+            if spec is None:
+                raise KVConfigError("no optimizer: call kv.set_optimizer(...) first")
+            self.set_optimizer(spec)
+        assert self._updater is not None
+        restored = {}
+        for k, (count, arrays) in per_key.items():
+            stored = self._stored(k)
+            restored[k] = (count, {n: a.to(stored.device, stored.dtype, copy=True).reshape(
+                stored.shape) for n, a in arrays.items()})
+        self._updater.set_states(restored)
+
+
+_live: weakref.WeakSet[_DistStore] = weakref.WeakSet()
+_uncaught: list[BaseException] = []
+
+
+def _excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
+    _uncaught.append(exc)
+    _previous_hook(exc_type, exc, tb)
+
+
+_previous_hook = sys.excepthook
+
+
+def _at_exit() -> None:
+    for store in list(_live):
+        store._end_of_process()
+
+
+class _DistStore(KVStore):
+    """``dist_sync``, ``dist_device_sync`` and ``dist_async``: through the parameter servers."""
+
+    def __init__(self, kvtype: str) -> None:
+        super().__init__(kvtype)
+        from launcher.envvars import ClusterEnv, ClusterEnvError
+        from trainer.kv.client import KVClient
+        from trainer.kv.transport import check_dist_env, setup_logging
+
+        try:
+            env = ClusterEnv.from_environ(os.environ)
+        except ClusterEnvError as e:
+            raise KVConfigError(f"{kvtype}: {e}") from None
+        if env.role != "worker":
+            raise KVConfigError(f"a {kvtype} kvstore is created by workers, but DMLC_ROLE="
+                                f"{env.role}: import trainer.kvstore first, it runs that role")
+        setup_logging(env.verbose)
+        self._device_sum = "device" in kvtype
+        self._client = KVClient(env, check_dist_env(env), asynchronous=kvtype == "dist_async")
+        self._shapes: dict[Key, tuple[torch.Size, torch.dtype]] = {}
+        self._staging: dict[Key, np.ndarray] = {}
+        global _previous_hook
+        if not _live:
+            if sys.excepthook is not _excepthook:
+                _previous_hook = sys.excepthook
+                sys.excepthook = _excepthook
+        _live.add(self)
+
+    @property
+    def rank(self) -> int:
+        return self._client.rank
+
+    @property
+    def num_workers(self) -> int:
+        return self._client.num_workers
+
+    def _merged(self, vals: list[torch.Tensor]) -> tuple[np.ndarray, bool]:
+        if len(vals) == 1:
+            return _flat_numpy(vals[0])
+        dev = None if self._device_sum else torch.device("cpu")
+        arr, _ = _flat_numpy(_sum(vals, dev))
+        return arr, True
+
+    def _check(self, k: Key, t: torch.Tensor) -> None:
+        shape = self._shapes.get(k)
+        if shape is None:
+            raise KVConfigError(f"key {k!r} is not initialised: call kv.init({k!r}, value) first, "
+                                "on every worker")
+        if t.shape != shape[0]:
+            raise KVConfigError(f"key {k!r} holds shape {tuple(shape[0])}, got {tuple(t.shape)}")
+
+    def init(self, key: Any, value: Any) -> None:
+        groups = _group(key, value, "value")
+        arrays = []
+        for k, vals in groups:
+            if k in self._shapes:
+                raise KVConfigError(f"key {k!r} was already initialised; init each key once")
+            arrays.append(_flat_numpy(vals[0])[0])
+        self._client.init([k for k, _ in groups], arrays)
+        for k, vals in groups:
+            self._shapes[k] = (vals[0].shape, vals[0].dtype)
+
+    def push(self, key: Any, value: Any, priority: int = 0) -> None:
+        groups = _group(key, value, "value")
+        arrays, owned = [], True
+        for k, vals in groups:
+            self._check(k, vals[0])
+            arr, mine = self._merged(vals)
+            arrays.append(arr)
+            owned = owned and mine
+        self._client.push([k for k, _ in groups], arrays, owned=owned)
+
+    def _dests(self, groups: list[tuple[Key, list[torch.Tensor]]]) -> list[np.ndarray]:
+        dests = []
+        for k, outs in groups:
+            self._check(k, outs[0])
+            first = outs[0]
+            if (first.device.type == "cpu" and first.is_contiguous()
+                    and first.dtype == self._shapes[k][1]):
+                dests.append(first.detach().reshape(-1).numpy())
+            else:
+                buf = self._staging.get(k)
+                if buf is None:
+                    dt = torch.empty(0, dtype=self._shapes[k][1]).numpy().dtype
+                    buf = self._staging[k] = np.empty(first.numel(), dt)
+                dests.append(buf)
+        return dests
+
+    @staticmethod
+    def _fan_out(groups: list[tuple[Key, list[torch.Tensor]]], dests: list[np.ndarray]) -> None:
+        for (_, outs), dest in zip(groups, dests):
+            src = outs[0]
+            if dest.ctypes.data != src.data_ptr() or src.device.type != "cpu":
+                src = torch.from_numpy(dest).reshape(outs[0].shape)
+                outs[0].copy_(src)
+            for o in outs[1:]:
+                o.copy_(src)
+
+    def pull(self, key: Any, out: Any, priority: int = 0) -> None:
+        groups = _group(key, out, "out")
+        dests = self._dests(groups)
+        self._client.pull([k for k, _ in groups], dests)
+        self._fan_out(groups, dests)
+
+    def pushpull(self, key: Any, value: Any, out: Any, priority: int = 0) -> None:
+        groups = _group(key, value, "value")
+        out_groups = _group(key, out, "out")
+        arrays = []
+        for k, vals in groups:
+            self._check(k, vals[0])
+            arrays.append(self._merged(vals)[0])
+        dests = self._dests(out_groups)
+        self._client.push([k for k, _ in groups], arrays, dests=dests, owned=True)
+        self._fan_out(out_groups, dests)
+
+    def set_optimizer(self, spec: dict[str, Any]) -> None:
+        try:
+            opt = create_optimizer(spec)
+        except OptimizerError as e:
+            raise KVConfigError(str(e)) from None
+        self._spec = opt.to_spec()
+        self._client.set_optimizer(self._spec)
+
+    def get_optimizer_states(self) -> dict[str, Any]:
+        spec, per_key = self._client.get_states()
+        out = {}
+        for k, (count, arrays) in per_key.items():
+            shape = self._shapes[k][0]
+            out[k] = (count, {n: torch.from_numpy(a).reshape(shape) for n, a in arrays.items()})
+        return self._states_dict(spec, out)
+
+    def set_optimizer_states(self, states: dict[str, Any]) -> None:
+        spec, per_key = self._parse_states(states)
+        flat = {}
+        for k, (count, arrays) in per_key.items():
+            if k not in self._shapes:
+                raise KVConfigError(f"optimizer state for key {k!r}, which is not initialised")
+            flat[k] = (count, {n: _flat_numpy(a)[0] for n, a in arrays.items()})
+        self._client.set_states(spec if spec is not None else self._spec, flat)
+
+    def barrier(self) -> None:
+        self._client.barrier()
+
+    def close(self) -> None:
+        _live.discard(self)
+        self._client.close()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        failed = exc is not None and not (isinstance(exc, SystemExit) and exc.code in (0, None))
+        if failed:
+            _live.discard(self)
+            self._client.fail(f"{exc_type.__name__}: {exc}")
+        else:
+            self.close()
+
+    def _end_of_process(self) -> None:
+        """At interpreter exit without close(): close, or report the uncaught exception."""
+        _live.discard(self)
+        client = self._client
+        if client.closed:
+            return
+        try:
+            if _uncaught:
+                exc = _uncaught[-1]
+                client.fail(f"{type(exc).__name__}: {exc}")
+            elif client.aborted:
+                client.fail(client.aborted)
+            else:
+                client.close()
+        except KVStoreError as e:
+            logger.error("kvstore: %s", e)
+
+
+atexit.register(_at_exit)
+
+
+def create(name: str = "local") -> KVStore:
+    """Create a kvstore: ``local``, ``device``, ``dist_sync``, ``dist_device_sync`` or ``dist_async``.
+
+    Raises:
+        KVConfigError: unknown type, or a dist type outside a job (no contract, no secret).
+        KVStoreError: the parameter-server job could not be joined (timeout, auth, abort).
+    """
+    if not isinstance(name, str):
+        raise KVConfigError(f"a kvstore type is a string such as 'dist_sync', got {name!r}")
+    kvtype = _ALIASES.get(name.lower(), name.lower())
+    if kvtype not in TYPES:
+        raise KVConfigError(f"unknown kvstore type {name!r}; use one of {', '.join(TYPES)}")
+    if kvtype.startswith("dist"):
+        return _DistStore(kvtype)
+    return _LocalStore(kvtype)
+
