@@ -299,7 +299,7 @@ def download(spec: IdxSpec, data_dir: Path, mirrors: Sequence[str] = MIRRORS,
             return final
         except (DataError, OSError, ValueError) as e:
             reason = _describe_error(e)
-            log.warning("Download of %s failed: %s", url, reason)
+            log.debug("Download of %s failed: %s", url, reason)
             failures.append(f"{url}: {reason}")
     if not failures:
         raise DataError(f"cannot download {spec.gz_name}: no mirrors given")

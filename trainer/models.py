@@ -14,9 +14,9 @@ LeNet computes exactly the function MXNet's does, a little faster:
   gradient can differ only where two pooled inputs tie after ``tanh``, which
   happens only where ``tanh`` saturates and its derivative is 0 to float
   precision.
-* The weight gradient of the first convolution (whose input needs no gradient)
-  is computed as one small convolution over the batch, which is several times
-  faster on CPU than the generic backward kernel.
+* On CPU, the weight gradient of the first convolution (whose input needs no
+  gradient) is computed as one small convolution over the batch, which is
+  several times faster than the generic backward kernel.
 * On CPU the convolutions run in channels-last layout.
 
 ``reference_forward`` keeps the plain order of operations for the tests.
@@ -62,7 +62,7 @@ class LeNet(nn.Module):
         self.fc2 = nn.Linear(500, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.requires_grad or not torch.is_grad_enabled():
+        if x.requires_grad or not x.is_cpu or not torch.is_grad_enabled():
             y = self.conv1(x)
         else:
             y = _FirstConv.apply(x, self.conv1.weight, self.conv1.bias)
