@@ -591,7 +591,7 @@ def _build(data_dir: Path, download_missing: bool, mirrors: Sequence[str], timeo
                     f"or put {names} in {data_dir}")
 
 
-# --- shards ------------------------------------------------------------------------
+# --- batches and shards ------------------------------------------------------------------------
 
 
 def batches_per_epoch(num_examples: int, num_workers: int, batch_size: int) -> int:
@@ -628,3 +628,31 @@ def epoch_batches(*, num_train: int, num_examples: int, epoch: int, seed: int,
     if total > num_examples:
         order = np.resize(order, total)  # repeats from the start
     return order.reshape(nb, num_workers, batch_size)[:, rank, :].copy()
+
+
+def split_batch(batch_size: int, work_load: Sequence[float]) -> list[slice]:
+    """Split a batch across devices in proportion to ``work_load`` (MXNet's rule).
+
+    Each device gets ``round(w * batch_size / sum(work_load))`` samples; a
+    shortfall goes to the last device and an excess is cut from the end.
+
+    Raises:
+        ValueError: a device would get no sample, or a share is not positive.
+    """
+    if not work_load or any(not (w > 0 and math.isfinite(w)) for w in work_load):
+        raise ValueError(f"the work-load list {list(work_load)} must hold positive numbers")
+    total = float(sum(work_load))
+    sizes = [round(w * batch_size / total) for w in work_load]
+    shortfall = batch_size - sum(sizes)
+    if shortfall > 0:
+        sizes[-1] += shortfall
+    slices, end = [], 0
+    for size in sizes:
+        begin = min(end, batch_size)
+        end = min(begin + size, batch_size)
+        if begin >= end:
+            shares = ",".join(f"{w:g}" for w in work_load)
+            raise ValueError(f"batch {batch_size} split by work load {shares} leaves a device "
+                             f"without samples ({'/'.join(map(str, sizes))}); use a bigger batch or fewer devices")
+        slices.append(slice(begin, end))
+    return slices

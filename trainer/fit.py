@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import sys
 import tempfile
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.data import MNIST, batches_per_epoch, epoch_batches
+from trainer.data import split_batch as data_split_batch
 from trainer.models import create_model, num_parameters
 
 log = logging.getLogger(__name__)
@@ -81,30 +81,11 @@ class TrainConfig:
 
 
 def split_batch(batch_size: int, work_load: Sequence[float]) -> list[slice]:
-    """Split a batch across devices in proportion to ``work_load`` (MXNet's rule).
-
-    Each device gets ``round(w * batch_size / sum(work_load))`` samples; a
-    shortfall goes to the last device and an excess is cut from the end.
-
-    Raises:
-        FitError: a device would get no sample.
-    """
-    if not work_load or any(not (w > 0 and math.isfinite(w)) for w in work_load):
-        raise FitError(f"the work-load list {list(work_load)} must hold positive numbers")
-    total = float(sum(work_load))
-    sizes = [round(w * batch_size / total) for w in work_load]
-    shortfall = batch_size - sum(sizes)
-    if shortfall > 0:
-        sizes[-1] += shortfall
-    slices, end = [], 0
-    for size in sizes:
-        begin = min(end, batch_size)
-        end = min(begin + size, batch_size)
-        if begin >= end:
-            raise FitError(f"batch {batch_size} split by work load {_fmt_list(work_load)} leaves a device "
-                           f"without samples ({'/'.join(map(str, sizes))}); use a bigger batch or fewer devices")
-        slices.append(slice(begin, end))
-    return slices
+    """:func:`trainer.data.split_batch`, raising :class:`FitError`."""
+    try:
+        return data_split_batch(batch_size, work_load)
+    except ValueError as e:
+        raise FitError(str(e)) from None
 
 
 def _fmt_list(values: Sequence[float]) -> str:

@@ -138,6 +138,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if len(args.work_load) != ndev:
             raise UsageError(f"--work-load-list {args.work_load_list} has {len(args.work_load)} entries "
                              f"for {ndev} device(s)")
+    ndev = len(args.gpu_list) if args.gpu_list is not None else (args.cpus or 1)
+    if ndev > 1:
+        from trainer.data import split_batch
+
+        try:
+            split_batch(args.batch_size, args.work_load or [1.0] * ndev)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if args.load_epoch is not None and not args.model_prefix:
         raise UsageError("--load-epoch needs --model-prefix")
     if args.load_epoch is not None and args.load_epoch >= args.num_epochs:
