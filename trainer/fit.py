@@ -378,61 +378,25 @@ def fit(cfg: TrainConfig, kv: Any, data: MNIST, *, plot: str | None = None) -> d
 
     train_x = torch.from_numpy(data.train_images).unsqueeze(1)  # uint8, scaled per batch
     train_y = torch.from_numpy(data.train_labels.astype(np.int64))
-    dev0 = devices[0]
     summary_epochs: list[dict[str, Any]] = []
     for epoch in range(begin_epoch, cfg.num_epochs):
         order = torch.from_numpy(epoch_batches(num_train=num_train, num_examples=cfg.num_examples,
                                                epoch=epoch, seed=cfg.seed, rank=rank,
                                                num_workers=num_workers, batch_size=cfg.batch_size))
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        pending: list[torch.Tensor] = []  # correct counts not yet read (reading syncs a GPU)
-        epoch_correct = window_correct = window_samples = 0
-        bar = _Bar(cfg.progress, epoch_size, epoch)
-        tic = window_tic = time.time()
-        with _logging_around_bar(cfg.progress):
-            for nbatch in range(epoch_size):
-                idx = order[nbatch]
-                x = train_x.index_select(0, idx).float().div_(255.0)
-                y = train_y.index_select(0, idx)
-                losses, correct = replicas.forward_backward(x, y, slices)
-                kv.pushpull(keys, replicas.grads(), replicas.outs())
-                replicas.zero_grad()
-                for loss in losses:
-                    loss_sum += loss.to("cpu", torch.float64)
-                pending.extend(correct)
-                window_samples += cfg.batch_size
-                bar.update()
-                if cfg.disp_batches and nbatch % cfg.disp_batches == 0:
-                    # MXNet's Speedometer: the clock starts at batch 0, then one line every
-                    # disp_batches batches with the accuracy since the previous line.
-                    now = time.time()
-                    got = sum(int(c) for c in pending)
-                    pending.clear()
-                    epoch_correct += got
-                    window_correct += got
-                    if nbatch > 0:
-                        speed = cfg.disp_batches * cfg.batch_size / max(now - window_tic, 1e-9)
-                        acc = window_correct / window_samples
-                        log.info("Epoch[%d] Batch [%d-%d]\tSpeed: %.2f samples/sec\taccuracy=%f",
-                                 epoch, nbatch - cfg.disp_batches, nbatch, speed, acc)
-                        bar.postfix(speed=f"{speed:.0f}/s", acc=f"{acc:.4f}")
-                        window_correct = window_samples = 0
-                    window_tic = now
-            epoch_correct += sum(int(c) for c in pending)
-        bar.close()
+        tic = time.time()
+        correct, loss = _train_epoch(cfg, kv, replicas, keys, slices, train_x, train_y, order, epoch)
         toc = time.time()
         samples = epoch_size * cfg.batch_size
-        train_acc = epoch_correct / samples
-        log.info("Epoch[%d] Train-accuracy=%f", epoch, train_acc)
+        log.info("Epoch[%d] Train-accuracy=%f", epoch, correct / samples)
         log.info("Epoch[%d] Time cost=%.3f", epoch, toc - tic)
         record = {
             "epoch": epoch,
             "time": round(toc - tic, 4),
             "samples_per_sec": round(samples / (toc - tic), 2),
-            "train_accuracy": train_acc,
-            "train_loss": float(loss_sum) / samples,
+            "train_accuracy": correct / samples,
+            "train_loss": loss / samples,
         }
-        val_acc = evaluate(replicas.model, data.test_images, data.test_labels, dev0)
+        val_acc = evaluate(replicas.model, data.test_images, data.test_labels, devices[0])
         record["validation_accuracy"] = val_acc
         history.append(record)
         summary_epochs.append(record)
@@ -470,6 +434,52 @@ def fit(cfg: TrainConfig, kv: Any, data: MNIST, *, plot: str | None = None) -> d
         "validation_accuracy": summary_epochs[-1]["validation_accuracy"],
         "epochs": summary_epochs,
     }
+
+
+def _train_epoch(cfg: TrainConfig, kv: Any, replicas: Replicas, keys: list[int], slices: list[slice],
+                 train_x: torch.Tensor, train_y: torch.Tensor, order: torch.Tensor, epoch: int) -> tuple[int, float]:
+    """One epoch of this worker's batches; logs MXNet's Speedometer lines.
+
+    Returns:
+        the number of correct predictions and the summed loss over the epoch.
+    """
+    # Running totals stay on their devices; reading them (which waits for a GPU) happens only
+    # when a line is logged and at the end.
+    correct_acc = [torch.zeros((), dtype=torch.int64, device=d) for d in replicas.devices]
+    loss_acc = [torch.zeros((), dtype=torch.float64, device=d) for d in replicas.devices]
+    shown_correct = 0
+    window_samples = 0
+    bar = _Bar(cfg.progress, len(order), epoch)
+    window_tic = time.time()
+    with _logging_around_bar(cfg.progress):
+        for nbatch in range(len(order)):
+            idx = order[nbatch]
+            x = train_x.index_select(0, idx).float().div_(255.0)
+            y = train_y.index_select(0, idx)
+            losses, correct = replicas.forward_backward(x, y, slices)
+            kv.pushpull(keys, replicas.grads(), replicas.outs())
+            replicas.zero_grad()
+            for acc, c in zip(correct_acc, correct):
+                acc += c
+            for acc, loss in zip(loss_acc, losses):
+                acc += loss
+            window_samples += cfg.batch_size
+            bar.update()
+            if cfg.disp_batches and nbatch % cfg.disp_batches == 0:
+                # MXNet's Speedometer: the clock starts at batch 0, then one line every
+                # disp_batches batches with the accuracy since the previous line.
+                now = time.time()
+                if nbatch > 0:
+                    total = sum(int(c) for c in correct_acc)
+                    speed = cfg.disp_batches * cfg.batch_size / max(now - window_tic, 1e-9)
+                    accuracy = (total - shown_correct) / window_samples
+                    log.info("Epoch[%d] Batch [%d-%d]\tSpeed: %.2f samples/sec\taccuracy=%f",
+                             epoch, nbatch - cfg.disp_batches, nbatch, speed, accuracy)
+                    bar.postfix(speed=f"{speed:.0f}/s", acc=f"{accuracy:.4f}")
+                    shown_correct, window_samples = total, 0
+                window_tic = now
+    bar.close()
+    return sum(int(c) for c in correct_acc), sum(float(v) for v in loss_acc)
 
 
 def _empty_states(kv: Any) -> dict[str, Any]:
