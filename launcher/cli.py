@@ -12,7 +12,6 @@ This module only parses, validates and maps errors to exit codes:
 
 from __future__ import annotations
 
-import difflib
 import logging
 import os
 import sys
@@ -122,6 +121,8 @@ def load_config(path: str, command: click.Command) -> dict[str, Any]:
         key = str(raw_key).replace("-", "_")
         param = keys.get(key)
         if param is None:
+            import difflib
+
             hint = difflib.get_close_matches(key, list(keys), n=1)
             suggestion = f" (did you mean {hint[0].replace('_', '-')!r}?)" if hint else ""
             raise ConfigError(f"{path}: unknown key {raw_key!r}{suggestion}; keys are the long option "
@@ -223,11 +224,14 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
 @click.option("--queue", default=None, help="sge/yarn: queue to submit to.")
 @click.option("--jobname", default=None, help="sge/yarn: job name (default: pslaunch-<program>).")
 @click.option("--worker-cores", type=int, default=1, show_default=True, help="sge/yarn: cores per worker.")
-@click.option("--worker-memory", default="1g", show_default=True, help="sge/yarn: memory per worker (e.g. 2g, 512m).")
+@click.option("--worker-memory", default=None, help="sge/yarn: memory per worker (e.g. 2g, 512m; "
+              "default: 1g on yarn, no limit on sge).")
 @click.option("--server-cores", type=int, default=1, show_default=True, help="sge/yarn: cores per server.")
-@click.option("--server-memory", default="1g", show_default=True, help="sge/yarn: memory per server.")
+@click.option("--server-memory", default=None, help="sge/yarn: memory per server (as --worker-memory).")
 @click.option("--sge-native", default=None, metavar="TEXT", help="sge: extra native specification (qsub options).")
 @click.option("--sge-log-dir", default=None, metavar="DIR", help="sge: task output files (default: <jobname>.log/).")
+@click.option("--sge-pe", default="smp", show_default=True, metavar="PE",
+              help="sge: parallel environment for --worker-cores/--server-cores above 1.")
 @click.option("--files", multiple=True, metavar="FILE", help="yarn: extra files to ship. Repeatable.")
 @click.option("--archives", multiple=True, metavar="FILE", help="yarn: archives to ship and unpack. Repeatable.")
 @click.version_option(__version__, "--version", prog_name="pslaunch")
@@ -251,6 +255,9 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
     if hostfile and launcher in ("local", "sge", "yarn"):
         raise ConfigError(f"--launcher {launcher} does not use a hostfile; drop -H {hostfile} "
                           "or choose --launcher ssh or mpi")
+    if kw.get("sync_dst_dir") and launcher in ("local", "sge", "yarn"):
+        raise ConfigError(f"--sync-dst-dir copies the working directory to remote hosts over ssh; "
+                          f"--launcher {launcher} has none (drop --sync-dst-dir)")
     env = tuple(parse_env_item(e, "--env", environ, True) for e in kw.get("env") or ())
     env_server = tuple(parse_env_item(e, "--env-server", environ, False) for e in kw.get("env_server") or ())
     env_worker = tuple(parse_env_item(e, "--env-worker", environ, False) for e in kw.get("env_worker") or ())
@@ -277,15 +284,15 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
         log_level=str(kw.get("log_level") or "INFO").upper(), log_file=kw.get("log_file"),
         queue=kw.get("queue"), jobname=kw.get("jobname"),
         worker_cores=kw.get("worker_cores", 1), server_cores=kw.get("server_cores", 1),
-        worker_memory_mb=parse_memory_mb(kw.get("worker_memory") or "1g", "--worker-memory"),
-        server_memory_mb=parse_memory_mb(kw.get("server_memory") or "1g", "--server-memory"),
+        worker_memory_mb=parse_memory_mb(kw["worker_memory"], "--worker-memory") if kw.get("worker_memory") else None,
+        server_memory_mb=parse_memory_mb(kw["server_memory"], "--server-memory") if kw.get("server_memory") else None,
         files=tuple(kw.get("files") or ()), archives=tuple(kw.get("archives") or ()),
         dry_run=bool(kw.get("dry_run")), log_dir=kw.get("log_dir"), summary_json=kw.get("summary_json"),
         port_range=parse_port_range_option(kw.get("port_range") or "9091-9998"),
         start_timeout=kw.get("start_timeout", 60.0), kill_grace=kw.get("kill_grace", 10.0),
         timeout=kw.get("timeout"), workdir=os.getcwd(), p3=bool(kw.get("p3")),
         ssh=ssh, mpi=MPIOptions(mpirun=kw.get("mpirun") or "mpirun"),
-        sge=SGEOptions(native=kw.get("sge_native"), log_dir=kw.get("sge_log_dir")),
+        sge=SGEOptions(native=kw.get("sge_native"), log_dir=kw.get("sge_log_dir"), pe=kw.get("sge_pe") or "smp"),
     )
 
 

@@ -62,6 +62,23 @@ PYTHONPATH = "PYTHONPATH"
 PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
 PYTHONFAULTHANDLER = "PYTHONFAULTHANDLER"
 SUBMIT_CLUSTER = "DMLC_SUBMIT_CLUSTER"
+PATH = "PATH"
+
+# --- batch systems: what they set in a task, what their client libraries need --
+# Grid Engine: the 1-based array task index, the job number, the granted slots.
+SGE_TASK_ID = "SGE_TASK_ID"
+SGE_JOB_ID = "JOB_ID"
+SGE_ROOT = "SGE_ROOT"
+SGE_CELL = "SGE_CELL"
+DRMAA_LIBRARY_PATH = "DRMAA_LIBRARY_PATH"
+# Debian's libdrmaa links libjemalloc, which needs static TLS that glibc only
+# reserves at process start when this tunable asks for it.
+GLIBC_TUNABLES = "GLIBC_TUNABLES"
+# skein (YARN): "<service>_<instance>" in every container.
+SKEIN_CONTAINER_ID = "SKEIN_CONTAINER_ID"
+JAVA_HOME = "JAVA_HOME"
+HADOOP_HOME = "HADOOP_HOME"
+HADOOP_CONF_DIR = "HADOOP_CONF_DIR"
 
 ROLES = ("scheduler", "server", "worker")
 

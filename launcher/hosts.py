@@ -16,7 +16,6 @@ A bad line raises :class:`ConfigError` as ``FILE:LINE: what is wrong``.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from typing import Iterable
 
@@ -66,6 +65,8 @@ def parse_host(token: str, where: str = "<host>") -> Host:
 
 
 def _check_ipv6(name: str, where: str) -> None:
+    import ipaddress
+
     try:
         ipaddress.IPv6Address(name)
     except ValueError:

@@ -131,8 +131,11 @@ class ProcessHandle:
     def dump_stacks(self) -> None:
         """Make Python processes print their stacks (faulthandler on SIGABRT)."""
 
-    def cleanup(self) -> None:
-        """Kill anything the process left behind after it exited."""
+    def cleanup(self, groups: Mapping[int, list[int]] | None = None) -> None:
+        """Kill anything the process left behind after it exited.
+
+        ``groups`` is a :func:`scan_groups` snapshot shared by all handles.
+        """
 
     def describe(self) -> str:
         where = f"on {self.host}" + (f", pid {self.pid}" if self.pid else "")
@@ -147,13 +150,13 @@ class ProcessHandle:
         )
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) pids in process group ``pgid``, from ``/proc``."""
-    members = []
+def scan_groups() -> dict[int, list[int]] | None:
+    """Live (non-zombie) pids by process group, from one pass over ``/proc``; None without /proc."""
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return [pgid] if _group_exists(pgid) else []
+        return None
+    groups: dict[int, list[int]] = {}
     for entry in entries:
         if not entry.isdigit():
             continue
@@ -164,9 +167,18 @@ def group_members(pgid: int) -> list[int]:
             continue
         # "pid (comm) state ppid pgrp ..." - comm may contain spaces and parens
         fields = stat[stat.rfind(b")") + 2:].split()
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
-            members.append(int(entry))
-    return members
+        if len(fields) > 2 and fields[0] not in (b"Z", b"X"):
+            groups.setdefault(int(fields[2]), []).append(int(entry))
+    return groups
+
+
+def group_members(pgid: int, groups: Mapping[int, list[int]] | None = None) -> list[int]:
+    """Live (non-zombie) pids in process group ``pgid`` (from ``groups`` if given, else ``/proc``)."""
+    if groups is None:
+        groups = scan_groups()
+        if groups is None:
+            return [pgid] if _group_exists(pgid) else []
+    return list(groups.get(pgid, ()))
 
 
 def _group_exists(pgid: int) -> bool:
@@ -302,8 +314,8 @@ class LocalProcess(ProcessHandle):
         """Processes of this group still alive (the leader included, if running)."""
         return group_members(self.pgid)
 
-    def cleanup(self) -> None:
-        if self.leftovers():
+    def cleanup(self, groups: Mapping[int, list[int]] | None = None) -> None:
+        if group_members(self.pgid, groups):
             _signal_group(self.pgid, signal.SIGKILL)
         if self._watchdog is not None and self.poll() is not None:
             self._watchdog.forget(self.pgid)

@@ -76,10 +76,15 @@ class MPIOptions:
 
 @dataclass(frozen=True)
 class SGEOptions:
-    """``--sge-*`` options (used by the sge backend)."""
+    """``--sge-*`` options (used by the sge backend).
+
+    ``pe`` is the parallel environment that ``--worker-cores``/``--server-cores``
+    above 1 request (``-pe PE N``).
+    """
 
     native: Optional[str] = None
     log_dir: Optional[str] = None
+    pe: str = "smp"
 
 
 @dataclass(frozen=True)
@@ -112,9 +117,10 @@ class JobSpec:
     queue: str = "default"
     jobname: Optional[str] = None
     worker_cores: int = 1
-    worker_memory_mb: int = 1024
+    # None: the backend's default (yarn asks for 1024 MB; sge sets no h_vmem limit)
+    worker_memory_mb: Optional[int] = None
     server_cores: int = 1
-    server_memory_mb: int = 1024
+    server_memory_mb: Optional[int] = None
     files: tuple[str, ...] = ()
     archives: tuple[str, ...] = ()
     dry_run: bool = False

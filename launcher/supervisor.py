@@ -27,7 +27,6 @@ import signal
 import socket
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
@@ -35,8 +34,16 @@ from . import backends, envvars, netif
 from .errors import ConfigError, LaunchError
 from .output import Console, PipePump
 from .plan import Plan, ProcSpec, build_plan
-from .process import (LocalProcess, ProcessHandle, ProcRecord, Watchdog, describe_exit, group_members,
-                      spawning)
+from .process import (
+    LocalProcess,
+    ProcessHandle,
+    ProcRecord,
+    Watchdog,
+    describe_exit,
+    group_members,
+    scan_groups,
+    spawning,
+)
 from .spec import Host, JobSpec
 
 log = logging.getLogger(__name__)
@@ -261,10 +268,13 @@ class Supervisor:
                                                  backend.needs_scheduler_address)
                     if None in node_hosts and node_hosts[None] is None:
                         node_hosts[None] = root_uri  # local nodes bind the scheduler's address
+                    self._timing("backend ready")
                     plan = self._start_scheduler(root_uri, node_hosts, backend.remote)
+                    self._timing("scheduler listening" if self.scheduler else "no scheduler")
                     self.signals.check()
                     if plan.procs and (self.scheduler is None or self.scheduler.poll() in (None, 0)):
                         self.handles.extend(backend.start(plan.procs))
+                        self._timing(f"{len(plan.procs)} servers and workers started")
                         self.signals.check()
                     result = self._monitor()
                 except Interrupted as e:
@@ -281,10 +291,14 @@ class Supervisor:
         assert result is not None
         return self._finish(result)
 
+    def _timing(self, what: str) -> None:
+        log.debug("%s after %.0f ms", what, (time.time() - self.start_time) * 1000)
+
     def _log_start(self, plan: Plan) -> None:
         s = self.spec
         hosts = sorted({p.host.name for p in plan.procs if p.host is not None})
-        where = f"{len(hosts)} host{'s' if len(hosts) != 1 else ''}" if hosts else "this machine"
+        where = f"{len(hosts)} host{'s' if len(hosts) != 1 else ''}" if hosts else \
+            ("the cluster's hosts" if s.launcher in ("sge", "yarn") else "this machine")
         sched = f", scheduler at {plan.root_uri}:{plan.root_port}" if plan.scheduler else ""
         log.info("starting %d server%s and %d worker%s on %s (%s)%s",
                  s.num_servers, "" if s.num_servers == 1 else "s",
@@ -300,7 +314,7 @@ class Supervisor:
         """
         spec = self.spec
         secret = secrets.token_hex(32)
-        job_id = uuid.uuid4().hex[:12]
+        job_id = secrets.token_hex(6)
         lo, hi = spec.port_range
         port = lo - 1
         for attempt in range(1, MAX_PORT_ATTEMPTS + 1):
@@ -410,8 +424,9 @@ class Supervisor:
         end = time.monotonic() + 5.0
         while any(h.poll() is None for h in self.handles) and time.monotonic() < end:
             time.sleep(POLL_INTERVAL)
+        groups = scan_groups()
         for h in self.handles + self.discarded:
-            h.cleanup()
+            h.cleanup(groups)
         # give the output pumps a moment to deliver the last lines
         end = time.monotonic() + 2.0
         for h in self.handles:

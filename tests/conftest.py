@@ -25,10 +25,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 GUARD_DIR = REPO / "tests" / "netguard"
 BIN = REPO / "tests" / "bin"
-STRICT_MARKERS = ("mxnet", "ssh", "mpi", "sge")
 
 sys.path.insert(0, str(GUARD_DIR))
 import _pslaunch_netguard  # noqa: E402
+from suite_rules import fail_skips_under_ci  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -54,13 +54,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterable[None]:
     outcome = yield
-    report = outcome.get_result()
-    if report.skipped and os.environ.get("CI", "").lower() == "true":
-        strict = [m for m in STRICT_MARKERS if item.get_closest_marker(m)]
-        if strict:
-            reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-            report.outcome = "failed"
-            report.longrepr = f"skipped under CI=true (marker {', '.join(strict)}): {reason}"
+    fail_skips_under_ci(item, outcome.get_result(), dict(os.environ))
 
 
 # --- helpers -------------------------------------------------------------------

@@ -48,3 +48,5 @@ def get(name: str) -> type[Backend]:
 
 
 register("local", _lazy(".local", "LocalBackend"))
+register("sge", _lazy(".sge", "SGEBackend"))
+register("yarn", _lazy(".yarn", "YarnBackend"))

@@ -11,8 +11,15 @@ import sys
 import time
 
 import pytest
-from conftest import (REPO, assert_no_orphans, pid_alive, pslaunch_argv, read_probes, run_pslaunch,
-                      wait_for)
+from conftest import (
+    REPO,
+    assert_no_orphans,
+    pid_alive,
+    pslaunch_argv,
+    read_probes,
+    run_pslaunch,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 

@@ -89,6 +89,7 @@ def run_err(args: list[str], capsys) -> tuple[int, str]:
     (["-n", "1", "--bogus", "true"], "No such option '--bogus'"),
     (["-n", "1", "--kill-grace", "-1", "true"], "--kill-grace must not be negative"),
     (["-n", "1", "--timeout", "0", "true"], "--timeout must be positive"),
+    (["-n", "1", "--sync-dst-dir", "/tmp/x", "true"], "--launcher local has none"),
 ])
 def test_user_errors_are_one_line_exit_2(args, message, capsys) -> None:
     code, err = run_err(args, capsys)

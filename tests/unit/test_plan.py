@@ -5,7 +5,7 @@ import pytest
 from launcher import envvars
 from launcher.errors import ConfigError
 from launcher.plan import build_plan, place
-from launcher.spec import Host, JobSpec, Role
+from launcher.spec import Host, JobSpec
 
 A, B, C = Host("A"), Host("B"), Host("C")
 

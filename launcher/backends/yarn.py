@@ -1,0 +1,586 @@
+"""The yarn backend: servers and workers as the two services of one skein application.
+
+**Verified only at the level of specs and commands** - Hadoop cannot be
+installed where this project is tested, so no test submits to a live YARN.
+What is tested: the application spec (golden, and accepted by skein's own
+``ApplicationSpec``), its validation errors, the status and exit-code parsing
+(on examples from YARN's and skein's documentation), the missing-dependency
+errors, and the submit/follow/kill logic against a stand-in client.
+
+Why skein rather than Hadoop's distributed shell (``yarn jar
+hadoop-yarn-applications-distributedshell.jar``): a job needs two kinds of
+containers (servers and workers) with their own resources and environment,
+per-container states and exit messages, localized files and archives, and a
+kill that takes everything down. skein gives all of that through a declarative
+``ApplicationSpec`` and a Python client; the distributed shell runs one
+command in N identical containers and reports only the application's final
+status. skein is what Python users of YARN already have (pip or conda; it is
+what dask-yarn uses), and unlike dmlc's launcher it needs no Java code of our
+own to build. It needs Java, ``HADOOP_HOME`` (skein runs ``yarn classpath``)
+and the cluster's configuration (``HADOOP_CONF_DIR``) on the launching host.
+
+How a job runs:
+
+* the scheduler runs on this machine, as on every backend, so the containers
+  must reach it: ``DMLC_INTERFACE`` or ``--host-ip`` is required;
+* services ``server`` (``-s``) and ``worker`` (``-n``) get ``--server-*`` and
+  ``--worker-*`` cores and memory (default 1 vcore, 1024 MB), ``--queue``
+  (default ``default``), ``--jobname`` as the application name, no restarts
+  (ps-lite cannot take a node back), ``max_attempts`` 1;
+* localized files: ``--files`` (by base name), ``--archives`` (unpacked by
+  YARN into a directory named after the archive), every later argument of the
+  command that is a file here (shipped and rewritten to ``./name``, as dmlc's
+  yarn launcher did), the task wrapper (:mod:`launcher.task`, as a runnable
+  zip: only the standard library, so any ``python3`` on the nodes runs it) and
+  the task file;
+* the environment contract travels in each service's ``env``, except what
+  must not: the job secret and any value YARN's launch script would mangle
+  (YARN writes ``export NAME="VALUE"`` lines into a bash script, so ``"``,
+  ``$``, a backquote, a backslash or a newline would be interpreted). Those go
+  in the task file (mode 0600 here, private to the application there);
+* each container runs ``exec python3 pslaunch-task.zip ... -- COMMAND``: the
+  wrapper turns skein's ``SKEIN_CONTAINER_ID`` (``worker_3``) into
+  ``DMLC_TASK_ID``, resolves ``DMLC_NODE_HOST`` on the node, and execs;
+* one thread follows the application report and the containers; a failed
+  container fails the job with its exit code (parsed from YARN's
+  diagnostics), and failure, Ctrl-C or the launcher's exit kill the
+  application; if the launcher is killed with SIGKILL its watchdog runs
+  ``yarn application -kill``.
+
+Containers' output is not streamed while they run (YARN keeps it on the
+nodes); the launcher prints ``yarn logs -applicationId ID`` at the end.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import io
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import tempfile
+import threading
+import time
+import zipfile
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from .. import envvars
+from ..errors import BackendUnavailableError, ConfigError, LaunchError
+from ..output import ProcOutput
+from ..plan import Plan, ProcSpec
+from ..process import ProcessHandle, spawn_guard
+from ..spec import Host, JobSpec, Role
+from .base import Backend
+from .sge import task_roles
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MEMORY_MB = 1024
+NODE_PYTHON = "python3"
+WRAPPER_ZIP = "pslaunch-task.zip"
+TASK_FILE = "pslaunch-task.json"
+ARCHIVE_SUFFIXES = (".zip", ".tar.gz", ".tgz", ".tar", ".jar")
+POLL = 1.0
+CLOSE_WAIT = 15.0
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# what the wrapper zip holds: the wrapper and the two standard-library-only modules it imports
+_WRAPPER_MODULES = ("__init__.py", "envvars.py", "netif.py", "task.py")
+# YARN writes `export NAME="VALUE"` into a bash launch script: these would be interpreted
+_SHELL_SPECIAL = re.compile(r'["$`\\\n]')
+_EXIT_CODE = re.compile(r"(?:exit code(?: is|:)?|exitCode=)\s*(-?\d+)", re.IGNORECASE)
+
+# Application and container states, as YARN (and skein's enums) name them
+APP_RUNNING_STATES = ("NEW", "NEW_SAVING", "SUBMITTED", "ACCEPTED", "RUNNING")
+APP_FINAL_STATES = ("FINISHED", "FAILED", "KILLED")
+CONTAINER_STATES = ("WAITING", "REQUESTED", "RUNNING", "SUCCEEDED", "FAILED", "KILLED")
+
+
+# --- pure builders ---------------------------------------------------------------------
+
+
+def split_env(env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """``(spec_env, file_env)``: what goes in the service's env, and what in the task file.
+
+    Secrets (by name, see :func:`launcher.envvars.is_secret`) and values
+    that bash would interpret in YARN's ``export NAME="VALUE"`` go to the file.
+    """
+    spec_env: dict[str, str] = {}
+    file_env: dict[str, str] = {}
+    for k, v in env.items():
+        (file_env if envvars.is_secret(k) or _SHELL_SPECIAL.search(v) else spec_env)[k] = v
+    return spec_env, file_env
+
+
+def ship_command(command: Sequence[str], workdir: str,
+                 isfile: Callable[[str], bool] = os.path.isfile) -> tuple[list[str], dict[str, str]]:
+    """The command as the containers run it, and the files it needs shipped.
+
+    Every argument after the program that names a file here is shipped and
+    rewritten to ``./<name>`` (dmlc's rule). The program itself is left
+    alone: ``python`` or ``/opt/venv/bin/python`` must exist on the nodes.
+    """
+    argv = [command[0]]
+    files: dict[str, str] = {}
+    for arg in command[1:]:
+        path = os.path.join(workdir, arg)
+        if arg and not arg.startswith("-") and isfile(path):
+            name = os.path.basename(arg)
+            if name in files and files[name] != os.path.abspath(path):
+                raise ConfigError(f"the command names two files called {name} ({files[name]} and {path}); "
+                                  "YARN localizes files by name")
+            files[name] = os.path.abspath(path)
+            argv.append(f"./{name}")
+        else:
+            argv.append(arg)
+    return argv, files
+
+
+def build_localized_files(spec: JobSpec, command_files: Mapping[str, str], *, wrapper_zip: str,
+                          task_file: str, isfile: Callable[[str], bool] = os.path.isfile) -> dict[str, dict[str, str]]:
+    """skein ``files`` (the same for both services): name -> ``{"source", "type"}``.
+
+    Raises:
+        ConfigError: a ``--files``/``--archives`` path is missing, an archive is
+            not .zip/.tar.gz/.tgz/.tar/.jar, or two files share a name.
+    """
+    workdir = spec.workdir or os.getcwd()
+    out: dict[str, dict[str, str]] = {
+        WRAPPER_ZIP: {"source": wrapper_zip, "type": "file"},
+        TASK_FILE: {"source": task_file, "type": "file"},
+    }
+    origin = {WRAPPER_ZIP: "the task wrapper", TASK_FILE: "the task file"}
+
+    def add(name: str, source: str, kind: str, what: str) -> None:
+        if name in out:
+            raise ConfigError(f"{what} and {origin[name]} would both be localized as {name!r}; "
+                              "YARN localizes files by name: rename one")
+        out[name] = {"source": source, "type": kind}
+        origin[name] = what
+
+    for option, paths, kind in (("--files", spec.files, "file"), ("--archives", spec.archives, "archive")):
+        for p in paths:
+            path = os.path.abspath(os.path.join(workdir, os.path.expanduser(p)))
+            if not isfile(path):
+                raise ConfigError(f"{option} {p}: no such file")
+            if kind == "archive" and not path.endswith(ARCHIVE_SUFFIXES):
+                raise ConfigError(f"--archives {p}: YARN unpacks only {', '.join(ARCHIVE_SUFFIXES)} archives")
+            add(os.path.basename(path), path, kind, f"{option} {p}")
+    for name, path in sorted(command_files.items()):
+        if name in out and out[name]["source"] == path:
+            continue  # also given with --files
+        add(name, path, "file", f"the command's {name}")
+    return out
+
+
+def build_service_script(role: str, argv: Sequence[str]) -> str:
+    """The bash script skein runs in each container of ``role``."""
+    return (f"exec {NODE_PYTHON} {WRAPPER_ZIP} --task-file {TASK_FILE} --role {role} --index skein -- "
+            + shlex.join(argv))
+
+
+@dataclass(frozen=True)
+class YarnPlan:
+    """Everything a submission needs: the app spec (skein's dict form) and the task file."""
+
+    app_spec: dict[str, Any]
+    task_file: dict[str, Any]
+
+
+def build_yarn_plan(spec: JobSpec, procs: Sequence[ProcSpec], *, wrapper_zip: str, task_file: str,
+                    isfile: Callable[[str], bool] = os.path.isfile) -> YarnPlan:
+    """The skein ``ApplicationSpec`` (as ``ApplicationSpec.from_dict`` takes it) and the task file.
+
+    Args:
+        wrapper_zip: local path of the wrapper zip (:func:`wrapper_zip_bytes`).
+        task_file: local path of the task file (written with mode 0600).
+    """
+    workdir = spec.workdir or os.getcwd()
+    argv, command_files = ship_command(spec.command, workdir, isfile)
+    files = build_localized_files(spec, command_files, wrapper_zip=wrapper_zip, task_file=task_file,
+                                  isfile=isfile)
+    roles = task_roles(procs)
+    services: dict[str, Any] = {}
+    file_roles: dict[str, Any] = {}
+    for role, cores, memory in ((Role.SERVER, spec.server_cores, spec.server_memory_mb),
+                                (Role.WORKER, spec.worker_cores, spec.worker_memory_mb)):
+        r = roles.get(str(role))
+        if r is None:
+            continue
+        spec_env, file_env = split_env(r["env"])
+        services[str(role)] = {
+            "instances": r["count"],
+            "max_restarts": 0,         # ps-lite cannot take a restarted node back
+            "allow_failures": False,
+            "resources": {"memory": memory or DEFAULT_MEMORY_MB, "vcores": cores},
+            "env": spec_env,
+            "files": files,
+            "script": build_service_script(str(role), argv),
+        }
+        file_roles[str(role)] = {"first_task_id": r["first_task_id"], "count": r["count"], "env": file_env}
+    queue = spec.queue or "default"
+    if re.search(r"\s", queue):
+        raise ConfigError(f"--queue {queue!r}: a queue name has no spaces")
+    app = {"name": spec.name, "queue": queue, "max_attempts": 1, "tags": ["pslaunch"], "services": services}
+    return YarnPlan(app_spec=app, task_file={"version": 1, "env": {}, "roles": file_roles})
+
+
+def kill_command(app_id: str) -> list[str]:
+    """What the watchdog runs if the launcher is killed: the YARN CLI's kill."""
+    return ["yarn", "application", "-kill", app_id]
+
+
+def wrapper_zip_bytes() -> bytes:
+    """A runnable zip of the task wrapper: ``python3 pslaunch-task.zip ARGS``. Deterministic."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        def add(name: str, data: bytes) -> None:
+            info = zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0))
+            info.external_attr = 0o644 << 16
+            z.writestr(info, data, zipfile.ZIP_DEFLATED)
+        add("__main__.py", b"import sys\nfrom launcher.task import main\nsys.exit(main())\n")
+        for name in _WRAPPER_MODULES:
+            with open(os.path.join(_PACKAGE, name), "rb") as f:
+                add(f"launcher/{name}", f.read())
+    return buf.getvalue()
+
+
+# --- status parsing ---------------------------------------------------------------------
+
+
+def parse_exit_code(diagnostics: str) -> Optional[int]:
+    """The exit code in a YARN container diagnostic (``... Exit code: 3``,
+    ``Container killed on request. Exit code is 143``, ``... non-zero exit code 1``)."""
+    m = _EXIT_CODE.search(diagnostics or "")
+    return int(m.group(1)) if m else None
+
+
+def container_exit_code(state: str, exit_message: str) -> Optional[int]:
+    """A container's exit code from its skein state; ``None`` while it is waiting or running.
+
+    FAILED and KILLED take the code from YARN's diagnostics, else 1 (failed)
+    or 143 (killed: YARN stops containers with SIGTERM). Negative YARN codes
+    (-100 aborted, -102 preempted, -104 over its memory, ...) become 1.
+    """
+    state = state.upper()
+    if state in ("WAITING", "REQUESTED", "RUNNING"):
+        return None
+    if state == "SUCCEEDED":
+        return 0
+    code = parse_exit_code(exit_message)
+    if state == "KILLED":
+        return code if code is not None and code > 0 else 143
+    if state == "FAILED":
+        return code if code is not None and code > 0 else 1
+    raise ValueError(f"unknown container state {state!r} (expected one of {', '.join(CONTAINER_STATES)})")
+
+
+def app_outcome(state: str, final_status: str) -> Optional[int]:
+    """The application's result: ``None`` while it runs, 0 if it succeeded, else 1 (143 if killed)."""
+    state, final_status = state.upper(), final_status.upper()
+    if state in APP_RUNNING_STATES:
+        return None
+    if state == "FINISHED":
+        return 0 if final_status == "SUCCEEDED" else (143 if final_status == "KILLED" else 1)
+    if state == "KILLED":
+        return 143
+    if state == "FAILED":
+        return 1
+    raise ValueError(f"unknown application state {state!r}")
+
+
+def dependency_problem(environ: Mapping[str, str], *, has_skein: bool,
+                       which: Callable[[str], Optional[str]] = shutil.which,
+                       exists: Callable[[str], bool] = os.path.exists) -> Optional[str]:
+    """What the launching host lacks for skein, as one line; ``None`` if nothing."""
+    if not has_skein:
+        return "the yarn backend needs skein: pip install 'pslaunch[yarn]' (skein>=0.8)"
+    java_home = environ.get(envvars.JAVA_HOME, "")
+    if java_home:
+        if not exists(os.path.join(java_home, "bin", "java")):
+            return f"{envvars.JAVA_HOME}={java_home} has no bin/java; point it at a JDK or unset it"
+    elif not which("java"):
+        return (f"skein's driver needs Java: install a JDK (the one your Hadoop supports) "
+                f"and put java on PATH or set {envvars.JAVA_HOME}")
+    hadoop = environ.get(envvars.HADOOP_HOME, "")
+    if not hadoop:
+        return (f"{envvars.HADOOP_HOME} is not set: export {envvars.HADOOP_HOME}=<your Hadoop installation> "
+                f"(skein runs its bin/yarn; {envvars.HADOOP_CONF_DIR} names the cluster)")
+    if not exists(os.path.join(hadoop, "bin", "yarn")):
+        return f"{envvars.HADOOP_HOME}={hadoop} has no bin/yarn; point it at a Hadoop installation"
+    return None
+
+
+# --- the handle --------------------------------------------------------------------------------
+
+
+class YarnContainer(ProcessHandle):
+    """One container (service instance). Its state is kept by :class:`YarnBackend`'s thread."""
+
+    def __init__(self, proc: ProcSpec, output: ProcOutput, backend: YarnBackend) -> None:
+        super().__init__(proc, output, host="(yarn)")
+        self.backend = backend
+        self.state = "WAITING"
+        self.ran = False
+        self.code: Optional[int] = None
+        self.container_id = ""
+        self.reason = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.proc.role}_{self.proc.rank}"
+
+    def _poll(self) -> Optional[int]:
+        return self.code
+
+    def terminate(self) -> None:
+        self.backend.kill_application()
+
+    def kill(self) -> None:
+        self.backend.kill_application()
+
+    def describe(self) -> str:
+        where = f"YARN container {self.container_id or self.key}" + \
+            (f" on {self.host}" if self.host != "(yarn)" else "")
+        why = f"; {self.reason}" if self.reason else ""
+        return f"{self.label} ({where}{why})"
+
+
+# --- the backend --------------------------------------------------------------------------------
+
+
+class YarnBackend(Backend):
+    """YARN through skein. See the module docstring."""
+
+    name = "yarn"
+    remote = True
+    needs_scheduler_address = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._skein: Any = None
+        self._client: Any = None
+        self._app: Any = None          # skein.ApplicationClient, once the app master runs
+        self.app_id: Optional[str] = None
+        self.app_state = "NEW"
+        self.diagnostics = ""
+        self._handles: list[YarnContainer] = []
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._killed = False
+        self._finished = False
+        self._tmp: Optional[str] = None
+
+    @classmethod
+    def dry_run(cls, spec: JobSpec, plan: Plan) -> list[str]:
+        import yaml
+
+        yp = build_yarn_plan(spec, plan.procs, wrapper_zip=f"<temporary>/{WRAPPER_ZIP}",
+                             task_file=f"<temporary>/{TASK_FILE}")
+        out = ["YARN (skein): this application spec is submitted (skein.ApplicationSpec.from_dict):"]
+        class Dumper(yaml.SafeDumper):
+            def ignore_aliases(self, data: Any) -> bool:  # both services share `files`: print it twice
+                return True
+
+        text = yaml.dump(yp.app_spec, Dumper=Dumper, sort_keys=False, width=1000)
+        out += ["  " + line for line in text.splitlines()]
+        out.append(f"{TASK_FILE} (mode 0600; secrets and values YARN's launch script would mangle):")
+        for role, r in yp.task_file["roles"].items():
+            names = ", ".join(sorted(r["env"])) or "nothing"
+            out.append(f"  {role}: DMLC_TASK_ID = {r['first_task_id']} + the container's instance; {names}")
+        out.append("on failure, Ctrl-C or exit: skein kill_application; if pslaunch is killed: "
+                   + shlex.join(kill_command("<application id>")))
+        return out
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    def check(self) -> None:
+        problem = dependency_problem(os.environ, has_skein=importlib.util.find_spec("skein") is not None)
+        if problem:
+            raise BackendUnavailableError(problem)
+
+    def prepare(self) -> Mapping[Optional[Host], Optional[str]]:
+        """Start skein's driver (Java). Node addresses are resolved by the wrapper on each node."""
+        if self._skein is None:
+            self._skein = importlib.import_module("skein")
+        hadoop_bin = os.path.join(os.environ.get(envvars.HADOOP_HOME, ""), "bin")
+        if not shutil.which("yarn") and os.path.isdir(hadoop_bin):
+            # skein runs `yarn classpath`; HADOOP_HOME/bin is where it lives
+            os.environ[envvars.PATH] = hadoop_bin + os.pathsep + os.environ.get(envvars.PATH, "")
+        try:
+            self._client = self._skein.Client(log=False)
+        except Exception as e:  # noqa: BLE001 - skein raises several kinds; all mean "no driver"
+            raise LaunchError(f"cannot start skein's driver (Java, HADOOP_HOME, HADOOP_CONF_DIR): "
+                              f"{' '.join(str(e).split())}") from None
+        return {}
+
+    # -- start -------------------------------------------------------------------------------
+
+    def start(self, procs: Sequence[ProcSpec]) -> list[ProcessHandle]:
+        if not procs:
+            return []
+        self._tmp = tempfile.mkdtemp(prefix="pslaunch-yarn-")  # mode 0700
+        wrapper = os.path.join(self._tmp, WRAPPER_ZIP)
+        task_file = os.path.join(self._tmp, TASK_FILE)
+        yp = build_yarn_plan(self.spec, procs, wrapper_zip=wrapper, task_file=task_file)
+        with open(wrapper, "wb") as f:
+            f.write(wrapper_zip_bytes())
+        fd = os.open(task_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(yp.task_file, f)
+        try:
+            app_spec = self._skein.ApplicationSpec.from_dict(yp.app_spec)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"skein refused the application spec: {e}") from None
+        with spawn_guard():
+            try:
+                self.app_id = str(self._client.submit(app_spec))
+            except Exception as e:  # noqa: BLE001
+                raise LaunchError(f"YARN refused the application: {' '.join(str(e).split())}") from None
+            if self.watchdog is not None:
+                self.watchdog.on_abandon(kill_command(self.app_id))
+            for p in sorted(procs, key=lambda p: (p.role is not Role.SERVER, p.rank)):
+                self._handles.append(YarnContainer(p, self.console.proc(p.name, p.label, str(p.role)), self))
+        log.info("submitted YARN application %s (%s, queue %s)", self.app_id, yp.app_spec["name"],
+                 yp.app_spec["queue"])
+        self._thread = threading.Thread(target=self._follow, name="pslaunch-yarn", daemon=True)
+        self._thread.start()
+        self._wait_started()
+        order = {(p.role, p.rank): i for i, p in enumerate(procs)}
+        return sorted(self._handles, key=lambda h: order[(h.proc.role, h.proc.rank)])
+
+    def _wait_started(self) -> None:
+        timeout = max(self.spec.start_timeout, 1.0)
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                pending = [h for h in self._handles if not h.ran and h.code is None]
+                failed = any(h.code not in (None, 0) for h in self._handles)
+            if failed or not pending:
+                return
+            if time.monotonic() > deadline:
+                states = ", ".join(f"{h.label}: {h.state}" for h in pending)
+                diag = f"; YARN says: {' '.join(self.diagnostics.split())}" if self.diagnostics else ""
+                raise LaunchError(f"{len(pending)} of {len(self._handles)} containers not running after "
+                                  f"--start-timeout {timeout:g}s (application {self.app_id} {self.app_state}; "
+                                  f"{states}){diag}")
+            time.sleep(0.05)
+
+    # -- following -----------------------------------------------------------------------------
+
+    def _follow(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+            except Exception as e:  # noqa: BLE001 - keep following; the driver may recover
+                log.debug("YARN status: %s", " ".join(str(e).split()))
+            if self._finished:
+                return
+            self._stop.wait(POLL)
+
+    def poll_once(self) -> None:
+        """One round: the application report, then every container's state."""
+        report = self._client.application_report(self.app_id)
+        state, final = str(report.state), str(report.final_status)
+        with self._lock:
+            if state != self.app_state:
+                log.debug("YARN application %s: %s -> %s", self.app_id, self.app_state, state)
+            self.app_state = state
+            self.diagnostics = str(report.diagnostics or "")
+        if state == "RUNNING" and self._app is None:
+            self._app = self._client.connect(self.app_id, wait=False)
+        if self._app is not None and state == "RUNNING":
+            for c in self._app.get_containers(states=list(CONTAINER_STATES)):
+                self._update(str(c.service_name), int(c.instance), str(c.state), str(c.exit_message or ""),
+                             str(c.yarn_container_id or ""), str(c.yarn_node_http_address or ""))
+        outcome = app_outcome(state, final)
+        if outcome is not None:
+            with self._lock:
+                for h in self._handles:
+                    if h.code is None:
+                        h.reason = f"application {state}/{final}"
+                        self._set_code(h, 0 if outcome == 0 else outcome)
+                self._finished = True
+
+    def _update(self, service: str, instance: int, state: str, message: str, container_id: str,
+                node: str) -> None:
+        h = next((h for h in self._handles if str(h.proc.role) == service and h.proc.rank == instance), None)
+        if h is None or h.code is not None:
+            return
+        if state != h.state:
+            log.debug("%s (%s_%d): %s -> %s", h.label, service, instance, h.state, state)
+        h.state = state
+        h.container_id = container_id or h.container_id
+        if node:
+            h.host = node.rsplit(":", 1)[0]
+        if state == "RUNNING":
+            h.ran = True
+        code = container_exit_code(state, message)
+        if code is not None:
+            h.reason = message.strip().splitlines()[0] if message.strip() else ""
+            self._set_code(h, code)
+
+    def _set_code(self, h: YarnContainer, code: int) -> None:
+        h.output.close()
+        h.code = code
+
+    # -- stopping ---------------------------------------------------------------------------------
+
+    def kill_application(self) -> None:
+        """Kill the whole application (every container); idempotent."""
+        with self._lock:
+            if self._killed or self.app_id is None or self._finished:
+                return
+            self._killed = True
+        try:
+            self._client.kill_application(self.app_id)
+            log.debug("killed YARN application %s", self.app_id)
+        except Exception as e:  # noqa: BLE001
+            log.warning("could not kill YARN application %s: %s; run: %s", self.app_id,
+                        " ".join(str(e).split()), shlex.join(kill_command(self.app_id)))
+
+    def close(self) -> None:
+        """Kill the application if a container still runs, wait for its final state, stop skein's driver.
+
+        When every container has ended, skein's application master ends the
+        application by itself (SUCCEEDED, or FAILED after a failure): wait for
+        that instead of killing it, so YARN records the true final status.
+        """
+        try:
+            if self.app_id is not None and not self._finished:
+                if any(h.code is None for h in self._handles):
+                    self.kill_application()
+                deadline = time.monotonic() + CLOSE_WAIT
+                while not self._finished and time.monotonic() < deadline:
+                    if self._thread is None or not self._thread.is_alive():
+                        try:
+                            self.poll_once()
+                        except Exception:  # noqa: BLE001
+                            break
+                    time.sleep(0.1)
+                if not self._finished:
+                    self.kill_application()
+            if self.app_id is not None:
+                log.info("container logs: yarn logs -applicationId %s", self.app_id)
+        finally:
+            self._stop.set()
+            if self._thread is not None:
+                self._thread.join(5)
+                self._thread = None
+            for h in self._handles:
+                h.output.close()
+            for obj in (self._app, self._client):
+                if obj is not None:
+                    try:
+                        obj.close()
+                    except Exception:  # noqa: BLE001
+                        pass
+            self._app = self._client = None
+            if self._tmp:
+                shutil.rmtree(self._tmp, ignore_errors=True)
+                self._tmp = None

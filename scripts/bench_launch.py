@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""Launch latency: from Enter to every process running, against the number of processes.
+
+For N workers and N servers (so 2N+1 processes with the scheduler), each
+process writes the time it started running; the latency is the latest of
+those times minus the moment the launcher was started. The job's program is
+a tiny shell script; the scheduler role is a short Python program that
+listens on the root port (as a real scheduler does) until every other
+process has started.
+
+Compared side by side with the predecessor (MXNet 1.9.1's tools/launch.py and
+its dmlc tracker, local mode) when an MXNet venv is available
+(``--mxnet-python``, default ``.venv-mxnet/bin/python``). The pinned dmlc
+tracker crashes on Python >= 3.9 (``Thread.isAlive``); the benchmark patches
+that one attribute in memory so the predecessor can run at all.
+
+    .venv/bin/python scripts/bench_launch.py                # N = 1, 4, 16, 32
+    .venv/bin/python scripts/bench_launch.py -N 4 -r 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from launcher import envvars  # noqa: E402
+
+SCHEDULER_PY = f"""
+import os, socket, sys, time
+out, expected = sys.argv[1], int(sys.argv[2])
+with open(os.path.join(out, "scheduler"), "w") as f:
+    f.write(repr(time.time()))
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((os.environ["{envvars.ROOT_URI}"], int(os.environ["{envvars.ROOT_PORT}"])))
+s.listen(128)
+end = time.time() + 60
+while time.time() < end and len(os.listdir(out)) < expected:
+    time.sleep(0.005)
+"""
+
+JOB_SH = f"""#!/bin/sh
+# every role runs this; the scheduler listens until all others have started
+if [ "${envvars.ROLE}" = scheduler ]; then
+    exec "$BENCH_PYTHON" -S "$BENCH_DIR/sched.py" "$BENCH_OUT" "$BENCH_EXPECTED"
+fi
+date +%s.%N > "$BENCH_OUT/${envvars.ROLE}-${envvars.TASK_ID}"
+"""
+
+
+def _prepare(root: str) -> str:
+    with open(os.path.join(root, "sched.py"), "w") as f:
+        f.write(SCHEDULER_PY)
+    job = os.path.join(root, "job.sh")
+    with open(job, "w") as f:
+        f.write(JOB_SH)
+    os.chmod(job, 0o755)
+    return job
+
+
+def _one_run(argv: list[str], root: str, n: int, env_extra: dict[str, str]) -> tuple[float, float, float]:
+    """(first process running, all running, launcher finished), seconds after start."""
+    out = tempfile.mkdtemp(dir=root)
+    expected = 2 * n + 1
+    env = dict(os.environ, BENCH_OUT=out, BENCH_DIR=root, BENCH_EXPECTED=str(expected),
+               BENCH_PYTHON=sys.executable, **env_extra)
+    t0 = time.time()
+    proc = subprocess.run(argv, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          timeout=120)
+    t_end = time.time()
+    stamps = []
+    for name in os.listdir(out):
+        with open(os.path.join(out, name)) as f:
+            stamps.append(float(f.read().strip()))
+    shutil.rmtree(out, ignore_errors=True)
+    if len(stamps) != expected:
+        raise RuntimeError(f"{argv[0]}: only {len(stamps)} of {expected} processes ran "
+                           f"(exit {proc.returncode}): {proc.stderr.decode(errors='replace')[-500:]}")
+    return min(stamps) - t0, max(stamps) - t0, t_end - t0
+
+
+def bench_pslaunch(job: str, root: str, n: int) -> tuple[float, float, float]:
+    argv = [sys.executable, "-m", "launcher", "-n", str(n), "-s", str(n), "--launcher", "local",
+            "--kill-grace", "2", job]
+    return _one_run(argv, root, n, {"PYTHONPATH": REPO})
+
+
+def bench_dmlc(mxnet_python: str, job: str, root: str, n: int) -> tuple[float, float, float]:
+    shim = ("import threading, runpy, sys, os, importlib.util; threading.Thread.isAlive = threading.Thread.is_alive; "
+            "spec = importlib.util.find_spec('mxnet'); "
+            "path = os.path.join(spec.submodule_search_locations[0], 'tools', 'launch.py'); "
+            "sys.argv = ['launch.py'] + sys.argv[1:]; runpy.run_path(path, run_name='__main__')")
+    argv = [mxnet_python, "-c", shim, "-n", str(n), "-s", str(n), "--launcher", "local", job]
+    return _one_run(argv, root, n, {})
+
+
+FAIL_SH = f"""#!/bin/sh
+# worker 0 fails with code 3 after a moment; everything else waits to be stopped
+if [ "${envvars.ROLE}" = scheduler ]; then
+    exec "$BENCH_PYTHON" -S "$BENCH_DIR/sched.py" "$BENCH_OUT" 1000
+fi
+if [ "${envvars.ROLE}" = worker ] && [ "${envvars.TASK_ID}" = 0 ]; then
+    sleep 0.5; date +%s.%N > "$BENCH_OUT/failed"; exit 3
+fi
+exec sleep 60
+"""
+
+
+def bench_failure(root: str, n: int, repeats: int) -> list[float]:
+    """Seconds from worker 0's exit (code 3) to the launcher's exit, with 2n other processes running."""
+    job = os.path.join(root, "fail.sh")
+    with open(job, "w") as f:
+        f.write(FAIL_SH)
+    os.chmod(job, 0o755)
+    times = []
+    for _ in range(repeats):
+        out = tempfile.mkdtemp(dir=root)
+        env = dict(os.environ, BENCH_OUT=out, BENCH_DIR=root, BENCH_PYTHON=sys.executable, PYTHONPATH=REPO)
+        argv = [sys.executable, "-m", "launcher", "-n", str(n), "-s", str(n), "--kill-grace", "10", job]
+        proc = subprocess.run(argv, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              timeout=120)
+        t_end = time.time()
+        if proc.returncode != 3:
+            raise RuntimeError(f"expected exit code 3, got {proc.returncode}")
+        with open(os.path.join(out, "failed")) as f:
+            times.append(t_end - float(f.read()))
+        shutil.rmtree(out, ignore_errors=True)
+    return times
+
+
+def _mxnet_tools_available(python: str) -> bool:
+    try:
+        return subprocess.run([python, "-c", "import importlib.util as u, dmlc_tracker; assert u.find_spec('mxnet')"],
+                              capture_output=True,
+                              timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-N", "--workers", type=int, nargs="+", default=[1, 4, 16, 32],
+                    help="worker counts (servers = workers)")
+    ap.add_argument("-r", "--repeats", type=int, default=5)
+    ap.add_argument("--mxnet-python", default=os.environ.get("PSLAUNCH_MXNET_PYTHON")
+                    or os.path.join(REPO, ".venv-mxnet", "bin", "python"))
+    ap.add_argument("--no-compare", action="store_true", help="skip the MXNet launch.py side")
+    ap.add_argument("--no-failure", dest="failure", action="store_false",
+                    help="skip the fail-fast measurement (failure to launcher exit)")
+    a = ap.parse_args()
+    compare = not a.no_compare and os.path.exists(a.mxnet_python) and _mxnet_tools_available(a.mxnet_python)
+    root = tempfile.mkdtemp(prefix="bench-launch-")
+    job = _prepare(root)
+    print(f"launch latency, local backend, N workers + N servers + 1 scheduler; median of {a.repeats} runs; "
+          f"{os.cpu_count()} cores")
+    print("time from starting the launcher until: the first process runs / every process runs / the launcher exits")
+    head = f"{'N':>3} {'procs':>5} | {'pslaunch first':>14} {'all':>8} {'exit':>8}"
+    if compare:
+        head += f" | {'launch.py first':>15} {'all':>8} {'exit':>8} | {'all: ratio':>10}"
+    print(head)
+    print("-" * len(head))
+    try:
+        for n in a.workers:
+            ours = [bench_pslaunch(job, root, n) for _ in range(a.repeats)]
+            row = [statistics.median(x[i] for x in ours) for i in range(3)]
+            line = f"{n:>3} {2 * n + 1:>5} | {row[0] * 1000:>11.0f} ms {row[1] * 1000:>5.0f} ms {row[2] * 1000:>5.0f} ms"
+            if compare:
+                theirs = [bench_dmlc(a.mxnet_python, job, root, n) for _ in range(a.repeats)]
+                peer = [statistics.median(x[i] for x in theirs) for i in range(3)]
+                line += (f" | {peer[0] * 1000:>12.0f} ms {peer[1] * 1000:>5.0f} ms {peer[2] * 1000:>5.0f} ms"
+                         f" | {peer[1] / row[1]:>9.2f}x")
+            print(line, flush=True)
+        if a.failure:
+            print()
+            print("fail fast: worker 0 exits with code 3; time until pslaunch has stopped the other 2N "
+                  "processes (SIGTERM) and exited with 3")
+            print(f"{'N':>3} {'procs':>5} | {'median':>8} {'max':>8}")
+            for n in a.workers:
+                t = bench_failure(root, n, a.repeats)
+                print(f"{n:>3} {2 * n + 1:>5} | {statistics.median(t) * 1000:>5.0f} ms {max(t) * 1000:>5.0f} ms",
+                      flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if not compare and not a.no_compare:
+        print("(MXNet launch.py not compared: no MXNet venv; see --mxnet-python)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

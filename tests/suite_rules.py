@@ -1,0 +1,18 @@
+"""Rules of the test suite that conftest.py applies (kept importable for their own tests)."""
+
+from __future__ import annotations
+
+import pytest
+
+#: markers of tests that need a backend or a real client; CI must not skip them
+STRICT_MARKERS = ("mxnet", "ssh", "mpi", "sge")
+
+
+def fail_skips_under_ci(item: pytest.Item, report: pytest.TestReport, environ: dict) -> None:
+    """Turn the skip of a backend or real-client test into a failure when CI=true."""
+    if report.skipped and environ.get("CI", "").lower() == "true":
+        strict = [m for m in STRICT_MARKERS if item.get_closest_marker(m)]
+        if strict:
+            reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            report.outcome = "failed"
+            report.longrepr = f"skipped under CI=true (marker {', '.join(strict)}): {reason}"

@@ -1,0 +1,85 @@
+from __future__ import annotations
+
+import io
+import os
+import time
+
+from launcher.output import Console, PipePump
+
+
+class Sink(io.BytesIO):
+    def fileno(self) -> int:  # not a tty
+        raise OSError
+
+
+def make(log_dir=None):
+    out, err = Sink(), Sink()
+    console = Console(stdout=out, stderr=err, log_dir=log_dir, color=False)
+    return console, out, err
+
+
+def test_lines_are_prefixed_whole_and_split_multibyte_survives() -> None:
+    console, out, err = make()
+    p = console.proc("worker-0", "worker 0", "worker")
+    data = "naïve ✓ line\nsecond".encode()
+    cut = data.index("✓".encode()) + 1  # split inside the 3-byte character
+    p.stdout.feed(data[:cut])
+    assert out.getvalue() == b""
+    p.stdout.feed(data[cut:])
+    assert out.getvalue() == "[worker 0] naïve ✓ line\n".encode()
+    p.stdout.close()
+    assert out.getvalue().decode().splitlines()[-1] == "[worker 0] second"
+    assert p.lines() == ["naïve ✓ line", "second"]
+
+
+def test_carriage_returns_and_crlf() -> None:
+    console, out, err = make()
+    p = console.proc("server-1", "server 1", "server")
+    p.stderr.feed(b"10%\r20%\r\ndone\r\n")
+    assert err.getvalue().decode().splitlines() == ["[server 1] 10%", "[server 1] 20%", "[server 1] done"]
+
+
+def test_invalid_utf8_is_replaced_not_fatal() -> None:
+    console, out, err = make()
+    p = console.proc("w", "worker 0", "worker")
+    p.stdout.feed(b"bad \xff\xfe bytes\n")
+    assert out.getvalue().decode() == "[worker 0] bad \ufffd\ufffd bytes\n"
+
+
+def test_long_line_without_newline_is_chunked() -> None:
+    console, out, err = make()
+    p = console.proc("w", "worker 0", "worker")
+    p.stdout.feed(b"x" * 200_000)
+    lines = out.getvalue().decode().splitlines()
+    assert len(lines) == 3 and all(len(x) == len("[worker 0] ") + 65536 for x in lines)
+
+
+def test_tail_keeps_last_20_lines() -> None:
+    console, out, err = make()
+    p = console.proc("w", "worker 0", "worker")
+    p.stdout.feed("".join(f"line {i}\n" for i in range(50)).encode())
+    assert p.lines() == [f"line {i}" for i in range(30, 50)]
+
+
+def test_log_dir_gets_raw_lines(tmp_path) -> None:
+    console, out, err = make(log_dir=str(tmp_path / "logs"))
+    p = console.proc("worker-3", "worker 3", "worker")
+    p.stdout.feed(b"a\n")
+    p.stderr.feed(b"b\n")
+    p.close()
+    assert (tmp_path / "logs" / "worker-3.log").read_text() == "a\nb\n"
+
+
+def test_pipe_pump_delivers_and_closes() -> None:
+    console, out, err = make()
+    p = console.proc("w", "worker 0", "worker")
+    pump = PipePump()
+    r, w = os.pipe()
+    pump.add(r, p.stdout.feed, p.stdout.close)
+    os.write(w, b"one\ntw")
+    time.sleep(0.05)
+    os.write(w, b"o\n")
+    os.close(w)
+    assert p.stdout.done.wait(5)
+    pump.stop()
+    assert out.getvalue().decode().splitlines() == ["[worker 0] one", "[worker 0] two"]

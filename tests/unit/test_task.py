@@ -1,0 +1,136 @@
+"""The task wrapper (launcher/task.py) that sge and yarn run in each task: index translation,
+environment, node address, and the real wrapper exec'ing a command (no batch system needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from launcher import task
+
+WRAPPER = REPO / "launcher" / "task.py"
+
+DOC = {
+    "version": 1,
+    "argv": [sys.executable, "-c", "import json, os; print(json.dumps(dict(os.environ)))"],
+    "env": {"PATH": "/opt/venv/bin:/usr/bin:/bin"},
+    "roles": {
+        "server": {"first_task_id": 3, "count": 2, "env": {"DMLC_ROLE": "server", "A": "s=1"}},
+        "worker": {"first_task_id": 0, "count": 3,
+                   "env": {"DMLC_ROLE": "worker", "DMLC_PS_ROOT_URI": "127.0.0.1", "A": "w=1"}},
+    },
+}
+
+
+@pytest.mark.parametrize("source, environ, index", [
+    ("sge", {"SGE_TASK_ID": "1"}, 0),
+    ("sge", {"SGE_TASK_ID": "12"}, 11),
+    ("skein", {"SKEIN_CONTAINER_ID": "worker_0"}, 0),
+    ("skein", {"SKEIN_CONTAINER_ID": "my_server_7"}, 7),
+])
+def test_task_index(source, environ, index) -> None:
+    assert task.task_index(source, environ) == index
+
+
+@pytest.mark.parametrize("source, environ, message", [
+    # Grid Engine sets "undefined" in a job that is not an array job
+    ("sge", {"SGE_TASK_ID": "undefined"}, "SGE_TASK_ID='undefined': not a task of an array job"),
+    ("sge", {}, "SGE_TASK_ID='': not a task of an array job"),
+    ("sge", {"SGE_TASK_ID": "0"}, "SGE_TASK_ID='0'"),
+    ("skein", {"SKEIN_CONTAINER_ID": "worker"}, "expected <service>_<instance>"),
+    ("slurm", {}, "unknown index source 'slurm'"),
+])
+def test_task_index_errors(source, environ, message) -> None:
+    with pytest.raises(task.TaskError, match=message.replace("(", r"\(")):
+        task.task_index(source, environ)
+
+
+def test_task_environment_layers() -> None:
+    environ = {"HOME": "/home/u", "PATH": "/tmp/123.1.all.q:/usr/bin", "A": "from-sge", "SGE_TASK_ID": "2"}
+    env = task.task_environment(DOC, "server", 1, environ)
+    assert env["DMLC_TASK_ID"] == "4" and env["DMLC_ROLE"] == "server"
+    assert env["A"] == "s=1"                          # the job's value wins over the task's own
+    assert env["PATH"] == "/opt/venv/bin:/usr/bin:/bin"  # the launcher's PATH, not Grid Engine's
+    assert env["HOME"] == "/home/u" and env["SGE_TASK_ID"] == "2"  # the batch system's stay
+    assert task.task_environment(DOC, "worker", 2, environ)["DMLC_TASK_ID"] == "2"
+
+
+def test_task_environment_errors() -> None:
+    with pytest.raises(task.TaskError, match="worker index 3 is out of range: the job has 3 worker"):
+        task.task_environment(DOC, "worker", 3, {})
+    with pytest.raises(task.TaskError, match="role 'server' is not in the task file"):
+        task.task_environment({"version": 1, "roles": {"worker": DOC["roles"]["worker"]}}, "server", 0, {})
+
+
+def test_node_address() -> None:
+    assert task.node_address({"DMLC_INTERFACE": "lo"}) == "127.0.0.1"
+    assert task.node_address({"DMLC_INTERFACE": "127.0.0.0/8"}) == "127.0.0.1"
+    assert task.node_address({"DMLC_PS_ROOT_URI": "127.0.0.1"}) == "127.0.0.1"  # the route to the scheduler
+    with pytest.raises(task.TaskError, match="cannot work out this node's address: DMLC_INTERFACE=nosuch0"):
+        task.node_address({"DMLC_INTERFACE": "nosuch0"})
+
+
+def test_load_task_file_errors(tmp_path) -> None:
+    with pytest.raises(task.TaskError, match="cannot read the task file .*shared with this host"):
+        task.load_task_file(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(task.TaskError, match="not valid JSON"):
+        task.load_task_file(str(bad))
+    bad.write_text('{"version": 99}')
+    with pytest.raises(task.TaskError, match="unsupported version 99"):
+        task.load_task_file(str(bad))
+
+
+def _run(tmp_path, doc, args, environ, cwd=None) -> subprocess.CompletedProcess:
+    f = tmp_path / "task.json"
+    f.write_text(json.dumps(doc))
+    return subprocess.run([sys.executable, str(WRAPPER), "--task-file", str(f), *args],
+                          capture_output=True, text=True, timeout=30, env=environ, cwd=cwd or tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_wrapper_execs_the_command_with_the_contract(tmp_path) -> None:
+    environ = {"SGE_TASK_ID": "2", "JOB_ID": "77", "PATH": "/usr/bin:/bin"}
+    r = _run(tmp_path, DOC, ["--role", "worker", "--index", "sge", "--report-dir", str(tmp_path)], environ)
+    assert r.returncode == 0, r.stderr
+    env = json.loads(r.stdout)
+    assert env["DMLC_TASK_ID"] == "1" and env["DMLC_ROLE"] == "worker" and env["A"] == "w=1"
+    assert env["DMLC_NODE_HOST"] == "127.0.0.1" and env["JOB_ID"] == "77"
+    started = json.loads((tmp_path / "worker-1.started").read_text())
+    assert started["node_host"] == "127.0.0.1" and started["pid"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_wrapper_exec_is_transparent_for_exit_codes(tmp_path) -> None:
+    doc = dict(DOC, argv=[sys.executable, "-c", "import sys; sys.exit(7)"])
+    r = _run(tmp_path, doc, ["--role", "worker", "--index", "sge"], {"SGE_TASK_ID": "1"})
+    assert r.returncode == 7 and r.stderr == ""
+    r = _run(tmp_path, doc, ["--role", "worker", "--index", "skein", "--", "sh", "-c", "exit 5"],
+             {"SKEIN_CONTAINER_ID": "worker_0", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 5  # argv after -- (yarn) wins over the task file's
+
+
+@pytest.mark.timeout(60)
+def test_wrapper_errors_are_one_line(tmp_path) -> None:
+    doc = dict(DOC, argv=["no-such-program-xyz"])
+    r = _run(tmp_path, doc, ["--role", "worker", "--index", "sge"], {"SGE_TASK_ID": "1"})
+    assert r.returncode == 127
+    assert r.stderr.strip().startswith("pslaunch task: error: cannot run 'no-such-program-xyz': no such program")
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = _run(tmp_path, DOC, ["--role", "worker", "--index", "sge"], {"SGE_TASK_ID": "undefined"})
+    assert r.returncode == 1 and "not a task of an array job" in r.stderr
+
+
+def test_wrapper_imports_only_the_standard_library() -> None:
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import launcher.task; "
+            "print(sorted(m for m in sys.modules if m.startswith('launcher')))")
+    r = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=30,
+                       env={"PATH": os.environ.get("PATH", "")})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "['launcher', 'launcher.envvars', 'launcher.netif', 'launcher.task']"

@@ -1,0 +1,55 @@
+"""The dead-man switch kills registered process groups when the launcher disappears."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from conftest import assert_no_orphans, pid_alive
+
+from launcher.process import Watchdog
+
+
+def sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+
+
+def test_eof_without_done_kills_groups_and_runs_commands(tmp_path) -> None:
+    marker = tmp_path / "cleanup-ran"
+    wd = Watchdog(grace=1)
+    a, b = sleeper(), sleeper()
+    wd.watch(a.pid)
+    wd.watch(b.pid)
+    wd.on_abandon(["touch", str(marker)])
+    wd._proc.stdin.close()  # what a SIGKILLed launcher leaves behind
+    wd._proc.wait(timeout=10)
+    a.wait(timeout=5)
+    b.wait(timeout=5)
+    assert_no_orphans([a.pid, b.pid], timeout=5)
+    assert marker.exists()
+
+
+def test_done_leaves_everything_alone(tmp_path) -> None:
+    marker = tmp_path / "cleanup-ran"
+    wd = Watchdog(grace=1)
+    a = sleeper()
+    wd.watch(a.pid)
+    wd.on_abandon(["touch", str(marker)])
+    wd.close()
+    time.sleep(0.3)
+    assert pid_alive(a.pid) and not marker.exists()
+    a.kill()
+    a.wait()
+
+
+def test_forgotten_group_is_not_killed() -> None:
+    wd = Watchdog(grace=1)
+    a = sleeper()
+    wd.watch(a.pid)
+    wd.forget(a.pid)
+    wd._proc.stdin.close()
+    wd._proc.wait(timeout=10)
+    assert pid_alive(a.pid)
+    a.kill()
+    a.wait()
