@@ -7,17 +7,13 @@ Weights start as MXNet's default initializer draws them (Xavier, gaussian,
 ``factor_type="in"``, magnitude 2, so a normal with standard deviation
 ``sqrt(2 / fan_in)``), biases at zero.
 
-LeNet computes exactly the function MXNet's does, a little faster:
-
-* ``tanh`` and max-pooling commute (tanh is increasing), so it pools first and
-  takes ``tanh`` of a quarter of the values. The outputs are identical; a
-  gradient can differ only where two pooled inputs tie after ``tanh``, which
-  happens only where ``tanh`` saturates and its derivative is 0 to float
-  precision.
-* On CPU, the weight gradient of the first convolution (whose input needs no
-  gradient) is computed as one small convolution over the batch, which is
-  several times faster than the generic backward kernel.
-* On CPU the convolutions run in channels-last layout.
+LeNet computes exactly the function MXNet's does, a little faster: ``tanh``
+and max-pooling commute (tanh is increasing), so it pools first and takes
+``tanh`` of a quarter of the values. The outputs are identical; a gradient can
+differ only where two pooled inputs tie after ``tanh``, which happens only
+where ``tanh`` saturates and its derivative is 0 to float precision. On CPU the
+trainer also runs LeNet in channels-last layout (:func:`create_model`), which
+oneDNN's convolutions prefer.
 
 ``reference_forward`` keeps the plain order of operations for the tests.
 """
@@ -34,23 +30,6 @@ NETWORKS = ("mlp", "lenet")
 EXPECTED_PARAMS = {"lenet": 431_080, "mlp": 109_386}
 
 
-class _FirstConv(torch.autograd.Function):
-    """``conv2d`` for an input that needs no gradient, with a fast weight gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(x)
-        return F.conv2d(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        (x,) = ctx.saved_tensors
-        # d(out[b, o, i, j]) / d(w[o, c, p, q]) = x[b, c, i+p, j+q]: correlate x with grad over
-        # the batch, which is a convolution with the batch as the channel dimension.
-        grad_w = F.conv2d(x.transpose(0, 1), grad.transpose(0, 1)).transpose(0, 1)
-        return None, grad_w.contiguous(), grad.sum((0, 2, 3))
-
-
 class LeNet(nn.Module):
     """LeNet-5 as in MXNet's ``symbols/lenet.py``."""
 
@@ -62,17 +41,13 @@ class LeNet(nn.Module):
         self.fc2 = nn.Linear(500, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.requires_grad or not x.is_cpu or not torch.is_grad_enabled():
-            y = self.conv1(x)
-        else:
-            y = _FirstConv.apply(x, self.conv1.weight, self.conv1.bias)
-        y = torch.tanh(F.max_pool2d(y, 2))
+        y = torch.tanh(F.max_pool2d(self.conv1(x), 2))
         y = torch.tanh(F.max_pool2d(self.conv2(y), 2))
         y = torch.tanh(self.fc1(y.reshape(y.shape[0], -1)))
         return self.fc2(y)
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The operations in MXNet's order (tanh before pooling, stock autograd)."""
+        """The operations in MXNet's order (tanh before pooling)."""
         y = F.max_pool2d(torch.tanh(self.conv1(x)), 2)
         y = F.max_pool2d(torch.tanh(self.conv2(y)), 2)
         y = torch.tanh(self.fc1(torch.flatten(y, 1)))

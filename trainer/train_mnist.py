@@ -236,9 +236,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     _setup_logging()
+    threads = args.threads or default_threads()
+    if threads > 1:
+        # libgomp's threads spin between parallel regions by default; when other processes want
+        # the same cores that makes every step wait for descheduled spinners (10x slower here).
+        os.environ.setdefault(envvars.OMP_WAIT_POLICY, "PASSIVE")
     import torch
 
-    torch.set_num_threads(args.threads or default_threads())
+    torch.set_num_threads(threads)
     from trainer import kvstore
     from trainer.data import DataError, load_mnist
     from trainer.fit import FitError, TrainConfig, fit
