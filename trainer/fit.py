@@ -384,7 +384,7 @@ def fit(cfg: TrainConfig, kv: Any, data: MNIST, *, plot: str | None = None) -> d
                                                epoch=epoch, seed=cfg.seed, rank=rank,
                                                num_workers=num_workers, batch_size=cfg.batch_size))
         tic = time.time()
-        correct, loss = _train_epoch(cfg, kv, replicas, keys, slices, train_x, train_y, order, epoch)
+        correct, loss, kv_time = _train_epoch(cfg, kv, replicas, keys, slices, train_x, train_y, order, epoch)
         toc = time.time()
         samples = epoch_size * cfg.batch_size
         log.info("Epoch[%d] Train-accuracy=%f", epoch, correct / samples)
@@ -395,6 +395,7 @@ def fit(cfg: TrainConfig, kv: Any, data: MNIST, *, plot: str | None = None) -> d
             "samples_per_sec": round(samples / (toc - tic), 2),
             "train_accuracy": correct / samples,
             "train_loss": loss / samples,
+            "kvstore_time": round(kv_time, 4),
         }
         val_acc = evaluate(replicas.model, data.test_images, data.test_labels, devices[0])
         record["validation_accuracy"] = val_acc
@@ -437,11 +438,13 @@ def fit(cfg: TrainConfig, kv: Any, data: MNIST, *, plot: str | None = None) -> d
 
 
 def _train_epoch(cfg: TrainConfig, kv: Any, replicas: Replicas, keys: list[int], slices: list[slice],
-                 train_x: torch.Tensor, train_y: torch.Tensor, order: torch.Tensor, epoch: int) -> tuple[int, float]:
+                 train_x: torch.Tensor, train_y: torch.Tensor, order: torch.Tensor,
+                 epoch: int) -> tuple[int, float, float]:
     """One epoch of this worker's batches; logs MXNet's Speedometer lines.
 
     Returns:
-        the number of correct predictions and the summed loss over the epoch.
+        the number of correct predictions, the summed loss, and the seconds spent in
+        ``kv.pushpull`` (the gradient exchange and, for dist_*, waiting for the other workers).
     """
     # Running totals stay on their devices; reading them (which waits for a GPU) happens only
     # when a line is logged and at the end.
@@ -449,6 +452,7 @@ def _train_epoch(cfg: TrainConfig, kv: Any, replicas: Replicas, keys: list[int],
     loss_acc = [torch.zeros((), dtype=torch.float64, device=d) for d in replicas.devices]
     shown_correct = 0
     window_samples = 0
+    kv_time = 0.0
     bar = _Bar(cfg.progress, len(order), epoch)
     window_tic = time.time()
     with _logging_around_bar(cfg.progress):
@@ -457,7 +461,9 @@ def _train_epoch(cfg: TrainConfig, kv: Any, replicas: Replicas, keys: list[int],
             x = train_x.index_select(0, idx).float().div_(255.0)
             y = train_y.index_select(0, idx)
             losses, correct = replicas.forward_backward(x, y, slices)
+            t_kv = time.perf_counter()
             kv.pushpull(keys, replicas.grads(), replicas.outs())
+            kv_time += time.perf_counter() - t_kv
             replicas.zero_grad()
             for acc, c in zip(correct_acc, correct):
                 acc += c
@@ -479,7 +485,7 @@ def _train_epoch(cfg: TrainConfig, kv: Any, replicas: Replicas, keys: list[int],
                     shown_correct, window_samples = total, 0
                 window_tic = now
     bar.close()
-    return sum(int(c) for c in correct_acc), sum(float(v) for v in loss_acc)
+    return sum(int(c) for c in correct_acc), sum(float(v) for v in loss_acc), kv_time
 
 
 def _empty_states(kv: Any) -> dict[str, Any]:
