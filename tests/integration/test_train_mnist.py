@@ -89,6 +89,19 @@ def test_dist_sync_two_workers_equal_one_worker_with_double_batch(tmp_path: Path
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_dist_async_converges_at_the_default_learning_rate() -> None:
+    # MXNet's 1/b scaling diverges here (accuracy 0.10); ours, 1/(N*b), learns.
+    proc = H.run_launched("--network", "lenet", "--kv-store", "dist_async", "--num-epochs", "1",
+                          "--num-examples", "19200", "--disp-batches", "0", timeout=220)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summaries = H.summaries(proc.stdout)
+    assert [s["kv_store"] for s in summaries] == ["dist_async", "dist_async"]
+    assert all(s["batches_per_epoch"] == 150 for s in summaries)
+    assert all(s["validation_accuracy"] >= 0.9 for s in summaries), summaries
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_checkpoint_resumes_under_dist_sync(tmp_path: Path) -> None:
     common = ("--network", "lenet", "--num-examples", "640", "--disp-batches", "0", "--seed", "5",
@@ -108,6 +121,18 @@ def test_checkpoint_resumes_under_dist_sync(tmp_path: Path) -> None:
     _assert_close(_weights(prefix, 2), _weights(tmp_path / "ref", 2), 1e-4)
     states = load_checkpoint(checkpoint_path(prefix, 2), "lenet")["optimizer"]["states"]
     assert {s["count"] for s in states.values()} == {10}
+
+
+@pytest.mark.timeout(120)
+def test_scheduler_and_server_exit_0_without_parameter_servers() -> None:
+    proc = H.run_launched("--network", "mlp", "--kv-store", "local", "--num-epochs", "1", "--num-examples", "640",
+                          "--disp-batches", "0", workers=1, timeout=100)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "all 3 processes exited 0" in out
+    for role in ("scheduler", "server"):
+        assert f"train_mnist: this {role} exits: --kv-store local trains without parameter servers" in out
+    assert len(H.summaries(proc.stdout)) == 1
 
 
 @pytest.mark.timeout(60)
