@@ -24,7 +24,8 @@ worker, and cut into global batches of ``num_workers * batch_size`` samples;
 worker ``rank`` takes slice ``rank`` of each global batch. Within an epoch the
 workers' samples are therefore disjoint, every worker runs the same number of
 batches, and N workers with batch b see exactly the samples that one worker
-with batch N*b would see, step by step.
+with batch N*b would see, step by step. :func:`split_batch` then divides a
+worker's batch among its devices, as MXNet does.
 
 This module needs numpy only (no torch), so MXNet scripts can use it too.
 """
