@@ -36,7 +36,6 @@ if os.environ.get(_envvars.ROLE, "").strip().lower() in ("scheduler", "server"):
 import atexit  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
-import weakref  # noqa: E402
 from typing import Any, NoReturn, Union
 
 import numpy as np  # noqa: E402
@@ -145,6 +144,8 @@ def _sum(values: list[torch.Tensor], device: torch.device | None) -> torch.Tenso
 
 def _flat_numpy(t: torch.Tensor) -> tuple[np.ndarray, bool]:
     """A flat numpy array with ``t``'s data, and whether it is a private copy."""
+    if t.is_cpu and t.is_contiguous() and t.dtype is not torch.bfloat16:  # the common case
+        return (t.detach() if t.requires_grad else t).numpy().reshape(-1), False
     if t.dtype == torch.bfloat16:
         raise KVConfigError("bfloat16 tensors cannot go through the kvstore; use float32 or float16")
     t = t.detach()
@@ -305,13 +306,27 @@ class _LocalStore(KVStore):
         self._updater.set_states(restored)
 
 
-_live: weakref.WeakSet[_DistStore] = weakref.WeakSet()
+# Open dist stores, kept alive until closed: a store the program dropped without
+# close() still ends the job properly at exit (MXNet's destructor does that).
+_live: set[_DistStore] = set()
 _uncaught: list[BaseException] = []
 
 
 def _excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
     _uncaught.append(exc)
+    if isinstance(exc, (KVAbortError, KVAuthError, KVTimeoutError)):
+        # The job failed elsewhere, or the cluster is unreachable: a traceback of
+        # this worker would only hide the one line that says why.
+        logger.error("kvstore: %s: %s", exc_type.__name__, exc)
+        return
     _previous_hook(exc_type, exc, tb)
+
+
+def _install_excepthook() -> None:
+    global _previous_hook
+    if sys.excepthook is not _excepthook:
+        _previous_hook = sys.excepthook
+        sys.excepthook = _excepthook
 
 
 _previous_hook = sys.excepthook
@@ -339,15 +354,11 @@ class _DistStore(KVStore):
             raise KVConfigError(f"a {kvtype} kvstore is created by workers, but DMLC_ROLE="
                                 f"{env.role}: import trainer.kvstore first, it runs that role")
         setup_logging(env.verbose)
+        _install_excepthook()
         self._device_sum = "device" in kvtype
         self._client = KVClient(env, check_dist_env(env), asynchronous=kvtype == "dist_async")
         self._shapes: dict[Key, tuple[torch.Size, torch.dtype]] = {}
         self._staging: dict[Key, np.ndarray] = {}
-        global _previous_hook
-        if not _live:
-            if sys.excepthook is not _excepthook:
-                _previous_hook = sys.excepthook
-                sys.excepthook = _excepthook
         _live.add(self)
 
     @property
@@ -385,6 +396,11 @@ class _DistStore(KVStore):
             self._shapes[k] = (vals[0].shape, vals[0].dtype)
 
     def push(self, key: Any, value: Any, priority: int = 0) -> None:
+        if type(value) is torch.Tensor and type(key) in (int, str):  # one key, one device
+            self._check(key, value)
+            arr, owned = _flat_numpy(value)
+            self._client.push((key,), (arr,), owned=owned)
+            return
         groups = _group(key, value, "value")
         arrays, owned = [], True
         for k, vals in groups:
@@ -410,23 +426,41 @@ class _DistStore(KVStore):
                 dests.append(buf)
         return dests
 
-    @staticmethod
-    def _fan_out(groups: list[tuple[Key, list[torch.Tensor]]], dests: list[np.ndarray]) -> None:
-        for (_, outs), dest in zip(groups, dests):
+    def _fan_out(self, groups: list[tuple[Key, list[torch.Tensor]]],
+                 dests: list[np.ndarray]) -> None:
+        for (k, outs), dest in zip(groups, dests):
             src = outs[0]
-            if dest.ctypes.data != src.data_ptr() or src.device.type != "cpu":
+            if dest is self._staging.get(k):  # not received in place: copy it over
                 src = torch.from_numpy(dest).reshape(outs[0].shape)
                 outs[0].copy_(src)
             for o in outs[1:]:
                 o.copy_(src)
 
+    def _direct(self, key: Any, out: Any) -> np.ndarray | None:
+        """``out``'s own memory as a flat array when it can receive the value directly."""
+        if (type(out) is torch.Tensor and type(key) in (int, str) and out.is_cpu
+                and out.is_contiguous()):
+            self._check(key, out)
+            if out.dtype == self._shapes[key][1]:
+                return (out.detach() if out.requires_grad else out).numpy().reshape(-1)
+        return None
+
     def pull(self, key: Any, out: Any, priority: int = 0) -> None:
+        dest = self._direct(key, out)
+        if dest is not None:
+            self._client.pull((key,), (dest,))
+            return
         groups = _group(key, out, "out")
         dests = self._dests(groups)
         self._client.pull([k for k, _ in groups], dests)
         self._fan_out(groups, dests)
 
     def pushpull(self, key: Any, value: Any, out: Any, priority: int = 0) -> None:
+        dest = self._direct(key, out)
+        if dest is not None and type(value) is torch.Tensor:
+            self._check(key, value)
+            self._client.push((key,), (_flat_numpy(value)[0],), dests=(dest,), owned=True)
+            return
         groups = _group(key, value, "value")
         out_groups = _group(key, out, "out")
         arrays = []

@@ -32,7 +32,7 @@ import zmq
 from launcher.envvars import ClusterEnv
 
 from . import protocol as P
-from .errors import KVAbortError, KVConfigError, KVStoreError, KVTimeoutError
+from .errors import KVAbortError, KVAuthError, KVConfigError, KVStoreError, KVTimeoutError
 from .node import SchedulerSession
 from .placement import Part, Placement
 from .transport import CLEAN_LINGER_MS, Link, Verbose, node_address
@@ -41,11 +41,15 @@ logger = logging.getLogger(__name__)
 
 #: Seconds the control thread waits for the main thread to act on an abort.
 ABORT_GRACE = 1.0
-#: Sending a caller's buffer of at least this many bytes is zero-copy (tracked).
-_ZERO_COPY_MIN = 1 << 16
+#: Pushes of at least this many bytes are sent without a copy; smaller ones are
+#: copied by ZeroMQ at once, which costs less than pyzmq's zero-copy bookkeeping.
+_ZERO_COPY_MIN = 4 << 20
 
 _ACK, _VALUE, _JSON = 0, 1, 2
+_ERRORS: dict[str, type[KVStoreError]] = {
+    cls.__name__: cls for cls in (KVAbortError, KVAuthError, KVTimeoutError, KVConfigError)}
 _pipe_ids = itertools.count()
+_EVENTS, _POLLIN = zmq.EVENTS, zmq.POLLIN
 
 
 @dataclass
@@ -88,6 +92,7 @@ class _Control(threading.Thread):
         self.pipe.setsockopt(zmq.LINGER, 0)
         self.pipe.connect(endpoint)
         self.sched = SchedulerSession(client.ctx, client.env, client.secret, client.v)
+        self.done = False
 
     def _to_main(self, kind: bytes, data: bytes = b"") -> None:
         try:
@@ -101,7 +106,7 @@ class _Control(threading.Thread):
             self.sched.connect(self.c.started + env.start_timeout, "worker", self.c.host)
             self._loop()
         except KVStoreError as e:
-            self._abort(str(e))
+            self._abort(str(e), type(e).__name__)
         except zmq.ZMQError as e:
             if e.errno != zmq.ETERM:
                 self._abort(f"control connection failed: {e}")
@@ -116,8 +121,10 @@ class _Control(threading.Thread):
         if self.sched.monitor is not None:
             poller.register(self.sched.monitor, zmq.POLLIN)
         link = self.sched.link
+        monitor = self.sched.monitor
+        next_tick = 0.0
         while True:
-            events = dict(poller.poll(self.sched.wait_hint() * 1000))
+            events = dict(poller.poll(max(0.0, next_tick - time.monotonic()) * 1000))
             if self.pipe in events:
                 while self.pipe.poll(0):
                     kind, data = self.pipe.recv_multipart()
@@ -131,23 +138,38 @@ class _Control(threading.Thread):
                     elif kind == b"stop":
                         return
             if self.sched.sock in events:
-                for msg in self.sched.receive():
-                    if msg.cmd == P.READY:
-                        self._to_main(b"ready", bytes(msg.frames[0].buffer))
-                    elif msg.cmd == P.RELEASE:
-                        self._to_main(b"release", str(msg.key).encode())
-                    elif msg.cmd == P.DONE:
-                        self._to_main(b"done")
-                    elif msg.cmd == P.ABORT:
-                        info = msg.json()
-                        raise KVAbortError(f"the scheduler aborted the job: {info.get('reason')}")
-            if not self.c.finished:
-                reason = self.sched.tick(time.monotonic())
+                self._from_scheduler()
+            now = time.monotonic()
+            if not self.done and (monitor in events or now >= next_tick):
+                reason = self.sched.tick(now)
                 if reason:
-                    raise KVAbortError(reason)
+                    # A DONE or ABORT may have arrived just before the connection closed.
+                    self._from_scheduler()
+                    if not self.done:
+                        raise KVAbortError(reason)
+                next_tick = self.sched.next_due(now)
+            elif self.done:
+                self.sched.link.peer_closed()  # the scheduler leaving is expected now
+                next_tick = now + 0.5
 
-    def _abort(self, reason: str) -> None:
-        self._to_main(b"abort", reason.encode())
+    def _from_scheduler(self) -> None:
+        for msg in self.sched.receive():
+            if msg.cmd == P.READY:
+                self._to_main(b"ready", bytes(msg.frames[0].buffer))
+            elif msg.cmd == P.RELEASE:
+                self._to_main(b"release", str(msg.key).encode())
+            elif msg.cmd == P.DONE:
+                self.done = True
+                self._to_main(b"done")
+            elif msg.cmd == P.ABORT:
+                try:
+                    reason = msg.json().get("reason")
+                except P.ProtocolError:
+                    reason = None
+                raise KVAbortError(f"the scheduler aborted the job: {reason or 'no reason given'}")
+
+    def _abort(self, reason: str, kind: str = "KVAbortError") -> None:
+        self._to_main(b"abort", f"{kind}:{reason}".encode())
         if self.c.finished:
             return
         # The main thread raises KVAbortError at its next kvstore call, or at once
@@ -223,8 +245,7 @@ class KVClient:
             if self._pipe.poll(min(left, 0.5) * 1000):
                 kind, data = self._pipe.recv_multipart()
                 if kind == b"abort":
-                    self.aborted = data.decode()
-                    raise KVAbortError(self.aborted)
+                    self._raise_abort(data)
                 if kind == b"ready":
                     ready = P.load_json(data)
         self.rank = int(ready["rank"])
@@ -262,8 +283,12 @@ class KVClient:
             elif kind == b"failed":
                 self._failed_sent = True
             elif kind == b"abort":
-                self.aborted = data.decode()
-                raise KVAbortError(self.aborted)
+                self._raise_abort(data)
+
+    def _raise_abort(self, data: bytes) -> None:
+        kind, _, reason = data.decode().partition(":")
+        self.aborted = reason
+        raise _ERRORS.get(kind, KVAbortError)(reason)
 
     def _poll(self, timeout_ms: float) -> None:
         pending = self._pending
@@ -272,17 +297,18 @@ class KVClient:
                 self._on_pipe()
                 continue
             link = self._by_sock[sock]
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
+            # EVENTS instead of catching zmq.Again: an exception costs more than a message
+            while sock.getsockopt(_EVENTS) & _POLLIN:
+                frames = sock.recv_multipart(copy=False)
                 msg = link.receive(frames)
                 if msg is None:
                     continue
                 entry = pending.pop(msg.req, None)
                 if entry is None:
-                    link.drops.drop("unexpected", link.name)
+                    if msg.status != P.ST_OK:  # a plain push failed (pushes get no ack)
+                        self._deferred_error = self._deferred_error or f"{link.name}: {msg.text()}"
+                    else:
+                        link.drops.drop("unexpected", link.name)
                     continue
                 kind, batch, dest = entry
                 if msg.status != P.ST_OK:
@@ -322,14 +348,18 @@ class KVClient:
                 self._deferred_error = None
             raise KVStoreError(text)
 
-    def _send(self, link: Link, cmd: int, kind: int, batch: _Batch | None, dest: Any = None,
-              key: int = 0, part: int = 0, dtype: int = 0, count: int = 0, flags: int = 0,
-              payload: Sequence[Any] = (), track: bool = False) -> Any:
+    def _send(self, link: Link, cmd: int, kind: int | None, batch: _Batch | None,
+              dest: Any = None, key: int = 0, part: int = 0, dtype: int = 0, count: int = 0,
+              flags: int = 0, payload: Sequence[Any] = (), track: bool = False,
+              copy: bool = False) -> Any:
+        """Send a request; ``kind`` None means no reply is expected (a plain push)."""
         self._req = req = (self._req + 1) & 0xFFFFFFFF
-        self._pending[req] = (kind, batch, dest)
-        if batch is not None:
-            batch.left += 1
-        return link.send(cmd, key, part, req, 0, dtype, count, flags, payload, track=track)
+        if kind is not None:
+            self._pending[req] = (kind, batch, dest)
+            if batch is not None:
+                batch.left += 1
+        return link.send(cmd, key, part, req, 0, dtype, count, flags, payload, track=track,
+                         copy=copy)
 
     def _wait_trackers(self, trackers: list[Any]) -> None:
         for t in trackers:
@@ -375,15 +405,16 @@ class KVClient:
              dests: Sequence[np.ndarray] | None = None, owned: bool = False) -> None:
         """Push flat arrays; with ``dests``, also receive the updated values (pushpull).
 
-        ``owned`` says the arrays are scratch buffers of ours: they are sent
-        without a copy and without waiting. A caller's buffer is sent without
-        a copy too, and this call returns once ZeroMQ is done reading it.
+        A plain push gets no reply: a server answers it only with an error,
+        which the next call that waits raises. Arrays of 4 MB and more are
+        sent without a copy; then, unless ``owned`` says they are scratch
+        buffers of ours, this call returns once ZeroMQ is done reading them,
+        so the caller may change them as soon as it returns.
         """
         self._check()
         batch = _Batch() if dests is not None else None
         flags = self._flags | (P.F_PULL if dests is not None else 0)
-        kind = _VALUE if dests is not None else _ACK
-        track = not owned and dests is None
+        kind = _VALUE if dests is not None else None
         trackers = []
         for i, (key, arr) in enumerate(zip(keys, arrays)):
             info = self._info(key, arr)
@@ -393,10 +424,12 @@ class KVClient:
             dest = dests[i] if dests is not None else None
             for part in info.parts:
                 view = arr[part.lo:part.hi] if len(info.parts) > 1 else arr
+                zero_copy = view.nbytes >= _ZERO_COPY_MIN
                 t = self._send(self.links[part.server], P.PUSH, kind, batch,
                                None if dest is None else dest[part.lo:part.hi], key=info.id,
                                part=part.index, dtype=code, count=view.size, flags=flags,
-                               payload=[view], track=track and view.nbytes >= _ZERO_COPY_MIN)
+                               payload=[view], copy=not zero_copy,
+                               track=zero_copy and not owned and dests is None)
                 if t is not None and not t.done:
                     trackers.append(t)
         if batch is not None:

@@ -80,11 +80,12 @@ class SchedulerSession:
                         "(PS_HEARTBEAT_TIMEOUT): it hangs, or its host is unreachable")
         return None
 
-    def wait_hint(self) -> float:
-        """Seconds until :meth:`tick` should run again."""
-        if self.env.heartbeat_interval > 0:
-            return max(0.0, min(0.5, self.next_heartbeat - time.monotonic()))
-        return 0.5
+    def next_due(self, now: float) -> float:
+        """When :meth:`tick` should run next (``time.monotonic()`` seconds)."""
+        due = now + 0.5
+        if self.env.heartbeat_interval > 0 and self.connected:
+            due = min(due, self.next_heartbeat)
+        return due
 
     def close(self, linger_ms: int = 0) -> None:
         self.link.close(linger_ms)

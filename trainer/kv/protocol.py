@@ -188,7 +188,7 @@ def _buf(frame: Any) -> Any:
 
 def _nbytes(frame: Any) -> int:
     b = _buf(frame)
-    return b.nbytes if isinstance(b, memoryview) else len(b)
+    return len(b) if isinstance(b, bytes) else memoryview(b).nbytes
 
 
 class Message:

@@ -6,19 +6,23 @@ Each stored array is a :class:`Slot` keyed by ``(key id, part)``. Requests:
 * ``PUSH`` in **sync** mode: the pushes of all workers for a slot are summed
   (into the first pushed buffer, in place); when the last one arrives the
   optimizer runs once on the sum (or the sum becomes the value when there is
-  no optimizer), then every held request is answered: pushes with an ack,
-  pushpulls and held pulls with the new value. A worker's second push before
-  the round completes waits for the next round.
+  no optimizer), then the held pushpulls and pulls get the new value. A plain
+  push gets no reply unless it fails. A worker's second push before the round
+  completes waits for the next round.
 * ``PUSH`` in **async** mode (``F_ASYNC``): applied at once; an optimizer is
   required.
 * ``PULL``: answered at once from the value, or held until the round
   completes when the same worker has pushed into the current round.
 * ``SET_OPTIMIZER`` (JSON spec), ``GET_STATES``/``SET_STATES``, ``STOP``.
 
-Values are sent without a copy. In sync mode that is safe because a value is
-only changed when a round completes, and a round cannot complete before every
-worker has pushed again, which each does after it has received its previous
-reply. Async replies are copies.
+Values are sent without a copy: a value is always a received ZeroMQ frame
+(rank 0's init, or the first push of a round that the others were added to),
+and sending a received frame again only shares its reference-counted buffer
+(no copy, and none of pyzmq's zero-copy bookkeeping). In sync mode that is
+safe because a value is only changed when a round completes, and a round
+cannot complete before every worker has pushed again, which each does after it
+has received its previous reply. Async replies are copies, taken as they are
+sent.
 """
 
 from __future__ import annotations
@@ -41,20 +45,21 @@ from .transport import CLEAN_LINGER_MS, Hub, Verbose, node_address
 logger = logging.getLogger(__name__)
 
 _NP_DTYPES = {code: np.dtype(name) for code, (name, _) in P.DTYPES.items()}
-#: Initial values smaller than this are copied out of the receive buffer.
-_SMALL = 1 << 20
 
 
 class Slot:
     """One stored array (a key, or one part of a split key) and its sync round."""
 
-    __slots__ = ("value", "code", "count", "merged", "pushed", "pending", "backlog")
+    __slots__ = ("value", "frame", "code", "count", "merged", "merged_frame", "pushed", "pending",
+                 "backlog")
 
-    def __init__(self, value: np.ndarray, code: int) -> None:
-        self.value = value
+    def __init__(self, frame: zmq.Frame, code: int) -> None:
+        self.frame = frame
+        self.value = np.frombuffer(frame.buffer, _NP_DTYPES[code])
         self.code = code
-        self.count = value.size
+        self.count = self.value.size
         self.merged: np.ndarray | None = None
+        self.merged_frame: zmq.Frame | None = None
         self.pushed: set[bytes] = set()
         self.pending: list[tuple[P.Peer, int, int]] = []
         self.backlog: list[tuple[P.Peer, P.Message]] = []
@@ -92,9 +97,11 @@ class Server:
                       payload=[text.encode()])
 
     def _send_value(self, peer: P.Peer, key: int, part: int, req: int, slot: Slot,
-                    value: np.ndarray, digest: bytes | None) -> None:
+                    digest: bytes | None, snapshot: bool = False) -> None:
+        """Send the slot's value: its frame as it is, or (``snapshot``) a copy taken now."""
         self.hub.send(peer, P.REPLY, key, part, req, dtype=slot.code, count=slot.count,
-                      payload=[value], digest=digest)
+                      payload=[slot.value if snapshot else slot.frame], digest=digest,
+                      copy=snapshot)
 
     def _slot(self, peer: P.Peer, msg: P.Message) -> Slot | None:
         slot = self.slots.get((msg.key, msg.part))
@@ -105,15 +112,11 @@ class Server:
 
     # --- data plane ------------------------------------------------------------------------
     def _init(self, peer: P.Peer, msg: P.Message) -> None:
-        dtype = _NP_DTYPES[msg.dtype]
-        value = np.frombuffer(msg.frames[0].buffer, dtype)
-        if value.nbytes < _SMALL:
-            value = value.copy()
         slot = self.slots.get((msg.key, msg.part))
         if slot is not None and (slot.pushed or slot.backlog):
             self._error(peer, msg, f"key {msg.key} was initialised again during a push round")
             return
-        self.slots[(msg.key, msg.part)] = Slot(value, msg.dtype)
+        self.slots[(msg.key, msg.part)] = Slot(msg.frames[0], msg.dtype)
         self._ack(peer, msg)
 
     def _push(self, peer: P.Peer, msg: P.Message) -> None:
@@ -136,9 +139,11 @@ class Server:
         slot.pushed.add(rid)
         if slot.merged is None:
             slot.merged = grad
+            slot.merged_frame = msg.frames[0]
         else:
             slot.merged += grad
-        slot.pending.append((peer, msg.req, msg.flags & P.F_PULL))
+        if msg.flags & P.F_PULL:
+            slot.pending.append((peer, msg.req, 1))
         if len(slot.pushed) >= self.num_workers:
             self._complete(msg.key, msg.part, slot)
 
@@ -157,16 +162,22 @@ class Server:
             self._error(peer, msg, f"the optimizer failed on key {msg.key}: {e}")
             return
         if msg.flags & P.F_PULL:
+            self._send_async_value(peer, msg, slot)
+
+    def _send_async_value(self, peer: P.Peer, msg: P.Message, slot: Slot) -> None:
+        # Other workers' pushes change the value in place at any time: send a copy.
+        if self.mac_payload:
             value = slot.value.copy()
-            digest = P.payload_digest([value]) if self.mac_payload else None
-            self._send_value(peer, msg.key, msg.part, msg.req, slot, value, digest)
+            self.hub.send(peer, P.REPLY, msg.key, msg.part, msg.req, dtype=slot.code,
+                          count=slot.count, payload=[value], digest=P.payload_digest([value]),
+                          copy=True)
         else:
-            self._ack(peer, msg)
+            self._send_value(peer, msg.key, msg.part, msg.req, slot, None, snapshot=True)
 
     def _complete(self, key: int, part: int, slot: Slot) -> None:
-        merged = slot.merged
-        assert merged is not None
-        slot.merged = None
+        merged, frame = slot.merged, slot.merged_frame
+        assert merged is not None and frame is not None
+        slot.merged = slot.merged_frame = None
         slot.pushed = set()
         if self.updater is not None:
             try:
@@ -180,18 +191,14 @@ class Server:
                 slot.pending = []
                 return
         else:
-            slot.value = merged
+            slot.value, slot.frame = merged, frame
         pending = slot.pending
         slot.pending = []
         digest = None
-        value = slot.value
-        for peer, req, want in pending:
-            if want:
-                if digest is None and self.mac_payload:
-                    digest = P.payload_digest([value])
-                self._send_value(peer, key, part, req, slot, value, digest)
-            else:
-                self.hub.send(peer, P.REPLY, key, part, req)
+        if pending and self.mac_payload:
+            digest = P.payload_digest([slot.value])
+        for peer, req, _ in pending:
+            self._send_value(peer, key, part, req, slot, digest)
         if slot.backlog:
             backlog = slot.backlog
             slot.backlog = []
@@ -206,10 +213,11 @@ class Server:
             slot.backlog.append((peer, msg))
         elif peer.rid in slot.pushed:
             slot.pending.append((peer, msg.req, 1))
+        elif msg.flags & P.F_ASYNC:
+            self._send_async_value(peer, msg, slot)
         else:
-            value = slot.value.copy() if msg.flags & P.F_ASYNC else slot.value
-            digest = P.payload_digest([value]) if self.mac_payload else None
-            self._send_value(peer, msg.key, msg.part, msg.req, slot, value, digest)
+            digest = P.payload_digest([slot.value]) if self.mac_payload else None
+            self._send_value(peer, msg.key, msg.part, msg.req, slot, digest)
 
     # --- control ------------------------------------------------------------------------------
     def _set_optimizer(self, peer: P.Peer, msg: P.Message) -> None:
@@ -228,8 +236,10 @@ class Server:
             for (key, part), (count, arrays) in self.updater.get_states().items():
                 names = sorted(arrays)
                 meta["slots"].append({"key": key, "part": part, "count": count, "names": names})
-                frames.extend(np.ascontiguousarray(arrays[n]).copy() for n in names)
-        self.hub.send(peer, P.REPLY, msg.key, msg.part, msg.req, payload=[P.dumps(meta), *frames])
+                frames.extend(np.ascontiguousarray(arrays[n]) for n in names)
+        # copy=True: a snapshot, since later pushes update the states in place
+        self.hub.send(peer, P.REPLY, msg.key, msg.part, msg.req, payload=[P.dumps(meta), *frames],
+                      copy=True)
 
     def _set_states(self, peer: P.Peer, msg: P.Message) -> None:
         if not msg.frames:
@@ -333,9 +343,11 @@ class Server:
             poller.register(sched_sock, zmq.POLLIN)
             if self.sched.monitor is not None:
                 poller.register(self.sched.monitor, zmq.POLLIN)
+            monitor = self.sched.monitor
             next_tick = 0.0
             while True:
-                events = poller.poll(self.sched.wait_hint() * 1000)
+                events = poller.poll(max(0.0, next_tick - time.monotonic()) * 1000)
+                due = False
                 for sock, _ in events:
                     if sock is hub_sock:
                         for peer, msg in self.hub.receive():
@@ -344,27 +356,22 @@ class Server:
                             except P.ProtocolError as e:
                                 self.hub.drops.drop(e.reason, peer.label)
                     elif sock is sched_sock:
-                        for msg in self.sched.receive():
-                            try:
-                                done = self._control(msg)
-                            except (P.ProtocolError, KeyError, TypeError, ValueError):
-                                self.sched.link.drops.drop("malformed", self.sched.name)
-                                continue
-                            if done:
-                                self.v("is stopped")
-                                self._report_drops()
-                                self.hub.close(CLEAN_LINGER_MS)
-                                self.sched.close(CLEAN_LINGER_MS)
-                                return
+                        if self._from_scheduler():
+                            return self._finish()
+                    elif sock is monitor:
+                        due = True
                 now = time.monotonic()
-                if now >= next_tick:
-                    next_tick = now + 0.1
+                if due or now >= next_tick:
                     reason = self.sched.tick(now)
                     if reason:
+                        # A DONE or ABORT may have arrived just before the connection closed.
+                        if self._from_scheduler():
+                            return self._finish()
                         raise KVAbortError(reason)
                     if self.rank < 0 and now - started > env.start_timeout + 5:
                         raise KVTimeoutError(f"{self.sched.name} sent no address book within "
                                              f"{env.start_timeout:g} s (PS_START_TIMEOUT)")
+                    next_tick = self.sched.next_due(now)
         except KVAbortError:
             self._report_drops()
             self.hub.close(0)
@@ -382,6 +389,22 @@ class Server:
             raise
         finally:
             self.ctx.term()
+
+    def _from_scheduler(self) -> bool:
+        """Handle the scheduler's messages; True when the job is done."""
+        done = False
+        for msg in self.sched.receive():
+            try:
+                done = self._control(msg) or done
+            except (P.ProtocolError, KeyError, TypeError, ValueError):
+                self.sched.link.drops.drop("malformed", self.sched.name)
+        return done
+
+    def _finish(self) -> None:
+        self.v("is stopped")
+        self._report_drops()
+        self.hub.close(CLEAN_LINGER_MS)
+        self.sched.close(CLEAN_LINGER_MS)
 
     def _report_drops(self) -> None:
         drops = P.DropCounter()

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import errno
 import logging
+import struct
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from launcher import netif
 from launcher.envvars import ClusterEnv
@@ -145,6 +145,24 @@ def bind(sock: zmq.Socket, host: str, port: int = 0,
         raise KVConfigError(f"cannot bind {what} to {host}:{shown}: {e.strerror}; {hint}") from None
 
 
+_MONITOR_EVENT = struct.Struct("=HI")
+
+
+def _monitor_events(monitor: zmq.Socket) -> list[tuple[int, int]]:
+    """``(event, value)`` for every waiting monitor message (value: the fd for
+    connection events). Parsed here rather than with ``zmq.utils.monitor``,
+    which imports asyncio and slows the start of the scheduler."""
+    out = []
+    while monitor.poll(0):
+        try:
+            frames = monitor.recv_multipart(zmq.NOBLOCK)
+        except zmq.ZMQError:
+            break
+        if frames and len(frames[0]) >= _MONITOR_EVENT.size:
+            out.append(_MONITOR_EVENT.unpack_from(frames[0]))
+    return out
+
+
 def _tune(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
@@ -206,12 +224,11 @@ class Link:
                     self.session = session
                     return
             except P.AuthError as e:
-                if e.reason == "bad-proof":
-                    raise KVAuthError(f"{self.name} could not prove it knows the job secret: "
-                                      "it belongs to another job (check DMLC_PS_ROOT_URI/PORT)"
-                                      ) from None
-                raise KVAuthError(f"{self.name} rejected our PSLAUNCH_SECRET: every process of "
-                                  "the job must get the same secret from the launcher") from None
+                what = ("does not know our PSLAUNCH_SECRET" if e.reason == "bad-proof"
+                        else "rejected our PSLAUNCH_SECRET")
+                raise KVAuthError(f"cannot authenticate with {self.name}: it {what}; every "
+                                  "process of a job needs the secret its launcher made (is "
+                                  "this the right job, DMLC_PS_ROOT_URI/PORT?)") from None
             except P.ProtocolError as e:
                 self.drops.drop(e.reason, self.name)
 
@@ -226,8 +243,8 @@ class Link:
 
     def send(self, cmd: int, key: int = 0, part: int = 0, req: int = 0, status: int = 0,
              dtype: int = 0, count: int = 0, flags: int = 0, payload: Sequence[Any] = (),
-             digest: bytes | None = None, track: bool = False) -> Any:
-        """Seal and send one message; tensor payloads go without a copy.
+             digest: bytes | None = None, track: bool = False, copy: bool = False) -> Any:
+        """Seal and send one message; tensor payloads go without a copy unless ``copy``.
 
         Returns the ``zmq.MessageTracker`` of the last frame when ``track``.
         """
@@ -241,8 +258,8 @@ class Link:
             return None
         sock.send(head, zmq.SNDMORE)
         for p in payload[:-1]:
-            sock.send(p, zmq.SNDMORE, copy=False)
-        return sock.send(payload[-1], 0, copy=False, track=track)
+            sock.send(p, zmq.SNDMORE, copy=copy)
+        return sock.send(payload[-1], 0, copy=copy, track=track)
 
     def send_json(self, cmd: int, obj: Any, key: int = 0, req: int = 0, status: int = 0) -> None:
         self.send(cmd, key=key, req=req, status=status, payload=[P.dumps(obj)])
@@ -262,15 +279,7 @@ class Link:
         """True when the monitor reports that the peer closed the connection."""
         if self.monitor is None:
             return False
-        closed = False
-        while self.monitor.poll(0):
-            try:
-                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
-            except zmq.ZMQError:
-                break
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                closed = True
-        return closed
+        return any(e == zmq.EVENT_DISCONNECTED for e, _ in _monitor_events(self.monitor))
 
     def close(self, linger_ms: int = 0) -> None:
         if self.monitor is not None:
@@ -326,11 +335,12 @@ class Hub:
         acceptor = self.acceptor
         peers = acceptor.peers
         verbose = self._v.messages
+        events, pollin = zmq.EVENTS, zmq.POLLIN
         for _ in range(budget):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            # EVENTS instead of catching zmq.Again: an exception costs more than a message
+            if not sock.getsockopt(events) & pollin:
                 break
+            frames = sock.recv_multipart(copy=False)
             rid = frames[0].bytes
             peer = peers.get(rid)
             if peer is not None:
@@ -368,8 +378,12 @@ class Hub:
 
     def send(self, peer: P.Peer, cmd: int, key: int = 0, part: int = 0, req: int = 0,
              status: int = 0, dtype: int = 0, count: int = 0, flags: int = 0,
-             payload: Sequence[Any] = (), digest: bytes | None = None) -> bool:
-        """Seal and send one message to ``peer``; False when the peer is gone."""
+             payload: Sequence[Any] = (), digest: bytes | None = None, copy: bool = False) -> bool:
+        """Seal and send one message to ``peer``; False when the peer is gone.
+
+        Payload frames go without a copy (pass received ``zmq.Frame`` objects to
+        share their buffers), or copied now with ``copy``.
+        """
         session = peer.session
         if session is None:
             return False
@@ -384,8 +398,8 @@ class Hub:
                 return True
             sock.send(head, zmq.SNDMORE)
             for p in payload[:-1]:
-                sock.send(p, zmq.SNDMORE, copy=False)
-            sock.send(payload[-1], 0, copy=False)
+                sock.send(p, zmq.SNDMORE, copy=copy)
+            sock.send(payload[-1], 0, copy=copy)
             return True
         except zmq.ZMQError as e:
             if e.errno == errno.EHOSTUNREACH:
@@ -401,14 +415,10 @@ class Hub:
         out: list[P.Peer] = []
         if self.monitor is None:
             return out
-        while self.monitor.poll(0):
-            try:
-                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
-            except zmq.ZMQError:
-                break
-            if event["event"] != zmq.EVENT_DISCONNECTED:
+        for event, fd in _monitor_events(self.monitor):
+            if event != zmq.EVENT_DISCONNECTED:
                 continue
-            peer = self._by_fd.pop(int(event["value"]), None)
+            peer = self._by_fd.pop(fd, None)
             if peer is not None and self.acceptor.forget(peer.rid) is not None:
                 out.append(peer)
         return out

@@ -1,0 +1,142 @@
+"""Failure detection: every process exits non-zero, naming the culprit, within the
+heartbeat timeout, with no launcher to clean up (its fail-fast is not involved)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher import envvars
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bin"))
+from kv_job import KVJob, worker_command  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+HEARTBEAT_TIMEOUT = 10.0  # the default
+
+
+def wait_file(path: Path, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < end, f"{path.name} never appeared"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def job_factory(tmp_path: Path):  # noqa: ANN201
+    jobs = []
+
+    def make(**kw) -> KVJob:  # noqa: ANN003
+        job = KVJob(tmp_path, **kw)
+        jobs.append(job)
+        return job
+
+    yield make
+    for job in jobs:
+        job.cleanup()
+
+
+def stalled_job(make, tmp_path: Path, **kw) -> KVJob:  # noqa: ANN001, ANN003
+    job = make(command=worker_command("stall", "--out", str(tmp_path)), **kw).start()
+    for rank in range(job.workers):
+        wait_file(tmp_path / f"ready-{rank}", 90)
+    time.sleep(0.3)  # the others are now blocked in pushpull, waiting for rank 1
+    return job
+
+
+def test_killed_worker_stops_everyone_naming_it(job_factory, tmp_path: Path) -> None:
+    job = stalled_job(job_factory, tmp_path, servers=2)
+    killed = job.signal("worker-1", signal.SIGKILL)
+    codes = job.wait(HEARTBEAT_TIMEOUT + 5)
+    last = max(job.exit_times.values())
+    print(f"\nfailure detection: every process exited {last - killed:.2f} s after SIGKILL of worker 1")
+    assert codes["worker-1"] == -signal.SIGKILL
+    for name in ("scheduler", "server-0", "server-1", "worker-0"):
+        assert codes[name] not in (None, 0), (name, codes, job.outputs())
+        assert "worker 1 (task 1, pid" in job.output(name), job.output(name)
+        assert "disconnected before the end of the job" in job.output(name)
+    assert last - killed < HEARTBEAT_TIMEOUT
+
+
+def test_hung_worker_is_caught_by_heartbeats(job_factory, tmp_path: Path) -> None:
+    job = stalled_job(job_factory, tmp_path, env={envvars.HEARTBEAT_INTERVAL: "0.5",
+                                                  envvars.HEARTBEAT_TIMEOUT: "3"})
+    stopped = job.signal("worker-1", signal.SIGSTOP)  # alive, connected, silent
+    codes = job.wait(15, names=["scheduler", "server-0", "worker-0"])
+    elapsed = max(job.exit_times.values()) - stopped
+    job.signal("worker-1", signal.SIGKILL)
+    for name in ("scheduler", "server-0", "worker-0"):
+        assert codes[name] not in (None, 0), (name, job.outputs())
+        assert "worker 1 (task 1, pid" in job.output(name)
+        assert "sent no heartbeat for 3 s (PS_HEARTBEAT_TIMEOUT)" in job.output(name)
+    assert 2.5 < elapsed < 3 + 5
+
+
+def test_exception_in_a_worker_is_reported_to_all(job_factory, tmp_path: Path) -> None:
+    job = job_factory(command=worker_command("fail")).start()
+    codes = job.wait(90)
+    assert all(c not in (None, 0) for c in codes.values()), job.outputs()
+    assert "ValueError: simulated bug in the training loop" in job.output("worker-1")
+    for name in ("scheduler", "server-0", "worker-0"):
+        assert "worker 1 (task 1, pid" in job.output(name)
+        assert "failed: ValueError: simulated bug in the training loop" in job.output(name)
+
+
+def test_killed_server_stops_everyone(job_factory, tmp_path: Path) -> None:
+    job = stalled_job(job_factory, tmp_path)
+    killed = job.signal("server-0", signal.SIGKILL)
+    codes = job.wait(HEARTBEAT_TIMEOUT + 5, names=["scheduler", "worker-0", "worker-1"])
+    assert max(job.exit_times.values()) - killed < HEARTBEAT_TIMEOUT
+    for name in ("scheduler", "worker-0", "worker-1"):
+        assert codes[name] not in (None, 0), (name, job.outputs())
+        assert "server 0 (task 2, pid" in job.output(name)
+
+
+def test_killed_scheduler_stops_everyone(job_factory, tmp_path: Path) -> None:
+    job = stalled_job(job_factory, tmp_path)
+    killed = job.signal("scheduler", signal.SIGKILL)
+    codes = job.wait(HEARTBEAT_TIMEOUT + 5, names=["server-0", "worker-0", "worker-1"])
+    assert max(job.exit_times.values()) - killed < HEARTBEAT_TIMEOUT
+    for name in ("server-0", "worker-0", "worker-1"):
+        assert codes[name] not in (None, 0), (name, job.outputs())
+        assert "lost the connection to the scheduler at 127.0.0.1" in job.output(name)
+
+
+def test_missing_server_times_out_instead_of_hanging(job_factory) -> None:
+    job = job_factory(command=worker_command("noop"), skip=["server-0"], start_timeout=8).start()
+    codes = job.wait(40)
+    assert codes["scheduler"] == 1, job.outputs()
+    assert codes["worker-0"] not in (None, 0) and codes["worker-1"] not in (None, 0)
+    text = job.output("scheduler")
+    assert "timed out after 8 s (PS_START_TIMEOUT) waiting for " in text, text
+    assert "server 0 (task 2)" in text and "to register with the scheduler at 127.0.0.1:" in text
+    for name in ("worker-0", "worker-1"):
+        # told by the scheduler, or (if it started after the scheduler gave up) its own timeout
+        text = job.output(name)
+        assert "server 0 (task 2)" in text or "in time" in text, text
+
+
+def test_missing_scheduler_times_out(job_factory) -> None:
+    job = job_factory(command=worker_command("noop"), workers=1,
+                      skip=["scheduler", "server-0"], start_timeout=2).start()
+    codes = job.wait(30)
+    assert codes["worker-0"] not in (None, 0)
+    assert "the scheduler at 127.0.0.1" in job.output("worker-0")
+    assert "in time" in job.output("worker-0")
+
+
+def test_wrong_secret_is_rejected(job_factory) -> None:
+    job = job_factory(command=worker_command("noop"), start_timeout=12,
+                      role_env={"worker-1": {envvars.SECRET: "77" * 32}}).start()
+    codes = job.wait(40)
+    assert codes["worker-1"] not in (None, 0)
+    assert ("cannot authenticate with the scheduler at 127.0.0.1" in job.output("worker-1")
+            and "PSLAUNCH_SECRET" in job.output("worker-1")), job.output("worker-1")
+    # the job cannot start without worker 1: a timeout naming it, not a hang
+    assert codes["scheduler"] == 1
+    assert "waiting for worker 1 (task 1)" in job.output("scheduler")
