@@ -213,13 +213,20 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
 @click.option("--ssh-key", default=None, metavar="FILE", help="ssh: private key file.")
 @click.option("--ssh-connect-timeout", type=float, default=10.0, show_default=True, metavar="SECONDS",
               help="ssh: connection timeout per host.")
+@click.option("--ssh-keepalive", type=float, default=5.0, show_default=True, metavar="SECONDS",
+              help="ssh: keep-alive interval; a host silent for 4 intervals is lost (the job fails), and its "
+                   "processes stop themselves.")
 @click.option("--accept-new-host-keys", is_flag=True,
               help="ssh: trust and record host keys not yet in known_hosts (a changed key is always refused).")
 @click.option("--sync-exclude", multiple=True, metavar="PATTERN",
               help="--sync-dst-dir: skip files matching PATTERN (.git and __pycache__ always). Repeatable.")
 @click.option("--sync-delete", is_flag=True, help="--sync-dst-dir: delete remote files that are gone here.")
 # mpi
-@click.option("--mpirun", default="mpirun", show_default=True, metavar="PATH", help="mpi: the mpirun to use.")
+@click.option("--mpirun", default="mpirun", show_default=True, metavar="PATH",
+              help="mpi: the mpirun to use (Open MPI or MPICH).")
+@click.option("--mpirun-args", default=None, metavar="ARGS",
+              help="mpi: extra mpirun options, one shell-quoted string "
+                   "(e.g. \"--mca plm_rsh_args '-p 2222'\").")
 # cluster schedulers (sge, yarn)
 @click.option("--queue", default=None, help="sge/yarn: queue to submit to.")
 @click.option("--jobname", default=None, help="sge/yarn: job name (default: pslaunch-<program>).")
@@ -266,7 +273,7 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
             raise ConfigError(f"{option} {value}: must be a port number from 1 to 65535")
     if kw.get("ssh_key") and not os.path.isfile(os.path.expanduser(kw["ssh_key"])):
         raise ConfigError(f"--ssh-key {kw['ssh_key']}: no such file")
-    for name in ("ssh_connect_timeout",):
+    for name in ("ssh_connect_timeout", "ssh_keepalive"):
         if kw.get(name) is not None and kw[name] <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
     ssh = SSHOptions(
@@ -276,6 +283,7 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
         accept_new_host_keys=bool(kw.get("accept_new_host_keys")),
         sync_exclude=(".git", "__pycache__") + tuple(kw.get("sync_exclude") or ()),
         sync_delete=bool(kw.get("sync_delete")),
+        keepalive=kw.get("ssh_keepalive") or 5.0,
     )
     return JobSpec(
         command=command, num_workers=n, num_servers=s, launcher=launcher, hosts=hosts, hostfile=hostfile,
@@ -291,9 +299,19 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
         port_range=parse_port_range_option(kw.get("port_range") or "9091-9998"),
         start_timeout=kw.get("start_timeout", 60.0), kill_grace=kw.get("kill_grace", 10.0),
         timeout=kw.get("timeout"), workdir=os.getcwd(), p3=bool(kw.get("p3")),
-        ssh=ssh, mpi=MPIOptions(mpirun=kw.get("mpirun") or "mpirun"),
+        ssh=ssh, mpi=MPIOptions(mpirun=kw.get("mpirun") or "mpirun",
+                                extra_args=_split_args(kw.get("mpirun_args"), "--mpirun-args")),
         sge=SGEOptions(native=kw.get("sge_native"), log_dir=kw.get("sge_log_dir"), pe=kw.get("sge_pe") or "smp"),
     )
+
+
+def _split_args(text: Optional[str], option: str) -> tuple[str, ...]:
+    import shlex
+
+    try:
+        return tuple(shlex.split(text or ""))
+    except ValueError as e:
+        raise ConfigError(f"{option} {text!r}: {e}") from None
 
 
 def execute(spec: JobSpec) -> int:

@@ -83,6 +83,20 @@ JAVA_HOME = "JAVA_HOME"
 HADOOP_HOME = "HADOOP_HOME"
 HADOOP_CONF_DIR = "HADOOP_CONF_DIR"
 
+# --- the mpi backend ----------------------------------------------------------
+# The rank table mpirun carries to every rank wrapper (launcher/mpirank.py).
+MPI_TABLE = "PSLAUNCH_MPI_TABLE"
+# "env" (default) or "mpi4py": where the rank wrapper takes its MPI rank from.
+MPI_RANK_SOURCE = "PSLAUNCH_MPI_RANK_SOURCE"
+# Set by mpirun in every rank: Open MPI, PMIx (Open MPI 5), PMI (MPICH/Hydra).
+MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+# Placed last in mpirun's environment: MPICH 4.0's mpiexec does not pass the last
+# variable of its environment to remote ranks, even when -genvlist names it.
+MPI_ENV_END = "PSLAUNCH_MPI_ENV_END"
+# mpirun rewrites these on the way (Open MPI prepends its own prefix): the job's values are restored.
+MPI_REWRITTEN = (PATH, "LD_LIBRARY_PATH")
+
 ROLES = ("scheduler", "server", "worker")
 
 #: Variables the launcher owns. An inherited or ``--env`` value is ignored.

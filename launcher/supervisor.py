@@ -92,7 +92,7 @@ def scheduler_address(spec: JobSpec, node_hosts: Mapping[Optional[Host], Optiona
     routes to the first host.
     """
     environ = spec.environ_dict()
-    iface = environ.get(envvars.INTERFACE, "").strip()
+    iface = (dict(spec.env).get(envvars.INTERFACE) or environ.get(envvars.INTERFACE, "")).strip()
     try:
         if _is_literal_host_ip(spec.host_ip):
             return netif.resolve_ipv4(spec.host_ip or "")
@@ -510,7 +510,7 @@ def dry_run_plan(spec: JobSpec) -> Plan:
     """The plan with placeholders where only a real launch can tell (no network, no ports)."""
     environ = spec.environ_dict()
     remote = spec.launcher != "local"
-    iface = environ.get(envvars.INTERFACE, "").strip()
+    iface = (dict(spec.env).get(envvars.INTERFACE) or environ.get(envvars.INTERFACE, "")).strip()
     try:
         if _is_literal_host_ip(spec.host_ip):
             root_uri = spec.host_ip or ""
@@ -522,7 +522,8 @@ def dry_run_plan(spec: JobSpec) -> Plan:
             root_uri = "<this host's address toward the hosts>"
     except netif.NetifError as e:
         raise ConfigError(str(e)) from None
-    if spec.launcher == "local":
+    if spec.launcher == "local" or (spec.launcher == "mpi" and not spec.hosts):
+        # everything on this machine: nodes bind the scheduler's address
         node_hosts: dict[Optional[Host], Optional[str]] = {None: root_uri}
     else:
         node_hosts = {h: (f"<{h.name} on {iface}>" if iface else h.name) for h in spec.hosts}

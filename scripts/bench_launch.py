@@ -16,6 +16,7 @@ that one attribute in memory so the predecessor can run at all.
 
     .venv/bin/python scripts/bench_launch.py                # N = 1, 4, 16, 32
     .venv/bin/python scripts/bench_launch.py -N 4 -r 10
+    .venv/bin/python scripts/bench_launch.py --launcher ssh   # 2 and 4 hosts x 1, 4, 16 per host (root)
 """
 
 from __future__ import annotations
@@ -156,7 +157,14 @@ def main() -> int:
     ap.add_argument("--no-compare", action="store_true", help="skip the MXNet launch.py side")
     ap.add_argument("--no-failure", dest="failure", action="store_false",
                     help="skip the fail-fast measurement (failure to launcher exit)")
+    ap.add_argument("--launcher", choices=["local", "ssh"], default="local",
+                    help="ssh: the ssh backend on a network-namespace testbed (root; see bench_launch_ssh.py)")
+    import bench_launch_ssh
+
+    bench_launch_ssh.add_arguments(ap)
     a = ap.parse_args()
+    if a.launcher == "ssh":
+        return bench_launch_ssh.bench_ssh_main(a.hosts, a.per_host, a.repeats, a.sync)
     compare = not a.no_compare and os.path.exists(a.mxnet_python) and _mxnet_tools_available(a.mxnet_python)
     root = tempfile.mkdtemp(prefix="bench-launch-")
     job = _prepare(root)

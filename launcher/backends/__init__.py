@@ -48,5 +48,7 @@ def get(name: str) -> type[Backend]:
 
 
 register("local", _lazy(".local", "LocalBackend"))
+register("mpi", _lazy(".mpi", "MPIBackend"))
+register("ssh", _lazy(".ssh", "SSHBackend"))
 register("sge", _lazy(".sge", "SGEBackend"))
 register("yarn", _lazy(".yarn", "YarnBackend"))

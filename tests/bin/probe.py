@@ -29,6 +29,14 @@ def name_of(env: dict) -> str:
     return f"server-{task - nw}" if role == "server" else f"worker-{task}"
 
 
+def _netns() -> str:
+    """``net:[INODE]``: which network namespace (testbed host) the process ran in."""
+    try:
+        return os.readlink("/proc/self/ns/net")
+    except OSError:
+        return ""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -69,7 +77,7 @@ def main() -> int:
     record = {
         "name": me, "env": env, "argv": sys.argv[1:], "rest": a.rest, "cwd": os.getcwd(), "pid": os.getpid(),
         "pgid": os.getpgid(0), "sid": os.getsid(0), "host": socket.gethostname(), "child": child_pid,
-        "time": time.time(),
+        "time": time.time(), "netns": _netns(),
     }
     tmp = os.path.join(a.out, f".{me}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:

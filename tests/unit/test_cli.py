@@ -172,7 +172,10 @@ def test_dry_run_table_and_redaction(capsys, monkeypatch) -> None:
     assert "PS_VERBOSE=1" in out
 
 
-def test_dry_run_of_a_backend_not_available_still_shows_plan(tmp_path, capsys) -> None:
+def test_dry_run_of_a_backend_not_available_still_shows_plan(tmp_path, capsys, monkeypatch) -> None:
+    from launcher import backends
+
+    monkeypatch.delitem(backends._REGISTRY, "ssh")  # as if this version had no ssh backend
     hosts = tmp_path / "hosts"
     hosts.write_text("A\nB\nC\n")
     code = cli.main(["-n", "3", "-s", "2", "-H", str(hosts), "--dry-run", "x"])

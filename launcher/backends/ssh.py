@@ -1,0 +1,807 @@
+"""The ssh backend: servers and workers on the hostfile's hosts, over paramiko.
+
+Lifecycle (driven by the supervisor, see :mod:`launcher.backends.base`):
+
+1. :meth:`SSHBackend.prepare`: resolve each host that gets a process through
+   ``~/.ssh/config`` (:func:`launcher.sshconn.resolve_target`), connect to
+   all of them in parallel (bounded fan-out, retries, strict host keys), then
+   per host and in parallel: work out ``DMLC_NODE_HOST`` (the interface
+   ``DMLC_INTERFACE`` selects on that host, found by sending
+   ``launcher/netif.py`` to its ``python3``; without it, the address the
+   connection reached) and, with ``--sync-dst-dir``, sync the working
+   directory (:mod:`launcher.sync`).
+2. :meth:`SSHBackend.start`: per host, one session channel on the host's
+   connection runs :func:`wrapper_command` (a few lines of Python that read
+   ``ssh_remote.py`` from stdin and run it; nothing is installed). The argv,
+   environment and working directory of every process of that host follow on
+   stdin (:func:`wrapper_payload`), so no value ever appears on a command
+   line. The wrapper starts each process in its own process group and
+   reports its pid; output comes back framed by process (:class:`FrameDecoder`).
+   One login shell and one Python per host, however many processes it runs.
+3. Supervision: the launcher sends a keep-alive to every host's wrapper each
+   ``--ssh-keepalive`` seconds and the wrapper answers. A host silent for
+   :data:`LOST_FACTOR` intervals is *lost*: its processes count as failed
+   (exit code 255) and the job stops; the wrapper there stops its process
+   groups on its own when the keep-alives stop reaching it.
+4. Teardown: ``kill -s TERM -- -PGID ...`` (one command per host, on the
+   same connection), ``KILL`` after ``--kill-grace``; then the wrapper's
+   stdin is closed and it kills what is left of every group. If the launcher
+   dies (``kill -9``), sshd closes the channel and the wrapper does the same.
+
+Every remote command line is built by a pure function here
+(:func:`wrapper_command`, :func:`kill_command`, :func:`netif_command`,
+:func:`prepare_dir_command`) with every argument ``shlex``-quoted.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import getpass
+import json
+import logging
+import os
+import queue
+import shlex
+import shutil
+import socket
+import struct
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+
+from .. import envvars, netif
+from ..errors import ConfigError, LaunchError
+from ..output import ProcOutput
+from ..plan import Plan, ProcSpec, place
+from ..process import ProcessHandle
+from ..spec import Host, JobSpec, SSHOptions
+from ..sshconn import (
+    HostSession,
+    Target,
+    connect_all,
+    require_paramiko,
+    resolve_target,
+    resolve_targets,
+)
+from ..sync import SyncStats, parse_rsync_stats, rsync_argv, sftp_sync
+from .base import Backend
+
+if TYPE_CHECKING:  # pragma: no cover
+    import paramiko
+
+log = logging.getLogger(__name__)
+
+REMOTE_PYTHON = "python3"
+LOST_FACTOR = 4  # a host is lost after this many keep-alive intervals without a reply
+EXIT_LOST = 255  # ssh's own code for "the connection failed"
+IN_FRAME = struct.Struct(">cI")  # launcher -> wrapper: kind, length
+OUT_FRAME = struct.Struct(">cHI")  # wrapper -> launcher: kind, process id, length
+HOST_ID = 0xFFFF
+MAGIC = b"\0pslaunch-frames\0"  # the wrapper's first bytes: frames follow
+_HERE = Path(__file__).resolve().parent
+
+# Reads exactly N bytes of wrapper source (N as 10 digits first) from stdin and runs it,
+# leaving the rest of stdin (the header, keep-alives) to the wrapper.
+BOOTSTRAP = """import os
+def r(n):
+ b=b""
+ while len(b)<n:
+  c=os.read(0,n-len(b))
+  if not c:os._exit(255)
+  b+=c
+ return b
+exec(compile(r(int(r(10))),"pslaunch-wrapper","exec"))"""
+
+
+# --- pure builders (golden-tested) -----------------------------------------------------------
+
+
+def wrapper_source() -> bytes:
+    return (_HERE / "ssh_remote.py").read_bytes()
+
+
+def wrapper_command(python: str = REMOTE_PYTHON) -> str:
+    """The remote command of a host's wrapper channel: the bootstrap, nothing job-specific."""
+    return f"exec {shlex.quote(python)} -S -c {shlex.quote(BOOTSTRAP)}"
+
+
+def wrapper_header(procs: Sequence[tuple[int, ProcSpec]], cwd: Optional[str], keepalive: float,
+                   grace: float) -> dict:
+    """What the wrapper needs to start a host's processes (``(id, proc)`` pairs, in start order).
+
+    Sent on the channel's stdin, never on a command line.
+    """
+    return {"procs": [{"id": i, "argv": list(p.argv), "env": dict(p.env), "cwd": cwd} for i, p in procs],
+            "keepalive": keepalive, "lost_after": LOST_FACTOR * keepalive, "grace": grace}
+
+
+def wrapper_payload(header: Mapping, source: Optional[bytes] = None) -> bytes:
+    """The bytes written first to a wrapper channel's stdin: the source, then the header frame."""
+    src = wrapper_source() if source is None else source
+    body = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    return b"%010d" % len(src) + src + IN_FRAME.pack(b"H", len(body)) + body
+
+
+KEEPALIVE = IN_FRAME.pack(b"k", 0)
+
+
+def kill_command(signame: str, pgids: Sequence[int]) -> str:
+    """``kill -s SIG -- -PGID ...`` for every process group; never a pgid below 2.
+
+    ``-1`` would signal every process of the user and ``-0`` the shell's own group.
+    """
+    if signame not in ("TERM", "KILL", "ABRT", "INT"):
+        raise ValueError(f"unexpected signal {signame!r}")
+    groups = sorted({int(p) for p in pgids if int(p) > 1})
+    if not groups:
+        raise ValueError("no process group to signal")
+    return f"kill -s {signame} -- {' '.join(f'-{g}' for g in groups)} 2>/dev/null; exit 0"
+
+
+def netif_command(iface: str, python: str = REMOTE_PYTHON) -> str:
+    """Runs ``netif.py`` (sent on stdin) on the host to resolve ``DMLC_INTERFACE`` there."""
+    return f"{shlex.quote(python)} -S - {shlex.quote(iface)}"
+
+
+def prepare_dir_command(path: str) -> str:
+    """Create the sync target; print its absolute path and rsync's path (empty without rsync).
+
+    The lines are marked: a login shell's rc files may print to stdout too.
+    """
+    q = shlex.quote(path)
+    return (f"mkdir -p -- {q} && cd -- {q} && echo \"pslaunch-dir=$(pwd)\" && "
+            "echo \"pslaunch-rsync=$(command -v rsync)\"")
+
+
+def parse_prepare_dir(output: str) -> tuple[Optional[str], bool]:
+    """(the absolute directory, whether rsync exists) from :func:`prepare_dir_command`'s output."""
+    found = dict(line.partition("=")[::2] for line in output.splitlines() if line.startswith("pslaunch-"))
+    return found.get("pslaunch-dir") or None, bool(found.get("pslaunch-rsync", "").strip())
+
+
+class FrameDecoder:
+    """Splits the wrapper's stdout into ``(kind, process id, payload)`` frames.
+
+    Bytes before the wrapper's marker (a login shell's rc files printing to
+    stdout) are not frames: they are collected in :attr:`preamble`.
+    """
+
+    def __init__(self, expect_marker: bool = True) -> None:
+        self._buf = bytearray()
+        self._synced = not expect_marker
+        self.preamble = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[bytes, int, bytes]]:
+        self._buf += data
+        if not self._synced:
+            at = self._buf.find(MAGIC)
+            if at < 0:
+                keep = len(MAGIC) - 1  # the marker may be split across reads
+                self.preamble += self._buf[:max(0, len(self._buf) - keep)]
+                del self._buf[:max(0, len(self._buf) - keep)]
+                return []
+            self.preamble += self._buf[:at]
+            del self._buf[:at + len(MAGIC)]
+            self._synced = True
+        frames = []
+        size = OUT_FRAME.size
+        while len(self._buf) >= size:
+            kind, ident, length = OUT_FRAME.unpack_from(self._buf)
+            if len(self._buf) < size + length:
+                break
+            frames.append((kind, ident, bytes(self._buf[size:size + length])))
+            del self._buf[:size + length]
+        return frames
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf)
+
+
+def interface_spec(spec: JobSpec) -> str:
+    """``DMLC_INTERFACE`` as the job's processes get it (``--env`` wins over the environment)."""
+    return (dict(spec.env).get(envvars.INTERFACE) or spec.environ_dict().get(envvars.INTERFACE) or "").strip()
+
+
+def hosts_with_processes(spec: JobSpec) -> list[Host]:
+    """The hostfile lines that get at least one process, in hostfile order."""
+    used = {s.host for s in place(spec.num_workers, spec.num_servers, spec.hosts)}
+    return [h for h in spec.hosts if h in used]
+
+
+def _basic_target(host: Host, opts: SSHOptions) -> Target:
+    """A target without ``~/.ssh/config`` (dry runs must not need paramiko)."""
+    return Target(host=host, hostname=host.name, port=host.port or opts.port or 22,
+                  user=host.user or opts.user or getpass.getuser(),
+                  key_files=(opts.key,) if opts.key else ())
+
+
+# --- one host at run time --------------------------------------------------------------------
+
+
+class RemoteHost:
+    """A connected host: its session, its wrapper channel, keep-alives and the signal queue."""
+
+    def __init__(self, session: HostSession, spec: JobSpec) -> None:
+        self.session = session
+        self.spec = spec
+        self.label = session.label
+        self.node_address: Optional[str] = None
+        self.workdir: Optional[str] = spec.workdir
+        self.procs: list[SSHProcess] = []
+        self.chan: Optional[paramiko.Channel] = None
+        self.closed = False  # the wrapper channel ended (or we closed it)
+        self.last_heard = time.monotonic()
+        self.lost = False
+        self.lost_reason = ""
+        self.interval = max(0.1, spec.ssh.keepalive)
+        self.lost_after = LOST_FACTOR * self.interval
+        self._stop = threading.Event()
+        self._signals: queue.Queue[Optional[tuple[str, SSHProcess]]] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._cleaned: set[int] = set()
+        self._stderr_tail: collections.deque[str] = collections.deque(maxlen=5)
+
+    # -- the wrapper channel ------------------------------------------------------------
+
+    def launch(self, procs: Sequence[SSHProcess]) -> None:
+        """Start the wrapper and hand it ``procs`` (returns at once; pids arrive as frames)."""
+        import paramiko
+
+        self.procs.extend(procs)
+        header = wrapper_header([(p.ident, p.proc) for p in procs], self.workdir, self.interval,
+                                self.spec.kill_grace)
+        chan = self.session.open_channel()
+        self.chan = chan
+        try:
+            chan.settimeout(0.5)
+            chan.exec_command(wrapper_command())
+            chan.sendall(wrapper_payload(header))
+        except (paramiko.SSHException, EOFError, OSError) as e:
+            self.closed = True
+            chan.close()
+            raise LaunchError(f"{self.label}: cannot start pslaunch's remote wrapper: {e}") from None
+        self.last_heard = time.monotonic()
+        self._start_thread(self._read, "reader")
+        self._start_thread(self._keepalive_loop, "keepalive")
+        self._start_thread(self._signal_loop, "signals")
+
+    def _start_thread(self, target: object, name: str) -> None:
+        t = threading.Thread(target=target, name=f"pslaunch-{name}-{self.label}", daemon=True)  # type: ignore[arg-type]
+        t.start()
+        self._threads.append(t)
+
+    def _read(self) -> None:
+        import paramiko
+
+        chan = self.chan
+        assert chan is not None
+        by_id = {p.ident: p for p in self.procs}
+        decoder = FrameDecoder()
+        while True:
+            self._drain_stderr()
+            try:
+                data = chan.recv(65536)
+            except socket.timeout:
+                if self.closed:
+                    break
+                continue
+            except (paramiko.SSHException, EOFError, OSError):
+                data = b""
+            if not data:
+                break
+            self.last_heard = time.monotonic()
+            for kind, ident, payload in decoder.feed(data):
+                proc = by_id.get(ident)
+                if proc is not None:
+                    proc.frame(kind, payload)
+            if decoder.preamble:
+                for line in bytes(decoder.preamble).decode(errors="replace").splitlines():
+                    if line.strip():
+                        log.warning("%s: the login shell printed: %s", self.label, line)
+                decoder.preamble.clear()
+        self._drain_stderr()
+        status = chan.recv_exit_status() if chan.exit_status_ready() else None
+        deliberate = self.closed
+        self.closed = True
+        unfinished = [p for p in self.procs if p.running]
+        if unfinished and not self.lost and not deliberate:
+            tail = f": {self._stderr_tail[-1]}" if self._stderr_tail else ""
+            if not any(p.started.is_set() for p in unfinished):
+                why = (f"pslaunch's remote wrapper on {self.label} ended before starting the processes "
+                       f"(ssh exit status {status}){tail}; the ssh backend needs python3 >= 3.5 on every host")
+            else:
+                why = f"the connection to {self.label} ended without their exit codes (ssh exit status {status}){tail}"
+                log.error("%s", why)
+            for p in unfinished:
+                p.wrapper_gone(why, status)
+        for p in self.procs:
+            p.started.set()
+            if not p.lost:
+                p.output.close()
+        self.session.channel_closed()
+
+    def _drain_stderr(self) -> None:
+        """The wrapper's own stderr (a shell's 'python3: not found', a traceback): shown on the console."""
+        chan = self.chan
+        while chan is not None and chan.recv_stderr_ready():
+            data = chan.recv_stderr(65536)
+            if not data:
+                break
+            text = data.decode(errors="replace")
+            self._stderr_tail.extend(x for x in text.splitlines() if x.strip())
+            for line in text.splitlines():
+                if line.strip():
+                    log.warning("%s: %s", self.label, line)
+
+    def _keepalive_loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            chan = self.chan
+            if chan is None or self.closed:
+                return
+            try:
+                chan.send(KEEPALIVE)
+            except Exception:  # noqa: BLE001 - a closed channel: the reader notices
+                pass
+            silent = time.monotonic() - self.last_heard
+            if any(p.running for p in self.procs) and silent > self.lost_after and not self.lost:
+                self.mark_lost(f"no reply to keep-alives for {silent:.0f}s")
+
+    def mark_lost(self, why: str) -> None:
+        with self._lock:
+            if self.lost:
+                return
+            self.lost = True
+            self.lost_reason = why
+        running = [p for p in self.procs if p.running]
+        log.error("host %s is lost: %s (link down, host down or sshd gone); its %d running process%s "
+                  "count as failed (exit code %d); the wrapper there stops them once the keep-alives stop",
+                  self.label, why, len(running), "" if len(running) == 1 else "es", EXIT_LOST)
+        for p in running:
+            p.set_lost()
+
+    # -- signals --------------------------------------------------------------------
+
+    def signal(self, signame: str, proc: SSHProcess) -> None:
+        self._signals.put((signame, proc))
+
+    def _signal_loop(self) -> None:
+        while True:
+            item = self._signals.get()
+            if item is None:
+                return
+            batch: dict[str, list[SSHProcess]] = collections.defaultdict(list)
+            batch[item[0]].append(item[1])
+            time.sleep(0.01)  # the supervisor signals every process in one loop: batch them
+            stop = False
+            while True:
+                try:
+                    more = self._signals.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                batch[more[0]].append(more[1])
+            for signame, procs in batch.items():
+                pgids = [p.pgid for p in procs if p.pgid and p.running]
+                if not pgids or self.lost or self.closed or not self.session.active:
+                    continue
+                try:
+                    r = self.session.exec(kill_command(signame, pgids), timeout=max(5.0, self.lost_after))
+                    log.debug("%s: kill -%s %s: exit %d", self.label, signame, pgids, r.code)
+                except LaunchError as e:
+                    log.debug("%s: kill -%s failed: %s", self.label, signame, e)
+            if stop:
+                return
+
+    def kill_now(self, pgids: Sequence[int]) -> None:
+        """SIGKILL ``pgids`` and wait for the command (a failed start)."""
+        try:
+            self.session.exec(kill_command("KILL", pgids), timeout=5.0)
+        except (LaunchError, ValueError) as e:
+            log.debug("%s: kill after a failed start: %s", self.label, e)
+
+    # -- the end ------------------------------------------------------------------------
+
+    def cleaned(self, proc: SSHProcess) -> None:
+        """The supervisor is done with ``proc``; once done with all, the wrapper sweeps and exits."""
+        with self._lock:
+            self._cleaned.add(proc.ident)
+            done = len(self._cleaned) >= len(self.procs)
+        chan = self.chan
+        if done and chan is not None and not self.closed and not self.lost:
+            try:
+                chan.shutdown_write()  # EOF: the wrapper kills what is left of every group and exits
+            except Exception:  # noqa: BLE001
+                pass
+
+    def close(self) -> None:
+        """Stop the threads, close the channel (the wrapper then stops every group), disconnect.
+
+        A kill command still in flight is waited for (briefly): its login shell is left to finish.
+        """
+        self._stop.set()
+        self._signals.put(None)
+        for t in self._threads:
+            if t.name.startswith("pslaunch-signals") and not self.lost:
+                t.join(5.0)
+        if self.chan is not None:
+            self.closed = True
+            try:
+                self.chan.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self.session.close()
+
+
+# --- the process handle --------------------------------------------------------------------
+
+
+class SSHProcess(ProcessHandle):
+    """A server or worker on a remote host, run by that host's wrapper."""
+
+    def __init__(self, proc: ProcSpec, output: ProcOutput, host: RemoteHost, ident: int) -> None:
+        super().__init__(proc, output, host.label)
+        self.remote = host
+        self.ident = ident
+        self.pgid: Optional[int] = None
+        self._code: Optional[int] = None
+        self.failure: Optional[str] = None
+        self.failure_code = 1
+        self.lost = False
+        self.started = threading.Event()
+        self.first_output: Optional[float] = None
+        self.spawned_at: Optional[float] = None
+
+    def frame(self, kind: bytes, payload: bytes) -> None:
+        """One frame from the wrapper about this process (the host's reader thread)."""
+        if kind == b"o" or kind == b"e":
+            if self.first_output is None:
+                self.first_output = time.monotonic()
+            (self.output.stdout if kind == b"o" else self.output.stderr).feed(payload)
+        elif kind == b"p":
+            info = json.loads(payload)
+            self.pid, self.pgid = int(info["pid"]), int(info["pgid"])
+            self.start_time = time.time()
+            self.spawned_at = time.monotonic()
+            self.started.set()
+        elif kind == b"x":
+            self._code = int(json.loads(payload)["code"])
+        elif kind == b"f":
+            info = json.loads(payload)
+            self.failure = str(info.get("error"))
+            self.failure_code = int(info.get("code", 1))
+            self._code = self.failure_code
+            self.started.set()
+
+    def wrapper_gone(self, why: str, status: Optional[int]) -> None:
+        """The wrapper channel ended before this process's exit code came."""
+        if not self.started.is_set():
+            self.failure = why
+            self.failure_code = status if status not in (None, 0) else EXIT_LOST
+        self._code = EXIT_LOST if status in (None, 0) or self.started.is_set() else status
+
+    # -- the ProcessHandle interface ----------------------------------------------------------
+
+    def _poll(self) -> int | None:
+        return self._code
+
+    @property
+    def running(self) -> bool:
+        """No exit code yet (the reader thread's view; :meth:`poll` is the supervisor's)."""
+        return self._code is None
+
+    def set_lost(self) -> None:
+        self.lost = True
+        if self._code is None:
+            self._code = EXIT_LOST
+        self.output.close()  # nothing more will come; the supervisor need not wait for it
+
+    def terminate(self) -> None:
+        self.remote.signal("TERM", self)
+
+    def kill(self) -> None:
+        self.remote.signal("KILL", self)
+
+    def dump_stacks(self) -> None:
+        self.remote.signal("ABRT", self)
+
+    def cleanup(self, groups: Optional[Mapping[int, list[int]]] = None) -> None:
+        """The job is over for this process: its host's wrapper sweeps leftovers once all are.
+
+        ``groups`` (the local process table) does not apply to remote processes.
+        """
+        self.remote.cleaned(self)
+
+    def describe(self) -> str:
+        where = f"on {self.host}" + (f", pid {self.pid}" if self.pid else "")
+        if self.lost:
+            where += f"; host lost: {self.remote.lost_reason}"
+        return f"{self.label} ({where})"
+
+
+# --- the backend ----------------------------------------------------------------------------
+
+
+class SSHBackend(Backend):
+    """``--launcher ssh``: see the module docstring."""
+
+    name = "ssh"
+    remote = True
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.hosts: dict[tuple, RemoteHost] = {}
+        self._adopted: dict[tuple, RemoteHost] = {}
+        self.by_line: dict[Host, RemoteHost] = {}
+        self.handles: list[SSHProcess] = []
+        self.sync_stats: dict[str, SyncStats] = {}
+        self.timings: dict[str, float] = {}
+        self._rsyncs: set[subprocess.Popen] = set()
+        self._closing = False
+        self._lock = threading.Lock()
+
+    # -- dry run ---------------------------------------------------------------------------
+
+    @classmethod
+    def dry_run(cls, spec: JobSpec, plan: Plan) -> list[str]:
+        lines = [f"ssh: one connection per host; on each, one channel runs \"exec {REMOTE_PYTHON} -S -c "
+                 "'<bootstrap>'\", which reads pslaunch's remote wrapper, then each process's argv, environment "
+                 "and directory from the channel's stdin (never a command line)"]
+        per_host: dict[Host, list[str]] = collections.defaultdict(list)
+        for p in plan.procs:
+            if p.host is not None:
+                per_host[p.host].append(p.label.split(" @ ")[0])
+        cwd = spec.sync_dst_dir or spec.workdir or "."
+        for host, labels in per_host.items():
+            t = _basic_target(host, spec.ssh)
+            lines.append(f"  {host.display}: {t.address}, cwd {cwd}: {', '.join(labels)}")
+        if spec.sync_dst_dir:
+            lines.append("sync (rsync when both ends have it, else SFTP):")
+            for host in per_host:
+                argv = rsync_argv(spec.workdir or ".", spec.sync_dst_dir, _basic_target(host, spec.ssh),
+                                  excludes=spec.ssh.sync_exclude, delete=spec.ssh.sync_delete,
+                                  connect_timeout=spec.ssh.connect_timeout, config_file=None)
+                lines.append("  " + shlex.join(argv))
+        iface = interface_spec(spec)
+        if iface:
+            lines.append(f"DMLC_NODE_HOST: each host's address on DMLC_INTERFACE={iface}, resolved there before launch")
+        return lines
+
+    # -- prepare ------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        require_paramiko()
+
+    def prepare(self) -> Mapping[Optional[Host], Optional[str]]:
+        spec = self.spec
+        lines = hosts_with_processes(spec)
+        targets = resolve_targets(lines, spec.ssh)
+        t0 = time.monotonic()
+        sessions = connect_all(targets, spec.ssh, on_connect=self._adopt)
+        self.timings["connect"] = time.monotonic() - t0
+        ordered = {t.ident: self._adopted[t.ident] for t in targets}  # hostfile order, for messages
+        self.hosts = ordered
+        for line, target in zip(lines, targets):
+            self.by_line[line] = self.hosts[target.ident]
+        log.debug("connected to %d host%s in %.2fs", len(sessions), "" if len(sessions) == 1 else "s",
+                  self.timings["connect"])
+        t1 = time.monotonic()
+        self._per_host(self._resolve_address, "resolve")
+        self.timings["resolve"] = time.monotonic() - t1
+        if spec.sync_dst_dir:
+            t2 = time.monotonic()
+            self._per_host(self._sync, "sync")
+            self.timings["sync"] = time.monotonic() - t2
+        else:
+            self.timings["sync"] = 0.0
+        return {line: self.by_line[line].node_address for line in lines}
+
+    def _adopt(self, session: HostSession) -> None:
+        with self._lock:
+            if self._closing:
+                session.close()
+                raise LaunchError(f"{session.label}: the launcher is stopping")
+            host = RemoteHost(session, self.spec)
+            self._adopted[session.target.ident] = host
+            self.hosts[session.target.ident] = host  # close() reaches it from now on
+
+    def _per_host(self, fn: object, what: str) -> None:
+        """Run ``fn(host)`` for every host in parallel; raise the first error in hostfile order."""
+        hosts = list(self.hosts.values())
+        errors: dict[int, BaseException] = {}
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(hosts))),
+                                                   thread_name_prefix=f"pslaunch-{what}") as pool:
+            futures = {pool.submit(fn, h): i for i, h in enumerate(hosts)}  # type: ignore[arg-type]
+            for fut in concurrent.futures.as_completed(futures):
+                try:
+                    fut.result()
+                except Exception as e:  # noqa: BLE001 - re-raised below
+                    errors[futures[fut]] = e
+        if errors:
+            first = errors[min(errors)]
+            more = len(errors) - 1
+            suffix = f" ({more} more host{'s' if more > 1 else ''} failed too)" if more else ""
+            if isinstance(first, ConfigError):
+                raise ConfigError(f"{first}{suffix}") from None
+            if isinstance(first, LaunchError):
+                raise LaunchError(f"{first}{suffix}", exit_code=first.exit_code) from None
+            raise LaunchError(f"{what}: {first}{suffix}") from None
+
+    def _resolve_address(self, host: RemoteHost) -> None:
+        iface = interface_spec(self.spec)
+        if not iface:
+            address = host.session.peer_address
+            for candidate in (address, host.session.target.hostname):
+                try:
+                    host.node_address = netif.resolve_ipv4(candidate)
+                    return
+                except netif.NetifError:
+                    continue
+            raise ConfigError(f"{host.label}: no IPv4 address for DMLC_NODE_HOST (the connection reached "
+                              f"{address}; ps-lite needs IPv4): set DMLC_INTERFACE to the host's IPv4 network")
+        source = (Path(netif.__file__)).read_bytes()
+        r = host.session.exec(netif_command(iface), stdin=source)
+        try:
+            doc = json.loads(r.stdout.decode(errors="replace").strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            raise LaunchError(f"{host.label}: cannot resolve DMLC_INTERFACE={iface} there: {REMOTE_PYTHON} "
+                              f"failed ({r.err_line}); the ssh backend needs python3 >= 3.7 on every host") from None
+        if "error" in doc:
+            raise ConfigError(f"{host.label}: {doc['error']}; set DMLC_INTERFACE to a name or CIDR that every "
+                              "host has (a CIDR such as 10.1.0.0/16 works when names differ)")
+        host.node_address = str(doc["address"])
+        log.debug("%s: DMLC_INTERFACE=%s is %s (%s)", host.label, iface, doc.get("interface"), host.node_address)
+
+    def _sync(self, host: RemoteHost) -> None:
+        spec = self.spec
+        src = spec.workdir or os.getcwd()
+        dst = spec.sync_dst_dir or ""
+        t0 = time.monotonic()
+        r = host.session.exec(prepare_dir_command(dst))
+        if r.code != 0:
+            raise LaunchError(f"sync to {host.label}:{dst} failed: cannot create the directory: {r.err_line}")
+        found, remote_rsync = parse_prepare_dir(r.stdout.decode(errors="replace"))
+        abs_dst = found or dst
+        host.workdir = abs_dst
+        local_tools = shutil.which("rsync") is not None and shutil.which("ssh") is not None
+        if local_tools and remote_rsync:
+            stats = self._rsync(host, src, abs_dst)
+        else:
+            why = "no rsync here" if not local_tools else "no rsync on the host"
+            log.debug("%s: syncing over SFTP (%s)", host.label, why)
+            try:
+                sftp = host.session.sftp()
+                try:
+                    stats = sftp_sync(sftp, src, abs_dst, excludes=spec.ssh.sync_exclude,
+                                      delete=spec.ssh.sync_delete)
+                finally:
+                    sftp.close()
+            except OSError as e:
+                raise LaunchError(f"sync to {host.label}:{abs_dst} failed (SFTP): {e}") from None
+        stats.seconds = time.monotonic() - t0
+        self.sync_stats[host.label] = stats
+        log.info("synced %s to %s:%s with %s: %d file%s, %s sent%s in %.1fs", src, host.label, abs_dst,
+                 stats.method, stats.files, "" if stats.files == 1 else "s", _size(stats.bytes),
+                 f", {stats.deleted} deleted" if stats.deleted else "", stats.seconds)
+
+    def _rsync(self, host: RemoteHost, src: str, dst: str) -> SyncStats:
+        spec = self.spec
+        target = host.session.target
+        argv = rsync_argv(src, dst, target, excludes=spec.ssh.sync_exclude, delete=spec.ssh.sync_delete,
+                          connect_timeout=spec.ssh.connect_timeout, config_file=target.config_file)
+        log.debug("%s: %s", host.label, shlex.join(argv))
+        with self._lock:
+            if self._closing:
+                raise LaunchError(f"sync to {host.label}: the launcher is stopping")
+            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, errors="replace")
+            self._rsyncs.add(p)
+        try:
+            out, err = p.communicate()
+        finally:
+            with self._lock:
+                self._rsyncs.discard(p)
+        if p.returncode != 0:
+            lines = [x for x in err.splitlines() if x.strip()]
+            reason = lines[0] if lines else f"exit code {p.returncode}"
+            raise LaunchError(f"sync to {host.label}:{dst} failed: rsync exited with code {p.returncode}: "
+                              f"{reason}")
+        files, sent = parse_rsync_stats(out)
+        return SyncStats("rsync", files=files, bytes=sent)
+
+    # -- start ---------------------------------------------------------------------------
+
+    def start(self, procs: Sequence[ProcSpec]) -> list[ProcessHandle]:
+        t0 = time.monotonic()
+        handles: list[SSHProcess] = []
+        per_host: dict[int, tuple[RemoteHost, list[SSHProcess]]] = {}
+        try:
+            for i, p in enumerate(procs):
+                if p.host is None or p.host not in self.by_line:
+                    raise LaunchError(f"{p.label}: no connection to its host (internal error)")
+                host = self.by_line[p.host]
+                h = SSHProcess(p, self.console.proc(p.name, p.label, str(p.role)), host, i)
+                handles.append(h)
+                per_host.setdefault(id(host), (host, []))[1].append(h)
+            self.handles.extend(handles)
+            self._run_parallel(lambda item: item[0].launch(item[1]), list(per_host.values()))
+            deadline = time.monotonic() + max(self.spec.start_timeout, 1.0)
+            for h in handles:
+                if not h.started.wait(max(0.0, deadline - time.monotonic())):
+                    raise LaunchError(f"{h.label}: pslaunch's remote wrapper on {h.host} did not start the "
+                                      f"process within --start-timeout {self.spec.start_timeout:g}s")
+                if h.failure is not None:
+                    raise LaunchError(f"{h.label}: {h.failure}", exit_code=h.failure_code)
+        except BaseException:
+            self._abort([host for host, _ in per_host.values()])
+            raise
+        self.timings["spawn"] = time.monotonic() - t0
+        log.debug("started %d process%s in %.2fs", len(handles), "" if len(handles) == 1 else "es",
+                  self.timings["spawn"])
+        return list(handles)
+
+    @staticmethod
+    def _run_parallel(fn: object, items: list) -> None:
+        errors: list[BaseException] = []
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(items))),
+                                                   thread_name_prefix="pslaunch-start") as pool:
+            for fut in [pool.submit(fn, item) for item in items]:  # type: ignore[arg-type]
+                try:
+                    fut.result()
+                except Exception as e:  # noqa: BLE001
+                    errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def _abort(self, hosts: Sequence[RemoteHost]) -> None:
+        """A start failed or was interrupted: kill everything it started, now, then close the wrapper
+        channels (a wrapper whose channel closes stops its groups too, should the kill not get through)."""
+        for host in hosts:
+            pgids = [p.pgid for p in host.procs if p.pgid and p.running]
+            if pgids and not host.lost and not host.closed:
+                host.kill_now(pgids)
+            if host.chan is not None:
+                host.closed = True
+                try:
+                    host.chan.close()
+                except Exception:  # noqa: BLE001
+                    pass
+
+    # -- close --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            rsyncs = list(self._rsyncs)
+        for p in rsyncs:
+            p.kill()
+        hosts = list(self.hosts.values())
+        live = [h for h in hosts if not h.lost]
+        for h in live:
+            h.close()
+        lost = [h for h in hosts if h.lost]
+        if lost:  # closing a connection to a lost host may block: do it in the background
+            t = threading.Thread(target=lambda: [h.close() for h in lost], daemon=True,
+                                 name="pslaunch-close-lost")
+            t.start()
+            t.join(2.0)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"
+
+
+__all__ = ["SSHBackend", "SSHProcess", "FrameDecoder", "wrapper_command", "wrapper_payload", "wrapper_header",
+           "kill_command", "netif_command", "prepare_dir_command", "BOOTSTRAP", "resolve_target"]

@@ -1,0 +1,160 @@
+"""``bench_launch.py --launcher ssh``: ssh launch latency on the network-namespace testbed.
+
+For H hosts and P processes per host (workers, ``-s 0``), from the start until
+every process is running, split into the backend's phases:
+
+* **connect**: one ssh connection per host, in parallel (TCP, key exchange,
+  host key check, authentication);
+* **sync**: ``--sync-dst-dir`` of a small project (rsync, a fresh target
+  every run, so every file is sent) and the per-host address lookup;
+* **spawn**: per host, the wrapper channel (sshd session, login shell,
+  ``python3``), then every process started and its pid reported back;
+* **first output**: until the first line of every process has arrived.
+
+Drives :class:`launcher.backends.ssh.SSHBackend` directly (the scheduler is
+not part of an ssh launch). Needs root: it builds a testbed of max(H) hosts
+with ``tests/testbed.py``, and removes it afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+from launcher.backends.ssh import SSHBackend  # noqa: E402
+from launcher.output import Console  # noqa: E402
+from launcher.plan import build_plan  # noqa: E402
+from launcher.spec import Host, JobSpec, SSHOptions  # noqa: E402
+
+# Every process: this Python (the hosts share the file system) printing one line, then waiting.
+PROGRAM = (sys.executable, "-S", "-c", "import time; print('running', flush=True); time.sleep(60)")
+PHASES = ("connect", "sync", "spawn", "first output", "total")
+
+
+def _project(root: Path, files: int = 40) -> Path:
+    """A small code tree to sync: ``files`` files of 4 KiB in a few directories."""
+    src = root / "project"
+    for i in range(files):
+        d = src / f"pkg{i % 4}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"mod{i}.py").write_bytes(os.urandom(2048).hex().encode())
+    return src
+
+
+def one_launch(tb, hosts: int, per_host: int, src: Path, sync: bool) -> dict[str, float]:
+    """One launch; returns seconds per phase."""
+    lines = tuple(Host(h.addr_a, origin=f"bench:{h.index}") for h in tb.hosts[:hosts])
+    spec = JobSpec(command=PROGRAM, num_workers=hosts * per_host, num_servers=0, launcher="ssh", hosts=lines,
+                   workdir=str(src), kill_grace=1.0,
+                   sync_dst_dir=f"{tb.sync_root}/bench-{time.monotonic_ns()}" if sync else None,
+                   ssh=SSHOptions(connect_timeout=20.0))
+    console = Console(stdout=io.BytesIO(), stderr=io.BytesIO(), color=False)  # type: ignore[arg-type]
+    backend = SSHBackend(spec, console, None)
+    try:
+        t0 = time.monotonic()
+        node_hosts = backend.prepare()
+        t1 = time.monotonic()
+        plan = build_plan(spec, root_uri=tb.root_a, root_port=9, secret="0" * 64, job_id="bench",
+                          node_hosts=node_hosts, inherit_environ=False)
+        handles = backend.start(plan.procs)
+        t2 = time.monotonic()
+        end = t2 + 120
+        while any(h.first_output is None for h in handles):  # type: ignore[attr-defined]
+            if time.monotonic() > end or any(h.poll() is not None for h in handles):
+                raise RuntimeError("a process ended or stayed silent")
+            time.sleep(0.002)
+        t3 = max(h.first_output for h in handles)  # type: ignore[attr-defined]
+        for h in handles:
+            h.kill()
+        end = time.monotonic() + 20
+        while any(h.poll() is None for h in handles) and time.monotonic() < end:
+            time.sleep(0.01)
+    finally:
+        backend.close()
+    return {"connect": backend.timings["connect"], "sync": t1 - t0 - backend.timings["connect"],
+            "spawn": t2 - t1, "first output": t3 - t2, "total": t3 - t0}
+
+
+def shell_baseline(tb, runs: int = 5) -> float:
+    """Median seconds of ``true`` over an open connection to the first host."""
+    from launcher.sshconn import HostSession, connect, resolve_targets
+
+    opts = SSHOptions(connect_timeout=20.0)
+    target = resolve_targets([Host(tb.hosts[0].addr_a)], opts)[0]
+    session = HostSession(target, opts, connect(target, opts))
+    try:
+        times = []
+        for _ in range(runs):
+            t0 = time.monotonic()
+            session.exec("true")
+            times.append(time.monotonic() - t0)
+        return statistics.median(times)
+    finally:
+        session.close()
+
+
+def bench_ssh_main(host_counts: list[int], per_host: list[int], repeats: int, sync: bool) -> int:
+    import testbed as testbed_mod
+
+    if os.geteuid() != 0:
+        print("bench_launch.py --launcher ssh needs root (it builds network namespaces)", file=sys.stderr)
+        return 2
+    tb = testbed_mod.build(max(host_counts))
+    old_home = os.environ.get("HOME")
+    os.environ["HOME"] = str(tb.home)  # the testbed's key, known_hosts and ssh config
+    os.environ.pop("SSH_AUTH_SOCK", None)
+    root = Path(tempfile.mkdtemp(prefix="bench-ssh-"))
+    try:
+        src = _project(root)
+        print(f"ssh launch latency on the namespace testbed ({os.cpu_count()} cores, shared by the hosts' sshd "
+              f"and processes); median of {repeats} runs; sync: {'a 40-file tree, every file sent' if sync else 'off'}")
+        print("seconds from the start until every process runs, by phase (spawn: per host the wrapper's channel, "
+              "login shell and python3, then every process started and its pid reported)")
+        print(f"baseline: one command ('true') on an open connection (sshd session + the user's login shell) "
+              f"takes {shell_baseline(tb):.2f}s here; connect+sync include two per host, spawn one")
+        head = f"{'hosts':>5} {'per host':>8} {'procs':>5} | " + " ".join(f"{p:>12}" for p in PHASES)
+        print(head)
+        print("-" * len(head))
+        for h in host_counts:
+            for p in per_host:
+                runs = [one_launch(tb, h, p, src, sync) for _ in range(repeats)]
+                row = {k: statistics.median(r[k] for r in runs) for k in PHASES}
+                print(f"{h:>5} {p:>8} {h * p:>5} | " + " ".join(f"{row[k]:>11.2f}s" for k in PHASES), flush=True)
+    finally:
+        if old_home is not None:
+            os.environ["HOME"] = old_home
+        tb.close()
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    a = ap.parse_args(argv)
+    return bench_ssh_main(a.hosts, a.per_host, a.repeats, a.sync)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The ssh benchmark's options (also offered by bench_launch.py)."""
+    ap.add_argument("--hosts", type=int, nargs="+", default=[2, 4], help="ssh: host counts (at most 8)")
+    ap.add_argument("--per-host", type=int, nargs="+", default=[1, 4, 16], help="ssh: processes per host")
+    ap.add_argument("--no-sync", dest="sync", action="store_false", help="ssh: skip --sync-dst-dir")
+    if not any(a.dest == "repeats" for a in ap._actions):
+        ap.add_argument("-r", "--repeats", type=int, default=3)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

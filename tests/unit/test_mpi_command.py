@@ -1,0 +1,453 @@
+"""The mpi backend's pure parts: golden mpirun argv for Open MPI and MPICH, placement,
+the rank table, implementation detection, DMLC_INTERFACE translation, the wrapper's records."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from launcher import cli, envvars, mpirank
+from launcher.backends import mpi
+from launcher.backends.mpi import MPIImpl, build_mpirun_argv, rank_layout, rank_table
+from launcher.errors import BackendUnavailableError, ConfigError
+from launcher.netif import Iface
+from launcher.plan import ProcSpec, build_plan
+from launcher.spec import Host, JobSpec, Role
+
+A, B, C = Host("A"), Host("B"), Host("C")
+PY, WRAP = "/venv/bin/python", "/repo/launcher/mpirank.py"
+NAMES = ["DMLC_NUM_WORKER", "PSLAUNCH_SECRET", "PSLAUNCH_MPI_TABLE"]
+
+
+def _procs(n: int, s: int, hosts=()) -> list[ProcSpec]:
+    spec = JobSpec(command=("python", "train.py"), num_workers=n, num_servers=s, launcher="mpi", hosts=tuple(hosts))
+    plan = build_plan(spec, root_uri="10.0.0.1", root_port=9091, secret="s" * 64, job_id="j",
+                      node_hosts={h: None for h in hosts} or {None: "127.0.0.1"}, inherit_environ=False)
+    return list(plan.procs)
+
+
+# --- golden argv ---------------------------------------------------------------------------
+
+
+def test_golden_openmpi_on_this_machine() -> None:
+    layout = rank_layout(_procs(2, 1))
+    argv = build_mpirun_argv(MPIImpl.OPENMPI, "/usr/bin/mpirun.openmpi", nprocs=3, layout=layout,
+                             env_names=NAMES, command=["python", "train.py", "--lr", "0.1"], python=PY,
+                             wrapper=WRAP, is_root=True, cores=2)
+    assert argv == [
+        "/usr/bin/mpirun.openmpi", "--allow-run-as-root", "-n", "3", "--oversubscribe", "--bind-to", "none",
+        "-x", "DMLC_NUM_WORKER", "-x", "PSLAUNCH_MPI_TABLE", "-x", "PSLAUNCH_SECRET",
+        PY, WRAP, "--", "python", "train.py", "--lr", "0.1"]
+
+
+def test_golden_openmpi_not_root_enough_cores_no_oversubscribe() -> None:
+    argv = build_mpirun_argv(MPIImpl.OPENMPI, "mpirun", nprocs=3, layout=rank_layout(_procs(2, 1)),
+                             env_names=["X"], command=["prog"], python=PY, wrapper=WRAP, is_root=False, cores=8)
+    assert argv == ["mpirun", "-n", "3", "--bind-to", "none", "-x", "X", PY, WRAP, "--", "prog"]
+
+
+def test_golden_openmpi_hosts_and_interface() -> None:
+    layout = rank_layout(_procs(3, 2, [A, B, C]))
+    argv = build_mpirun_argv(MPIImpl.OPENMPI, "mpirun", nprocs=5, layout=layout, env_names=NAMES,
+                             command=["python", "train.py"], python=PY, wrapper=WRAP, hostfile="/tmp/j/hostfile",
+                             interface="10.200.0.0/16", is_root=True, cores=1, extra_args=["--mca", "x", "y"])
+    assert argv == [
+        "mpirun", "--allow-run-as-root", "-n", "5", "--hostfile", "/tmp/j/hostfile", "--map-by", "seq",
+        "--bind-to", "none",
+        "--mca", "btl_tcp_if_include", "10.200.0.0/16", "--mca", "oob_tcp_if_include", "10.200.0.0/16",
+        "-x", "DMLC_NUM_WORKER", "-x", "PSLAUNCH_MPI_TABLE", "-x", "PSLAUNCH_SECRET",
+        "--mca", "x", "y", PY, WRAP, "--", "python", "train.py"]
+    assert mpi.openmpi_hostfile(layout) == "A\nA\nB\nB\nC\n"
+
+
+def test_golden_mpich_on_this_machine() -> None:
+    argv = build_mpirun_argv(MPIImpl.MPICH, "/usr/bin/mpirun.mpich", nprocs=3, layout=rank_layout(_procs(2, 1)),
+                             env_names=NAMES, command=["python", "train.py"], python=PY, wrapper=WRAP,
+                             is_root=True, cores=1)
+    assert argv == [
+        "/usr/bin/mpirun.mpich", "-n", "3", "-genvlist", "DMLC_NUM_WORKER,PSLAUNCH_MPI_TABLE,PSLAUNCH_SECRET",
+        PY, WRAP, "--", "python", "train.py"]
+
+
+def test_golden_mpich_hosts_and_interface() -> None:
+    layout = rank_layout(_procs(3, 2, [A, B, C]))
+    argv = build_mpirun_argv(MPIImpl.MPICH, "mpiexec", nprocs=5, layout=layout, env_names=NAMES,
+                             command=["python", "train.py"], python=PY, wrapper=WRAP, interface="eth1")
+    assert argv == [
+        "mpiexec", "-n", "5", "-hosts", "A:2,B:2,C:1", "-iface", "eth1",
+        "-genvlist", "DMLC_NUM_WORKER,PSLAUNCH_MPI_TABLE,PSLAUNCH_SECRET",
+        PY, WRAP, "--", "python", "train.py"]
+
+
+def test_openmpi_with_hosts_needs_a_hostfile() -> None:
+    with pytest.raises(ValueError):
+        build_mpirun_argv(MPIImpl.OPENMPI, "mpirun", nprocs=2, layout=rank_layout(_procs(1, 1, [A, B])),
+                          env_names=[], command=["x"], python=PY)
+
+
+# --- placement ---------------------------------------------------------------------------------
+
+
+def test_layout_keeps_the_plans_placement() -> None:
+    # plan: server0->A, server1->B, worker0->C, worker1->A, worker2->B (dmlc round-robin)
+    procs = _procs(3, 2, [A, B, C])
+    layout = rank_layout(procs)
+    assert layout.hosts == (("A", 2), ("B", 2), ("C", 1))
+    placed = [(str(procs[i].role), procs[i].rank, host) for i, host in zip(layout.order, layout.rank_hosts)]
+    assert placed == [("server", 0, "A"), ("worker", 1, "A"), ("server", 1, "B"), ("worker", 2, "B"),
+                      ("worker", 0, "C")]
+    # every process placed exactly once, on the host the plan gave it
+    assert sorted(layout.order) == list(range(5))
+    assert all(procs[i].host.name == h for i, h in zip(layout.order, layout.rank_hosts))
+
+
+def test_layout_on_this_machine_is_plan_order() -> None:
+    layout = rank_layout(_procs(2, 2))
+    assert layout.order == (0, 1, 2, 3) and layout.hosts == ()
+
+
+def test_layout_respects_slots() -> None:
+    procs = _procs(3, 1, [Host("a", slots=1), Host("b", slots=3)])
+    assert rank_layout(procs).hosts == (("a", 1), ("b", 3))
+
+
+def test_openmpi_hostfile_names_this_machine_by_its_hostname() -> None:
+    layout = rank_layout(_procs(1, 2, [Host("localhost"), Host("10.0.0.7")]))
+    text = mpi.openmpi_hostfile(layout, frozenset({"localhost"}), "box")
+    assert text == "box\nbox\n10.0.0.7\n"
+
+
+# --- the rank table --------------------------------------------------------------------------------
+
+
+def test_rank_table_splits_common_role_and_rank_variables() -> None:
+    spec = JobSpec(command=("p",), num_workers=2, num_servers=1, launcher="mpi", hosts=(A, B),
+                   env=(("FOO", "bar"),), env_server=(("OMP_NUM_THREADS", "3"),), env_worker=(("WHO", "w"),))
+    plan = build_plan(spec, root_uri="10.0.0.1", root_port=9091, secret="s" * 64, job_id="j",
+                      node_hosts={A: None, B: None}, inherit_environ=False)
+    procs = list(plan.procs)
+    layout = rank_layout(procs)
+    common, table = rank_table(procs, layout, 2.5)
+    assert common["FOO"] == "bar" and common["PSLAUNCH_SECRET"] == "s" * 64
+    assert common["DMLC_JOB_CLUSTER"] == "mpi" and "DMLC_NODE_HOST" not in common
+    assert "DMLC_ROLE" not in common and "DMLC_TASK_ID" not in common
+    assert table["grace"] == 2.5
+    assert table["roles"]["server"]["OMP_NUM_THREADS"] == "3" and "WHO" not in table["roles"]["server"]
+    assert table["roles"]["worker"]["WHO"] == "w"
+    # every rank's environment rebuilt from the table equals the plan's, key by key
+    for r, i in enumerate(layout.order):
+        role, role_rank, env = mpirank.rank_entry(table, r, len(procs))
+        assert (role, role_rank) == (str(procs[i].role), procs[i].rank)
+        assert {**common, **env} == dict(procs[i].env)
+
+
+def test_table_round_trip_and_size_check() -> None:
+    procs = _procs(3, 2, [A, B])
+    common, table = rank_table(procs, rank_layout(procs), 1.0)
+    text = mpirank.encode_table(table)
+    assert text.startswith("z1:") and "PSLAUNCH_SECRET" not in text
+    assert mpirank.decode_table(text) == table
+    with pytest.raises(mpirank.WrapperError, match="mpirun started 4 ranks but the job has 5"):
+        mpirank.rank_entry(table, 0, 4)
+    with pytest.raises(mpirank.WrapperError, match="missing"):
+        mpirank.decode_table("")
+    with pytest.raises(mpirank.WrapperError, match="corrupt"):
+        mpirank.decode_table("z1:!!!")
+
+
+@pytest.mark.parametrize("environ, rank", [
+    ({"OMPI_COMM_WORLD_RANK": "3", "PMIX_RANK": "3"}, 3),
+    ({"PMIX_RANK": "2"}, 2),
+    ({"PMI_RANK": "1", "PMI_SIZE": "4"}, 1),
+    ({}, None),
+    ({"PMI_RANK": "x"}, None),
+])
+def test_rank_from_environ(environ: dict, rank) -> None:
+    assert mpirank.rank_from_environ(environ) == rank
+
+
+def test_child_environ_drops_the_table_and_overlays_the_job() -> None:
+    env = mpirank.child_environ({"PATH": "/bin", envvars.MPI_TABLE: "z1:x", "DMLC_ROLE": "stale"},
+                                {"DMLC_ROLE": "server"})
+    assert env == {"PATH": "/bin", "DMLC_ROLE": "server"}
+
+
+def test_node_address_prefers_given_then_interface_then_route() -> None:
+    assert mpirank.node_address({"DMLC_NODE_HOST": "10.1.1.1", "DMLC_INTERFACE": "nope"}) == "10.1.1.1"
+    assert mpirank.node_address({"DMLC_INTERFACE": "lo"}) == "127.0.0.1"
+    assert mpirank.node_address({"DMLC_PS_ROOT_URI": "127.0.0.1"}).startswith("127.")
+    with pytest.raises(mpirank.WrapperError, match="matches no interface"):
+        mpirank.node_address({"DMLC_INTERFACE": "nosuchif9"})
+
+
+# --- records ---------------------------------------------------------------------------------------------
+
+
+def test_records_round_trip_and_long_lines_are_split(tmp_path) -> None:
+    r, w = os.pipe()
+    relay = mpirank._Relay(7, w, mpirank.STDOUT_LINE, mpirank.STDOUT_PART)
+    long = b"x" * (mpirank.MAX_PAYLOAD * 2 + 10)
+    relay.feed(b"one\ntw")
+    relay.feed(b"o\n" + long + b"\npartial")
+    relay.close()
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    os.close(r)
+    lines = data.split(b"\n")[:-1]
+    assert all(len(line) + 1 < 4096 for line in lines)  # one write each, under PIPE_BUF
+    parsed = [mpirank.parse_record(line) for line in lines]
+    assert [p[1] for p in parsed] == ["o", "o", "O", "O", "o", "o"]
+    assert all(p[0] == 7 for p in parsed)
+    assert b"".join(p[2] for p in parsed[2:5]) == long
+    assert parsed[0][2] == b"one" and parsed[1][2] == b"two" and parsed[5][2] == b"partial"
+    assert mpirank.parse_record(b"[mpirun] something") is None
+
+
+# --- detection -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, impl", [
+    ("mpirun (Open MPI) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/\n", MPIImpl.OPENMPI),
+    ("mpirun.openmpi (OpenRTE) 4.1.4\n", MPIImpl.OPENMPI),
+    ("mpirun (Open MPI) 5.0.3\n", MPIImpl.OPENMPI),
+    ("HYDRA build details:\n    Version:                                 4.0.2\n", MPIImpl.MPICH),
+    ("Intel(R) MPI Library for Linux* OS, Version 2021.10 Build 20230619\n", MPIImpl.MPICH),
+])
+def test_detect_implementation(text: str, impl: MPIImpl) -> None:
+    assert mpi.detect_implementation(text) is impl
+
+
+def test_unknown_implementation_is_one_line_naming_the_output() -> None:
+    with pytest.raises(BackendUnavailableError) as e:
+        mpi.detect_implementation("\nSpectrum Foo MPI 1.0\nmore\n", "/opt/x/mpirun")
+    msg = str(e.value)
+    assert "\n" not in msg and "'Spectrum Foo MPI 1.0'" in msg and "/opt/x/mpirun" in msg
+
+
+def _fake_mpirun(tmp_path, text: str) -> str:
+    path = tmp_path / "mpirun"
+    path.write_text(f"#!/bin/sh\ncat <<'EOF'\n{text}\nEOF\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+def test_cli_unknown_mpirun_is_a_one_line_error(tmp_path) -> None:
+    fake = _fake_mpirun(tmp_path, "Totally Different MPI 9.9")
+    result = CliRunner().invoke(cli.run_command, ["--launcher", "mpi", "--mpirun", fake, "-n", "1", "-s", "0",
+                                                  "true"], standalone_mode=False, catch_exceptions=True)
+    assert isinstance(result.exception, BackendUnavailableError)
+    assert "'Totally Different MPI 9.9'" in str(result.exception) and result.exception.exit_code == 2
+
+
+def test_cli_missing_mpirun(tmp_path) -> None:
+    code = cli.main(["--launcher", "mpi", "--mpirun", str(tmp_path / "nope"), "-n", "1", "-s", "0", "true"])
+    assert code == 2
+
+
+def test_hostfile_user_or_port_is_refused_by_line() -> None:
+    with pytest.raises(ConfigError, match=r"hosts:3: root@A:2222: .*~/.ssh/config"):
+        mpi._check_hosts([Host("A", port=2222, user="root", origin="hosts:3")])
+
+
+# --- DMLC_INTERFACE ----------------------------------------------------------------------------------------
+
+IFACES = [Iface("lo", "127.0.0.1", 8), Iface("eth0", "10.1.2.3", 24), Iface("ib0", "10.200.0.1", 16)]
+
+
+@pytest.mark.parametrize("value, openmpi, mpich", [
+    ("", None, None),
+    ("eth0", "eth0", "eth0"),           # exact name: as is
+    ("eth", "10.1.2.0/24", "eth0"),      # ps-lite prefix: Open MPI gets the network, MPICH the full name
+    ("10.200.0.0/16", "10.200.0.0/16", "ib0"),  # CIDR: Open MPI takes it, MPICH needs the name here
+    ("10.200.9.9/16", "10.200.9.9/16", "ib0"),
+])
+def test_interface_translation(value: str, openmpi, mpich) -> None:
+    assert mpi.mpi_interface(MPIImpl.OPENMPI, value, IFACES) == openmpi
+    assert mpi.mpi_interface(MPIImpl.MPICH, value, IFACES) == mpich
+
+
+def test_interface_that_matches_nothing_here() -> None:
+    with pytest.raises(ConfigError, match="matches no interface"):
+        mpi.mpi_interface(MPIImpl.MPICH, "wlan", IFACES)
+    with pytest.raises(ConfigError, match="no IPv4 address in 192.168.0.0/16"):
+        mpi.mpi_interface(MPIImpl.MPICH, "192.168.0.0/16", IFACES)
+    with pytest.raises(ConfigError, match="not a valid IPv4 CIDR"):
+        mpi.mpi_interface(MPIImpl.OPENMPI, "10.0.0.0/99", IFACES)
+    # Open MPI takes any CIDR (hosts may differ from this one)
+    assert mpi.mpi_interface(MPIImpl.OPENMPI, "192.168.0.0/16", IFACES) == "192.168.0.0/16"
+
+
+# --- dry run ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, family", [("mpirun (Open MPI) 4.1.4", "Open MPI"),
+                                          ("HYDRA build details:\n    Version: 4.0.2", "MPICH")])
+def test_dry_run_shows_the_mpirun_command_without_secret_values(tmp_path, text, family) -> None:
+    fake = _fake_mpirun(tmp_path, text)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("A\nB\nC\n")
+    runner = CliRunner()
+    result = runner.invoke(cli.run_command, [
+        "--launcher", "mpi", "--mpirun", fake, "-H", str(hosts), "-n", "3", "-s", "2", "--dry-run",
+        "--env", "MY_TOKEN=hunter2", "--env-worker", "DB_PASSWORD=pw", "python", "train.py"],
+        standalone_mode=False, env={"DMLC_INTERFACE": "lo"})
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert f"mpi: {family}" in out and "hunter2" not in out and "pw " not in out
+    cmd = next(line for line in out.splitlines() if line.startswith(f"  {fake}"))
+    if family == "Open MPI":
+        assert "--hostfile '<tmpdir>/hostfile' --map-by seq" in cmd
+        assert "--mca btl_tcp_if_include lo --mca oob_tcp_if_include lo" in cmd
+        assert "-x MY_TOKEN" in cmd and "-x PSLAUNCH_SECRET" in cmd
+        assert "  A\n  A\n  B\n  B\n  C\n" in out
+    else:
+        assert "-hosts A:2,B:2,C:1 -iface lo -genvlist " in cmd and "MY_TOKEN" in cmd
+    assert "DB_PASSWORD" not in cmd  # a worker-only variable travels in the table
+    assert cmd.endswith(f"{sys.executable} {mpi.WRAPPER} -- python train.py")
+    assert "rank 0: server 0 @ A (task id 3)" in out and "rank 4: worker 0 @ C (task id 0)" in out
+
+
+def test_dry_run_without_mpi_shows_both_forms(tmp_path) -> None:
+    result = CliRunner().invoke(cli.run_command, ["--launcher", "mpi", "--mpirun", str(tmp_path / "none"),
+                                                  "-n", "2", "-s", "1", "--dry-run", "prog"],
+                                standalone_mode=False)
+    assert result.exit_code == 0, result.output
+    assert "showing the command for both Open MPI and MPICH" in result.output
+    assert "mpirun command (Open MPI)" in result.output and "mpirun command (MPICH)" in result.output
+
+
+def test_registered() -> None:
+    from launcher import backends
+    assert backends.get("mpi") is mpi.MPIBackend
+    assert Role.SERVER  # the module imports without MPI installed
+
+
+def test_mpich_listens_on_the_scheduler_address_by_default() -> None:
+    assert mpi.mpich_default_interface("10.200.0.1", IFACES) == "ib0"
+    assert mpi.mpich_default_interface("127.0.0.1", IFACES) is None
+    assert mpi.mpich_default_interface("192.168.9.9", IFACES) is None
+
+
+# --- the demultiplexer and per-rank exit codes (no MPI needed) -------------------------------------------
+
+
+class _FakePopen:
+    pid = 999999
+
+    def __init__(self) -> None:
+        self.code = None
+
+    def poll(self):
+        return self.code
+
+
+def _job(n: int = 2, s: int = 1):
+    import io
+
+    from launcher.output import Console
+
+    out, err = io.BytesIO(), io.BytesIO()
+    console = Console(stdout=out, stderr=err, color=False)
+    procs = _procs(n, s)
+    job = mpi.MPIJob([], console.proc("mpirun", "mpirun", "mpirun"), None)
+    ranks = [mpi.MPIRank(p, console.proc(p.name, p.label, str(p.role)), job, r) for r, p in enumerate(procs)]
+    job.attach(ranks)
+    job.popen = _FakePopen()
+    return job, ranks, out, err
+
+
+def test_demux_routes_records_to_ranks_and_the_rest_to_mpirun() -> None:
+    job, ranks, out, err = _job()
+    rec = mpirank.record
+    job.feed(False, rec(1, "s", b'{"pid": 4242, "host": "h"}') + rec(1, "o", "héllo".encode()) + b"mpirun says hi\n")
+    split = rec(0, "o", b"x")  # a record cut in two by the pipe
+    job.feed(False, rec(2, "O", b"par") + rec(2, "o", b"tial") + split[:3])
+    job.feed(False, split[3:])
+    job.feed(True, rec(2, "e", b"oops") + b"[mpiexec@vm] something")
+    job.close(False)
+    job.close(True)
+    text = out.getvalue().decode()
+    assert "[worker 0] héllo\n" in text and "[worker 1] partial\n" in text and "[server 0] x\n" in text
+    assert "[mpirun] mpirun says hi\n" in text
+    assert "[worker 1] oops\n" in err.getvalue().decode() and "[mpirun] [mpiexec@vm] something\n" in err.getvalue().decode()
+    assert ranks[1].pid == 4242 and "\x1e" not in text
+
+
+def test_exit_codes_fail_fast_and_wait_for_mpirun_on_zero() -> None:
+    job, ranks, _, _ = _job()
+    job.feed(False, mpirank.record(0, "x", b"0") + mpirank.record(2, "x", b"3"))
+    assert ranks[2].poll() == 3  # a failure counts at once
+    assert ranks[0].poll() is None  # a zero waits for mpirun
+    assert ranks[1].poll() is None
+    job.popen.code = 1
+    assert ranks[1].poll() is None  # mpirun exited, but its last records may still be in the pipe
+    job.feed(False, mpirank.record(0, "o", b"late line"))
+    job.close(False)
+    assert ranks[0].poll() == 0
+    assert ranks[1].poll() == 1 and "before this rank started" in ranks[1].note
+
+
+def test_all_zero_but_mpirun_fails_is_blamed_on_rank_0() -> None:
+    job, ranks, _, _ = _job()
+    job.feed(False, b"".join(mpirank.record(r, "x", b"0") for r in range(3)))
+    job.popen.code = 7
+    job.close(False)
+    assert [r.poll() for r in ranks] == [7, 0, 0]
+    assert "every rank exited 0 but mpirun exited with code 7" in ranks[0].describe()
+
+
+def test_started_rank_that_never_reports_was_killed() -> None:
+    job, ranks, _, _ = _job()
+    job.feed(False, mpirank.record(1, "s", b'{"pid": 5}'))
+    job.popen.code = 143
+    job.close(False)
+    assert ranks[1].poll() == 137 and "without reporting" in ranks[1].note
+
+
+def test_first_failure_time_is_when_the_record_arrived(monkeypatch) -> None:
+    job, ranks, _, _ = _job()
+    job.feed(False, mpirank.record(2, "x", b"3"))
+    job.feed(False, mpirank.record(1, "x", b"143"))
+    ranks[1].poll()  # looked at first, but it ended later
+    ranks[2].poll()
+    assert ranks[2].end_time <= ranks[1].end_time
+
+
+def test_lingering_mpirun_does_not_hold_a_finished_job(monkeypatch) -> None:
+    job, ranks, _, _ = _job()
+    job.feed(False, b"".join(mpirank.record(r, "x", b"0") for r in range(3)))
+    assert ranks[0].poll() is None
+    monkeypatch.setattr(mpi, "MPIRUN_EXIT_WAIT", 0.0)
+    assert [r.poll() for r in ranks] == [0, 0, 0]
+
+
+def test_exit_record_read_after_mpirun_exited_still_counts(monkeypatch) -> None:
+    job, ranks, _, _ = _job()
+    job.popen.code = 0  # mpirun seen gone ...
+    assert [r.poll() for r in ranks] == [None, None, None]
+    job.feed(False, b"".join(mpirank.record(r, "x", b"0") for r in range(3)))  # ... its records read after
+    job.close(False)
+    assert [r.poll() for r in ranks] == [0, 0, 0]
+
+
+def test_a_pipe_held_open_delays_the_verdict_only_briefly(monkeypatch) -> None:
+    job, ranks, _, _ = _job()
+    job.popen.code = 1
+    monkeypatch.setattr(mpi, "OUTPUT_DRAIN_WAIT", 0.0)
+    assert ranks[0].poll() == 1 and "before this rank started" in ranks[0].note
+
+
+def test_lost_exit_record_with_mpirun_0_means_0() -> None:
+    job, ranks, _, _ = _job()
+    job.feed(False, b"".join(mpirank.record(r, "s", b'{"pid": 7}') for r in range(3)))
+    job.feed(True, mpirank.record(0, "x", b"0") + mpirank.record(1, "x", b"0"))  # rank 2's never came
+    job.feed(False, mpirank.record(0, "x", b"0"))  # the copy on the other stream is ignored
+    job.popen.code = 0
+    job.close(False)
+    assert [r.poll() for r in ranks] == [0, 0, 0]

@@ -1,0 +1,140 @@
+"""Golden tests of everything the ssh backend sends to a host, and of its pure helpers."""
+
+from __future__ import annotations
+
+import ast
+import json
+import shlex
+import struct
+
+import pytest
+
+from launcher.backends.ssh import (
+    BOOTSTRAP,
+    HOST_ID,
+    KEEPALIVE,
+    MAGIC,
+    FrameDecoder,
+    SSHBackend,
+    hosts_with_processes,
+    interface_spec,
+    kill_command,
+    netif_command,
+    parse_prepare_dir,
+    prepare_dir_command,
+    wrapper_command,
+    wrapper_header,
+    wrapper_payload,
+    wrapper_source,
+)
+from launcher.plan import ProcSpec, build_plan
+from launcher.spec import Host, JobSpec, Role, SSHOptions
+
+
+def test_wrapper_command_is_the_bootstrap_and_nothing_job_specific() -> None:
+    assert wrapper_command() == "exec python3 -S -c " + shlex.quote(BOOTSTRAP)
+    assert wrapper_command("/opt/py 3/bin/python3") == "exec '/opt/py 3/bin/python3' -S -c " + shlex.quote(BOOTSTRAP)
+    assert shlex.split(wrapper_command())[-1] == BOOTSTRAP
+    compile(BOOTSTRAP, "bootstrap", "exec")
+
+
+def test_wrapper_source_runs_on_old_pythons() -> None:
+    src = wrapper_source().decode()
+    tree = ast.parse(src)
+    newer = (ast.JoinedStr, ast.NamedExpr, ast.AnnAssign)  # f-strings 3.6, := 3.8, annotations 3.6
+    assert [type(n).__name__ for n in ast.walk(tree) if isinstance(n, newer)] == []
+    assert not any(isinstance(n, ast.ImportFrom) and n.module == "__future__" for n in ast.walk(tree))
+    assert all(a.annotation is None for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
+               for a in n.args.args) and all(n.returns is None for n in ast.walk(tree)
+                                            if isinstance(n, ast.FunctionDef))
+
+
+def test_wrapper_payload_layout() -> None:
+    proc = ProcSpec(Role.WORKER, 1, 1, Host("h"), ("python", "x.py", "a b", "$(id)"),
+                    {"PSLAUNCH_SECRET": "s3cr3t", "DMLC_ROLE": "worker"})
+    header = wrapper_header([(4, proc)], "/work dir", keepalive=2.0, grace=3.0)
+    assert header == {"procs": [{"id": 4, "argv": ["python", "x.py", "a b", "$(id)"],
+                                 "env": {"PSLAUNCH_SECRET": "s3cr3t", "DMLC_ROLE": "worker"}, "cwd": "/work dir"}],
+                      "keepalive": 2.0, "lost_after": 8.0, "grace": 3.0}
+    payload = wrapper_payload(header, source=b"print(1)\n")
+    assert payload[:10] == b"0000000009" and payload[10:19] == b"print(1)\n"
+    kind, length = struct.unpack(">cI", payload[19:24])
+    assert kind == b"H" and json.loads(payload[24:24 + length]) == header and len(payload) == 24 + length
+    assert KEEPALIVE == b"k\0\0\0\0"
+    # the secret travels on stdin only: the command line is the same for every host and job
+    assert "s3cr3t" not in wrapper_command() and "DMLC" not in wrapper_command()
+
+
+def test_kill_command_signals_process_groups_only() -> None:
+    assert kill_command("TERM", [4242, 17]) == "kill -s TERM -- -17 -4242 2>/dev/null; exit 0"
+    assert kill_command("KILL", [5, 5]) == "kill -s KILL -- -5 2>/dev/null; exit 0"
+    # -1 would be every process of the user, -0 the shell's own group
+    assert kill_command("ABRT", [1, 0, -3, 99]) == "kill -s ABRT -- -99 2>/dev/null; exit 0"
+    with pytest.raises(ValueError):
+        kill_command("TERM", [1, 0])
+    with pytest.raises(ValueError):
+        kill_command("TERM; rm -rf /", [99])
+
+
+def test_netif_and_directory_commands_quote_their_arguments() -> None:
+    assert netif_command("10.1.0.0/16") == "python3 -S - 10.1.0.0/16"
+    assert netif_command("eth0; touch x") == "python3 -S - 'eth0; touch x'"
+    assert prepare_dir_command("/tmp/job") == ('mkdir -p -- /tmp/job && cd -- /tmp/job && echo "pslaunch-dir=$(pwd)" '
+                                               '&& echo "pslaunch-rsync=$(command -v rsync)"')
+    assert prepare_dir_command("my dir/$(id)").startswith("mkdir -p -- 'my dir/$(id)' && cd -- 'my dir/$(id)' && ")
+    # what a login shell prints from its rc files does not confuse the parser
+    assert parse_prepare_dir("Welcome!\npslaunch-dir=/home/u/job x\npslaunch-rsync=/usr/bin/rsync\n") == \
+        ("/home/u/job x", True)
+    assert parse_prepare_dir("pslaunch-dir=/tmp/j\npslaunch-rsync=\n") == ("/tmp/j", False)
+
+
+def test_frame_decoder_handles_split_and_joined_frames() -> None:
+    frames = [(b"p", 0, b'{"pid": 5, "pgid": 5}'), (b"o", 3, b"hello\n"), (b"h", HOST_ID, b""),
+              (b"x", 0, b'{"code": 0}')]
+    data = b"".join(struct.pack(">cHI", k, n, len(p)) + p for k, n, p in frames)
+    stream = b"Welcome to node1\n" + MAGIC + data  # a chatty .bashrc first
+    dec = FrameDecoder()
+    got = []
+    for i in range(0, len(stream), 3):
+        got += dec.feed(stream[i:i + 3])
+    assert got == frames and dec.pending == 0 and bytes(dec.preamble) == b"Welcome to node1\n"
+    assert FrameDecoder().feed(MAGIC + data) == frames
+    assert FrameDecoder(expect_marker=False).feed(data) == frames
+
+
+def _spec(**kw) -> JobSpec:
+    base = dict(command=("python", "train.py"), num_workers=3, num_servers=2, launcher="ssh",
+                hosts=(Host("A"), Host("B", port=2222, user="bob"), Host("C"), Host("D")), workdir="/home/me/job")
+    base.update(kw)
+    return JobSpec(**base)
+
+
+def test_hosts_with_processes_in_hostfile_order() -> None:
+    assert [h.name for h in hosts_with_processes(_spec())] == ["A", "B", "C", "D"]
+    assert [h.name for h in hosts_with_processes(_spec(num_workers=1, num_servers=1))] == ["A", "B"]
+
+
+def test_interface_spec_env_option_wins_over_the_environment() -> None:
+    assert interface_spec(_spec()) == ""
+    assert interface_spec(_spec(environ=(("DMLC_INTERFACE", "eth0"),))) == "eth0"
+    assert interface_spec(_spec(environ=(("DMLC_INTERFACE", "eth0"),), env=(("DMLC_INTERFACE", "10.1.0.0/16"),))) \
+        == "10.1.0.0/16"
+
+
+def test_dry_run_shows_hosts_commands_and_sync(monkeypatch) -> None:
+    monkeypatch.setattr("getpass.getuser", lambda: "me")
+    spec = _spec(num_workers=2, num_servers=1, hosts=(Host("A"), Host("B", port=2222, user="bob")),
+                 sync_dst_dir="/tmp/job", ssh=SSHOptions(sync_exclude=(".git", "__pycache__", "*.log"),
+                                                         sync_delete=True))
+    plan = build_plan(spec, root_uri="10.0.0.1", root_port=9091, secret="0" * 64, job_id="x",
+                      node_hosts={Host("A"): "A", Host("B", port=2222, user="bob"): "B"}, inherit_environ=False)
+    lines = SSHBackend.dry_run(spec, plan)
+    text = "\n".join(lines)
+    assert "each process's argv, environment and directory from the channel's stdin (never a command line)" \
+        in lines[0]
+    assert "  A: me@A:22, cwd /tmp/job: server 0, worker 1" in lines
+    assert "  bob@B:2222: bob@B:2222, cwd /tmp/job: worker 0" in lines
+    assert ("  rsync -az --stats --timeout=60 --delete --exclude=.git --exclude=__pycache__ '--exclude=*.log' -e "
+            "'ssh -F /dev/null -p 2222 -l bob -o BatchMode=yes -o StrictHostKeyChecking=yes -o ConnectTimeout=10' "
+            "/home/me/job/ B:/tmp/job/") in lines
+    assert "0" * 64 not in text

@@ -1,0 +1,234 @@
+"""The remote wrapper's wire protocol, run locally through the exact remote command (no ssh)."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import pid_alive, wait_for
+
+from launcher.backends.ssh import (
+    HOST_ID,
+    KEEPALIVE,
+    FrameDecoder,
+    wrapper_command,
+    wrapper_header,
+    wrapper_payload,
+)
+from launcher.plan import ProcSpec
+from launcher.spec import Role
+
+
+class Wrapped:
+    """One host's wrapper started as sshd would: ``$SHELL -c COMMAND`` with pipes for stdin/stdout/stderr."""
+
+    def __init__(self, *argvs: list[str], env: dict | None = None, cwd: str | None = None,
+                 keepalive: float = 5.0, grace: float = 1.0, lost_after: float | None = None) -> None:
+        self.p = subprocess.Popen(["sh", "-c", wrapper_command(sys.executable)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        procs = [(i, ProcSpec(Role.WORKER, i, i, None, tuple(argv), env or {})) for i, argv in enumerate(argvs)]
+        header = wrapper_header(procs, cwd, keepalive, grace)
+        if lost_after is not None:
+            header["lost_after"] = lost_after
+        self.send(wrapper_payload(header))
+        self.decoder = FrameDecoder()
+        self.frames: list[tuple[bytes, int, bytes]] = []
+
+    def send(self, data: bytes) -> None:
+        assert self.p.stdin is not None
+        self.p.stdin.write(data)
+        self.p.stdin.flush()
+
+    def _pump(self, timeout: float) -> bool:
+        fd = self.p.stdout.fileno()  # type: ignore[union-attr]
+        if not select.select([fd], [], [], timeout)[0]:
+            return True
+        data = os.read(fd, 65536)
+        if not data:
+            return False
+        self.frames.extend(self.decoder.feed(data))
+        return True
+
+    def read_until(self, kind: bytes, ident: int = 0, timeout: float = 10.0) -> bytes:
+        end = time.monotonic() + timeout
+        while True:
+            for i, (k, n, payload) in enumerate(self.frames):
+                if k == kind and n == ident:
+                    del self.frames[i]
+                    return payload
+            left = end - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no {kind!r} frame for {ident} within {timeout}s; have {self.frames!r}")
+            if not self._pump(left):
+                raise AssertionError(f"EOF before a {kind!r} frame; have {self.frames!r}; stderr "
+                                     f"{self.p.stderr.read()!r}")  # type: ignore[union-attr]
+
+    def output(self, kind: bytes = b"o", ident: int = 0) -> bytes:
+        """Everything of ``kind`` received so far for process ``ident`` (reads what is ready first)."""
+        while select.select([self.p.stdout.fileno()], [], [], 0.01)[0]:  # type: ignore[union-attr]
+            if not self._pump(0):
+                break
+        return b"".join(p for k, n, p in self.frames if k == kind and n == ident)
+
+    def close(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait()
+
+
+def py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+@pytest.mark.timeout(30)
+def test_runs_the_process_and_reports_pid_output_and_exit_code(tmp_path) -> None:
+    w = Wrapped(py("import os,sys; print(os.environ['FOO'], sys.argv[1:], os.getcwd()); "
+                   "sys.stderr.write('err\\n'); sys.exit(3)") + ["a b", "'", "$(id)", ";"],
+                env={"FOO": "bar baz"}, cwd=str(tmp_path))
+    try:
+        info = json.loads(w.read_until(b"p"))
+        assert info["pid"] == info["pgid"] and info["pid"] > 1
+        assert json.loads(w.read_until(b"x")) == {"code": 3}
+        out = w.output(b"o").decode()
+        assert out == f"bar baz ['a b', \"'\", '$(id)', ';'] {tmp_path}\n"
+        assert w.output(b"e") == b"err\n"
+        w.p.stdin.close()  # type: ignore[union-attr]
+        assert w.p.wait(timeout=10) == 0
+    finally:
+        w.close()
+
+
+@pytest.mark.timeout(30)
+def test_process_gets_its_own_group_and_devnull_stdin() -> None:
+    w = Wrapped(py("import os,sys; print(os.getpgid(0) == os.getpid() == os.getsid(0), sys.stdin.read() == '')"))
+    try:
+        w.read_until(b"x")
+        assert w.output().decode().strip() == "True True"
+    finally:
+        w.close()
+
+
+@pytest.mark.timeout(30)
+def test_keepalive_is_answered() -> None:
+    w = Wrapped(py("import time; time.sleep(30)"))
+    try:
+        w.read_until(b"p")
+        w.send(KEEPALIVE + KEEPALIVE)
+        w.read_until(b"h", HOST_ID)
+        w.read_until(b"h", HOST_ID)
+    finally:
+        w.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("how", ["eof", "keepalives-stop", "sighup"])
+def test_the_group_dies_when_the_channel_goes(how: str) -> None:
+    # a process that ignores SIGTERM and has a grandchild: both must be gone within grace + a bit
+    code = ("import signal,subprocess,sys,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "c=subprocess.Popen([sys.executable,'-c','import time; time.sleep(60)']); print(c.pid, flush=True); "
+            "time.sleep(60)")
+    w = Wrapped(py(code), keepalive=0.5, grace=1.0, lost_after=1.5)
+    try:
+        info = json.loads(w.read_until(b"p"))
+        wait_for(lambda: w.output().strip(), 10, what="the grandchild's pid")
+        pids = [info["pid"], int(w.output().split()[0])]
+        assert all(pid_alive(p) for p in pids)
+        t0 = time.monotonic()
+        if how == "eof":
+            w.p.stdin.close()  # type: ignore[union-attr]
+        elif how == "sighup":
+            os.kill(w.p.pid, signal.SIGHUP)
+        # keepalives-stop: just wait (stdin stays open, nothing arrives)
+        wait_for(lambda: not any(pid_alive(p) for p in pids), 8, what="the process group to die")
+        elapsed = time.monotonic() - t0
+        assert elapsed < 6, elapsed
+        assert w.p.wait(timeout=5) == 0
+    finally:
+        w.close()
+
+
+@pytest.mark.timeout(30)
+def test_missing_program_is_reported_with_127() -> None:
+    w = Wrapped(["no-such-program-xyz"])
+    try:
+        info = json.loads(w.read_until(b"f"))
+        assert info["code"] == 127 and "no such program" in info["error"]
+    finally:
+        w.close()
+
+
+@pytest.mark.timeout(30)
+def test_bad_directory_is_reported(tmp_path) -> None:
+    w = Wrapped(["true"], cwd=str(tmp_path / "missing"))
+    try:
+        info = json.loads(w.read_until(b"f"))
+        assert "cannot change to directory" in info["error"] and str(tmp_path / "missing") in info["error"]
+    finally:
+        w.close()
+
+
+@pytest.mark.timeout(30)
+def test_program_in_cwd_runs_as_dot_slash(tmp_path) -> None:
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/sh\necho ran\n")
+    script.chmod(0o755)
+    w = Wrapped(["job.sh"], cwd=str(tmp_path), env={"PATH": "/usr/bin:/bin"})
+    try:
+        assert json.loads(w.read_until(b"x")) == {"code": 0}
+        assert w.output() == b"ran\n"
+    finally:
+        w.close()
+
+
+@pytest.mark.timeout(30)
+def test_killed_by_signal_is_negative() -> None:
+    w = Wrapped(py("import os,signal; os.kill(os.getpid(), signal.SIGSEGV)"))
+    try:
+        assert json.loads(w.read_until(b"x")) == {"code": -signal.SIGSEGV}
+    finally:
+        w.close()
+
+
+@pytest.mark.timeout(30)
+def test_exit_code_is_not_delayed_by_a_grandchild_holding_the_pipes() -> None:
+    w = Wrapped(py("import subprocess,sys; subprocess.Popen([sys.executable,'-c','import time; time.sleep(20)']); "
+                   "print('bye')"))
+    try:
+        w.read_until(b"p")
+        t0 = time.monotonic()
+        assert json.loads(w.read_until(b"x")) == {"code": 0}
+        assert time.monotonic() - t0 < 2.0
+        assert w.output() == b"bye\n"
+    finally:
+        w.close()
+
+
+@pytest.mark.timeout(30)
+def test_large_output_arrives_whole() -> None:
+    w = Wrapped(py("import sys; sys.stdout.write('x' * 3000000 + '\\n')"))
+    try:
+        w.read_until(b"x", timeout=20)
+        assert len(w.output()) == 3000001
+    finally:
+        w.close()
+
+
+@pytest.mark.timeout(30)
+def test_several_processes_on_one_channel_each_in_its_own_group() -> None:
+    code = "import os,sys; print(os.getpid(), os.getpgid(0), flush=True); sys.exit(int(sys.argv[1]))"
+    w = Wrapped(py(code) + ["0"], py(code) + ["4"], ["no-such-program-xyz"], py(code) + ["7"])
+    try:
+        pids = [json.loads(w.read_until(b"p", i))["pid"] for i in (0, 1, 3)]
+        assert len(set(pids)) == 3
+        assert json.loads(w.read_until(b"f", 2))["code"] == 127
+        assert [json.loads(w.read_until(b"x", i))["code"] for i in (0, 1, 3)] == [0, 4, 7]
+        for i, pid in zip((0, 1, 3), pids):
+            assert w.output(b"o", i).decode().split() == [str(pid), str(pid)]
+    finally:
+        w.close()

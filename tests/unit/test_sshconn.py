@@ -1,0 +1,116 @@
+"""ssh connection set-up without a server: ~/.ssh/config resolution and host-key decisions."""
+
+from __future__ import annotations
+
+import paramiko
+import pytest
+
+from launcher.spec import Host, SSHOptions
+from launcher.sshconn import (
+    HostKeyError,
+    Target,
+    check_host_key,
+    fingerprint,
+    keyscan_command,
+    resolve_target,
+)
+
+CONFIG = """
+Host gpu-*
+    User trainer
+    Port 2200
+    IdentityFile {key}
+    UserKnownHostsFile {kh} /etc/other_known_hosts
+
+Host gpu-3
+    HostName 10.9.0.3
+    HostKeyAlias gpu3-key
+
+Host *
+    User fallback
+"""
+
+
+@pytest.fixture
+def config(tmp_path) -> paramiko.SSHConfig:
+    key = tmp_path / "k"
+    key.write_text("not really a key")
+    return paramiko.SSHConfig.from_text(CONFIG.format(key=key, kh=tmp_path / "kh"))
+
+
+def test_config_patterns_hostname_user_port_keys(config, tmp_path) -> None:
+    t = resolve_target(Host("gpu-3"), SSHOptions(), config, "/cfg", local_user="me", home=str(tmp_path))
+    assert (t.hostname, t.user, t.port) == ("10.9.0.3", "trainer", 2200)
+    assert t.key_files == (str(tmp_path / "k"),)
+    assert t.known_hosts == (str(tmp_path / "kh"), "/etc/other_known_hosts")
+    assert t.host_key_alias == "gpu3-key" and t.key_name == "[gpu3-key]:2200"
+    assert t.config_file == "/cfg" and t.label == "gpu-3" and t.address == "trainer@10.9.0.3:2200"
+
+
+def test_hostfile_line_beats_options_beat_config(config, tmp_path) -> None:
+    opts = SSHOptions(user="opt", port=2300, key=str(tmp_path / "explicit"))
+    t = resolve_target(Host("gpu-1"), opts, config, local_user="me", home=str(tmp_path))
+    assert (t.hostname, t.user, t.port) == ("gpu-1", "opt", 2300)
+    assert t.key_files[0] == str(tmp_path / "explicit")  # --ssh-key first, then IdentityFile
+    t = resolve_target(Host("gpu-1", port=22, user="line"), opts, config, local_user="me", home=str(tmp_path))
+    assert (t.user, t.port, t.key_name) == ("line", 22, "gpu-1")
+
+
+def test_defaults_without_config(tmp_path) -> None:
+    t = resolve_target(Host("node"), SSHOptions(), None, local_user="me", home=str(tmp_path))
+    assert (t.hostname, t.user, t.port, t.key_files) == ("node", "me", 22, ())
+    assert t.known_hosts == (str(tmp_path / ".ssh" / "known_hosts"), str(tmp_path / ".ssh" / "known_hosts2"))
+    assert t.ident == ("me", "node", 22)
+
+
+@pytest.fixture(scope="module")
+def keys() -> tuple[paramiko.PKey, paramiko.PKey]:
+    return paramiko.RSAKey.generate(1024), paramiko.RSAKey.generate(1024)
+
+
+def _known(tmp_path, line: str) -> list[tuple[str, paramiko.HostKeys]]:
+    path = tmp_path / "known_hosts"
+    path.write_text(line)
+    hk = paramiko.HostKeys()
+    hk.load(str(path))
+    return [(str(path), hk)]
+
+
+def test_known_key_is_accepted(keys, tmp_path) -> None:
+    key, _ = keys
+    t = Target(Host("n"), "10.0.0.1", 22, "u", known_hosts=(str(tmp_path / "known_hosts"),))
+    check_host_key(t, key, _known(tmp_path, f"10.0.0.1 {key.get_name()} {key.get_base64()}\n"), accept_new=False)
+
+
+def test_changed_key_is_refused_even_with_accept_new(keys, tmp_path) -> None:
+    key, other = keys
+    t = Target(Host("n"), "10.0.0.1", 2222, "u", known_hosts=(str(tmp_path / "known_hosts"),))
+    known = _known(tmp_path, f"[10.0.0.1]:2222 {other.get_name()} {other.get_base64()}\n")
+    for accept in (False, True):
+        with pytest.raises(HostKeyError) as e:
+            check_host_key(t, key, known, accept_new=accept)
+        msg = str(e.value)
+        assert "has CHANGED" in msg and fingerprint(key) in msg and fingerprint(other) in msg
+        assert f"ssh-keygen -R '[10.0.0.1]:2222' -f {tmp_path / 'known_hosts'}" in msg
+        assert "\n" not in msg
+
+
+def test_unknown_key_is_refused_with_the_keyscan_fix(keys, tmp_path) -> None:
+    key, _ = keys
+    t = Target(Host("n"), "10.0.0.1", 2222, "u", known_hosts=(str(tmp_path / "known_hosts"),))
+    with pytest.raises(HostKeyError) as e:
+        check_host_key(t, key, _known(tmp_path, ""), accept_new=False)
+    msg = str(e.value)
+    assert f"ssh-keyscan -p 2222 -t rsa 10.0.0.1 >> {tmp_path / 'known_hosts'}" in msg
+    assert keyscan_command(t, key) in msg and "--accept-new-host-keys" in msg and "\n" not in msg
+
+
+def test_accept_new_records_the_key(keys, tmp_path) -> None:
+    key, _ = keys
+    kh = tmp_path / "sub" / "known_hosts"
+    t = Target(Host("n"), "10.0.0.1", 2222, "u", known_hosts=(str(kh),))
+    check_host_key(t, key, [], accept_new=True)
+    assert kh.read_text() == f"[10.0.0.1]:2222 {key.get_name()} {key.get_base64()}\n"
+    hk = paramiko.HostKeys()
+    hk.load(str(kh))
+    check_host_key(t, key, [(str(kh), hk)], accept_new=False)  # known now

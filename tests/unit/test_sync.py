@@ -1,0 +1,105 @@
+"""--sync-dst-dir helpers: excludes, the rsync command line and its statistics, the local tree."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from launcher.spec import Host
+from launcher.sshconn import Target
+from launcher.sync import (
+    is_excluded,
+    local_tree,
+    parse_rsync_stats,
+    rsync_argv,
+    ssh_command_for_rsync,
+)
+
+TARGET = Target(host=Host("node1"), hostname="10.0.0.5", port=2222, user="alice",
+                key_files=("/home/a/.ssh/id key",), known_hosts=("/home/a/.ssh/known_hosts", "/etc/kh"),
+                config_file="/home/a/.ssh/config")
+
+
+def test_ssh_command_uses_the_jobs_settings_and_strict_host_keys() -> None:
+    assert ssh_command_for_rsync(TARGET, 7.6, TARGET.config_file) == [
+        "ssh", "-F", "/home/a/.ssh/config", "-p", "2222", "-l", "alice", "-i", "/home/a/.ssh/id key",
+        "-o", "IdentitiesOnly=no", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+        "-o", "ConnectTimeout=8", "-o", "UserKnownHostsFile=/home/a/.ssh/known_hosts /etc/kh"]
+
+
+def test_rsync_argv_golden() -> None:
+    argv = rsync_argv("/src/proj/", "/tmp/job", TARGET, excludes=(".git", "__pycache__", "*.log"), delete=True,
+                      connect_timeout=10, config_file=None)
+    assert argv == [
+        "rsync", "-az", "--stats", "--timeout=60", "--delete", "--exclude=.git", "--exclude=__pycache__",
+        "--exclude=*.log", "-e",
+        "ssh -F /dev/null -p 2222 -l alice -i '/home/a/.ssh/id key' -o IdentitiesOnly=no -o BatchMode=yes "
+        "-o StrictHostKeyChecking=yes -o ConnectTimeout=10 -o 'UserKnownHostsFile=/home/a/.ssh/known_hosts /etc/kh'",
+        "/src/proj/", "10.0.0.5:/tmp/job/"]
+    assert "StrictHostKeyChecking=no" not in " ".join(argv)
+
+
+def test_rsync_argv_ipv6_and_no_delete() -> None:
+    t = Target(host=Host("fe80::1"), hostname="fe80::1", port=22, user="u")
+    argv = rsync_argv("/s", "rel/dir", t, excludes=(), delete=False, connect_timeout=5, config_file=None)
+    assert "--delete" not in argv and argv[-2:] == ["/s/", "[fe80::1]:rel/dir/"]
+
+
+RSYNC_32 = """
+Number of files: 7 (reg: 5, dir: 2)
+Number of created files: 6 (reg: 5, dir: 1)
+Number of deleted files: 0
+Number of regular files transferred: 5
+Total file size: 200,033 bytes
+Total transferred file size: 200,033 bytes
+Literal data: 200,033 bytes
+Matched data: 0 bytes
+File list size: 0
+Total bytes sent: 200,612
+Total bytes received: 136
+"""
+
+RSYNC_30 = """Number of files: 4
+Number of files transferred: 2
+Total file size: 10 bytes
+Total bytes sent: 321
+Total bytes received: 42
+"""
+
+
+def test_parse_rsync_stats_of_several_versions() -> None:
+    assert parse_rsync_stats(RSYNC_32) == (5, 200612)
+    assert parse_rsync_stats(RSYNC_30) == (2, 321)
+    assert parse_rsync_stats("") == (0, 0)
+
+
+@pytest.mark.parametrize("rel, is_dir, patterns, expected", [
+    (".git", True, (".git",), True),
+    ("sub/.git", True, (".git",), True),
+    ("sub/__pycache__", True, ("__pycache__",), True),
+    ("a.log", False, ("*.log",), True),
+    ("deep/er/a.log", False, ("*.log",), True),
+    ("a.txt", False, ("*.log",), False),
+    ("build", False, ("build/",), False),  # trailing /: directories only
+    ("build", True, ("build/",), True),
+    ("data/raw", True, ("/data/raw",), True),  # anchored
+    ("x/data/raw", True, ("/data/raw",), False),
+    ("x/data/raw", True, ("data/raw",), True),  # unanchored with a /: any depth
+    ("gitignore", False, (".git",), False),
+])
+def test_is_excluded(rel: str, is_dir: bool, patterns: tuple, expected: bool) -> None:
+    assert is_excluded(rel, is_dir, patterns) is expected
+
+
+def test_local_tree_skips_excluded_directories_and_keeps_links(tmp_path) -> None:
+    (tmp_path / ".git" / "objects").mkdir(parents=True)
+    (tmp_path / ".git" / "objects" / "x").write_text("x")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "m.py").write_text("print()")
+    (tmp_path / "src" / "m.pyc").write_text("")
+    os.symlink("src/m.py", tmp_path / "link")
+    tree = local_tree(str(tmp_path), (".git", "*.pyc"))
+    assert sorted(tree) == ["link", "src", "src/m.py"]
+    assert tree["link"].kind == "link" and tree["link"].link == "src/m.py"
+    assert tree["src/m.py"].kind == "file" and tree["src/m.py"].size == 7
