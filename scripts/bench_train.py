@@ -104,6 +104,7 @@ def main() -> int:
     env.pop(envvars.OMP_NUM_THREADS, None)
 
     rows = []
+    load0 = _load()
     print(f"# bench_train: {cores} cores, {a.num_epochs} epoch(s) of {a.num_examples} examples, MXNet: {mxnet or 'not run'}",
           flush=True)
     for network in a.networks.split(","):
@@ -114,33 +115,49 @@ def main() -> int:
                 if a.data_dir:
                     common += ["--data-dir", a.data_dir]
                 row: dict[str, Any] = {"network": network, "batch": batch, "mode": mode}
-                ours, wall, _ = run(command(sys.executable, "train_mnist.py", mode, common), env, a.timeout)
-                row["ours"] = _mean(s["samples_per_sec"] for s in ours)
-                row["ours_acc"] = _mean(s["validation_accuracy"] for s in ours)
-                row["ours_wall"] = wall
-                if mxnet:
-                    mx_env = dict(env)
-                    if mode == "local":
-                        mx_env[envvars.OMP_NUM_THREADS] = str(cores)
-                    theirs, wall, _ = run(command(mxnet, "bench_train_mxnet.py", mode, common), mx_env, a.timeout)
-                    row["mxnet"] = _mean(s["samples_per_sec"] for s in theirs)
-                    row["mxnet_acc"] = _mean(s["validation_accuracy"] for s in theirs)
-                    row["mxnet_wall"] = wall
-                    row["ratio"] = row["ours"] / row["mxnet"] if row["mxnet"] else None
+                for who, python, script in (("ours", sys.executable, "train_mnist.py"),
+                                            ("mxnet", mxnet, "bench_train_mxnet.py")):
+                    if python is None:
+                        continue
+                    run_env = dict(env)
+                    if who == "mxnet" and mode == "local":
+                        run_env[envvars.OMP_NUM_THREADS] = str(cores)
+                    try:
+                        summaries, wall, _ = run(command(python, script, mode, common), run_env, a.timeout)
+                    except (RuntimeError, subprocess.TimeoutExpired) as e:
+                        print(f"# {network} batch {batch} {mode} ({who}) FAILED: {e}", flush=True)
+                        row[f"{who}_error"] = str(e)
+                        continue
+                    row[who] = _mean(s["samples_per_sec"] for s in summaries)
+                    row[f"{who}_acc"] = _mean(s["validation_accuracy"] for s in summaries)
+                    row[f"{who}_wall"] = round(wall, 2)
+                    row[f"{who}_runs"] = summaries
+                if row.get("ours") and row.get("mxnet"):
+                    row["ratio"] = row["ours"] / row["mxnet"]
                 rows.append(row)
-                print(f"# {network} batch {batch} {mode}: ours {row['ours']:.0f}/s"
-                      + (f", MXNet {row['mxnet']:.0f}/s" if mxnet else ""), flush=True)
+                if a.json:
+                    Path(a.json).write_text(json.dumps(rows, indent=1))
+                print(f"# {network} batch {batch} {mode}: ours {_fmt(row.get('ours'), '.0f')}/s, "
+                      f"MXNet {_fmt(row.get('mxnet'), '.0f')}/s", flush=True)
     print()
     print("| network | batch | kv-store (workers) | ours samples/s per worker | MXNet 1.9.1 | ours / MXNet "
           "| ours val. acc. | MXNet val. acc. |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         who = "local (1)" if r["mode"] == "local" else f"{r['mode']} (2 + 1 server)"
-        print(f"| {r['network']} | {r['batch']} | {who} | {r['ours']:,.0f} | {_fmt(r.get('mxnet'), ',.0f')} "
-              f"| {_fmt(r.get('ratio'), '.2f')} | {r['ours_acc']:.4f} | {_fmt(r.get('mxnet_acc'), '.4f')} |")
-    if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=1))
-    return 0
+        ours_failed, mx_failed = "ours_error" in r, "mxnet_error" in r
+        print(f"| {r['network']} | {r['batch']} | {who} | {_fmt(r.get('ours'), ',.0f', ours_failed)} "
+              f"| {_fmt(r.get('mxnet'), ',.0f', mx_failed)} | {_fmt(r.get('ratio'), '.2f')} "
+              f"| {_fmt(r.get('ours_acc'), '.4f', ours_failed)} | {_fmt(r.get('mxnet_acc'), '.4f', mx_failed)} |")
+    print(f"\nload average before/after: {load0} / {_load()}")
+    return 1 if any(k.endswith("_error") for r in rows for k in r) else 0
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
 
 
 def _mean(values: Any) -> float:
@@ -148,8 +165,10 @@ def _mean(values: Any) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+def _fmt(value: float | None, spec: str, failed: bool = False) -> str:
+    if value is None:
+        return "failed" if failed else "-"
+    return format(value, spec)
 
 
 if __name__ == "__main__":
