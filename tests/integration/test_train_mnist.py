@@ -91,7 +91,7 @@ def test_dist_sync_two_workers_equal_one_worker_with_double_batch(tmp_path: Path
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dist_async_converges_at_the_default_learning_rate() -> None:
-    # MXNet's 1/b scaling diverges here (accuracy 0.10); ours, 1/(N*b), learns.
+    # MXNet's 1/b scaling diverges here (accuracy 0.10); ours, 1/(N*N*b), learns.
     proc = H.run_launched("--network", "lenet", "--kv-store", "dist_async", "--num-epochs", "1",
                           "--num-examples", "19200", "--disp-batches", "0", timeout=220)
     assert proc.returncode == 0, proc.stdout + proc.stderr

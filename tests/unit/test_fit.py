@@ -57,7 +57,8 @@ def test_rescale_grad() -> None:
     assert T.rescale_grad("device", 64, 1) == 1 / 64
     assert T.rescale_grad("dist_sync", 64, 2) == 1 / 128
     assert T.rescale_grad("dist_device_sync", 32, 4) == 1 / 128
-    assert T.rescale_grad("dist_async", 64, 2) == 1 / 128
+    assert T.rescale_grad("dist_async", 64, 2) == 1 / 256
+    assert T.rescale_grad("dist_async", 64, 1) == 1 / 64
 
 
 def test_optimizer_spec_defaults() -> None:
