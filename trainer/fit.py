@@ -27,7 +27,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -74,7 +74,6 @@ class TrainConfig:
     #: LeNet in channels-last layout; None: on CPU devices only.
     channels_last: bool | None = None
     progress: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 # --- pieces ----------------------------------------------------------------------
