@@ -38,8 +38,8 @@ import hashlib
 import logging
 import math
 import os
+import secrets
 import struct
-import tempfile
 import urllib.error
 import urllib.request
 import warnings
@@ -47,7 +47,7 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import BinaryIO, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -467,12 +467,16 @@ def _load_cache(path: Path) -> MNIST | None:
     return MNIST(**arrays, source=f"cache {path}")
 
 
-def _write_cache(path: Path, data: MNIST) -> None:
-    """Write the cache atomically: a temporary file in the same directory, then a rename."""
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write a file all at once: ``write`` fills a temporary file beside ``path``, then a rename.
+
+    Readers see the old file or the whole new one, never a part. The file gets
+    the usual permissions (0666 less the umask), unlike ``tempfile.mkstemp``'s 0600.
+    """
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, format=np.array(CACHE_FORMAT), **data.arrays())
+        with open(tmp, "xb") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -480,6 +484,10 @@ def _write_cache(path: Path, data: MNIST) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _write_cache(path: Path, data: MNIST) -> None:
+    atomic_write(path, lambda f: np.savez(f, format=np.array(CACHE_FORMAT), **data.arrays()))
 
 
 def _cache_is_stale(cache: Path, data_dir: Path) -> bool:

@@ -25,7 +25,6 @@ import contextlib
 import logging
 import os
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.data import MNIST, batches_per_epoch, epoch_batches
+from trainer.data import MNIST, atomic_write, batches_per_epoch, epoch_batches
 from trainer.data import split_batch as data_split_batch
 from trainer.models import create_model, num_parameters
 
@@ -150,19 +149,9 @@ def checkpoint_path(prefix: str | os.PathLike[str], epoch: int) -> Path:
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """Write ``state`` with torch.save to a temporary file in the same directory, then rename."""
+    """Write ``state`` with torch.save atomically (a temporary file beside it, then a rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, lambda f: torch.save(state, f))
 
 
 def load_checkpoint(path: Path, network: str) -> dict[str, Any]:

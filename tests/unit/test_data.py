@@ -153,6 +153,9 @@ def test_cache_is_written_and_reused(tmp_path: Path) -> None:
     assert first.source.startswith("IDX files")
     assert (tmp_path / D.CACHE_NAME).is_file()
     assert not list(tmp_path.glob("*.tmp"))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / D.CACHE_NAME).stat().st_mode & 0o777 == 0o666 & ~umask
     second = D.load_mnist(tmp_path, download_missing=False, csv_package=None)
     assert second.source.startswith("cache")
     for key, a in arrays.items():
@@ -215,7 +218,7 @@ def test_unwritable_cache_still_loads(tmp_path: Path, monkeypatch: pytest.Monkey
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(D.tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(D, "atomic_write", refuse)
     m = D.load_mnist(tmp_path, download_missing=False, csv_package=None)
     assert m.source.startswith("IDX files")
     assert not (tmp_path / D.CACHE_NAME).exists()
