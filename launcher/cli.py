@@ -388,8 +388,13 @@ def _main(args: list[str], prog_name: str) -> int:
     if args and args[0] == "doctor":
         from . import doctor
         return doctor.main(args[1:])
+    return invoke(run_command, args, prog_name, "pslaunch --help")
+
+
+def invoke(command: click.Command, args: list[str], prog_name: str, help_hint: str) -> int:
+    """Run a click command and map every outcome to an exit code and at most one line on stderr."""
     try:
-        run_command.main(args=args, prog_name=prog_name, standalone_mode=False)
+        command.main(args=args, prog_name=prog_name, standalone_mode=False)
         return 0
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -398,8 +403,7 @@ def _main(args: list[str], prog_name: str) -> int:
     except click.exceptions.Abort:
         return _fail("aborted", 130)
     except click.UsageError as e:
-        hint = " (see pslaunch --help)"
-        return _fail(f"{e.format_message()}{hint}", 2)
+        return _fail(f"{e.format_message()} (see {help_hint})", 2)
     except click.ClickException as e:
         return _fail(e.format_message(), e.exit_code)
     except LauncherError as e:

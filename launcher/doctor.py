@@ -332,21 +332,7 @@ def doctor_command(**kw: Any) -> None:
 
 def main(args: Sequence[str]) -> int:
     """``pslaunch doctor ARGS``: returns the exit code."""
-    from .cli import _fail, configure_logging
+    from .cli import configure_logging, invoke
 
     configure_logging("WARNING")
-    try:
-        doctor_command.main(args=list(args), prog_name="pslaunch doctor", standalone_mode=False)
-        return 0
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except click.exceptions.Exit as e:
-        return e.exit_code
-    except click.UsageError as e:
-        return _fail(f"{e.format_message()} (see pslaunch doctor --help)", 2)
-    except click.ClickException as e:
-        return _fail(e.format_message(), e.exit_code)
-    except LauncherError as e:
-        return _fail(str(e), e.exit_code)
-    except KeyboardInterrupt:
-        return _fail("interrupted", 130)
+    return invoke(doctor_command, list(args), "pslaunch doctor", "pslaunch doctor --help")

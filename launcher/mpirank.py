@@ -156,14 +156,10 @@ def node_address(env: Mapping[str, str]) -> str:
     given = env.get(envvars.NODE_HOST, "").strip()
     if given:
         return given
+    if not env.get(envvars.INTERFACE, "").strip() and not env.get(envvars.ROOT_URI, "").strip():
+        raise WrapperError(f"{envvars.ROOT_URI} is not set; cannot tell this node's address")
     try:
-        iface = env.get(envvars.INTERFACE, "").strip()
-        if iface:
-            return netif.interface_address(iface)
-        root = env.get(envvars.ROOT_URI, "").strip()
-        if not root:
-            raise WrapperError(f"{envvars.ROOT_URI} is not set; cannot tell this node's address")
-        return netif.route_source(netif.resolve_ipv4(root))
+        return netif.node_address(env.get(envvars.INTERFACE), env.get(envvars.ROOT_URI))
     except netif.NetifError as e:
         raise WrapperError(f"on {socket.gethostname()}: {e}") from None
 

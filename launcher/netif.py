@@ -149,6 +149,19 @@ def resolve_ipv4(host: str) -> str:
     return infos[0][4][0]
 
 
+def node_address(interface: str | None, scheduler: str | None) -> str:
+    """A node's bind address, worked out on the node (the ps-lite order).
+
+    Its IPv4 address on ``interface`` (name, prefix or CIDR) when given, else
+    the local address that routes to ``scheduler`` (a name or an address).
+    """
+    if interface and interface.strip():
+        return interface_address(interface)
+    if not scheduler or not scheduler.strip():
+        raise NetifError("neither DMLC_INTERFACE nor the scheduler's address is known")
+    return route_source(resolve_ipv4(scheduler.strip()))
+
+
 def guess_host_ip(mode: str = "auto") -> str:
     """dmlc's ``--host-ip`` rules: ``auto``/``ip`` (name lookup), ``dns`` (FQDN) or a literal."""
     if mode == "dns":

@@ -101,14 +101,10 @@ def load_task_file(path: str) -> dict[str, Any]:
 
 def node_address(environ: Mapping[str, str]) -> str:
     """``DMLC_NODE_HOST`` for this node: ``DMLC_INTERFACE``'s address, else the route to the scheduler."""
-    iface = environ.get(envvars.INTERFACE, "").strip()
+    if not environ.get(envvars.INTERFACE, "").strip() and not environ.get(envvars.ROOT_URI, "").strip():
+        raise TaskError(f"{envvars.ROOT_URI} is not set in the task file")
     try:
-        if iface:
-            return netif.interface_address(iface)
-        root = environ.get(envvars.ROOT_URI, "").strip()
-        if not root:
-            raise TaskError(f"{envvars.ROOT_URI} is not set in the task file")
-        return netif.route_source(netif.resolve_ipv4(root))
+        return netif.node_address(environ.get(envvars.INTERFACE), environ.get(envvars.ROOT_URI))
     except netif.NetifError as e:
         raise TaskError(f"cannot work out this node's address: {e}") from None
 
