@@ -46,6 +46,7 @@ import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_SIZES = "4K,64K,1M,16M,64M"
@@ -74,7 +75,7 @@ def iterations(size: int, budget: int) -> int:
 # --- worker mode -------------------------------------------------------------------------------
 
 
-def _step(kv, key: int, value, out, pushpull: bool) -> None:  # noqa: ANN001 - torch types
+def _step(kv: Any, key: int, value: Any, out: Any, pushpull: bool) -> None:
     if pushpull:
         kv.pushpull(key, value, out)
     else:

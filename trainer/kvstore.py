@@ -167,23 +167,55 @@ class KVStore:
 
     @property
     def type(self) -> str:
+        """The store type: local, device, dist_sync, dist_device_sync or dist_async."""
         return self._type
 
     @property
     def rank(self) -> int:
+        """This worker's rank (``DMLC_TASK_ID`` under pslaunch); 0 for local stores."""
         return 0
 
     @property
     def num_workers(self) -> int:
+        """The number of workers; 1 for local stores."""
         return 1
 
     def init(self, key: Any, value: Any) -> None:
+        """Register ``key`` (int or str, or a list of keys) with its initial value.
+
+        Every worker calls it with the same keys, shapes and order; rank 0's
+        value wins. It does not write into ``value``: pull to start from it.
+
+        Args:
+            key: a key or a list of keys.
+            value: a tensor (or numpy array), a list of per-device tensors (the
+                first is used), or one such entry per key.
+
+        Raises:
+            KVConfigError: a key initialised twice, a bad key or value type.
+        """
         raise NotImplementedError
 
     def push(self, key: Any, value: Any, priority: int = 0) -> None:
+        """Push a value, or the sum of a list of per-device values, for each key.
+
+        With an optimizer set, the store applies it (update on kvstore);
+        without one, the store keeps the sum (over workers, for dist_sync).
+        ``priority`` is accepted for MXNet compatibility and ignored.
+
+        Raises:
+            KVConfigError: the key is not initialised or the shape differs.
+            KVStoreError: a server refused an earlier request (dist).
+            KVAbortError: the job was aborted (dist).
+        """
         raise NotImplementedError
 
     def pull(self, key: Any, out: Any, priority: int = 0) -> None:
+        """Copy the current value of each key into ``out`` (a tensor or a list of tensors).
+
+        For dist stores the value includes this worker's own earlier pushes
+        (dist_sync: the round they belong to has completed).
+        """
         raise NotImplementedError
 
     def pushpull(self, key: Any, value: Any, out: Any, priority: int = 0) -> None:
@@ -192,12 +224,27 @@ class KVStore:
         self.pull(key, out, priority)
 
     def set_optimizer(self, spec: dict[str, Any]) -> None:
+        """Apply updates with an optimizer from the registry (sgd, nag, adam).
+
+        Args:
+            spec: a JSON-able dict such as ``{"name": "sgd", "learning_rate": 0.05,
+                "momentum": 0.9, "wd": 1e-4, "rescale_grad": 1 / 128,
+                "lr_scheduler": {"name": "multifactor", "step": [938], "factor": 0.1}}``.
+                dist stores send it (as JSON) to the servers; every worker calls this.
+
+        Raises:
+            KVConfigError: an unknown optimizer, option or scheduler, or a bad value.
+        """
         raise NotImplementedError
 
     def get_optimizer_states(self) -> dict[str, Any]:
+        """Everything needed to resume the optimizer: ``{"format", "optimizer",
+        "states": {key: {"count": updates, "arrays": {name: CPU tensor}}}}``
+        (fetched from the servers for dist stores)."""
         raise NotImplementedError
 
     def set_optimizer_states(self, states: dict[str, Any]) -> None:
+        """Restore :meth:`get_optimizer_states` output (dist: rank 0's copy is used)."""
         raise NotImplementedError
 
     def barrier(self) -> None:
@@ -351,7 +398,7 @@ class _DistStore(KVStore):
         except ClusterEnvError as e:
             raise KVConfigError(f"{kvtype}: {e}") from None
         if env.role != "worker":
-            raise KVConfigError(f"a {kvtype} kvstore is created by workers, but DMLC_ROLE="
+            raise KVConfigError(f"a {kvtype} kvstore is created by workers, but {_envvars.ROLE}="
                                 f"{env.role}: import trainer.kvstore first, it runs that role")
         setup_logging(env.verbose)
         _install_excepthook()

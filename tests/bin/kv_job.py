@@ -99,7 +99,7 @@ class KVJob:
             argv = self.role_command.get(role, self.command)
             log = open(self.tmp / f"{name}.log", "wb")
             self.procs[name] = subprocess.Popen(argv, env=self._env(name), stdout=log,
-                                                stderr=subprocess.STDOUT, cwd=REPO,
+                                                stderr=subprocess.STDOUT, cwd=self.tmp,
                                                 start_new_session=True)
             log.close()
         return self

@@ -77,6 +77,14 @@ def scenario_sync(kv: kvstore.KVStore, out: dict) -> None:
     kv.pull([3, "fc1_weight"], [o1, o2])
     expect(all(bool((t == 2 * n).all()) for t in o1), f"device lists: {o1[1].tolist()}")
     expect(bool((o2 == 3 * n).all()), f"list keys: {o2.tolist()}")
+    # two pushes before a pull: the pull sees both rounds; a pull with no push before it
+    kv.push(3, torch.ones(2, 3))
+    kv.push(3, torch.full((2, 3), 2.0))
+    kv.pull(3, got)
+    expect(bool((got == 2 * n).all()), f"push, push, pull: {got.tolist()}")
+    kv.pull(3, got)
+    expect(bool((got == 2 * n).all()), f"pull again: {got.tolist()}")
+    kv.push("big", v)  # answered, never pulled: must not disturb what follows
     # numpy values and non-contiguous outs
     kv.push(3, np.full((2, 3), 5.0, np.float32))
     nc = torch.empty(3, 2).t()
@@ -172,7 +180,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario", choices=sorted(SCENARIOS) + ["noclose"])
     ap.add_argument("--type", default="dist_sync")
-    ap.add_argument("--out", default=os.environ.get("KV_OUT", "."))
+    ap.add_argument("--out", default=".", help="directory for worker-<rank>.json (default: .)")
     args = ap.parse_args()
     global OUT_DIR
     OUT_DIR = args.out

@@ -28,10 +28,10 @@ def wait_file(path: Path, timeout: float) -> None:
 
 
 @pytest.fixture
-def job_factory(tmp_path: Path):  # noqa: ANN201
+def job_factory(tmp_path: Path):
     jobs = []
 
-    def make(**kw) -> KVJob:  # noqa: ANN003
+    def make(**kw) -> KVJob:
         job = KVJob(tmp_path, **kw)
         jobs.append(job)
         return job
@@ -41,7 +41,7 @@ def job_factory(tmp_path: Path):  # noqa: ANN201
         job.cleanup()
 
 
-def stalled_job(make, tmp_path: Path, **kw) -> KVJob:  # noqa: ANN001, ANN003
+def stalled_job(make, tmp_path: Path, **kw) -> KVJob:
     job = make(command=worker_command("stall", "--out", str(tmp_path)), **kw).start()
     for rank in range(job.workers):
         wait_file(tmp_path / f"ready-{rank}", 90)
@@ -69,6 +69,8 @@ def test_hung_worker_is_caught_by_heartbeats(job_factory, tmp_path: Path) -> Non
     stopped = job.signal("worker-1", signal.SIGSTOP)  # alive, connected, silent
     codes = job.wait(15, names=["scheduler", "server-0", "worker-0"])
     elapsed = max(job.exit_times.values()) - stopped
+    print(f"\nhang detection: every other process exited {elapsed:.2f} s after SIGSTOP of worker 1 "
+          "(PS_HEARTBEAT_TIMEOUT=3)")
     job.signal("worker-1", signal.SIGKILL)
     for name in ("scheduler", "server-0", "worker-0"):
         assert codes[name] not in (None, 0), (name, job.outputs())

@@ -84,10 +84,10 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def job(tmp_path: Path):  # noqa: ANN201
+def job(tmp_path: Path):
     jobs: list[KVJob] = []
 
-    def make(**kw) -> KVJob:  # noqa: ANN003
+    def make(**kw) -> KVJob:
         j = KVJob(tmp_path, **kw)
         jobs.append(j)
         return j
@@ -97,14 +97,14 @@ def job(tmp_path: Path):  # noqa: ANN201
         j.cleanup()
 
 
-def test_python_m_trainer_kv_runs_scheduler_and_server(job) -> None:  # noqa: ANN001
+def test_python_m_trainer_kv_runs_scheduler_and_server(job) -> None:
     j = job(role_command={"scheduler": ROLE_CMD, "server": ROLE_CMD,
                           "worker": worker_command("noop")}).start()
     codes = j.wait(90)
     assert set(codes.values()) == {0}, j.outputs()
 
 
-def test_port_range_is_honoured(job, tmp_path: Path) -> None:  # noqa: ANN001
+def test_port_range_is_honoured(job, tmp_path: Path) -> None:
     lo = _free_port()
     j = job(servers=2, command=worker_command("noop"),
             env={envvars.PORT_RANGE: f"{lo}-{lo + 20}", envvars.VERBOSE: "1"}).start()
@@ -115,7 +115,7 @@ def test_port_range_is_honoured(job, tmp_path: Path) -> None:  # noqa: ANN001
     assert len(ports) == 2 and len(set(ports)) == 2 and all(lo <= p <= lo + 20 for p in ports)
 
 
-def test_hostile_peers_are_never_served(job, tmp_path: Path) -> None:  # noqa: ANN001
+def test_hostile_peers_are_never_served(job, tmp_path: Path) -> None:
     """Bare TCP connections, garbage, a wrong secret and forged messages against the
     scheduler and a server of a running job: all dropped, the job still succeeds."""
     j = job(command=worker_command("gate", "--out", str(tmp_path)),

@@ -42,12 +42,13 @@ def ok(run: subprocess.CompletedProcess, results: dict, workers: int = 2) -> Non
     assert sorted(results) == list(range(workers)), run.stdout + run.stderr
 
 
-@pytest.mark.parametrize("servers", [1, 2])
-def test_sync_sums_across_workers(tmp_path: Path, servers: int) -> None:
+@pytest.mark.parametrize("servers, kvtype", [(1, "dist_sync"), (2, "dist_sync"),
+                                             (2, "dist_device_sync")])
+def test_sync_sums_across_workers(tmp_path: Path, servers: int, kvtype: str) -> None:
     # Integer-valued sums (exact): int and str keys, init from rank 0, several
     # rounds, a float64 array split over the servers (bound lowered to 100
     # elements), lists of keys, per-device lists, numpy values, non-contiguous outs.
-    run, results = launch(tmp_path, "sync", servers=servers,
+    run, results = launch(tmp_path, "sync", servers=servers, kvtype=kvtype,
                           env={envvars.BIGARRAY_BOUND: "100"})
     ok(run, results)
     assert results[0]["sum"] == [6.0] * 4  # three "devices" x 2 workers

@@ -87,7 +87,7 @@ def test_optimizer_updates_on_push_and_states_round_trip(kv: kvstore.KVStore) ->
     (lambda kv: kv.push(0, [1, 2, 3]), "must be a torch tensor or a numpy array"),
     (lambda kv: kv.set_optimizer({"name": "sgdd"}), "unknown optimizer"),
 ])
-def test_errors_name_the_problem(call, message: str) -> None:  # noqa: ANN001
+def test_errors_name_the_problem(call, message: str) -> None:
     kv = kvstore.create("local")
     kv.init(0, torch.zeros(3))
     with pytest.raises(KVConfigError, match=message):

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from launcher import envvars as E
 from launcher.envvars import ClusterEnv
 
 from . import protocol as P
@@ -45,11 +46,11 @@ ABORT_GRACE = 1.0
 #: copied by ZeroMQ at once, which costs less than pyzmq's zero-copy bookkeeping.
 _ZERO_COPY_MIN = 4 << 20
 
-_ACK, _VALUE, _JSON = 0, 1, 2
+_ACK, _VALUE, _JSON, _STASH = 0, 1, 2, 3
 _ERRORS: dict[str, type[KVStoreError]] = {
     cls.__name__: cls for cls in (KVAbortError, KVAuthError, KVTimeoutError, KVConfigError)}
 _pipe_ids = itertools.count()
-_EVENTS, _POLLIN = zmq.EVENTS, zmq.POLLIN
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # ints: enum arithmetic is slow
 
 
 @dataclass
@@ -201,10 +202,10 @@ class KVClient:
 
     def __init__(self, env: ClusterEnv, secret: bytes, asynchronous: bool = False) -> None:
         if env.num_servers < 1:
-            raise KVConfigError("a dist kvstore needs at least one server (DMLC_NUM_SERVER=0): "
+            raise KVConfigError(f"a dist kvstore needs at least one server ({E.NUM_SERVER}=0): "
                                 "start the job with -s 1 or more")
         if env.num_workers < 1:
-            raise KVConfigError("DMLC_NUM_WORKER must be at least 1")
+            raise KVConfigError(f"{E.NUM_WORKER} must be at least 1")
         self.env = env
         self.secret = secret
         self.asynchronous = asynchronous
@@ -241,7 +242,7 @@ class KVClient:
             if left <= 0:
                 raise KVTimeoutError(f"no address book from the scheduler at {env.root_uri}:"
                                      f"{env.root_port} within {env.start_timeout:g} s "
-                                     "(PS_START_TIMEOUT): is it running and reachable?")
+                                     f"({E.START_TIMEOUT}): is it running and reachable?")
             if self._pipe.poll(min(left, 0.5) * 1000):
                 kind, data = self._pipe.recv_multipart()
                 if kind == b"abort":
@@ -269,6 +270,12 @@ class KVClient:
         self._pending: dict[int, tuple[int, _Batch | None, Any]] = {}
         self._req = 0
         self._deferred_error: str | None = None
+        # dist_sync: the server answers every push with the value of its round.
+        # (key id, part) -> the request id of our latest push there, and its answer
+        # once it arrived; the pull that usually follows takes it from here
+        # instead of asking again.
+        self._latest: dict[tuple[int, int], int] = {}
+        self._stash: dict[tuple[int, int], P.Message] = {}
         self.keys: dict[Hashable, KeyInfo] = {}
         self.placement = Placement(self.num_servers, env.bigarray_bound)
 
@@ -311,6 +318,12 @@ class KVClient:
                         link.drops.drop("unexpected", link.name)
                     continue
                 kind, batch, dest = entry
+                if kind == _STASH:
+                    if self._latest.get(dest) == msg.req:
+                        self._stash[dest] = msg
+                    elif msg.status != P.ST_OK:
+                        self._deferred_error = self._deferred_error or f"{link.name}: {msg.text()}"
+                    continue
                 if msg.status != P.ST_OK:
                     text = f"{link.name}: {msg.text()}"
                     if batch is None:
@@ -405,8 +418,10 @@ class KVClient:
              dests: Sequence[np.ndarray] | None = None, owned: bool = False) -> None:
         """Push flat arrays; with ``dests``, also receive the updated values (pushpull).
 
-        A plain push gets no reply: a server answers it only with an error,
-        which the next call that waits raises. Arrays of 4 MB and more are
+        dist_sync: the server answers each push with the value of its round,
+        which the next pull of that key uses (see :meth:`pull`); errors are
+        raised by the next call that waits. dist_async: a plain push gets no
+        reply unless it fails. Arrays of 4 MB and more are
         sent without a copy; then, unless ``owned`` says they are scratch
         buffers of ours, this call returns once ZeroMQ is done reading them,
         so the caller may change them as soon as it returns.
@@ -414,7 +429,11 @@ class KVClient:
         self._check()
         batch = _Batch() if dests is not None else None
         flags = self._flags | (P.F_PULL if dests is not None else 0)
-        kind = _VALUE if dests is not None else None
+        if dests is not None:
+            kind = _VALUE
+        else:
+            kind = None if self.asynchronous else _STASH
+        latest, stash = self._latest, self._stash
         trackers = []
         for i, (key, arr) in enumerate(zip(keys, arrays)):
             info = self._info(key, arr)
@@ -423,13 +442,23 @@ class KVClient:
                 raise KVConfigError(f"key {key!r} holds {P.DTYPES[info.code][0]}, got {arr.dtype}")
             dest = dests[i] if dests is not None else None
             for part in info.parts:
-                view = arr[part.lo:part.hi] if len(info.parts) > 1 else arr
+                whole = len(info.parts) == 1
+                view = arr if whole else arr[part.lo:part.hi]
+                slot = (info.id, part.index)
+                if kind == _STASH:
+                    target: Any = slot
+                else:
+                    target = None if dest is None else (dest if whole else dest[part.lo:part.hi])
+                    latest.pop(slot, None)  # this request's answer is the newest
+                    stash.pop(slot, None)
                 zero_copy = view.nbytes >= _ZERO_COPY_MIN
-                t = self._send(self.links[part.server], P.PUSH, kind, batch,
-                               None if dest is None else dest[part.lo:part.hi], key=info.id,
-                               part=part.index, dtype=code, count=view.size, flags=flags,
-                               payload=[view], copy=not zero_copy,
+                t = self._send(self.links[part.server], P.PUSH, kind, batch, target,
+                               key=info.id, part=part.index, dtype=code, count=view.size,
+                               flags=flags, payload=[view], copy=not zero_copy,
                                track=zero_copy and not owned and dests is None)
+                if kind == _STASH:
+                    latest[slot] = self._req
+                    stash.pop(slot, None)
                 if t is not None and not t.done:
                     trackers.append(t)
         if batch is not None:
@@ -439,15 +468,41 @@ class KVClient:
             self._raise_errors()
 
     def pull(self, keys: Sequence[Hashable], dests: Sequence[np.ndarray]) -> None:
-        """Copy the current values into flat ``dests`` (after this worker's own pushes)."""
+        """Copy the current values into flat ``dests`` (after this worker's own pushes).
+
+        In dist_sync, a key this worker has pushed since its last pull is
+        answered by the server when that push's round completes, without a
+        request: the pull waits for that answer.
+        """
         self._check()
         batch = _Batch()
+        latest, stash = self._latest, self._stash
+        kept: list[tuple[tuple[int, int], np.ndarray, Link]] = []
         for key, dest in zip(keys, dests):
             info = self._info(key, dest)
+            whole = len(info.parts) == 1
             for part in info.parts:
-                self._send(self.links[part.server], P.PULL, _VALUE, batch,
-                           dest[part.lo:part.hi] if len(info.parts) > 1 else dest,
-                           key=info.id, part=part.index, flags=self._flags)
+                view = dest if whole else dest[part.lo:part.hi]
+                slot = (info.id, part.index)
+                if slot in latest:
+                    kept.append((slot, view, self.links[part.server]))
+                else:
+                    self._send(self.links[part.server], P.PULL, _VALUE, batch, view,
+                               key=info.id, part=part.index, flags=self._flags)
+        for slot, _, _ in kept:
+            while slot not in stash:
+                self._poll(500)
+        for slot, view, link in kept:
+            msg = stash.pop(slot)
+            del latest[slot]
+            if msg.status != P.ST_OK:
+                batch.error = batch.error or f"{link.name}: {msg.text()}"
+            elif (msg.count != view.size or not msg.dtype
+                    or P.DTYPES[msg.dtype][0] != view.dtype.str):
+                batch.error = batch.error or (f"{link.name} sent {msg.count} elements for a "
+                                              f"{view.size}-element pull")
+            else:
+                np.copyto(view, np.frombuffer(msg.frames[0].buffer, view.dtype))
         self._wait(batch)
 
     def barrier(self, group: int = P.GROUP_WORKERS) -> None:
@@ -540,7 +595,8 @@ class KVClient:
             return
         try:
             self._check()
-            while self._pending:
+            # wait for what we asked for; answers to plain pushes nobody pulled do not matter
+            while any(kind != _STASH for kind, _, _ in self._pending.values()):
                 self._poll(500)
             self._raise_errors()
             self.barrier()

@@ -8,6 +8,7 @@ import time
 
 import zmq
 
+from launcher import envvars as E
 from launcher.envvars import ClusterEnv
 
 from . import protocol as P
@@ -77,7 +78,7 @@ class SchedulerSession:
                 self.next_heartbeat = now + env.heartbeat_interval
             if env.heartbeat_timeout > 0 and now - self.last_rx > env.heartbeat_timeout:
                 return (f"{self.name} has not answered for {env.heartbeat_timeout:g} s "
-                        "(PS_HEARTBEAT_TIMEOUT): it hangs, or its host is unreachable")
+                        f"({E.HEARTBEAT_TIMEOUT}): it hangs, or its host is unreachable")
         return None
 
     def next_due(self, now: float) -> float:

@@ -139,6 +139,7 @@ _sha256 = hashlib.sha256
 _pack = HEADER.pack
 _unpack_from = HEADER.unpack_from
 _SIZE = struct.Struct("<Q")
+_BODY = HEADER.size
 
 
 class ProtocolError(Exception):
@@ -309,16 +310,16 @@ class Session:
         version, cmd, flags, dtype, key, part, req, status, seq, count = _unpack_from(head)
         if version != VERSION:
             raise ProtocolError("version", f"version {version}, expected {VERSION}")
-        body = bytes(head[:HEADER.size])
+        body = head[:_BODY]
         payload = frames[1:]
         if flags & F_MAC:
-            expected = _hmac_digest(self._krecv, body + payload_digest([_buf(f) for f in payload]),
-                                    "sha256")
+            expected = _hmac_digest(self._krecv, bytes(body) + payload_digest(
+                [_buf(f) for f in payload]), "sha256")
         elif cmd in TENSOR_COMMANDS and (dtype or not payload):
             expected = _hmac_digest(self._krecv, body, "sha256")
         else:
             raise ProtocolError("bad-mac", "payload MAC missing")
-        if not _compare(expected, head[HEADER.size:]):
+        if not _compare(expected, head[_BODY:]):
             raise ProtocolError("bad-mac")
         if seq <= self._recv_seq:
             raise ProtocolError("replay", f"sequence {seq} after {self._recv_seq}")

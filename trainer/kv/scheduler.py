@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from launcher import envvars as E
 from launcher.envvars import ClusterEnv
 
 from . import protocol as P
@@ -140,7 +141,8 @@ class Scheduler:
             self.hub.drops.drop("malformed", peer.label)
             return
         if self.ready or sum(1 for n in self.nodes.values() if n.role == role) >= self.expected[role]:
-            reason = (f"one {role} more than DMLC_NUM_{role.upper()}={self.expected[role]} "
+            count_var = E.NUM_WORKER if role == "worker" else E.NUM_SERVER
+            reason = (f"one {role} more than {count_var}={self.expected[role]} "
                       f"registered (pid {info.get('pid')} on {info.get('host')}): "
                       "a process of another run, or a wrong count")
             self.hub.send_json(peer, P.ABORT, {"reason": reason})
@@ -152,7 +154,7 @@ class Scheduler:
                         pid=int(info.get("pid") or 0), order=len(self.nodes))
         for other in self.nodes.values():
             if node.task_id is not None and other.task_id == node.task_id:
-                self.abort(f"{node.name} and {other.name} both have DMLC_TASK_ID={node.task_id}: "
+                self.abort(f"{node.name} and {other.name} both have {E.TASK_ID}={node.task_id}: "
                            "every process of the job needs its own task id")
         self.nodes[peer.rid] = node
         peer.label = node.name
@@ -238,7 +240,7 @@ class Scheduler:
     def _check_timers(self, now: float) -> None:
         env = self.env
         if not self.ready and now - self.started > env.start_timeout:
-            self.abort(f"timed out after {env.start_timeout:g} s (PS_START_TIMEOUT) waiting for "
+            self.abort(f"timed out after {env.start_timeout:g} s ({E.START_TIMEOUT}) waiting for "
                        f"{self._missing()} to register with the scheduler at "
                        f"{self.host}:{env.root_port}: check that they started and can reach it")
         timeout = env.heartbeat_timeout
@@ -246,7 +248,7 @@ class Scheduler:
             for n in self.nodes.values():
                 if not n.finalized and now - n.last_seen > timeout:
                     self.abort(f"{n.name} sent no heartbeat for {timeout:g} s "
-                               "(PS_HEARTBEAT_TIMEOUT): it hangs, or its host is unreachable")
+                               f"({E.HEARTBEAT_TIMEOUT}): it hangs, or its host is unreachable")
 
     # --- main loop ----------------------------------------------------------------------
     def run(self) -> None:
@@ -265,6 +267,10 @@ class Scheduler:
             while True:
                 poller.poll(tick * 1000)
                 now = time.monotonic()
+                # Map closed connections to peers before reading messages, so a new
+                # peer that got a recycled fd is never blamed; handle them after the
+                # messages, so a FAIL sent just before dying is what gets reported.
+                gone = self.hub.gone()
                 for peer, msg in self.hub.receive():
                     try:
                         done = self._handle(peer, msg, now)
@@ -277,7 +283,8 @@ class Scheduler:
                         self.v("is stopped")
                         self._report_drops()
                         return
-                for peer in self.hub.gone():
+                for peer in gone:
+                    self.hub.forget(peer)
                     node = self.nodes.get(peer.rid)
                     if node is not None and not node.finalized:
                         self.abort(f"{node.name} disconnected before the end of the job: it "

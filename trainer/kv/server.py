@@ -6,11 +6,12 @@ Each stored array is a :class:`Slot` keyed by ``(key id, part)``. Requests:
 * ``PUSH`` in **sync** mode: the pushes of all workers for a slot are summed
   (into the first pushed buffer, in place); when the last one arrives the
   optimizer runs once on the sum (or the sum becomes the value when there is
-  no optimizer), then the held pushpulls and pulls get the new value. A plain
-  push gets no reply unless it fails. A worker's second push before the round
-  completes waits for the next round.
+  no optimizer), then every push of the round (pushpull or not) and every held
+  pull is answered with the new value: the worker keeps it for the pull that
+  nearly always follows a push, which then costs no request. A worker's second
+  push before the round completes waits for the next round.
 * ``PUSH`` in **async** mode (``F_ASYNC``): applied at once; an optimizer is
-  required.
+  required; no reply unless it fails, or it asks for the value (``F_PULL``).
 * ``PULL``: answered at once from the value, or held until the round
   completes when the same worker has pushed into the current round.
 * ``SET_OPTIMIZER`` (JSON spec), ``GET_STATES``/``SET_STATES``, ``STOP``.
@@ -29,11 +30,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import zmq
 
+from launcher import envvars as E
 from launcher.envvars import ClusterEnv
 
 from . import protocol as P
@@ -65,41 +67,68 @@ class Slot:
         self.backlog: list[tuple[P.Peer, P.Message]] = []
 
 
-class Server:
-    """The server role. :meth:`run` returns once the job is done and raises on failure.
+def _queued(slot: Slot, rid: bytes) -> bool:
+    """True when a request of this peer waits for the slot's next round."""
+    return any(p.rid == rid for p, _ in slot.backlog)
+
+
+class Shard:
+    """The data plane of a server, free of I/O: slots, sync rounds and the optimizer.
+
+    :meth:`handle` takes a verified request and answers through ``send`` (the
+    server passes :meth:`Hub.send <trainer.kv.transport.Hub.send>`; a test can
+    pass a recorder), so the round logic is testable on its own.
 
     Args:
-        env: the process's contract.
-        secret: the job's HMAC key.
+        num_workers: workers per sync round.
+        mac_payload: MAC the tensor payloads of replies.
+        send: ``send(peer, cmd, key, part, req, status=, dtype=, count=, payload=,
+            digest=, copy=)``.
+        who: the server's name in log lines.
     """
 
-    def __init__(self, env: ClusterEnv, secret: bytes) -> None:
-        self.env = env
-        self.v = Verbose(env.verbose, "S[?]")
-        self.ctx = zmq.Context()
-        self.hub = Hub(self.ctx, secret, env.mac_payload, self.v)
-        self.sched = SchedulerSession(self.ctx, env, secret, self.v)
-        self.num_workers = env.num_workers
+    def __init__(self, num_workers: int, mac_payload: bool, send: Callable[..., Any],
+                 who: str = "S") -> None:
+        self.num_workers = num_workers
+        self.mac_payload = mac_payload
+        self.send = send
+        self.who = who
         self.slots: dict[tuple[int, int], Slot] = {}
         self.updater: Updater | None = None
-        self.mac_payload = env.mac_payload
-        self.rank = -1
-        self.stopping = False
+
+    def handle(self, peer: P.Peer, msg: P.Message) -> bool:
+        """Serve one data-plane request; False when ``msg`` is not one."""
+        cmd = msg.cmd
+        if cmd == P.PUSH:
+            self._push(peer, msg)
+        elif cmd == P.PULL:
+            self._pull(peer, msg)
+        elif cmd == P.INIT:
+            self._init(peer, msg)
+        elif cmd == P.SET_OPTIMIZER:
+            self._set_optimizer(peer, msg)
+        elif cmd == P.GET_STATES:
+            self._get_states(peer, msg)
+        elif cmd == P.SET_STATES:
+            self._set_states(peer, msg)
+        else:
+            return False
+        return True
 
     # --- replies -------------------------------------------------------------------------
     def _ack(self, peer: P.Peer, msg: P.Message) -> None:
-        self.hub.send(peer, P.REPLY, msg.key, msg.part, msg.req)
+        self.send(peer, P.REPLY, msg.key, msg.part, msg.req)
 
     def _error(self, peer: P.Peer, msg: P.Message, text: str) -> None:
-        logger.warning("%s refused %s from %s: %s", self.v.who,
+        logger.warning("%s refused %s from %s: %s", self.who,
                        P.COMMAND_NAMES.get(msg.cmd, msg.cmd), peer.label, text)
-        self.hub.send(peer, P.REPLY, msg.key, msg.part, msg.req, status=P.ST_ERROR,
+        self.send(peer, P.REPLY, msg.key, msg.part, msg.req, status=P.ST_ERROR,
                       payload=[text.encode()])
 
     def _send_value(self, peer: P.Peer, key: int, part: int, req: int, slot: Slot,
                     digest: bytes | None, snapshot: bool = False) -> None:
         """Send the slot's value: its frame as it is, or (``snapshot``) a copy taken now."""
-        self.hub.send(peer, P.REPLY, key, part, req, dtype=slot.code, count=slot.count,
+        self.send(peer, P.REPLY, key, part, req, dtype=slot.code, count=slot.count,
                       payload=[slot.value if snapshot else slot.frame], digest=digest,
                       copy=snapshot)
 
@@ -133,7 +162,7 @@ class Server:
             self._push_async(peer, msg, slot, grad)
             return
         rid = peer.rid
-        if rid in slot.pushed or slot.backlog:
+        if rid in slot.pushed or _queued(slot, rid):  # its next round (keep its order)
             slot.backlog.append((peer, msg))
             return
         slot.pushed.add(rid)
@@ -142,8 +171,9 @@ class Server:
             slot.merged_frame = msg.frames[0]
         else:
             slot.merged += grad
-        if msg.flags & P.F_PULL:
-            slot.pending.append((peer, msg.req, 1))
+        # Every push is answered with the round's value: a pull nearly always
+        # follows, and this spares it a request and a round trip.
+        slot.pending.append((peer, msg.req, 1))
         if len(slot.pushed) >= self.num_workers:
             self._complete(msg.key, msg.part, slot)
 
@@ -168,7 +198,7 @@ class Server:
         # Other workers' pushes change the value in place at any time: send a copy.
         if self.mac_payload:
             value = slot.value.copy()
-            self.hub.send(peer, P.REPLY, msg.key, msg.part, msg.req, dtype=slot.code,
+            self.send(peer, P.REPLY, msg.key, msg.part, msg.req, dtype=slot.code,
                           count=slot.count, payload=[value], digest=P.payload_digest([value]),
                           copy=True)
         else:
@@ -184,9 +214,9 @@ class Server:
                 self.updater((key, part), slot.value, merged)
             except (TypeError, ValueError) as e:
                 text = f"the optimizer failed on key {key}: {e}"
-                logger.warning("%s %s", self.v.who, text)
+                logger.warning("%s %s", self.who, text)
                 for peer, req, _ in slot.pending:
-                    self.hub.send(peer, P.REPLY, key, part, req, status=P.ST_ERROR,
+                    self.send(peer, P.REPLY, key, part, req, status=P.ST_ERROR,
                                   payload=[text.encode()])
                 slot.pending = []
                 return
@@ -203,13 +233,13 @@ class Server:
             backlog = slot.backlog
             slot.backlog = []
             for peer, msg in backlog:
-                self._dispatch(peer, msg)
+                self.handle(peer, msg)
 
     def _pull(self, peer: P.Peer, msg: P.Message) -> None:
         slot = self._slot(peer, msg)
         if slot is None:
             return
-        if slot.backlog:
+        if _queued(slot, peer.rid):  # after this worker's queued push
             slot.backlog.append((peer, msg))
         elif peer.rid in slot.pushed:
             slot.pending.append((peer, msg.req, 1))
@@ -238,7 +268,7 @@ class Server:
                 meta["slots"].append({"key": key, "part": part, "count": count, "names": names})
                 frames.extend(np.ascontiguousarray(arrays[n]) for n in names)
         # copy=True: a snapshot, since later pushes update the states in place
-        self.hub.send(peer, P.REPLY, msg.key, msg.part, msg.req, payload=[P.dumps(meta), *frames],
+        self.send(peer, P.REPLY, msg.key, msg.part, msg.req, payload=[P.dumps(meta), *frames],
                       copy=True)
 
     def _set_states(self, peer: P.Peer, msg: P.Message) -> None:
@@ -278,6 +308,24 @@ class Server:
         self.updater.set_states(states)
         self._ack(peer, msg)
 
+class Server:
+    """The server role. :meth:`run` returns once the job is done and raises on failure.
+
+    Args:
+        env: the process's contract.
+        secret: the job's HMAC key.
+    """
+
+    def __init__(self, env: ClusterEnv, secret: bytes) -> None:
+        self.env = env
+        self.v = Verbose(env.verbose, "S[?]")
+        self.ctx = zmq.Context()
+        self.hub = Hub(self.ctx, secret, env.mac_payload, self.v)
+        self.sched = SchedulerSession(self.ctx, env, secret, self.v)
+        self.shard = Shard(env.num_workers, env.mac_payload, self.hub.send, self.v.who)
+        self.rank = -1
+        self.stopping = False
+
     def _hello(self, peer: P.Peer, msg: P.Message) -> None:
         try:
             info = msg.json()
@@ -286,29 +334,18 @@ class Server:
             self.hub.drops.drop("malformed", peer.label)
 
     def _stop(self, peer: P.Peer, msg: P.Message) -> None:
-        self._ack(peer, msg)
+        self.hub.send(peer, P.REPLY, msg.key, msg.part, msg.req)
         if not self.stopping:
             self.stopping = True
             self.v("is stopping")
             self.sched.link.send(P.FINALIZE)
 
     def _dispatch(self, peer: P.Peer, msg: P.Message) -> None:
-        cmd = msg.cmd
-        if cmd == P.PUSH:
-            self._push(peer, msg)
-        elif cmd == P.PULL:
-            self._pull(peer, msg)
-        elif cmd == P.INIT:
-            self._init(peer, msg)
-        elif cmd == P.SET_OPTIMIZER:
-            self._set_optimizer(peer, msg)
-        elif cmd == P.GET_STATES:
-            self._get_states(peer, msg)
-        elif cmd == P.SET_STATES:
-            self._set_states(peer, msg)
-        elif cmd == P.REGISTER:
+        if self.shard.handle(peer, msg):
+            return
+        if msg.cmd == P.REGISTER:
             self._hello(peer, msg)
-        elif cmd == P.STOP:
+        elif msg.cmd == P.STOP:
             self._stop(peer, msg)
         else:
             self.hub.drops.drop("unexpected", peer.label)
@@ -319,7 +356,7 @@ class Server:
         if msg.cmd == P.READY:
             info = msg.json()
             self.rank = int(info["rank"])
-            self.v.who = f"S[{self.rank}]"
+            self.v.who = self.shard.who = f"S[{self.rank}]"
             self.v("is connected to others")
         elif msg.cmd == P.ABORT:
             info = msg.json()
@@ -370,7 +407,7 @@ class Server:
                         raise KVAbortError(reason)
                     if self.rank < 0 and now - started > env.start_timeout + 5:
                         raise KVTimeoutError(f"{self.sched.name} sent no address book within "
-                                             f"{env.start_timeout:g} s (PS_START_TIMEOUT)")
+                                             f"{env.start_timeout:g} s ({E.START_TIMEOUT})")
                     next_tick = self.sched.next_due(now)
         except KVAbortError:
             self._report_drops()

@@ -29,6 +29,7 @@ from typing import Any
 
 import zmq
 
+from launcher import envvars as E
 from launcher import netif
 from launcher.envvars import ClusterEnv
 
@@ -39,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 #: Linger (ms) for sockets closed at the end of a clean run: enough to flush goodbyes.
 CLEAN_LINGER_MS = 2000
+# Plain ints: pyzmq's enum flags cost microseconds per operation on the hot path.
+_SNDMORE, _EVENTS, _POLLIN = int(zmq.SNDMORE), int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 class Verbose:
@@ -109,7 +112,7 @@ def scheduler_address(env: ClusterEnv) -> str:
     try:
         return netif.resolve_ipv4(env.root_uri)
     except netif.NetifError as e:
-        raise KVConfigError(f"DMLC_PS_ROOT_URI: {e}") from None
+        raise KVConfigError(f"{E.ROOT_URI}: {e}") from None
 
 
 def bind(sock: zmq.Socket, host: str, port: int = 0,
@@ -131,7 +134,7 @@ def bind(sock: zmq.Socket, host: str, port: int = 0,
                 except zmq.ZMQError as e:
                     if e.errno != errno.EADDRINUSE:
                         raise
-            raise KVConfigError(f"no free port in PS_PORT_RANGE={lo}-{hi} on {host} for {what}; "
+            raise KVConfigError(f"no free port in {E.PORT_RANGE}={lo}-{hi} on {host} for {what}; "
                                 "widen the range")
         attempt("*")
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -140,8 +143,8 @@ def bind(sock: zmq.Socket, host: str, port: int = 0,
         shown = port or "an ephemeral port"
         hint = ("another process holds the port: pick another one"
                 if e.errno == errno.EADDRINUSE else
-                "the address must belong to this host (check DMLC_NODE_HOST, DMLC_INTERFACE "
-                "and DMLC_PS_ROOT_URI)")
+                f"the address must belong to this host (check {E.NODE_HOST}, {E.INTERFACE} "
+                f"and {E.ROOT_URI})")
         raise KVConfigError(f"cannot bind {what} to {host}:{shown}: {e.strerror}; {hint}") from None
 
 
@@ -224,11 +227,11 @@ class Link:
                     self.session = session
                     return
             except P.AuthError as e:
-                what = ("does not know our PSLAUNCH_SECRET" if e.reason == "bad-proof"
-                        else "rejected our PSLAUNCH_SECRET")
+                what = (f"does not know our {E.SECRET}" if e.reason == "bad-proof"
+                        else f"rejected our {E.SECRET}")
                 raise KVAuthError(f"cannot authenticate with {self.name}: it {what}; every "
                                   "process of a job needs the secret its launcher made (is "
-                                  "this the right job, DMLC_PS_ROOT_URI/PORT?)") from None
+                                  f"this the right job, {E.ROOT_URI}/PORT?)") from None
             except P.ProtocolError as e:
                 self.drops.drop(e.reason, self.name)
 
@@ -256,9 +259,9 @@ class Link:
         if not payload:
             sock.send(head)
             return None
-        sock.send(head, zmq.SNDMORE)
+        sock.send(head, _SNDMORE)
         for p in payload[:-1]:
-            sock.send(p, zmq.SNDMORE, copy=copy)
+            sock.send(p, _SNDMORE, copy=copy)
         return sock.send(payload[-1], 0, copy=copy, track=track)
 
     def send_json(self, cmd: int, obj: Any, key: int = 0, req: int = 0, status: int = 0) -> None:
@@ -335,7 +338,7 @@ class Hub:
         acceptor = self.acceptor
         peers = acceptor.peers
         verbose = self._v.messages
-        events, pollin = zmq.EVENTS, zmq.POLLIN
+        events, pollin = _EVENTS, _POLLIN
         for _ in range(budget):
             # EVENTS instead of catching zmq.Again: an exception costs more than a message
             if not sock.getsockopt(events) & pollin:
@@ -392,13 +395,13 @@ class Hub:
             self._v.sent(peer.label, cmd, key, part, sum(memoryview(p).nbytes for p in payload))
         sock = self.sock
         try:
-            sock.send(peer.rid, zmq.SNDMORE)
+            sock.send(peer.rid, _SNDMORE)
             if not payload:
                 sock.send(head)
                 return True
-            sock.send(head, zmq.SNDMORE)
+            sock.send(head, _SNDMORE)
             for p in payload[:-1]:
-                sock.send(p, zmq.SNDMORE, copy=copy)
+                sock.send(p, _SNDMORE, copy=copy)
             sock.send(payload[-1], 0, copy=copy)
             return True
         except zmq.ZMQError as e:
@@ -411,7 +414,11 @@ class Hub:
         return self.send(peer, cmd, key=key, req=req, status=status, payload=[P.dumps(obj)])
 
     def gone(self) -> list[P.Peer]:
-        """Authenticated peers whose connection has closed since the last call."""
+        """Authenticated peers whose connection has closed since the last call.
+
+        They stay authenticated, so messages they sent before closing can still
+        be read; call :meth:`forget` once those are handled.
+        """
         out: list[P.Peer] = []
         if self.monitor is None:
             return out
@@ -419,9 +426,13 @@ class Hub:
             if event != zmq.EVENT_DISCONNECTED:
                 continue
             peer = self._by_fd.pop(fd, None)
-            if peer is not None and self.acceptor.forget(peer.rid) is not None:
+            if peer is not None and peer.rid in self.acceptor.peers:
                 out.append(peer)
         return out
+
+    def forget(self, peer: P.Peer) -> None:
+        """Drop a peer whose connection has closed."""
+        self.acceptor.forget(peer.rid)
 
     def close(self, linger_ms: int = 0) -> None:
         if self.monitor is not None:
@@ -439,8 +450,8 @@ def check_dist_env(env: ClusterEnv) -> bytes:
     if env.secret:
         return P.secret_key(env.secret)
     if env.insecure:
-        logger.warning("PSLAUNCH_INSECURE is set: the parameter-server traffic is not "
-                       "authenticated; use this only on a trusted host")
+        logger.warning("%s is set: the parameter-server traffic is not "
+                       "authenticated; use this only on a trusted host", E.INSECURE)
         return b""
-    raise KVConfigError("PSLAUNCH_SECRET is not set: start the job with pslaunch, or set "
-                        "PSLAUNCH_INSECURE=1 (or pass --insecure) for a manual run on a trusted host")
+    raise KVConfigError(f"{E.SECRET} is not set: start the job with pslaunch, or set "
+                        f"{E.INSECURE}=1 (or pass --insecure) for a manual run on a trusted host")
