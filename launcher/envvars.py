@@ -58,6 +58,9 @@ MAC_PAYLOAD = "PS_MAC_PAYLOAD"
 
 # --- general-purpose variables the launcher touches -------------------------
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
+# The trainer sets it to PASSIVE (unless set) when it runs several torch threads: spinning
+# OpenMP threads collapse throughput when other processes share the cores.
+OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
 PYTHONPATH = "PYTHONPATH"
 PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
 PYTHONFAULTHANDLER = "PYTHONFAULTHANDLER"

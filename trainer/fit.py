@@ -1,0 +1,499 @@
+"""Data-parallel training through a kvstore: devices, work-load split, metrics, checkpoints.
+
+One training step on a worker:
+
+1. the worker's batch (its slice of the global batch, :func:`trainer.data.epoch_batches`)
+   is split across its devices in proportion to the work-load list
+   (:func:`split_batch`, MXNet's ``_split_input_slice``);
+2. each device runs forward and backward on its slice; the loss is the *sum*
+   of the per-sample cross-entropies, as MXNet's ``SoftmaxOutput`` gradient is;
+3. ``kv.pushpull`` sums the devices' gradients (and, for ``dist_*``, the
+   workers'), the optimizer runs where the kvstore keeps the weights (on the
+   servers for ``dist_*``, MXNet's update-on-kvstore), and the new weights are
+   copied back into every device's replica.
+
+The optimizer's ``rescale_grad`` (:func:`rescale_grad`) turns the summed
+gradient into a step: ``1/b`` for ``local`` and ``device``, ``1/(N*b)`` for
+``dist_sync``/``dist_device_sync`` with N workers and batch b (one machine with
+batch N*b), and ``1/(N*N*b)`` for ``dist_async``, where MXNet's ``1/b``
+diverges (see :func:`rescale_grad` for why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.data import MNIST, atomic_write, batches_per_epoch, epoch_batches
+from trainer.data import split_batch as data_split_batch
+from trainer.models import create_model, num_parameters
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = "pslaunch-train-mnist/1"
+VALIDATION_BATCH = 1000
+
+
+class FitError(RuntimeError):
+    """A user-facing training error (bad checkpoint, bad split); the message is one line."""
+
+
+@dataclass
+class TrainConfig:
+    """What to train and how; the defaults are those of MXNet's train_mnist.py."""
+
+    network: str = "mlp"
+    batch_size: int = 64
+    num_epochs: int = 20
+    lr: float = 0.05
+    lr_factor: float = 0.1
+    lr_step_epochs: tuple[int, ...] = (10,)
+    optimizer: str = "sgd"
+    mom: float = 0.9
+    wd: float = 0.0001
+    disp_batches: int = 100
+    model_prefix: str | None = None
+    save_period: int = 1
+    load_epoch: int | None = None
+    num_examples: int = 60000
+    seed: int = 0
+    devices: tuple[str, ...] = ("cpu",)
+    work_load: tuple[float, ...] | None = None
+    #: LeNet in channels-last layout; None: on CPU devices only.
+    channels_last: bool | None = None
+    progress: bool = False
+
+
+# --- pieces ----------------------------------------------------------------------
+
+
+def split_batch(batch_size: int, work_load: Sequence[float]) -> list[slice]:
+    """:func:`trainer.data.split_batch`, raising :class:`FitError`."""
+    try:
+        return data_split_batch(batch_size, work_load)
+    except ValueError as e:
+        raise FitError(str(e)) from None
+
+
+def _fmt_list(values: Sequence[float]) -> str:
+    return ",".join(f"{v:g}" for v in values)
+
+
+def rescale_grad(kv_type: str, batch_size: int, num_workers: int) -> float:
+    """The factor that turns the summed gradient the optimizer receives into a step.
+
+    * ``local``, ``device``: ``1/b`` (the devices' slices sum to b).
+    * ``dist_sync``, ``dist_device_sync``: ``1/(N*b)``. The servers sum the N
+      workers' gradients and update once, so the run is one machine with batch N*b.
+    * ``dist_async``: ``1/(N*N*b)``, where MXNet uses ``1/b``. The servers apply
+      each push on its own, against one momentum buffer, to weights that the
+      other workers moved since this worker pulled them. With ``1/b``, N workers
+      take N full steps per round and it diverges at lr 0.05 and momentum 0.9
+      (MXNet, and ours with that scaling, end at 10% accuracy). With ``1/(N*b)``
+      a round moves the weights as far as one ``dist_sync`` step, but the
+      staleness acts as extra momentum and LeNet's 2-worker runs ended anywhere
+      from 0.973 to 0.984 after 2 epochs. Dividing by N once more damps that:
+      0.983 to 0.987 in our runs, at least as good as ``dist_sync``. For N = 1 all
+      three rules give ``1/b``.
+    """
+    if kv_type == "dist_async":
+        return 1.0 / (batch_size * num_workers * num_workers)
+    if kv_type.startswith("dist"):
+        return 1.0 / (batch_size * num_workers)
+    return 1.0 / batch_size
+
+
+def lr_steps(step_epochs: Sequence[int], epoch_size: int, updates_per_batch: int) -> list[int]:
+    """Scheduler steps in optimizer updates (MXNet: ``epoch_size * epoch``).
+
+    The kvstore restores the update counts with the optimizer state, so the
+    steps are absolute: a resumed run keeps the schedule of an uninterrupted one.
+    ``updates_per_batch`` is N for ``dist_async``, whose servers count every
+    worker's push, so the rate still drops at the epochs asked for.
+    """
+    return sorted({s * epoch_size * updates_per_batch for s in step_epochs if s > 0})
+
+
+def optimizer_spec(cfg: TrainConfig, kv_type: str, num_workers: int, epoch_size: int) -> dict[str, Any]:
+    """The JSON optimizer spec for ``kv.set_optimizer``."""
+    spec: dict[str, Any] = {
+        "name": cfg.optimizer,
+        "learning_rate": cfg.lr,
+        "wd": cfg.wd,
+        "rescale_grad": rescale_grad(kv_type, cfg.batch_size, num_workers),
+        "clip_gradient": None,
+    }
+    if cfg.optimizer in ("sgd", "nag"):
+        spec["momentum"] = cfg.mom
+    updates = num_workers if kv_type == "dist_async" else 1
+    steps = lr_steps(cfg.lr_step_epochs, epoch_size, updates)
+    if steps and cfg.lr_factor != 1.0:
+        spec["lr_scheduler"] = {"name": "multifactor", "step": steps, "factor": cfg.lr_factor}
+    return spec
+
+
+def checkpoint_path(prefix: str | os.PathLike[str], epoch: int) -> Path:
+    """``<prefix>-<epoch, 4 digits>.pt``, as MXNet names ``.params`` files."""
+    return Path(f"{os.fspath(prefix)}-{epoch:04d}.pt")
+
+
+def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """Write ``state`` with torch.save atomically (a temporary file beside it, then a rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda f: torch.save(state, f))
+
+
+def load_checkpoint(path: Path, network: str) -> dict[str, Any]:
+    """Read a checkpoint of :func:`save_checkpoint`; raises FitError with one line."""
+    if not path.is_file():
+        raise FitError(f"checkpoint {path} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for a bad file
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FitError(f"cannot read checkpoint {path}: {reason}") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise FitError(f"{path} is not a train_mnist checkpoint")
+    if state.get("network") != network:
+        raise FitError(f"checkpoint {path} holds a {state.get('network')} network, not {network}")
+    return state
+
+
+class Replicas:
+    """One copy of the model per device, and the tensors the kvstore reads and writes."""
+
+    def __init__(self, network: str, devices: Sequence[torch.device], seed: int,
+                 channels_last: bool | None) -> None:
+        base = create_model(network, seed=seed)
+        self.devices = list(devices)
+        self.models: list[nn.Module] = []
+        for dev in self.devices:
+            cl = channels_last if channels_last is not None else dev.type == "cpu"
+            m = create_model(network, seed=None, channels_last=cl and network == "lenet")
+            m.load_state_dict(base.state_dict())
+            self.models.append(m.to(dev))
+        self.names = [n for n, _ in self.models[0].named_parameters()]
+        # Detached views share the parameters' storage: the kvstore writes weights into them.
+        self.weights = [[p.detach() for p in m.parameters()] for m in self.models]
+
+    @property
+    def model(self) -> nn.Module:
+        return self.models[0]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to("cpu").contiguous().clone() for k, v in self.models[0].state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for m in self.models:
+            m.load_state_dict(state)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor,
+                         slices: Sequence[slice]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Forward and backward of each device's slice; the summed-loss gradients land in ``.grad``.
+
+        Returns:
+            per device, the loss sum and the number of correct predictions (0-d tensors).
+        """
+        losses, correct = [], []
+        for model, dev, sl in zip(self.models, self.devices, slices):
+            xs = x[sl].to(dev, non_blocking=True)
+            ys = y[sl].to(dev, non_blocking=True)
+            out = model(xs)
+            loss = F.cross_entropy(out, ys, reduction="sum")
+            loss.backward()
+            losses.append(loss.detach())
+            correct.append((out.detach().argmax(1) == ys).sum())
+        return losses, correct
+
+    def grads(self) -> list[list[torch.Tensor]]:
+        """Per parameter, the gradient of every device."""
+        per_device = [[p.grad for p in m.parameters()] for m in self.models]
+        return [list(g) for g in zip(*per_device)]
+
+    def outs(self) -> list[list[torch.Tensor]]:
+        """Per parameter, the weight tensor of every device."""
+        return [list(w) for w in zip(*self.weights)]
+
+    def zero_grad(self) -> None:
+        for m in self.models:
+            m.zero_grad(set_to_none=True)
+
+
+def to_images(images: np.ndarray, device: torch.device | str = "cpu") -> torch.Tensor:
+    """uint8 ``(N, 28, 28)`` to float32 ``(N, 1, 28, 28)`` in [0, 1], as MXNet's example scales."""
+    return torch.from_numpy(images).to(device).unsqueeze(1).float().div_(255.0)
+
+
+def evaluate(model: nn.Module, images: np.ndarray, labels: np.ndarray, device: torch.device) -> float:
+    """Accuracy of ``model`` on a whole set, in batches of 1,000."""
+    model.eval()
+    correct = 0
+    x_all = torch.from_numpy(images)
+    y_all = torch.from_numpy(labels.astype(np.int64))
+    with torch.inference_mode():
+        for lo in range(0, len(labels), VALIDATION_BATCH):
+            x = to_images(x_all[lo:lo + VALIDATION_BATCH].numpy(), device)
+            y = y_all[lo:lo + VALIDATION_BATCH].to(device)
+            correct += int((model(x).argmax(1) == y).sum())
+    model.train()
+    return correct / len(labels)
+
+
+class _Bar:
+    """A tqdm progress bar over an epoch's batches, or nothing."""
+
+    def __init__(self, enabled: bool, total: int, epoch: int) -> None:
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=f"Epoch[{epoch}]", unit="batch", leave=False,
+                            file=sys.stderr, dynamic_ncols=True)
+
+    def update(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def postfix(self, **kw: Any) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(**kw, refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@contextlib.contextmanager
+def _logging_around_bar(enabled: bool) -> Iterator[None]:
+    if not enabled:
+        yield
+        return
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with logging_redirect_tqdm(loggers=[logging.getLogger()]):
+        yield
+
+
+def plot_history(path: str | os.PathLike[str], history: Sequence[dict[str, Any]], title: str) -> None:
+    """Loss and accuracy per epoch, drawn with matplotlib (Agg) into ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    epochs = [h["epoch"] + 1 for h in history]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot(epochs, [h["train_loss"] for h in history], marker="o", label="train loss")
+    ax_loss.set_xlabel("epoch")
+    ax_loss.set_ylabel("cross-entropy per sample")
+    ax_loss.legend()
+    ax_acc.plot(epochs, [h["train_accuracy"] for h in history], marker="o", label="train")
+    ax_acc.plot(epochs, [h["validation_accuracy"] for h in history], marker="o", label="validation")
+    ax_acc.set_xlabel("epoch")
+    ax_acc.set_ylabel("accuracy")
+    ax_acc.legend()
+    for ax in (ax_loss, ax_acc):
+        ax.grid(True, alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+# --- the loop ------------------------------------------------------------------------
+
+
+def fit(cfg: TrainConfig, kv: Any, data: MNIST, *, plot: str | None = None) -> dict[str, Any]:
+    """Train ``cfg.network`` on this worker's shards through ``kv``; return the summary.
+
+    Every worker calls this with the same configuration. Rank 0 writes the
+    checkpoints and the plot.
+
+    Raises:
+        FitError: a bad configuration or checkpoint, with a one-line message.
+    """
+    rank, num_workers, kv_type = kv.rank, kv.num_workers, kv.type
+    devices = [torch.device(d) for d in cfg.devices]
+    work_load = cfg.work_load or tuple(1.0 for _ in devices)
+    if len(work_load) != len(devices):
+        raise FitError(f"the work-load list {_fmt_list(work_load)} has {len(work_load)} entries for "
+                       f"{len(devices)} devices")
+    slices = split_batch(cfg.batch_size, work_load)
+    num_train = len(data.train_labels)
+    if not 1 <= cfg.num_examples <= num_train:
+        raise FitError(f"--num-examples {cfg.num_examples} must be between 1 and {num_train}, the training set size")
+    epoch_size = batches_per_epoch(cfg.num_examples, num_workers, cfg.batch_size)
+    begin_epoch = cfg.load_epoch or 0
+    if begin_epoch >= cfg.num_epochs:
+        raise FitError(f"--load-epoch {begin_epoch} leaves nothing to train with --num-epochs {cfg.num_epochs}")
+
+    torch.manual_seed(cfg.seed)
+    replicas = Replicas(cfg.network, devices, cfg.seed, cfg.channels_last)
+    history: list[dict[str, Any]] = []
+    checkpoint = None
+    if cfg.load_epoch:
+        if not cfg.model_prefix:
+            raise FitError("--load-epoch needs --model-prefix")
+        if rank == 0:
+            path = checkpoint_path(cfg.model_prefix, cfg.load_epoch)
+            checkpoint = load_checkpoint(path, cfg.network)
+            try:
+                replicas.load_state_dict(checkpoint["model"])
+            except RuntimeError as e:
+                raise FitError(f"checkpoint {path} does not fit {cfg.network}: {str(e).splitlines()[0]}") from None
+            history = list(checkpoint.get("history", []))
+            log.info('Loaded checkpoint from "%s" (epoch %d)', path, cfg.load_epoch)
+
+    keys = list(range(len(replicas.names)))
+    # Rank 0's weights win; every worker starts from them.
+    kv.init(keys, [w for w in replicas.weights[0]])
+    kv.pull(keys, replicas.outs())
+    spec = optimizer_spec(cfg, kv_type, num_workers, epoch_size)
+    kv.set_optimizer(spec)
+    if cfg.load_epoch:
+        states = checkpoint["optimizer"] if checkpoint is not None else _empty_states(kv)
+        kv.set_optimizer_states(states)
+    if kv_type.startswith("dist"):
+        log.info("Resizing training data to %d batches per machine", epoch_size)
+
+    train_x = torch.from_numpy(data.train_images).unsqueeze(1)  # uint8, scaled per batch
+    train_y = torch.from_numpy(data.train_labels.astype(np.int64))
+    summary_epochs: list[dict[str, Any]] = []
+    for epoch in range(begin_epoch, cfg.num_epochs):
+        order = torch.from_numpy(epoch_batches(num_train=num_train, num_examples=cfg.num_examples,
+                                               epoch=epoch, seed=cfg.seed, rank=rank,
+                                               num_workers=num_workers, batch_size=cfg.batch_size))
+        tic = time.time()
+        correct, loss, kv_time = _train_epoch(cfg, kv, replicas, keys, slices, train_x, train_y, order, epoch)
+        toc = time.time()
+        samples = epoch_size * cfg.batch_size
+        log.info("Epoch[%d] Train-accuracy=%f", epoch, correct / samples)
+        log.info("Epoch[%d] Time cost=%.3f", epoch, toc - tic)
+        record = {
+            "epoch": epoch,
+            "time": round(toc - tic, 4),
+            "samples_per_sec": round(samples / (toc - tic), 2),
+            "train_accuracy": correct / samples,
+            "train_loss": loss / samples,
+            "kvstore_time": round(kv_time, 4),
+        }
+        val_acc = evaluate(replicas.model, data.test_images, data.test_labels, devices[0])
+        record["validation_accuracy"] = val_acc
+        history.append(record)
+        summary_epochs.append(record)
+        if rank == 0 and cfg.model_prefix and (epoch + 1) % cfg.save_period == 0:
+            path = checkpoint_path(cfg.model_prefix, epoch + 1)
+            save_checkpoint(path, {
+                "format": CHECKPOINT_FORMAT,
+                "network": cfg.network,
+                "epoch": epoch + 1,
+                "model": replicas.state_dict(),
+                "optimizer": kv.get_optimizer_states(),
+                "history": history,
+                "config": _jsonable(asdict(cfg)),
+            })
+            log.info('Saved checkpoint to "%s"', path)
+        log.info("Epoch[%d] Validation-accuracy=%f", epoch, val_acc)
+
+    if plot and rank == 0:
+        plot_history(plot, history, f"{cfg.network}, kv-store {kv_type}, {num_workers} worker(s), batch {cfg.batch_size}")
+        log.info('Saved the plot to "%s"', plot)
+    total_time = sum(e["time"] for e in summary_epochs)
+    total_samples = len(summary_epochs) * epoch_size * cfg.batch_size
+    return {
+        "network": cfg.network,
+        "kv_store": kv_type,
+        "rank": rank,
+        "num_workers": num_workers,
+        "devices": [str(d) for d in devices],
+        "batch_size": cfg.batch_size,
+        "batches_per_epoch": epoch_size,
+        "parameters": num_parameters(replicas.model),
+        "samples_per_sec": round(total_samples / total_time, 2) if total_time > 0 else None,
+        "epoch_times": [e["time"] for e in summary_epochs],
+        "train_accuracy": summary_epochs[-1]["train_accuracy"],
+        "validation_accuracy": summary_epochs[-1]["validation_accuracy"],
+        "epochs": summary_epochs,
+    }
+
+
+def _train_epoch(cfg: TrainConfig, kv: Any, replicas: Replicas, keys: list[int], slices: list[slice],
+                 train_x: torch.Tensor, train_y: torch.Tensor, order: torch.Tensor,
+                 epoch: int) -> tuple[int, float, float]:
+    """One epoch of this worker's batches; logs MXNet's Speedometer lines.
+
+    Returns:
+        the number of correct predictions, the summed loss, and the seconds spent in
+        ``kv.pushpull`` (the gradient exchange and, for dist_*, waiting for the other workers).
+    """
+    # Running totals stay on their devices; reading them (which waits for a GPU) happens only
+    # when a line is logged and at the end.
+    correct_acc = [torch.zeros((), dtype=torch.int64, device=d) for d in replicas.devices]
+    loss_acc = [torch.zeros((), dtype=torch.float64, device=d) for d in replicas.devices]
+    shown_correct = 0
+    window_samples = 0
+    kv_time = 0.0
+    bar = _Bar(cfg.progress, len(order), epoch)
+    window_tic = time.time()
+    with _logging_around_bar(cfg.progress):
+        for nbatch in range(len(order)):
+            idx = order[nbatch]
+            x = train_x.index_select(0, idx).float().div_(255.0)
+            y = train_y.index_select(0, idx)
+            losses, correct = replicas.forward_backward(x, y, slices)
+            t_kv = time.perf_counter()
+            kv.pushpull(keys, replicas.grads(), replicas.outs())
+            kv_time += time.perf_counter() - t_kv
+            replicas.zero_grad()
+            for acc, c in zip(correct_acc, correct):
+                acc += c
+            for acc, loss in zip(loss_acc, losses):
+                acc += loss
+            window_samples += cfg.batch_size
+            bar.update()
+            if cfg.disp_batches and nbatch % cfg.disp_batches == 0:
+                # MXNet's Speedometer: the clock starts at batch 0, then one line every
+                # disp_batches batches with the accuracy since the previous line.
+                now = time.time()
+                if nbatch > 0:
+                    total = sum(int(c) for c in correct_acc)
+                    speed = cfg.disp_batches * cfg.batch_size / max(now - window_tic, 1e-9)
+                    accuracy = (total - shown_correct) / window_samples
+                    log.info("Epoch[%d] Batch [%d-%d]\tSpeed: %.2f samples/sec\taccuracy=%f",
+                             epoch, nbatch - cfg.disp_batches, nbatch, speed, accuracy)
+                    bar.postfix(speed=f"{speed:.0f}/s", acc=f"{accuracy:.4f}")
+                    shown_correct, window_samples = total, 0
+                window_tic = now
+    bar.close()
+    return sum(int(c) for c in correct_acc), sum(float(v) for v in loss_acc), kv_time
+
+
+def _empty_states(kv: Any) -> dict[str, Any]:
+    """What a worker other than rank 0 passes to the collective ``set_optimizer_states``."""
+    from trainer.kvstore import STATES_FORMAT
+
+    return {"format": STATES_FORMAT, "optimizer": None, "states": {}}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)

@@ -1,0 +1,311 @@
+"""Train LeNet or an MLP on MNIST, data parallel across devices and machines.
+
+The command line of MXNet's ``example/image-classification/train_mnist.py``,
+with its defaults, plus ``--cpus``, ``--work-load-list``, ``--data-dir``,
+``--seed``, ``--threads`` and ``--plot``. One process::
+
+    python -m trainer.train_mnist --network lenet --kv-store local --num-epochs 2
+
+Two workers and a server on this machine::
+
+    pslaunch -n 2 -s 1 --launcher local python scripts/train_mnist.py --network lenet --kv-store dist_sync
+
+Under the launcher the same command serves every role: a scheduler or server
+runs the parameter-server role and exits 0 (at once, with a note, when the
+kv-store is not a ``dist_*`` one). Log lines follow MXNet's (``Epoch[e] Batch
+[a-b]\\tSpeed: ...``, ``Epoch[e] Validation-accuracy=...``), each behind
+``Node[rank]``; the last line on stdout is a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import NoReturn, Sequence
+
+from launcher import envvars
+
+log = logging.getLogger("trainer.train_mnist")
+
+PROG = "train_mnist"
+KV_TYPES = ("local", "device", "dist_sync", "dist_device_sync", "dist_async")
+OPTIMIZERS = ("sgd", "nag", "adam")
+
+
+class UsageError(Exception):
+    """A command-line mistake: one line on stderr, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must not be negative")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (MXNet's flags and defaults first, then ours)."""
+    p = _Parser(prog=PROG, description="Train LeNet or an MLP on MNIST, data parallel through a kvstore.",
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("MXNet's train_mnist options")
+    g.add_argument("--network", choices=("mlp", "lenet"), default="mlp", help="the network")
+    g.add_argument("--gpus", default=None, help="GPUs to use on this worker, e.g. 0,2 (default: the CPU)")
+    g.add_argument("--kv-store", choices=KV_TYPES, default="device", help="the kvstore type")
+    g.add_argument("--batch-size", type=_positive_int, default=64,
+                   help="samples per batch per worker, split across its devices")
+    g.add_argument("--num-epochs", type=_positive_int, default=20, help="epochs to train")
+    g.add_argument("--lr", type=_non_negative_float, default=0.05, help="initial learning rate")
+    g.add_argument("--lr-factor", type=_non_negative_float, default=0.1,
+                   help="the learning rate is multiplied by this at each step epoch")
+    g.add_argument("--lr-step-epochs", default="10", help="epochs at which the learning rate drops, e.g. 30,60")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="the optimizer")
+    g.add_argument("--mom", type=_non_negative_float, default=0.9, help="momentum (sgd, nag)")
+    g.add_argument("--wd", type=_non_negative_float, default=0.0001, help="weight decay")
+    g.add_argument("--disp-batches", type=_non_negative_int, default=100,
+                   help="log speed and accuracy every this many batches (0: never)")
+    g.add_argument("--model-prefix", default=None, help="checkpoint prefix: PREFIX-EPOCH.pt, written by rank 0")
+    g.add_argument("--save-period", type=_positive_int, default=1, help="checkpoint every this many epochs")
+    g.add_argument("--load-epoch", type=_positive_int, default=None,
+                   help="resume from PREFIX-EPOCH.pt (needs --model-prefix)")
+    g.add_argument("--num-examples", type=_positive_int, default=60000,
+                   help="training samples per epoch (all workers together)")
+    o = p.add_argument_group("pslaunch additions")
+    o.add_argument("--cpus", type=_positive_int, default=None,
+                   help="N CPU replicas on this worker (multi-device training without a GPU)")
+    o.add_argument("--work-load-list", default=None,
+                   help="relative share of the batch per device, e.g. 3,1 (default: equal)")
+    o.add_argument("--data-dir", default=None,
+                   help="MNIST IDX files and cache (default: ~/.cache/pslaunch/mnist)")
+    o.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the shuffling")
+    o.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch threads per process (default: the cores divided by this job's processes on the host)")
+    o.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="draw loss and accuracy per epoch into this image (rank 0)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and check the command line; raises UsageError with one line."""
+    args = build_parser().parse_args(argv)
+    args.lr_step_list = _int_list(args.lr_step_epochs, "--lr-step-epochs", minimum=1)
+    if args.gpus is not None and args.gpus.strip() == "":
+        args.gpus = None  # MXNet: empty means the CPU
+    args.gpu_list = _int_list(args.gpus, "--gpus", minimum=0) if args.gpus is not None else None
+    if args.gpu_list is not None and len(set(args.gpu_list)) != len(args.gpu_list):
+        raise UsageError(f"--gpus {args.gpus}: a GPU is listed twice")
+    if args.gpu_list is not None and args.cpus is not None:
+        raise UsageError("use --gpus or --cpus, not both")
+    args.work_load = None
+    if args.work_load_list is not None:
+        try:
+            args.work_load = tuple(float(v) for v in args.work_load_list.split(","))
+        except ValueError:
+            raise UsageError(f"--work-load-list {args.work_load_list!r}: expected numbers such as 3,1") from None
+        if any(not (w > 0 and w != float("inf")) for w in args.work_load):
+            raise UsageError(f"--work-load-list {args.work_load_list}: every share must be a positive number")
+        ndev = len(args.gpu_list) if args.gpu_list is not None else (args.cpus or 1)
+        if len(args.work_load) != ndev:
+            raise UsageError(f"--work-load-list {args.work_load_list} has {len(args.work_load)} entries "
+                             f"for {ndev} device(s)")
+    ndev = len(args.gpu_list) if args.gpu_list is not None else (args.cpus or 1)
+    if ndev > 1:
+        from trainer.data import split_batch
+
+        try:
+            split_batch(args.batch_size, args.work_load or [1.0] * ndev)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    if args.load_epoch is not None and not args.model_prefix:
+        raise UsageError("--load-epoch needs --model-prefix")
+    if args.load_epoch is not None and args.load_epoch >= args.num_epochs:
+        raise UsageError(f"--load-epoch {args.load_epoch} leaves nothing to do with --num-epochs {args.num_epochs}")
+    if not 0 < args.lr_factor <= 1:
+        raise UsageError(f"--lr-factor {args.lr_factor:g} must be in (0, 1]")
+    if args.mom >= 1:
+        raise UsageError(f"--mom {args.mom:g} must be below 1")
+    return args
+
+
+def _int_list(text: str, flag: str, minimum: int) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip() != ""]
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: expected integers separated by commas") from None
+    if any(v < minimum for v in values):
+        raise UsageError(f"{flag} {text}: values must be at least {minimum}")
+    return values
+
+
+def default_threads(environ: os._Environ[str] | dict[str, str] | None = None) -> int:
+    """The host's cores divided by this job's processes on it (at least 1), or all cores alone."""
+    environ = os.environ if environ is None else environ
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    local = environ.get(envvars.LOCAL_PROCS, "").strip()
+    try:
+        procs = int(local) if local else 1
+    except ValueError:
+        procs = 1
+    return max(1, cores // max(1, procs))
+
+
+def _role() -> str:
+    """This process's role: ``worker`` when run alone or as a launcher worker."""
+    if envvars.ROLE not in os.environ:
+        return "worker"
+    return envvars.ClusterEnv.from_environ(os.environ).role
+
+
+class _RankFilter(logging.Filter):
+    rank = "?"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.node = self.rank
+        return True
+
+
+_rank_filter = _RankFilter()
+
+
+def _setup_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s Node[%(node)s] %(message)s"))
+    handler.addFilter(_rank_filter)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+
+
+def _fail(message: str, code: int = 1) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one process of the job; returns the exit code."""
+    try:
+        args = parse_args(argv)
+        role = _role()
+    except UsageError as e:
+        return _fail(f"{e} (see --help)", 2)
+    except envvars.ClusterEnvError as e:
+        return _fail(str(e), 2)
+    if role in ("scheduler", "server"):
+        if not args.kv_store.startswith("dist"):
+            print(f"{PROG}: this {role} exits: --kv-store {args.kv_store} trains without parameter servers "
+                  "(use dist_sync, dist_device_sync or dist_async to use them)", file=sys.stderr, flush=True)
+            return 0
+        from trainer import kvstore  # runs the role and exits, as `import mxnet` does
+
+        kvstore.run_role()
+    return _worker(args)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    _setup_logging()
+    threads = args.threads or default_threads()
+    if threads > 1:
+        # libgomp's threads spin between parallel regions by default; when other processes want
+        # the same cores that makes every step wait for descheduled spinners (10x slower here).
+        os.environ.setdefault(envvars.OMP_WAIT_POLICY, "PASSIVE")
+    import torch
+
+    torch.set_num_threads(threads)
+    from trainer import kvstore
+    from trainer.data import DataError, load_mnist
+    from trainer.fit import FitError, TrainConfig, fit
+
+    try:
+        devices = _devices(args, torch)
+        if args.plot:
+            _check_plot(args.plot)
+        cfg = TrainConfig(
+            network=args.network, batch_size=args.batch_size, num_epochs=args.num_epochs, lr=args.lr,
+            lr_factor=args.lr_factor, lr_step_epochs=tuple(args.lr_step_list), optimizer=args.optimizer,
+            mom=args.mom, wd=args.wd, disp_batches=args.disp_batches, model_prefix=args.model_prefix,
+            save_period=args.save_period, load_epoch=args.load_epoch, num_examples=args.num_examples,
+            seed=args.seed, devices=tuple(devices), work_load=args.work_load,
+            progress=sys.stdout.isatty() and sys.stderr.isatty(),
+        )
+        with kvstore.create(args.kv_store) as kv:
+            _rank_filter.rank = str(kv.rank)
+            log.info("start with arguments %s", _namespace_text(args))
+            log.info("%d torch thread(s), devices %s", torch.get_num_threads(), ", ".join(devices))
+            data = load_mnist(args.data_dir)
+            summary = fit(cfg, kv, data, plot=args.plot)
+        print(json.dumps(summary), flush=True)
+        return 0
+    except UsageError as e:
+        return _fail(str(e), 2)
+    except (DataError, FitError) as e:
+        return _fail(str(e))
+    except kvstore.KVStoreError as e:
+        return _fail(f"kvstore: {e}")
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+
+
+def _devices(args: argparse.Namespace, torch: object) -> list[str]:
+    if args.gpu_list is not None:
+        cuda = torch.cuda  # type: ignore[attr-defined]
+        if not cuda.is_available():
+            raise UsageError(f"--gpus {args.gpus}: CUDA is not available to this torch "
+                             f"({torch.__version__}); use --cpus N for CPU replicas")  # type: ignore[attr-defined]
+        count = cuda.device_count()
+        bad = [g for g in args.gpu_list if g >= count]
+        if bad:
+            raise UsageError(f"--gpus {args.gpus}: GPU {bad[0]} does not exist ({count} visible)")
+        return [f"cuda:{g}" for g in args.gpu_list]
+    return ["cpu"] * (args.cpus or 1)
+
+
+def _check_plot(path: str) -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UsageError(f"--plot {path}: the directory {parent} does not exist")
+
+
+def _namespace_text(args: argparse.Namespace) -> str:
+    shown = {k: v for k, v in vars(args).items() if k not in ("lr_step_list", "gpu_list", "work_load")}
+    return "Namespace(" + ", ".join(f"{k}={v!r}" for k, v in sorted(shown.items())) + ")"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
