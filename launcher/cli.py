@@ -50,6 +50,7 @@ Examples:
 Exit code: the first failing process's code (128+N if killed by signal N),
 0 if all succeed, 2 for a usage error, 124 after --timeout, 130 on Ctrl-C.
 Hostfile lines: host, host:port, user@host:port, [ipv6]:port, host slots=N.
+Before a multi-host job: pslaunch doctor -H hosts (checks ssh, python, ports).
 """
 
 

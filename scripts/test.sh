@@ -6,12 +6,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s.%N)
-phase() {  # phase NAME CMD...: run a phase and print its time
+phase() {  # phase NAME CMD...: run a phase, print its time, return its exit code
     local name=$1; shift
-    local t0; t0=$(date +%s.%N)
+    local t0 status=0; t0=$(date +%s.%N)
     printf '\n=== %s\n' "$name" >&2
-    "$@"
-    printf '=== %s took %.1fs\n' "$name" "$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{print b-a}')" >&2
+    "$@" || status=$?  # (set -e does not apply inside a function called from ||)
+    printf '=== %s took %.1fs (exit code %d)\n' "$name" \
+        "$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{print b-a}')" "$status" >&2
+    return "$status"
 }
 phase "set-up (scripts/setup.sh)" scripts/setup.sh
 DEPS_ENV=$(mktemp)

@@ -125,12 +125,22 @@ def lr_steps(step_epochs: Sequence[int], epoch_size: int, updates_per_batch: int
     return sorted({s * epoch_size * updates_per_batch for s in step_epochs if s > 0})
 
 
-def optimizer_spec(cfg: TrainConfig, kv_type: str, num_workers: int, epoch_size: int) -> dict[str, Any]:
-    """The JSON optimizer spec for ``kv.set_optimizer``."""
+def wd_mult(names: list[str]) -> dict[str, float]:
+    """Per-key weight-decay factors, MXNet's rule: only weights (and batch-norm
+    gammas) decay; biases and other parameters get 0. Keys are list positions."""
+    return {str(i): 0.0 for i, name in enumerate(names)
+            if not name.endswith(("weight", "gamma"))}
+
+
+def optimizer_spec(cfg: TrainConfig, kv_type: str, num_workers: int, epoch_size: int,
+                   names: list[str] = ()) -> dict[str, Any]:
+    """The JSON optimizer spec for ``kv.set_optimizer``; ``names`` are the
+    parameter names in key order (for ``wd_mult``)."""
     spec: dict[str, Any] = {
         "name": cfg.optimizer,
         "learning_rate": cfg.lr,
         "wd": cfg.wd,
+        "wd_mult": wd_mult(list(names)),
         "rescale_grad": rescale_grad(kv_type, cfg.batch_size, num_workers),
         "clip_gradient": None,
     }
@@ -362,7 +372,7 @@ def fit(cfg: TrainConfig, kv: Any, data: MNIST, *, plot: str | None = None) -> d
     # Rank 0's weights win; every worker starts from them.
     kv.init(keys, [w for w in replicas.weights[0]])
     kv.pull(keys, replicas.outs())
-    spec = optimizer_spec(cfg, kv_type, num_workers, epoch_size)
+    spec = optimizer_spec(cfg, kv_type, num_workers, epoch_size, replicas.names)
     kv.set_optimizer(spec)
     if cfg.load_epoch:
         states = checkpoint["optimizer"] if checkpoint is not None else _empty_states(kv)

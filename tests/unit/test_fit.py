@@ -17,6 +17,7 @@ import train_helpers  # noqa: E402
 from trainer import fit as T  # noqa: E402
 from trainer import kvstore  # noqa: E402
 from trainer.data import MNIST, load_mnist  # noqa: E402
+from trainer.models import create_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ def test_rescale_grad() -> None:
 
 def test_optimizer_spec_defaults() -> None:
     spec = T.optimizer_spec(T.TrainConfig(), "device", 1, 938)
-    assert spec == {"name": "sgd", "learning_rate": 0.05, "wd": 0.0001, "rescale_grad": 1 / 64,
+    assert spec == {"name": "sgd", "learning_rate": 0.05, "wd": 0.0001, "wd_mult": {}, "rescale_grad": 1 / 64,
                     "clip_gradient": None, "momentum": 0.9,
                     "lr_scheduler": {"name": "multifactor", "step": [9380], "factor": 0.1}}
     cfg = T.TrainConfig(lr_step_epochs=(2, 5), optimizer="adam")
@@ -72,6 +73,14 @@ def test_optimizer_spec_defaults() -> None:
     assert spec["lr_scheduler"]["step"] == [2 * 469 * 2, 5 * 469 * 2]  # async servers count every push
     assert "lr_scheduler" not in T.optimizer_spec(T.TrainConfig(lr_factor=1.0), "local", 1, 10)
     assert "lr_scheduler" not in T.optimizer_spec(T.TrainConfig(lr_step_epochs=()), "local", 1, 10)
+
+
+def test_biases_get_no_weight_decay_as_in_mxnet() -> None:
+    names = [n for n, _ in create_model("lenet").named_parameters()]
+    spec = T.optimizer_spec(T.TrainConfig(), "dist_sync", 2, 10, names)
+    decayed = [n for i, n in enumerate(names) if spec["wd_mult"].get(str(i), 1.0) == 1.0]
+    assert decayed and all(n.endswith("weight") for n in decayed)
+    assert {names[int(k)] for k in spec["wd_mult"]} == {n for n in names if n.endswith("bias")}
 
 
 # --- gradients across devices ------------------------------------------------------------

@@ -34,6 +34,18 @@ def test_sgd_plain_and_weight_decay() -> None:
     np.testing.assert_allclose(w, [1 - 0.1 * (1 + 0.5), 1 - 0.1 * (-2 + 0.5)])
 
 
+def test_wd_mult_scales_weight_decay_per_key() -> None:
+    up = Updater(create_optimizer({"name": "sgd", "learning_rate": 0.1, "wd": 0.5,
+                                   "wd_mult": {"bias": 0.0, "7": 2.0}}))
+    w_bias, w_7, w_other = np.ones(2), np.ones(2), np.ones(2)
+    up("bias", w_bias, np.zeros(2))
+    up(7, w_7, np.zeros(2))  # integer keys match their string form
+    up("other", w_other, np.zeros(2))
+    np.testing.assert_allclose(w_bias, [1.0, 1.0])
+    np.testing.assert_allclose(w_7, [1 - 0.1 * 2 * 0.5] * 2)
+    np.testing.assert_allclose(w_other, [1 - 0.1 * 0.5] * 2)
+
+
 def test_sgd_momentum_matches_mxnet_recurrence() -> None:
     lr, mu, wd = 0.05, 0.9, 1e-3
     rng = np.random.default_rng(0)
@@ -133,7 +145,7 @@ def test_numpy_and_torch_agree(name: str) -> None:
 
 def test_spec_round_trips_through_json() -> None:
     spec = {"name": "sgd", "learning_rate": 0.05, "momentum": 0.9, "wd": 1e-4,
-            "rescale_grad": 1 / 128, "clip_gradient": None,
+            "wd_mult": {"1": 0.0}, "rescale_grad": 1 / 128, "clip_gradient": None,
             "lr_scheduler": {"name": "multifactor", "step": [938, 1876], "factor": 0.1}}
     opt = create_optimizer(spec)
     again = create_optimizer(json.loads(json.dumps(opt.to_spec())))
@@ -148,6 +160,8 @@ def test_spec_round_trips_through_json() -> None:
     ({"name": "sgd", "learning_rate": "fast"}, "learning_rate='fast' must be a finite number"),
     ({"name": "sgd", "learning_rate": -1}, "must be at least 0"),
     ({"name": "adam", "momentum": 0.9}, "unknown option 'momentum'"),
+    ({"name": "sgd", "wd_mult": [0.0]}, "wd_mult must be a dict"),
+    ({"name": "sgd", "wd_mult": {"3": -1}}, "wd_mult: 3=-1 must be at least 0"),
     ({"name": "sgd", "lr_scheduler": {"name": "cosine"}}, "unknown lr_scheduler 'cosine'"),
     ({"name": "sgd", "lr_scheduler": {"name": "multifactor", "step": [5, 3]}}, "strictly increasing"),
     ({"name": "sgd", "lr_scheduler": {"name": "multifactor", "step": []}}, "non-empty list"),

@@ -7,13 +7,15 @@ implement, plus the few functions of an :class:`ArrayOps` table.
 A spec is a JSON-able dict, for example::
 
     {"name": "sgd", "learning_rate": 0.05, "momentum": 0.9, "wd": 1e-4,
-     "rescale_grad": 1 / 128, "clip_gradient": None,
+     "wd_mult": {"1": 0.0, "3": 0.0}, "rescale_grad": 1 / 128, "clip_gradient": None,
      "lr_scheduler": {"name": "multifactor", "step": [938, 1876], "factor": 0.1}}
 
 Semantics follow MXNet 1.x: the learning rate comes from the scheduler at
 ``num_update``, the largest per-key update count seen by this updater (so on
 a server it counts that server's updates); Adam's bias correction uses the
-key's own count. Nothing here is ever unpickled: only names in
+key's own count. ``wd_mult`` maps a key (as a string) to a factor on ``wd``
+(MXNet gives biases 0, see :func:`wd_mult_for`); a key not listed gets 1.
+Nothing here is ever unpickled: only names in
 :data:`OPTIMIZERS` and :data:`SCHEDULERS` can be built.
 """
 
@@ -149,11 +151,15 @@ class Optimizer:
 
     def __init__(self, spec: Mapping[str, Any]) -> None:
         where = f"optimizer {self.name}"
-        common = {"name", "learning_rate", "wd", "rescale_grad", "clip_gradient", "lr_scheduler",
-                  "begin_num_update"}
+        common = {"name", "learning_rate", "wd", "wd_mult", "rescale_grad", "clip_gradient",
+                  "lr_scheduler", "begin_num_update"}
         _check_keys(spec, common | set(self.defaults), where)
         self.learning_rate = _number(spec, "learning_rate", self.default_lr, where, 0.0)
         self.wd = _number(spec, "wd", 0.0, where, 0.0)
+        mult = spec.get("wd_mult") or {}
+        if not isinstance(mult, Mapping):
+            raise OptimizerError(f"{where}: wd_mult must be a dict of key -> factor")
+        self.wd_mult = {str(k): _number(mult, k, 1.0, f"{where}: wd_mult", 0.0) for k in mult}
         self.rescale_grad = _number(spec, "rescale_grad", 1.0, where)
         clip = spec.get("clip_gradient")
         self.clip_gradient = None if clip is None or clip == -1 else _number(
@@ -181,29 +187,35 @@ class Optimizer:
     def to_spec(self) -> dict[str, Any]:
         """The normalized JSON spec (what travels to the servers)."""
         spec: dict[str, Any] = {"name": self.name, "learning_rate": self.learning_rate,
-                                "wd": self.wd, "rescale_grad": self.rescale_grad,
+                                "wd": self.wd, "wd_mult": dict(self.wd_mult),
+                                "rescale_grad": self.rescale_grad,
                                 "clip_gradient": self.clip_gradient,
                                 "begin_num_update": self.begin_num_update}
         spec.update(self.hyper)
         spec["lr_scheduler"] = self.lr_scheduler.to_spec() if self.lr_scheduler else None
         return spec
 
-    def _prepare(self, weight: Any, grad: Any, ops: ArrayOps, wd_first: bool = False) -> None:
+    def key_wd(self, key: Hashable) -> float:
+        """The weight decay of ``key``: ``wd`` times its ``wd_mult`` (default 1)."""
+        return self.wd * self.wd_mult.get(str(key), 1.0)
+
+    def _prepare(self, weight: Any, grad: Any, wd: float, ops: ArrayOps,
+                 wd_first: bool = False) -> None:
         """``grad = clip(rescale * grad) + wd * weight`` in place (Adam: wd before clip)."""
         if self.rescale_grad != 1.0:
             grad *= self.rescale_grad
-        if wd_first and self.wd:
-            grad += self.wd * weight
+        if wd_first and wd:
+            grad += wd * weight
         if self.clip_gradient is not None:
             ops.clip_(grad, self.clip_gradient)
-        if not wd_first and self.wd:
-            grad += self.wd * weight
+        if not wd_first and wd:
+            grad += wd * weight
 
     def create_state(self, weight: Any, ops: ArrayOps) -> dict[str, Any]:
         raise NotImplementedError
 
-    def step(self, weight: Any, grad: Any, state: dict[str, Any], lr: float, count: int,
-             ops: ArrayOps) -> None:
+    def step(self, weight: Any, grad: Any, state: dict[str, Any], lr: float, wd: float,
+             count: int, ops: ArrayOps) -> None:
         raise NotImplementedError
 
 
@@ -216,9 +228,9 @@ class SGD(Optimizer):
     def create_state(self, weight: Any, ops: ArrayOps) -> dict[str, Any]:
         return {"mom": ops.zeros_like(weight)} if self.hyper["momentum"] else {}
 
-    def step(self, weight: Any, grad: Any, state: dict[str, Any], lr: float, count: int,
-             ops: ArrayOps) -> None:
-        self._prepare(weight, grad, ops)
+    def step(self, weight: Any, grad: Any, state: dict[str, Any], lr: float, wd: float,
+             count: int, ops: ArrayOps) -> None:
+        self._prepare(weight, grad, wd, ops)
         grad *= lr
         mom = state.get("mom")
         if mom is None:
@@ -238,9 +250,9 @@ class NAG(Optimizer):
     def create_state(self, weight: Any, ops: ArrayOps) -> dict[str, Any]:
         return {"mom": ops.zeros_like(weight)} if self.hyper["momentum"] else {}
 
-    def step(self, weight: Any, grad: Any, state: dict[str, Any], lr: float, count: int,
-             ops: ArrayOps) -> None:
-        self._prepare(weight, grad, ops)
+    def step(self, weight: Any, grad: Any, state: dict[str, Any], lr: float, wd: float,
+             count: int, ops: ArrayOps) -> None:
+        self._prepare(weight, grad, wd, ops)
         mom = state.get("mom")
         if mom is not None:
             momentum = self.hyper["momentum"]
@@ -261,10 +273,10 @@ class Adam(Optimizer):
     def create_state(self, weight: Any, ops: ArrayOps) -> dict[str, Any]:
         return {"mean": ops.zeros_like(weight), "var": ops.zeros_like(weight)}
 
-    def step(self, weight: Any, grad: Any, state: dict[str, Any], lr: float, count: int,
-             ops: ArrayOps) -> None:
+    def step(self, weight: Any, grad: Any, state: dict[str, Any], lr: float, wd: float,
+             count: int, ops: ArrayOps) -> None:
         b1, b2, eps = self.hyper["beta1"], self.hyper["beta2"], self.hyper["epsilon"]
-        self._prepare(weight, grad, ops, wd_first=True)
+        self._prepare(weight, grad, wd, ops, wd_first=True)
         lr_t = lr * math.sqrt(1.0 - b2 ** count) / (1.0 - b1 ** count)
         mean, var = state["mean"], state["var"]
         mean *= b1
@@ -319,8 +331,8 @@ class Updater:
         state = self.states.get(key)
         if state is None:
             state = self.states[key] = self.optimizer.create_state(weight, self.ops)
-        self.optimizer.step(weight, grad, state, self.optimizer.lr(self.num_update), count,
-                            self.ops)
+        opt = self.optimizer
+        opt.step(weight, grad, state, opt.lr(self.num_update), opt.key_wd(key), count, self.ops)
 
     def get_states(self) -> dict[Hashable, tuple[int, dict[str, Any]]]:
         """``{key: (count, {state name: array})}`` for every key updated so far."""
