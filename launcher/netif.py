@@ -17,7 +17,6 @@ host where nothing is installed and resolve the interface there.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import ipaddress
 import json
 import socket
@@ -63,7 +62,8 @@ _IFF_UP = 0x1
 
 def interfaces() -> list[Iface]:
     """Every IPv4 address of every interface that is up, in ``getifaddrs`` order."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    # dlopen(NULL): the C library is already loaded; find_library("c") would run ldconfig.
+    libc = ctypes.CDLL(None, use_errno=True)
     head = ctypes.POINTER(_Ifaddrs)()
     if libc.getifaddrs(ctypes.byref(head)) != 0:
         raise NetifError(f"getifaddrs failed: errno {ctypes.get_errno()}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 from conftest import assert_no_orphans, pid_alive
 
@@ -37,7 +36,7 @@ def test_done_leaves_everything_alone(tmp_path) -> None:
     wd.watch(a.pid)
     wd.on_abandon(["touch", str(marker)])
     wd.close()
-    time.sleep(0.3)
+    assert wd._proc.wait(timeout=10) == 0  # it read "done" and exited on its own
     assert pid_alive(a.pid) and not marker.exists()
     a.kill()
     a.wait()
