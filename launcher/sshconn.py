@@ -35,6 +35,7 @@ import getpass
 import hashlib
 import logging
 import os
+import shlex
 import socket
 import threading
 import time
@@ -108,9 +109,14 @@ class Target:
 
     @property
     def key_name(self) -> str:
-        """The name known_hosts files list this host under (OpenSSH's rule)."""
-        name = self.host_key_alias or self.hostname
-        return name if self.port == DEFAULT_PORT else f"[{name}]:{self.port}"
+        """The name known_hosts files list this host under (OpenSSH's rule).
+
+        ``HostKeyAlias`` is used exactly as written, without the port: OpenSSH
+        brackets only the host name (``[host]:2222``), never the alias.
+        """
+        if self.host_key_alias:
+            return self.host_key_alias
+        return self.hostname if self.port == DEFAULT_PORT else f"[{self.hostname}]:{self.port}"
 
     @property
     def address(self) -> str:
@@ -203,8 +209,11 @@ def keyscan_type(key: paramiko.PKey) -> str:
 def keyscan_command(target: Target, key: paramiko.PKey) -> str:
     """The command that records ``target``'s key in its first known_hosts file."""
     port = f"-p {target.port} " if target.port != DEFAULT_PORT else ""
-    dest = target.known_hosts[0] if target.known_hosts else "~/.ssh/known_hosts"
-    return f"ssh-keyscan {port}-t {keyscan_type(key)} {target.host_key_alias or target.hostname} >> {dest}"
+    dest = shlex.quote(target.known_hosts[0]) if target.known_hosts else "~/.ssh/known_hosts"
+    scan = f"ssh-keyscan {port}-t {keyscan_type(key)} {shlex.quote(target.hostname)}"
+    if target.host_key_alias:  # scan the real address, record the key under the alias
+        return f"{scan} | sed 's/^[^ ]*/{target.host_key_alias}/' >> {dest}"
+    return f"{scan} >> {dest}"
 
 
 def _load_known(paths: Sequence[str]) -> list[tuple[str, paramiko.HostKeys]]:

@@ -43,7 +43,8 @@ def test_config_patterns_hostname_user_port_keys(config, tmp_path) -> None:
     assert (t.hostname, t.user, t.port) == ("10.9.0.3", "trainer", 2200)
     assert t.key_files == (str(tmp_path / "k"),)
     assert t.known_hosts == (str(tmp_path / "kh"), "/etc/other_known_hosts")
-    assert t.host_key_alias == "gpu3-key" and t.key_name == "[gpu3-key]:2200"
+    # OpenSSH records and looks up a HostKeyAlias as written, without the port
+    assert t.host_key_alias == "gpu3-key" and t.key_name == "gpu3-key"
     assert t.config_file == "/cfg" and t.label == "gpu-3" and t.address == "trainer@10.9.0.3:2200"
 
 
@@ -114,3 +115,19 @@ def test_accept_new_records_the_key(keys, tmp_path) -> None:
     hk = paramiko.HostKeys()
     hk.load(str(kh))
     check_host_key(t, key, [(str(kh), hk)], accept_new=False)  # known now
+
+
+def test_host_key_alias_is_looked_up_as_openssh_writes_it(keys, tmp_path) -> None:
+    """ssh (and rsync over it) file a HostKeyAlias host under the bare alias, whatever the port."""
+    key, _ = keys
+    t = Target(Host("gpu-3"), "10.9.0.3", 2200, "u", known_hosts=(str(tmp_path / "known_hosts"),),
+               host_key_alias="gpu3-key")
+    check_host_key(t, key, _known(tmp_path, f"gpu3-key {key.get_name()} {key.get_base64()}\n"), accept_new=False)
+    with pytest.raises(HostKeyError) as e:
+        check_host_key(t, key, _known(tmp_path, ""), accept_new=False)
+    assert (f"ssh-keyscan -p 2200 -t rsa 10.9.0.3 | sed 's/^[^ ]*/gpu3-key/' >> {tmp_path / 'known_hosts'}"
+            in str(e.value))
+    kh = tmp_path / "new_known_hosts"
+    t2 = Target(Host("gpu-3"), "10.9.0.3", 2200, "u", known_hosts=(str(kh),), host_key_alias="gpu3-key")
+    check_host_key(t2, key, [], accept_new=True)
+    assert kh.read_text() == f"gpu3-key {key.get_name()} {key.get_base64()}\n"
