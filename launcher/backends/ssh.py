@@ -146,12 +146,24 @@ def netif_command(iface: str, python: str = REMOTE_PYTHON) -> str:
     return f"{shlex.quote(python)} -S - {shlex.quote(iface)}"
 
 
+def remote_path(path: str) -> str:
+    """``path`` for a remote shell: quoted, but a leading ``~``/``~/`` is the remote ``$HOME``."""
+    if path == "~":
+        return '"$HOME"'
+    if path.startswith("~/"):
+        rest = path[2:].lstrip("/")
+        return '"$HOME"/' + shlex.quote(rest) if rest else '"$HOME"'
+    return shlex.quote(path)
+
+
 def prepare_dir_command(path: str) -> str:
     """Create the sync target; print its absolute path and rsync's path (empty without rsync).
 
     The lines are marked: a login shell's rc files may print to stdout too.
+    A leading ``~`` or ``~/`` (a YAML value, a quoted option) means the remote
+    home, as it does in dmlc's ``rsync ... host:DIR``; anything else is quoted.
     """
-    q = shlex.quote(path)
+    q = remote_path(path)
     return (f"mkdir -p -- {q} && cd -- {q} && echo \"pslaunch-dir=$(pwd)\" && "
             "echo \"pslaunch-rsync=$(command -v rsync)\"")
 

@@ -82,6 +82,11 @@ def test_netif_and_directory_commands_quote_their_arguments() -> None:
     assert prepare_dir_command("/tmp/job") == ('mkdir -p -- /tmp/job && cd -- /tmp/job && echo "pslaunch-dir=$(pwd)" '
                                                '&& echo "pslaunch-rsync=$(command -v rsync)"')
     assert prepare_dir_command("my dir/$(id)").startswith("mkdir -p -- 'my dir/$(id)' && cd -- 'my dir/$(id)' && ")
+    # a leading ~ is the remote home (not a directory named "~"); the rest stays quoted
+    assert prepare_dir_command("~/my job").startswith('mkdir -p -- "$HOME"/\'my job\' && cd -- "$HOME"/\'my job\' && ')
+    assert prepare_dir_command("~").startswith('mkdir -p -- "$HOME" && cd -- "$HOME" && ')
+    assert prepare_dir_command("~/$(id)").startswith("mkdir -p -- \"$HOME\"/'$(id)' && ")
+    assert prepare_dir_command("~other/x").startswith("mkdir -p -- '~other/x' && ")
     # what a login shell prints from its rc files does not confuse the parser
     assert parse_prepare_dir("Welcome!\npslaunch-dir=/home/u/job x\npslaunch-rsync=/usr/bin/rsync\n") == \
         ("/home/u/job x", True)
