@@ -139,7 +139,7 @@ def test_dry_run_shows_hosts_commands_and_sync(monkeypatch) -> None:
         in lines[0]
     assert "  A: me@A:22, cwd /tmp/job: server 0, worker 1" in lines
     assert "  bob@B:2222: bob@B:2222, cwd /tmp/job: worker 0" in lines
-    assert ("  rsync -az --stats --timeout=60 --delete --exclude=.git --exclude=__pycache__ '--exclude=*.log' -e "
+    assert ("  rsync -az -s --stats --timeout=60 --delete --exclude=.git --exclude=__pycache__ '--exclude=*.log' -e "
             "'ssh -F /dev/null -p 2222 -l bob -o BatchMode=yes -o StrictHostKeyChecking=yes -o ConnectTimeout=10' "
             "/home/me/job/ B:/tmp/job/") in lines
     assert "0" * 64 not in text
