@@ -189,6 +189,22 @@ def test_kill_command() -> None:
         ["yarn", "application", "-kill", "application_1476912658570_0002"]
 
 
+def test_watchdog_kill_uses_the_yarn_of_hadoop_home(tmp_path) -> None:
+    """The watchdog runs with the PATH the launcher had at start, before $HADOOP_HOME/bin was
+    added: its kill command must name yarn by its full path."""
+    yarn_bin = tmp_path / "hadoop" / "bin" / "yarn"
+    yarn_bin.parent.mkdir(parents=True)
+    yarn_bin.write_text("#!/bin/sh\n")
+    yarn_bin.chmod(0o755)
+    env = {"PATH": "/nonexistent", "HADOOP_HOME": str(tmp_path / "hadoop")}
+    assert yarn.yarn_program(env) == str(yarn_bin)
+    env = {"PATH": str(yarn_bin.parent), "HADOOP_HOME": "/elsewhere"}
+    assert yarn.yarn_program(env) == str(yarn_bin)
+    assert yarn.yarn_program({"PATH": "/nonexistent"}) == "yarn"  # nothing better to offer
+    assert yarn.kill_command("application_1_0002", str(yarn_bin)) == \
+        [str(yarn_bin), "application", "-kill", "application_1_0002"]
+
+
 # --- status parsing ------------------------------------------------------------------------------------
 
 # From the Hadoop docs, ResourceManager REST API, "Cluster Applications API", JSON response example
@@ -463,6 +479,23 @@ def test_lifecycle_failure_kills_the_application(tmp_path, fast_poll) -> None:
     backend.close()
     assert {h.name: h.poll() for h in handles} == {"server-0": 143, "worker-0": 143, "worker-1": 3}
     assert fake.calls[-1] == "close" and backend._tmp is None
+
+
+@pytest.mark.timeout(30)
+def test_watchdog_gets_the_full_path_of_yarn(tmp_path, fast_poll, monkeypatch) -> None:
+    yarn_bin = tmp_path / "hadoop" / "bin" / "yarn"
+    yarn_bin.parent.mkdir(parents=True)
+    yarn_bin.write_text("#!/bin/sh\n")
+    yarn_bin.chmod(0o755)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.setenv("HADOOP_HOME", str(tmp_path / "hadoop"))
+    fake = FakeSkein()
+    backend, procs = _backend(tmp_path, fake)
+    fake.app_state = "RUNNING"
+    fake.containers = {("server", 0): ("RUNNING", ""), ("worker", 0): ("RUNNING", ""), ("worker", 1): ("RUNNING", "")}
+    backend.start(procs)
+    assert backend.watchdog.commands == [[str(yarn_bin), "application", "-kill", "application_1_0001"]]
+    backend.close()
 
 
 @pytest.mark.timeout(30)
