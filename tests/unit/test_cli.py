@@ -81,6 +81,10 @@ def run_err(args: list[str], capsys) -> tuple[int, str]:
     (["-n", "1", "--env", "1BAD=x", "true"], "--env '1BAD=x': expected NAME or NAME=VALUE"),
     (["-n", "1", "--env", "NOT_SET_ANYWHERE_123", "true"], "--env NOT_SET_ANYWHERE_123: NOT_SET_ANYWHERE_123 is not set"),
     (["-n", "1", "--env-worker", "JUSTNAME", "true"], "--env-worker 'JUSTNAME': expected NAME=VALUE"),
+    # a malformed name that looks secret: its value is not echoed
+    (["-n", "1", "--env", "MY-TOKEN=hunter2", "true"], "--env 'MY-TOKEN=<redacted>': expected NAME or NAME=VALUE"),
+    (["-n", "1", "--env-worker", "DB PASSWORD:hunter2", "true"],
+     "--env-worker 'DB PASSWORD:<redacted>': expected NAME=VALUE"),
     (["-n", "1", "-H", "/nonexistent/hosts", "true"], "cannot read hostfile /nonexistent/hosts"),
     (["-n", "1", "--launcher", "ssh", "true"], "--launcher ssh needs hosts"),
     (["-n", "1", "--launcher", "nope", "true"], "Invalid value for '--launcher'"),
@@ -97,6 +101,7 @@ def test_user_errors_are_one_line_exit_2(args, message, capsys) -> None:
     assert "\n" not in err and "Traceback" not in err
     assert err.startswith("pslaunch: error: ")
     assert message in err
+    assert "hunter2" not in err  # never a value of a secret-looking name
 
 
 def test_bad_hostfile_line_exit_2(tmp_path, capsys) -> None:
