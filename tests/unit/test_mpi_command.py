@@ -250,6 +250,18 @@ def test_cli_missing_mpirun(tmp_path) -> None:
     assert code == 2
 
 
+def test_mpirun_that_exists_but_cannot_run_is_not_called_missing(tmp_path) -> None:
+    plain = tmp_path / "mpirun"
+    plain.write_text("#!/bin/sh\n")
+    plain.chmod(0o644)
+    with pytest.raises(BackendUnavailableError, match=r"--mpirun .*/mpirun is not executable"):
+        mpi.probe_mpirun(str(plain))
+    with pytest.raises(BackendUnavailableError, match=r"--mpirun .* is a directory"):
+        mpi.probe_mpirun(str(tmp_path))
+    with pytest.raises(BackendUnavailableError, match=r"nope: no such file"):
+        mpi.probe_mpirun(str(tmp_path / "nope"))
+
+
 def test_hostfile_user_or_port_is_refused_by_line() -> None:
     with pytest.raises(ConfigError, match=r"hosts:3: root@A:2222: .*~/.ssh/config"):
         mpi._check_hosts([Host("A", port=2222, user="root", origin="hosts:3")])
