@@ -44,6 +44,7 @@ import os
 import queue
 import shlex
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -711,14 +712,19 @@ class SSHBackend(Backend):
         with self._lock:
             if self._closing:
                 raise LaunchError(f"sync to {host.label}: the launcher is stopping")
+            # its own group, known to the watchdog: rsync and its ssh go too if the launcher is killed
             p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, errors="replace")
+                                 text=True, errors="replace", start_new_session=True)
             self._rsyncs.add(p)
+            if self.watchdog is not None:
+                self.watchdog.watch(p.pid)
         try:
             out, err = p.communicate()
         finally:
             with self._lock:
                 self._rsyncs.discard(p)
+            if self.watchdog is not None:
+                self.watchdog.forget(p.pid)
         if p.returncode != 0:
             lines = [x for x in err.splitlines() if x.strip()]
             reason = lines[0] if lines else f"exit code {p.returncode}"
@@ -794,7 +800,8 @@ class SSHBackend(Backend):
             self._closing = True
             rsyncs = list(self._rsyncs)
         for p in rsyncs:
-            p.kill()
+            if p.poll() is None:  # the leader still runs: the group is still ours
+                _kill_group(p.pid)
         hosts = list(self.hosts.values())
         live = [h for h in hosts if not h.lost]
         for h in live:
@@ -805,6 +812,13 @@ class SSHBackend(Backend):
                                  name="pslaunch-close-lost")
             t.start()
             t.join(2.0)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _size(n: int) -> str:

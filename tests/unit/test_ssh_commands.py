@@ -143,3 +143,41 @@ def test_dry_run_shows_hosts_commands_and_sync(monkeypatch) -> None:
             "'ssh -F /dev/null -p 2222 -l bob -o BatchMode=yes -o StrictHostKeyChecking=yes -o ConnectTimeout=10' "
             "/home/me/job/ B:/tmp/job/") in lines
     assert "0" * 64 not in text
+
+
+class _Watchdog:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def watch(self, pgid: int) -> None:
+        self.calls.append(("watch", pgid))
+
+    def forget(self, pgid: int) -> None:
+        self.calls.append(("forget", pgid))
+
+
+def test_rsync_runs_in_its_own_group_known_to_the_watchdog(tmp_path, monkeypatch) -> None:
+    """If the launcher is killed during a sync, the watchdog stops rsync (and its ssh) too."""
+    import os
+    import types
+
+    from launcher.output import Console
+    from launcher.sshconn import Target
+
+    fake = tmp_path / "bin" / "rsync"
+    fake.parent.mkdir()
+    report = tmp_path / "ids"
+    fake.write_text(f'#!/bin/sh\necho "$$ $(ps -o pgid= -p $$)" > {report}\n'
+                    'echo "Number of regular files transferred: 2"\necho "Total bytes sent: 10"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    spec = _spec(sync_dst_dir="/tmp/job")
+    import io
+    backend = SSHBackend(spec, Console(stdout=io.BytesIO(), stderr=io.BytesIO()), _Watchdog())
+    host = types.SimpleNamespace(label="A", session=types.SimpleNamespace(
+        target=Target(host=Host("A"), hostname="A", port=22, user="me")))
+    stats = backend._rsync(host, str(tmp_path), "/tmp/job")
+    assert (stats.files, stats.bytes) == (2, 10)
+    pid, pgid = (int(x) for x in report.read_text().split())
+    assert pid == pgid  # a group of its own, which the watchdog can kill whole
+    assert backend.watchdog.calls == [("watch", pid), ("forget", pid)]
