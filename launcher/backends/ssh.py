@@ -628,14 +628,22 @@ class SSHBackend(Backend):
         """Run ``fn(host)`` for every host in parallel; raise the first error in hostfile order."""
         hosts = list(self.hosts.values())
         errors: dict[int, BaseException] = {}
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(hosts))),
-                                                   thread_name_prefix=f"pslaunch-{what}") as pool:
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(hosts))),
+                                                     thread_name_prefix=f"pslaunch-{what}")
+        try:
             futures = {pool.submit(fn, h): i for i, h in enumerate(hosts)}  # type: ignore[arg-type]
             for fut in concurrent.futures.as_completed(futures):
                 try:
                     fut.result()
                 except Exception as e:  # noqa: BLE001 - re-raised below
                     errors[futures[fut]] = e
+        except BaseException:
+            # Ctrl-C or SIGTERM: do not wait for the syncs (close() ends the SFTP ones by closing
+            # the connections); stop the rsyncs now, they run in groups of their own.
+            self._kill_rsyncs()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
         if errors:
             first = errors[min(errors)]
             more = len(errors) - 1
@@ -793,15 +801,19 @@ class SSHBackend(Backend):
 
     # -- close --------------------------------------------------------------------------
 
+    def _kill_rsyncs(self) -> None:
+        with self._lock:
+            rsyncs = list(self._rsyncs)
+        for p in rsyncs:
+            if p.poll() is None:  # the leader still runs: the group is still ours
+                _kill_group(p.pid)
+
     def close(self) -> None:
         with self._lock:
             if self._closing:
                 return
             self._closing = True
-            rsyncs = list(self._rsyncs)
-        for p in rsyncs:
-            if p.poll() is None:  # the leader still runs: the group is still ours
-                _kill_group(p.pid)
+        self._kill_rsyncs()
         hosts = list(self.hosts.values())
         live = [h for h in hosts if not h.lost]
         for h in live:

@@ -181,3 +181,40 @@ def test_rsync_runs_in_its_own_group_known_to_the_watchdog(tmp_path, monkeypatch
     pid, pgid = (int(x) for x in report.read_text().split())
     assert pid == pgid  # a group of its own, which the watchdog can kill whole
     assert backend.watchdog.calls == [("watch", pid), ("forget", pid)]
+
+
+def test_an_interrupt_during_the_sync_stops_rsync_at_once() -> None:
+    """Ctrl-C while hosts sync: the launcher does not wait for the rsyncs to finish (they are in
+    groups of their own, so the terminal's SIGINT does not reach them): it kills them."""
+    import io
+    import signal
+    import subprocess
+    import time
+    import types
+
+    from launcher.output import Console
+
+    backend = SSHBackend(_spec(sync_dst_dir="/tmp/job"), Console(stdout=io.BytesIO(), stderr=io.BytesIO()), None)
+    slow = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    backend._rsyncs.add(slow)
+    backend.hosts = {("me", "A", 22): types.SimpleNamespace(label="A")}
+
+    class Interrupted(BaseException):
+        pass
+
+    def interrupt(signum, frame):
+        raise Interrupted()
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(Interrupted):
+            backend._per_host(lambda host: slow.wait(), "sync")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        if slow.poll() is None:
+            slow.kill()
+    assert slow.wait(timeout=5) == -signal.SIGKILL
+    assert time.monotonic() - t0 < 5
