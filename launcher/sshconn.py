@@ -153,6 +153,14 @@ def resolve_target(host: Host, opts: SSHOptions, config: Optional[paramiko.SSHCo
     existence of default files)."""
     home = home or home_dir()
     cfg: dict = dict(config.lookup(host.name)) if config is not None else {}
+    for option in ("proxyjump", "proxycommand"):
+        value = cfg.get(option)
+        if value and str(value).strip().lower() != "none":
+            # Connecting straight to the host instead would bypass the jump host the config names.
+            name = "ProxyJump" if option == "proxyjump" else "ProxyCommand"
+            raise SSHConnectError(
+                f"{host.name}: ~/.ssh/config sets {name} {value} for it, which the ssh backend does not "
+                "support; list hosts it can reach directly, or use --launcher mpi with your own ssh")
     hostname = cfg.get("hostname") or host.name
     user = host.user or opts.user or cfg.get("user") or local_user or getpass.getuser()
     port = host.port or opts.port or int(cfg.get("port") or DEFAULT_PORT)

@@ -131,3 +131,17 @@ def test_host_key_alias_is_looked_up_as_openssh_writes_it(keys, tmp_path) -> Non
     t2 = Target(Host("gpu-3"), "10.9.0.3", 2200, "u", known_hosts=(str(kh),), host_key_alias="gpu3-key")
     check_host_key(t2, key, [], accept_new=True)
     assert kh.read_text() == f"gpu3-key {key.get_name()} {key.get_base64()}\n"
+
+
+@pytest.mark.parametrize("line", ["ProxyJump bastion", "ProxyCommand ssh -W %h:%p bastion"])
+def test_a_proxy_in_the_config_is_refused_not_bypassed(line, tmp_path) -> None:
+    """Connecting straight to the host would bypass the jump host the user configured."""
+    from launcher.sshconn import SSHConnectError
+
+    config = paramiko.SSHConfig.from_text(f"Host gpu-*\n    {line}\nHost *\n    ProxyCommand none\n")
+    with pytest.raises(SSHConnectError) as e:
+        resolve_target(Host("gpu-1"), SSHOptions(), config, local_user="me", home=str(tmp_path))
+    assert str(e.value).startswith("gpu-1: ~/.ssh/config sets Proxy") and "not support" in str(e.value)
+    assert "\n" not in str(e.value)
+    t = resolve_target(Host("cpu-1"), SSHOptions(), config, local_user="me", home=str(tmp_path))  # "none" is fine
+    assert t.hostname == "cpu-1"
