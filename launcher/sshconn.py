@@ -244,21 +244,35 @@ def _family(keytype: str) -> str:
     return "ssh-rsa" if keytype.startswith("rsa-sha2") else keytype.replace("-cert-v01@openssh.com", "")
 
 
+def _listed_keys(keys: paramiko.HostKeys, name: str) -> list[paramiko.PKey]:
+    """Every key the file lists for ``name``, in file order (paramiko's mapping shows one per type)."""
+    entry = keys.lookup(name)
+    if entry is None:
+        return []
+    entries = getattr(entry, "_entries", None)
+    if entries is None:  # pragma: no cover - another paramiko: its first key per type
+        return list(entry.values())
+    return [e.key for e in entries if e.key is not None]
+
+
 def check_host_key(target: Target, key: paramiko.PKey, known: list[tuple[str, paramiko.HostKeys]],
                    accept_new: bool) -> None:
     """Accept ``key`` for ``target`` or raise :class:`HostKeyError` (one line, with the fix)."""
     name = target.key_name
     other_types = False
+    changed: list[tuple[str, paramiko.PKey]] = []
+    # As OpenSSH: the key is good if *any* line of any known_hosts file lists it (a stale line in
+    # ~/.ssh/known_hosts does not hide the right one below it or in /etc/ssh/ssh_known_hosts).
     for path, keys in known:
-        entry = keys.lookup(name)
-        if entry is None:
-            continue
-        old = entry.get(key.get_name())
-        if old is None:
-            other_types = True
-            continue
-        if old.asbytes() == key.asbytes():
-            return
+        for old in _listed_keys(keys, name):
+            if old.get_name() != key.get_name():
+                other_types = True
+            elif old.asbytes() == key.asbytes():
+                return
+            else:
+                changed.append((path, old))
+    if changed:
+        path, old = changed[0]
         raise HostKeyError(
             f"{target.label}: the host key of {name} has CHANGED: the server sent {key_type_label(key)} "
             f"{fingerprint(key)}, {path} lists {fingerprint(old)}; refusing to connect (this can be a "

@@ -145,3 +145,19 @@ def test_a_proxy_in_the_config_is_refused_not_bypassed(line, tmp_path) -> None:
     assert "\n" not in str(e.value)
     t = resolve_target(Host("cpu-1"), SSHOptions(), config, local_user="me", home=str(tmp_path))  # "none" is fine
     assert t.hostname == "cpu-1"
+
+
+def test_any_listed_key_is_accepted_as_openssh_does(keys, tmp_path) -> None:
+    """A stale line before the right one, or in another file, is not a changed key."""
+    key, other = keys
+    t = Target(Host("n"), "10.0.0.1", 22, "u", known_hosts=(str(tmp_path / "known_hosts"),))
+    stale = f"10.0.0.1 {other.get_name()} {other.get_base64()}\n"
+    right = f"10.0.0.1 {key.get_name()} {key.get_base64()}\n"
+    check_host_key(t, key, _known(tmp_path, stale + right), accept_new=False)
+    user = _known(tmp_path, stale)
+    (tmp_path / "global").write_text(right)
+    hk = paramiko.HostKeys()
+    hk.load(str(tmp_path / "global"))
+    check_host_key(t, key, user + [(str(tmp_path / "global"), hk)], accept_new=False)
+    with pytest.raises(HostKeyError, match="has CHANGED"):  # listed only with another key
+        check_host_key(t, key, _known(tmp_path, stale), accept_new=False)
