@@ -224,16 +224,54 @@ def keyscan_command(target: Target, key: paramiko.PKey) -> str:
     return f"{scan} >> {dest}"
 
 
-def _load_known(paths: Sequence[str]) -> list[tuple[str, paramiko.HostKeys]]:
-    import paramiko
+def read_known_hosts(path: str) -> paramiko.HostKeys:
+    """One known_hosts file, read as OpenSSH reads it.
 
+    paramiko's own ``HostKeys.load`` raises on the first line it cannot parse,
+    among them OpenSSH's ``@cert-authority`` and ``@revoked`` lines: here a line
+    that cannot be parsed is skipped (as OpenSSH does), ``@cert-authority`` is
+    ignored (host certificates are not supported), and ``@revoked`` keys are
+    kept in the result's ``revoked`` list and refused by :func:`check_host_key`.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    import paramiko
+    from paramiko.hostkeys import HostKeyEntry
+
+    keys = paramiko.HostKeys()
+    revoked: list[paramiko.PKey] = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            marker = ""
+            if line.startswith("@"):
+                marker, _, line = line.partition(" ")
+                line = line.strip()
+            try:
+                entry = HostKeyEntry.from_line(line, lineno)
+            except Exception as e:  # noqa: BLE001 - paramiko's InvalidHostKey is no SSHException
+                log.debug("%s:%d: skipping a line paramiko cannot read: %s", path, lineno, type(e).__name__)
+                continue
+            if entry is None or entry.key is None:
+                continue
+            if marker == "@revoked":
+                revoked.append(entry.key)
+            elif not marker:
+                keys._entries.append(entry)  # (HostKeys.add would merge lines: all are kept, as OpenSSH does)
+    keys.revoked = revoked  # type: ignore[attr-defined]
+    return keys
+
+
+def _load_known(paths: Sequence[str]) -> list[tuple[str, paramiko.HostKeys]]:
     out = []
     for path in list(paths) + [GLOBAL_KNOWN_HOSTS]:
         if os.path.isfile(path):
-            keys = paramiko.HostKeys()
             try:
-                keys.load(path)
-            except (OSError, UnicodeDecodeError) as e:
+                keys = read_known_hosts(path)
+            except OSError as e:
                 log.warning("cannot read known_hosts file %s: %s", path, e)
                 continue
             out.append((path, keys))
@@ -259,6 +297,10 @@ def check_host_key(target: Target, key: paramiko.PKey, known: list[tuple[str, pa
                    accept_new: bool) -> None:
     """Accept ``key`` for ``target`` or raise :class:`HostKeyError` (one line, with the fix)."""
     name = target.key_name
+    for path, keys in known:
+        if any(bad.asbytes() == key.asbytes() for bad in getattr(keys, "revoked", ())):
+            raise HostKeyError(f"{target.label}: the host key of {name} ({key_type_label(key)} {fingerprint(key)}) "
+                               f"is marked @revoked in {path}; refusing to connect")
     other_types = False
     changed: list[tuple[str, paramiko.PKey]] = []
     # As OpenSSH: the key is good if *any* line of any known_hosts file lists it (a stale line in

@@ -9,6 +9,7 @@ from launcher.spec import Host, SSHOptions
 from launcher.sshconn import (
     HostKeyError,
     Target,
+    _load_known,
     check_host_key,
     fingerprint,
     keyscan_command,
@@ -161,3 +162,22 @@ def test_any_listed_key_is_accepted_as_openssh_does(keys, tmp_path) -> None:
     check_host_key(t, key, user + [(str(tmp_path / "global"), hk)], accept_new=False)
     with pytest.raises(HostKeyError, match="has CHANGED"):  # listed only with another key
         check_host_key(t, key, _known(tmp_path, stale), accept_new=False)
+
+
+def test_known_hosts_with_markers_and_bad_lines_is_read_as_openssh_does(keys, tmp_path) -> None:
+    """paramiko's HostKeys.load raises on @cert-authority, @revoked and undecodable lines;
+    OpenSSH skips what it cannot use. One such line must not stop every connection."""
+    key, other = keys
+    kh = tmp_path / "known_hosts"
+    kh.write_text(
+        "# comment\n"
+        f"@cert-authority *.example.org {other.get_name()} {other.get_base64()}\n"
+        "10.0.0.9 ssh-rsa AAAAbroken\n"
+        f"10.0.0.1 {key.get_name()} {key.get_base64()}\n"
+        f"@revoked 10.0.0.2 {other.get_name()} {other.get_base64()}\n"
+        f"10.0.0.2 {other.get_name()} {other.get_base64()}\n")
+    known = [(p, k) for p, k in _load_known([str(kh)]) if p == str(kh)]
+    assert len(known) == 1
+    check_host_key(Target(Host("a"), "10.0.0.1", 22, "u", known_hosts=(str(kh),)), key, known, accept_new=False)
+    with pytest.raises(HostKeyError, match="@revoked"):  # listed, but revoked: refused, even with accept_new
+        check_host_key(Target(Host("b"), "10.0.0.2", 22, "u", known_hosts=(str(kh),)), other, known, accept_new=True)
