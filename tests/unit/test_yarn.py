@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -115,6 +116,17 @@ def test_service_script_quotes_the_command() -> None:
     script = yarn.build_service_script("worker", ["python", "-c", "print('a b')", "$HOME", "x;y"])
     assert script == ("exec python3 pslaunch-task.zip --task-file pslaunch-task.json --role worker --index skein "
                       "-- python -c 'print('\"'\"'a b'\"'\"')' '$HOME' 'x;y'")
+
+
+def test_hostile_variable_names_never_reach_the_launch_script(tmp_path) -> None:
+    """YARN writes each service env entry as `export NAME="VALUE"` into a bash script."""
+    spec = make_spec(tmp_path, environ=ENVIRON + (("PS_A$(touch pwned)", "1"), ("DMLC_B;id", "1")),
+                     env=(), files=(), archives=())
+    yp = yarn.build_yarn_plan(spec, make_procs(spec), wrapper_zip="/w.zip", task_file="/t.json",
+                              isfile=lambda p: False)
+    names = [k for svc in yp.app_spec["services"].values() for k in svc["env"]]
+    names += [k for r in yp.task_file["roles"].values() for k in r["env"]]
+    assert "PS_VERBOSE" in names and all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k) for k in names), names
 
 
 def test_split_env() -> None:
