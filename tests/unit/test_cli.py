@@ -145,6 +145,9 @@ def test_yaml_command_as_string(tmp_path) -> None:
     ("num-workers: [1, 2]\n", "num-workers takes a single value"),
     ("num-workers: 2\n  bad: indent\n", "job.yaml:2"),
     ("num-workers: 1\nport-range: 5-1\ncommand: [x]\n", "--port-range: bad port range"),
+    # a YAML string may hold a NUL byte, which no environment can (Popen raised a traceback)
+    ('num-workers: 1\nenv:\n  API_TOKEN: "x\\0y"\n', "--env API_TOKEN: contains a NUL byte"),
+    ('num-workers: 1\nenv-worker: ["A=x\\0y"]\n', "--env-worker A: contains a NUL byte"),
 ])
 def test_yaml_errors(tmp_path, text, message, capsys) -> None:
     cfg = tmp_path / "job.yaml"
@@ -152,6 +155,13 @@ def test_yaml_errors(tmp_path, text, message, capsys) -> None:
     code, err = run_err(["--config", str(cfg), "true"], capsys)
     assert code == 2, err
     assert message in err and "\n" not in err
+
+
+def test_yaml_command_with_a_nul_byte_is_one_line(tmp_path, capsys) -> None:
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text('num-workers: 1\ncommand: ["echo", "a\\0b"]\n')
+    code, err = run_err(["--config", str(cfg)], capsys)
+    assert code == 2 and "\n" not in err and "the command contains a NUL byte" in err
 
 
 def test_missing_config_file(capsys) -> None:
