@@ -150,6 +150,8 @@ class Wrapper(object):
             if e.errno == errno.EACCES:
                 return self.fail(child, "cannot run %r: permission denied (is it executable?)" % argv[0], 126)
             return self.fail(child, "cannot run %r: %s" % (argv[0], e.strerror or e), 1)
+        except Exception as e:  # noqa: BLE001 - ValueError (a NUL byte), ...: the others must stay supervised
+            return self.fail(child, "cannot run %r: %s" % (argv[0], e), 1)
         child.pid = child.proc.pid
         self.send_json(b"p", child.id, {"pid": child.pid, "pgid": child.pid})
         child.streams = {child.proc.stdout.fileno(): b"o", child.proc.stderr.fileno(): b"e"}

@@ -164,6 +164,22 @@ def test_missing_program_is_reported_with_127() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_a_process_that_cannot_start_leaves_the_others_supervised() -> None:
+    """A start that fails with something other than OSError (Popen's ValueError for a NUL byte)
+    is reported; the wrapper does not die and leave the processes it started unsupervised."""
+    w = Wrapped(py("import time; time.sleep(30)"), ["echo", "a\0b"])
+    try:
+        info = json.loads(w.read_until(b"f", 1))
+        assert info["code"] == 1 and "cannot run" in info["error"]
+        pid = json.loads(w.read_until(b"p", 0))["pid"]
+        assert pid_alive(pid)
+        w.p.stdin.close()  # type: ignore[union-attr]  # the launcher goes: the wrapper stops the group
+        wait_for(lambda: not pid_alive(pid), 10, what="the started process to be stopped")
+    finally:
+        w.close()
+
+
+@pytest.mark.timeout(30)
 def test_bad_directory_is_reported(tmp_path) -> None:
     w = Wrapped(["true"], cwd=str(tmp_path / "missing"))
     try:
