@@ -200,6 +200,15 @@ class Wrapper(object):
         interval = float(header.get("keepalive") or 5.0)
         lost_after = float(header.get("lost_after") or 4 * interval)
         grace = float(header.get("grace") or 0.0)
+        try:
+            self.supervise(header, lost_after)
+        finally:  # whatever went wrong here, what was started goes with the wrapper
+            self.stop(grace)
+            self.flush(time.monotonic() + 2.0)
+        return 0
+
+    def supervise(self, header, lost_after):
+        """Start the processes, then relay until EOF, a signal or lost keep-alives."""
         for spec in header["procs"]:
             self.start(spec)
         last_input = time.monotonic()
@@ -247,9 +256,6 @@ class Wrapper(object):
                     os.close(fd)
             if eof:
                 break
-        self.stop(grace)
-        self.flush(time.monotonic() + 2.0)
-        return 0
 
     def stop(self, grace):
         """Stop every group: SIGTERM where the process still runs, ``grace`` seconds, then SIGKILL."""
