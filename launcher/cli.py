@@ -73,7 +73,13 @@ def parse_env_item(item: str, option: str, environ: Mapping[str, str], allow_cop
                               f"export it or write {option} {item}=VALUE")
         return item, environ[item]
     form = "NAME or NAME=VALUE" if allow_copy else "NAME=VALUE (or NAME:VALUE)"
-    raise ConfigError(f"{option} {item!r}: expected {form} with NAME like OMP_NUM_THREADS")
+    shown = item
+    for sep in ("=", ":"):
+        name, found, _ = item.partition(sep)
+        if found and envvars.is_secret(name):  # a malformed name does not make the value printable
+            shown = f"{name}{sep}{envvars.REDACTED}"
+            break
+    raise ConfigError(f"{option} {shown!r}: expected {form} with NAME like OMP_NUM_THREADS")
 
 
 def parse_port_range_option(text: str) -> tuple[int, int]:

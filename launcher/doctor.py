@@ -54,7 +54,7 @@ _env = dict(_os.environ)
 _env.update(_A["env"])
 _imports = {}
 try:
-    _os.chdir(_A["cwd"])
+    _os.chdir(_os.path.expanduser(_A["cwd"]))  # a relative one is below the login's home
 except OSError as _e:
     _imports["cwd"] = "cannot change to %s: %s" % (_A["cwd"], _e.strerror)
 else:

@@ -150,11 +150,14 @@ def forwarded(environ: Mapping[str, str], extra_names: Iterable[str] = ()) -> di
     ``MXNET_*``, ``AWS_*``, ``PYTHONPATH``, ``LD_LIBRARY_PATH`` and
     ``CUDA_VISIBLE_DEVICES``, plus ``extra_names``. Contract variables are
     left out: the launcher sets those itself.
+    A name that is not a portable variable name (``PS_A$(id)``, set with
+    ``env``) is never forwarded: YARN writes ``export NAME=...`` lines into a
+    shell script and MPICH joins names with commas.
     """
     extra = set(extra_names)
     return {
         k: v for k, v in environ.items()
-        if (is_forwarded(k) or k in extra) and k not in CONTRACT and k != SUBMIT_CLUSTER
+        if (is_forwarded(k) or k in extra) and k not in CONTRACT and k != SUBMIT_CLUSTER and is_valid_name(k)
     }
 
 

@@ -469,6 +469,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         code = e.code
         if rank is not None:
             _emit_exit(rank, code)
+    except BaseException:
+        # anything else: the command's group goes too (the watchdog is told "done" below)
+        if runner is not None and runner.child is not None:
+            _killpg(runner.child.pid, signal.SIGKILL)
+        raise
     finally:
         if watchdog is not None:
             watchdog.close()

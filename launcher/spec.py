@@ -159,6 +159,15 @@ class JobSpec:
         for name, value in (("--worker-cores", self.worker_cores), ("--server-cores", self.server_cores)):
             if value < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}")
+        # (a YAML string can hold "\0"; no argv or environment can: Popen would raise)
+        if any("\0" in arg for arg in self.command):
+            raise ConfigError("the command contains a NUL byte (\\0), which no program can receive as an argument")
+        for option, pairs in (("--env", self.env), ("--env-server", self.env_server),
+                              ("--env-worker", self.env_worker)):
+            for name, value in pairs:
+                if "\0" in name or "\0" in value:
+                    raise ConfigError(f"{option} {name.replace(chr(0), '?')}: contains a NUL byte (\\0), which "
+                                      "no environment variable can hold")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"--log-level {self.log_level}: choose DEBUG, INFO, WARNING or ERROR")
 

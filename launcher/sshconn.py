@@ -35,6 +35,7 @@ import getpass
 import hashlib
 import logging
 import os
+import shlex
 import socket
 import threading
 import time
@@ -108,9 +109,14 @@ class Target:
 
     @property
     def key_name(self) -> str:
-        """The name known_hosts files list this host under (OpenSSH's rule)."""
-        name = self.host_key_alias or self.hostname
-        return name if self.port == DEFAULT_PORT else f"[{name}]:{self.port}"
+        """The name known_hosts files list this host under (OpenSSH's rule).
+
+        ``HostKeyAlias`` is used exactly as written, without the port: OpenSSH
+        brackets only the host name (``[host]:2222``), never the alias.
+        """
+        if self.host_key_alias:
+            return self.host_key_alias
+        return self.hostname if self.port == DEFAULT_PORT else f"[{self.hostname}]:{self.port}"
 
     @property
     def address(self) -> str:
@@ -147,6 +153,14 @@ def resolve_target(host: Host, opts: SSHOptions, config: Optional[paramiko.SSHCo
     existence of default files)."""
     home = home or home_dir()
     cfg: dict = dict(config.lookup(host.name)) if config is not None else {}
+    for option in ("proxyjump", "proxycommand"):
+        value = cfg.get(option)
+        if value and str(value).strip().lower() != "none":
+            # Connecting straight to the host instead would bypass the jump host the config names.
+            name = "ProxyJump" if option == "proxyjump" else "ProxyCommand"
+            raise SSHConnectError(
+                f"{host.name}: ~/.ssh/config sets {name} {value} for it, which the ssh backend does not "
+                "support; list hosts it can reach directly, or use --launcher mpi with your own ssh")
     hostname = cfg.get("hostname") or host.name
     user = host.user or opts.user or cfg.get("user") or local_user or getpass.getuser()
     port = host.port or opts.port or int(cfg.get("port") or DEFAULT_PORT)
@@ -203,20 +217,61 @@ def keyscan_type(key: paramiko.PKey) -> str:
 def keyscan_command(target: Target, key: paramiko.PKey) -> str:
     """The command that records ``target``'s key in its first known_hosts file."""
     port = f"-p {target.port} " if target.port != DEFAULT_PORT else ""
-    dest = target.known_hosts[0] if target.known_hosts else "~/.ssh/known_hosts"
-    return f"ssh-keyscan {port}-t {keyscan_type(key)} {target.host_key_alias or target.hostname} >> {dest}"
+    dest = shlex.quote(target.known_hosts[0]) if target.known_hosts else "~/.ssh/known_hosts"
+    scan = f"ssh-keyscan {port}-t {keyscan_type(key)} {shlex.quote(target.hostname)}"
+    if target.host_key_alias:  # scan the real address, record the key under the alias
+        return f"{scan} | sed 's/^[^ ]*/{target.host_key_alias}/' >> {dest}"
+    return f"{scan} >> {dest}"
+
+
+def read_known_hosts(path: str) -> paramiko.HostKeys:
+    """One known_hosts file, read as OpenSSH reads it.
+
+    paramiko's own ``HostKeys.load`` raises on the first line it cannot parse,
+    among them OpenSSH's ``@cert-authority`` and ``@revoked`` lines: here a line
+    that cannot be parsed is skipped (as OpenSSH does), ``@cert-authority`` is
+    ignored (host certificates are not supported), and ``@revoked`` keys are
+    kept in the result's ``revoked`` list and refused by :func:`check_host_key`.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    import paramiko
+    from paramiko.hostkeys import HostKeyEntry
+
+    keys = paramiko.HostKeys()
+    revoked: list[paramiko.PKey] = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            marker = ""
+            if line.startswith("@"):
+                marker, _, line = line.partition(" ")
+                line = line.strip()
+            try:
+                entry = HostKeyEntry.from_line(line, lineno)
+            except Exception as e:  # noqa: BLE001 - paramiko's InvalidHostKey is no SSHException
+                log.debug("%s:%d: skipping a line paramiko cannot read: %s", path, lineno, type(e).__name__)
+                continue
+            if entry is None or entry.key is None:
+                continue
+            if marker == "@revoked":
+                revoked.append(entry.key)
+            elif not marker:
+                keys._entries.append(entry)  # (HostKeys.add would merge lines: all are kept, as OpenSSH does)
+    keys.revoked = revoked  # type: ignore[attr-defined]
+    return keys
 
 
 def _load_known(paths: Sequence[str]) -> list[tuple[str, paramiko.HostKeys]]:
-    import paramiko
-
     out = []
     for path in list(paths) + [GLOBAL_KNOWN_HOSTS]:
         if os.path.isfile(path):
-            keys = paramiko.HostKeys()
             try:
-                keys.load(path)
-            except (OSError, UnicodeDecodeError) as e:
+                keys = read_known_hosts(path)
+            except OSError as e:
                 log.warning("cannot read known_hosts file %s: %s", path, e)
                 continue
             out.append((path, keys))
@@ -227,21 +282,39 @@ def _family(keytype: str) -> str:
     return "ssh-rsa" if keytype.startswith("rsa-sha2") else keytype.replace("-cert-v01@openssh.com", "")
 
 
+def _listed_keys(keys: paramiko.HostKeys, name: str) -> list[paramiko.PKey]:
+    """Every key the file lists for ``name``, in file order (paramiko's mapping shows one per type)."""
+    entry = keys.lookup(name)
+    if entry is None:
+        return []
+    entries = getattr(entry, "_entries", None)
+    if entries is None:  # pragma: no cover - another paramiko: its first key per type
+        return list(entry.values())
+    return [e.key for e in entries if e.key is not None]
+
+
 def check_host_key(target: Target, key: paramiko.PKey, known: list[tuple[str, paramiko.HostKeys]],
                    accept_new: bool) -> None:
     """Accept ``key`` for ``target`` or raise :class:`HostKeyError` (one line, with the fix)."""
     name = target.key_name
-    other_types = False
     for path, keys in known:
-        entry = keys.lookup(name)
-        if entry is None:
-            continue
-        old = entry.get(key.get_name())
-        if old is None:
-            other_types = True
-            continue
-        if old.asbytes() == key.asbytes():
-            return
+        if any(bad.asbytes() == key.asbytes() for bad in getattr(keys, "revoked", ())):
+            raise HostKeyError(f"{target.label}: the host key of {name} ({key_type_label(key)} {fingerprint(key)}) "
+                               f"is marked @revoked in {path}; refusing to connect")
+    other_types = False
+    changed: list[tuple[str, paramiko.PKey]] = []
+    # As OpenSSH: the key is good if *any* line of any known_hosts file lists it (a stale line in
+    # ~/.ssh/known_hosts does not hide the right one below it or in /etc/ssh/ssh_known_hosts).
+    for path, keys in known:
+        for old in _listed_keys(keys, name):
+            if old.get_name() != key.get_name():
+                other_types = True
+            elif old.asbytes() == key.asbytes():
+                return
+            else:
+                changed.append((path, old))
+    if changed:
+        path, old = changed[0]
         raise HostKeyError(
             f"{target.label}: the host key of {name} has CHANGED: the server sent {key_type_label(key)} "
             f"{fingerprint(key)}, {path} lists {fingerprint(old)}; refusing to connect (this can be a "

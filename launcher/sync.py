@@ -3,7 +3,7 @@
 Two ways, chosen per host:
 
 * **rsync** (when ``rsync`` and ``ssh`` exist here and ``rsync`` on the host):
-  ``rsync -az --stats`` over OpenSSH with the job's own settings (user, port,
+  ``rsync -az -s --stats`` over OpenSSH with the job's own settings (user, port,
   keys, known_hosts, ``StrictHostKeyChecking=yes``, ``BatchMode=yes``);
   :func:`rsync_argv` builds the command line (pure).
 * **SFTP delta** over the job's existing connection otherwise: a file is sent
@@ -95,9 +95,12 @@ def rsync_argv(src: str, dst: str, target: Target, *, excludes: Sequence[str], d
 
     Example:
         >>> rsync_argv("/src", "/dst", target, excludes=[".git"], delete=False, ...)
-        ['rsync', '-az', '--stats', '--exclude=.git', '-e', 'ssh -F ... -p 22 ...', '/src/', 'h:/dst/']
+        ['rsync', '-az', '-s', '--stats', '--exclude=.git', '-e', 'ssh -F ... -p 22 ...', '/src/', 'h:/dst/']
     """
-    argv = ["rsync", "-az", "--stats", "--timeout=60"]
+    # -s (--protect-args, 3.0+): the remote path goes over rsync's protocol, not through the remote
+    # shell; without it, an rsync older than 3.2.4 (or RSYNC_OLD_ARGS=1) lets that shell expand
+    # $(...), ; and spaces in --sync-dst-dir.
+    argv = ["rsync", "-az", "-s", "--stats", "--timeout=60"]
     if delete:
         argv.append("--delete")
     argv += [f"--exclude={p}" for p in excludes]

@@ -117,6 +117,10 @@ def probe_mpirun(mpirun: str) -> MPIInfo:
     """
     path = shutil.which(mpirun)
     if path is None:
+        if "/" in mpirun and os.path.exists(mpirun):
+            what = "a directory" if os.path.isdir(mpirun) else "not executable"
+            raise BackendUnavailableError(f"--launcher mpi: --mpirun {mpirun} is {what}; give the path of an "
+                                          "Open MPI or MPICH mpirun")
         where = "no such file" if "/" in mpirun else "not found on PATH"
         raise BackendUnavailableError(
             f"--launcher mpi: {mpirun}: {where}; install Open MPI or MPICH "

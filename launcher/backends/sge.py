@@ -344,6 +344,10 @@ def load_drmaa(environ: Mapping[str, str] = os.environ) -> Any:
                 f"{envvars.GLIBC_TUNABLES}={_with_tunable(environ.get(envvars.GLIBC_TUNABLES, ''))}") from None
         raise BackendUnavailableError(
             f"cannot load {envvars.DRMAA_LIBRARY_PATH}={environ.get(envvars.DRMAA_LIBRARY_PATH)}: {text}") from None
+    except AttributeError as e:  # a loadable library that is not libdrmaa: "undefined symbol: drmaa_init"
+        raise BackendUnavailableError(
+            f"{envvars.DRMAA_LIBRARY_PATH}={environ.get(envvars.DRMAA_LIBRARY_PATH)} is not a DRMAA library "
+            f"({_one_line(e)}); set it to the path of libdrmaa.so") from None
     except RuntimeError as e:  # drmaa's own "Could not find drmaa library"
         raise BackendUnavailableError(f"drmaa: {' '.join(str(e).split())}") from None
 

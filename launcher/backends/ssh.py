@@ -44,6 +44,7 @@ import os
 import queue
 import shlex
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -146,12 +147,24 @@ def netif_command(iface: str, python: str = REMOTE_PYTHON) -> str:
     return f"{shlex.quote(python)} -S - {shlex.quote(iface)}"
 
 
+def remote_path(path: str) -> str:
+    """``path`` for a remote shell: quoted, but a leading ``~``/``~/`` is the remote ``$HOME``."""
+    if path == "~":
+        return '"$HOME"'
+    if path.startswith("~/"):
+        rest = path[2:].lstrip("/")
+        return '"$HOME"/' + shlex.quote(rest) if rest else '"$HOME"'
+    return shlex.quote(path)
+
+
 def prepare_dir_command(path: str) -> str:
     """Create the sync target; print its absolute path and rsync's path (empty without rsync).
 
     The lines are marked: a login shell's rc files may print to stdout too.
+    A leading ``~`` or ``~/`` (a YAML value, a quoted option) means the remote
+    home, as it does in dmlc's ``rsync ... host:DIR``; anything else is quoted.
     """
-    q = shlex.quote(path)
+    q = remote_path(path)
     return (f"mkdir -p -- {q} && cd -- {q} && echo \"pslaunch-dir=$(pwd)\" && "
             "echo \"pslaunch-rsync=$(command -v rsync)\"")
 
@@ -615,14 +628,22 @@ class SSHBackend(Backend):
         """Run ``fn(host)`` for every host in parallel; raise the first error in hostfile order."""
         hosts = list(self.hosts.values())
         errors: dict[int, BaseException] = {}
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(hosts))),
-                                                   thread_name_prefix=f"pslaunch-{what}") as pool:
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(hosts))),
+                                                     thread_name_prefix=f"pslaunch-{what}")
+        try:
             futures = {pool.submit(fn, h): i for i, h in enumerate(hosts)}  # type: ignore[arg-type]
             for fut in concurrent.futures.as_completed(futures):
                 try:
                     fut.result()
                 except Exception as e:  # noqa: BLE001 - re-raised below
                     errors[futures[fut]] = e
+        except BaseException:
+            # Ctrl-C or SIGTERM: do not wait for the syncs (close() ends the SFTP ones by closing
+            # the connections); stop the rsyncs now, they run in groups of their own.
+            self._kill_rsyncs()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
         if errors:
             first = errors[min(errors)]
             more = len(errors) - 1
@@ -699,14 +720,19 @@ class SSHBackend(Backend):
         with self._lock:
             if self._closing:
                 raise LaunchError(f"sync to {host.label}: the launcher is stopping")
+            # its own group, known to the watchdog: rsync and its ssh go too if the launcher is killed
             p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, errors="replace")
+                                 text=True, errors="replace", start_new_session=True)
             self._rsyncs.add(p)
+            if self.watchdog is not None:
+                self.watchdog.watch(p.pid)
         try:
             out, err = p.communicate()
         finally:
             with self._lock:
                 self._rsyncs.discard(p)
+            if self.watchdog is not None:
+                self.watchdog.forget(p.pid)
         if p.returncode != 0:
             lines = [x for x in err.splitlines() if x.strip()]
             reason = lines[0] if lines else f"exit code {p.returncode}"
@@ -775,14 +801,19 @@ class SSHBackend(Backend):
 
     # -- close --------------------------------------------------------------------------
 
+    def _kill_rsyncs(self) -> None:
+        with self._lock:
+            rsyncs = list(self._rsyncs)
+        for p in rsyncs:
+            if p.poll() is None:  # the leader still runs: the group is still ours
+                _kill_group(p.pid)
+
     def close(self) -> None:
         with self._lock:
             if self._closing:
                 return
             self._closing = True
-            rsyncs = list(self._rsyncs)
-        for p in rsyncs:
-            p.kill()
+        self._kill_rsyncs()
         hosts = list(self.hosts.values())
         live = [h for h in hosts if not h.lost]
         for h in live:
@@ -793,6 +824,13 @@ class SSHBackend(Backend):
                                  name="pslaunch-close-lost")
             t.start()
             t.join(2.0)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _size(n: int) -> str:

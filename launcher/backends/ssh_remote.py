@@ -150,6 +150,8 @@ class Wrapper(object):
             if e.errno == errno.EACCES:
                 return self.fail(child, "cannot run %r: permission denied (is it executable?)" % argv[0], 126)
             return self.fail(child, "cannot run %r: %s" % (argv[0], e.strerror or e), 1)
+        except Exception as e:  # noqa: BLE001 - ValueError (a NUL byte), ...: the others must stay supervised
+            return self.fail(child, "cannot run %r: %s" % (argv[0], e), 1)
         child.pid = child.proc.pid
         self.send_json(b"p", child.id, {"pid": child.pid, "pgid": child.pid})
         child.streams = {child.proc.stdout.fileno(): b"o", child.proc.stderr.fileno(): b"e"}
@@ -198,6 +200,15 @@ class Wrapper(object):
         interval = float(header.get("keepalive") or 5.0)
         lost_after = float(header.get("lost_after") or 4 * interval)
         grace = float(header.get("grace") or 0.0)
+        try:
+            self.supervise(header, lost_after)
+        finally:  # whatever went wrong here, what was started goes with the wrapper
+            self.stop(grace)
+            self.flush(time.monotonic() + 2.0)
+        return 0
+
+    def supervise(self, header, lost_after):
+        """Start the processes, then relay until EOF, a signal or lost keep-alives."""
         for spec in header["procs"]:
             self.start(spec)
         last_input = time.monotonic()
@@ -245,9 +256,6 @@ class Wrapper(object):
                     os.close(fd)
             if eof:
                 break
-        self.stop(grace)
-        self.flush(time.monotonic() + 2.0)
-        return 0
 
     def stop(self, grace):
         """Stop every group: SIGTERM where the process still runs, ``grace`` seconds, then SIGKILL."""

@@ -229,9 +229,23 @@ def build_yarn_plan(spec: JobSpec, procs: Sequence[ProcSpec], *, wrapper_zip: st
     return YarnPlan(app_spec=app, task_file={"version": 1, "env": {}, "roles": file_roles})
 
 
-def kill_command(app_id: str) -> list[str]:
+def kill_command(app_id: str, yarn: str = "yarn") -> list[str]:
     """What the watchdog runs if the launcher is killed: the YARN CLI's kill."""
-    return ["yarn", "application", "-kill", app_id]
+    return [yarn, "application", "-kill", app_id]
+
+
+def yarn_program(environ: Mapping[str, str]) -> str:
+    """The absolute path of the ``yarn`` CLI for the watchdog, which has its own ``PATH``.
+
+    The watchdog starts before :meth:`YarnBackend.prepare` puts ``$HADOOP_HOME/bin``
+    on the launcher's ``PATH``; a bare ``yarn`` could then not be found when it matters.
+    """
+    found = shutil.which("yarn", path=environ.get(envvars.PATH))
+    if found:
+        return os.path.abspath(found)
+    hadoop = environ.get(envvars.HADOOP_HOME, "")
+    candidate = os.path.join(hadoop, "bin", "yarn") if hadoop else ""
+    return candidate if candidate and os.access(candidate, os.X_OK) else "yarn"
 
 
 def wrapper_zip_bytes() -> bytes:
@@ -408,8 +422,9 @@ class YarnBackend(Backend):
         """Start skein's driver (Java). Node addresses are resolved by the wrapper on each node."""
         if self._skein is None:
             self._skein = importlib.import_module("skein")
-        hadoop_bin = os.path.join(os.environ.get(envvars.HADOOP_HOME, ""), "bin")
-        if not shutil.which("yarn") and os.path.isdir(hadoop_bin):
+        hadoop = os.environ.get(envvars.HADOOP_HOME, "")
+        hadoop_bin = os.path.join(hadoop, "bin") if hadoop else ""
+        if hadoop_bin and not shutil.which("yarn") and os.path.isdir(hadoop_bin):
             # skein runs `yarn classpath`; HADOOP_HOME/bin is where it lives
             os.environ[envvars.PATH] = hadoop_bin + os.pathsep + os.environ.get(envvars.PATH, "")
         try:
@@ -443,7 +458,7 @@ class YarnBackend(Backend):
             except Exception as e:  # noqa: BLE001
                 raise LaunchError(f"YARN refused the application: {' '.join(str(e).split())}") from None
             if self.watchdog is not None:
-                self.watchdog.on_abandon(kill_command(self.app_id))
+                self.watchdog.on_abandon(kill_command(self.app_id, yarn_program(os.environ)))
             for p in sorted(procs, key=lambda p: (p.role is not Role.SERVER, p.rank)):
                 self._handles.append(YarnContainer(p, self.console.proc(p.name, p.label, str(p.role)), self))
         log.info("submitted YARN application %s (%s, queue %s)", self.app_id, yp.app_spec["name"],

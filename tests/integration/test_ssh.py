@@ -714,8 +714,10 @@ def test_seed_usage_line_trains_mnist_over_ssh(testbed: Testbed, tmp_path: Path)
     h = testbed.hosts
     labels = ["scheduler", f"server 0 @ {h[0].addr_a}", f"server 1 @ {h[1].addr_a}", f"worker 0 @ {h[2].addr_a}",
               f"worker 1 @ {h[0].addr_a}"]
+    # PS_VERBOSE=1 reached every node: each prints its ps-lite style lifecycle lines
     for label in labels:
-        assert any(x.startswith(f"[{label}]") for x in text), label
+        marker = "is connected to others" if label.startswith("worker") else "Bind to role="
+        assert any(x.startswith(f"[{label}]") and marker in x for x in text), (label, marker)
     net = ipaddress.ip_network(testbed.subnet_b)
     assert seen, "no listening socket seen on any host while the trainer ran"
     for host, addrs in seen.items():

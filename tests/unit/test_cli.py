@@ -81,6 +81,10 @@ def run_err(args: list[str], capsys) -> tuple[int, str]:
     (["-n", "1", "--env", "1BAD=x", "true"], "--env '1BAD=x': expected NAME or NAME=VALUE"),
     (["-n", "1", "--env", "NOT_SET_ANYWHERE_123", "true"], "--env NOT_SET_ANYWHERE_123: NOT_SET_ANYWHERE_123 is not set"),
     (["-n", "1", "--env-worker", "JUSTNAME", "true"], "--env-worker 'JUSTNAME': expected NAME=VALUE"),
+    # a malformed name that looks secret: its value is not echoed
+    (["-n", "1", "--env", "MY-TOKEN=hunter2", "true"], "--env 'MY-TOKEN=<redacted>': expected NAME or NAME=VALUE"),
+    (["-n", "1", "--env-worker", "DB PASSWORD:hunter2", "true"],
+     "--env-worker 'DB PASSWORD:<redacted>': expected NAME=VALUE"),
     (["-n", "1", "-H", "/nonexistent/hosts", "true"], "cannot read hostfile /nonexistent/hosts"),
     (["-n", "1", "--launcher", "ssh", "true"], "--launcher ssh needs hosts"),
     (["-n", "1", "--launcher", "nope", "true"], "Invalid value for '--launcher'"),
@@ -97,6 +101,7 @@ def test_user_errors_are_one_line_exit_2(args, message, capsys) -> None:
     assert "\n" not in err and "Traceback" not in err
     assert err.startswith("pslaunch: error: ")
     assert message in err
+    assert "hunter2" not in err  # never a value of a secret-looking name
 
 
 def test_bad_hostfile_line_exit_2(tmp_path, capsys) -> None:
@@ -140,6 +145,9 @@ def test_yaml_command_as_string(tmp_path) -> None:
     ("num-workers: [1, 2]\n", "num-workers takes a single value"),
     ("num-workers: 2\n  bad: indent\n", "job.yaml:2"),
     ("num-workers: 1\nport-range: 5-1\ncommand: [x]\n", "--port-range: bad port range"),
+    # a YAML string may hold a NUL byte, which no environment can (Popen raised a traceback)
+    ('num-workers: 1\nenv:\n  API_TOKEN: "x\\0y"\n', "--env API_TOKEN: contains a NUL byte"),
+    ('num-workers: 1\nenv-worker: ["A=x\\0y"]\n', "--env-worker A: contains a NUL byte"),
 ])
 def test_yaml_errors(tmp_path, text, message, capsys) -> None:
     cfg = tmp_path / "job.yaml"
@@ -147,6 +155,13 @@ def test_yaml_errors(tmp_path, text, message, capsys) -> None:
     code, err = run_err(["--config", str(cfg), "true"], capsys)
     assert code == 2, err
     assert message in err and "\n" not in err
+
+
+def test_yaml_command_with_a_nul_byte_is_one_line(tmp_path, capsys) -> None:
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text('num-workers: 1\ncommand: ["echo", "a\\0b"]\n')
+    code, err = run_err(["--config", str(cfg)], capsys)
+    assert code == 2 and "\n" not in err and "the command contains a NUL byte" in err
 
 
 def test_missing_config_file(capsys) -> None:

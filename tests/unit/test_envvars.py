@@ -32,6 +32,13 @@ def test_forwarded_allow_list() -> None:
                         "PYTHONPATH", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "HOME"}
 
 
+def test_names_that_are_not_variable_names_are_never_forwarded() -> None:
+    """``env 'PS_A$(touch x)=1' pslaunch ...``: such a name must not reach YARN's launch script
+    (export NAME="VALUE") or MPICH's comma-separated -genvlist."""
+    environ = {"PS_A$(touch x)": "1", "DMLC_B;id": "1", "OMP_C,D": "1", "PS_OK": "1", "MXNET_E F": "1"}
+    assert envvars.forwarded(environ, extra_names=["X-Y"]) == {"PS_OK": "1"}
+
+
 def contract_env(**kw):
     base = dict(root_uri="127.0.0.1", root_port=9091, num_workers=2, num_servers=1, secret="s" * 64,
                 start_timeout=30, job_id="j", task_id=1, cluster="local", node_host="127.0.0.1", local_procs=3)

@@ -3,12 +3,16 @@ the rank table, implementation detection, DMLC_INTERFACE translation, the wrappe
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import stat
+import subprocess
 import sys
 
 import pytest
 from click.testing import CliRunner
+from conftest import REPO, pid_alive, wait_for
 
 from launcher import cli, envvars, mpirank
 from launcher.backends import mpi
@@ -209,6 +213,29 @@ def test_records_round_trip_and_long_lines_are_split(tmp_path) -> None:
     assert mpirank.parse_record(b"[mpirun] something") is None
 
 
+def test_wrapper_error_after_the_start_takes_the_command_along(tmp_path) -> None:
+    """An unexpected error in the rank wrapper once the command runs must not leave the command
+    (its own session, unknown to mpirun) behind when the wrapper exits."""
+    procs = [ProcSpec(Role.WORKER, 0, 0, None, ("x",), {"DMLC_ROLE": "worker", "DMLC_NODE_HOST": "127.0.0.1"})]
+    common, table = mpi.rank_table(procs, mpi.rank_layout(procs), grace=1.0)
+    driver = ("import sys, launcher.mpirank as m\n"
+              "def boom(self, child, relays): raise RuntimeError('boom')\n"
+              "m._Runner._pump = boom\n"
+              "sys.exit(m.main(sys.argv[1:]))\n")
+    env = {**os.environ, **common, "PYTHONPATH": str(REPO), "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1",
+           "PSLAUNCH_MPI_TABLE": mpirank.encode_table(table)}
+    r = subprocess.run([sys.executable, "-c", driver, "--", "sleep", "30"], capture_output=True, timeout=30,
+                       env=env, cwd=tmp_path)
+    assert r.returncode != 0 and b"boom" in r.stderr
+    starts = [mpirank.parse_record(line) for line in r.stdout.splitlines()]
+    pid = next(json.loads(p[2])["pid"] for p in starts if p and p[1] == mpirank.START)
+    try:
+        wait_for(lambda: not pid_alive(pid), 5, what="the command to be stopped")
+    finally:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 # --- detection -------------------------------------------------------------------------------------------
 
 
@@ -248,6 +275,18 @@ def test_cli_unknown_mpirun_is_a_one_line_error(tmp_path) -> None:
 def test_cli_missing_mpirun(tmp_path) -> None:
     code = cli.main(["--launcher", "mpi", "--mpirun", str(tmp_path / "nope"), "-n", "1", "-s", "0", "true"])
     assert code == 2
+
+
+def test_mpirun_that_exists_but_cannot_run_is_not_called_missing(tmp_path) -> None:
+    plain = tmp_path / "mpirun"
+    plain.write_text("#!/bin/sh\n")
+    plain.chmod(0o644)
+    with pytest.raises(BackendUnavailableError, match=r"--mpirun .*/mpirun is not executable"):
+        mpi.probe_mpirun(str(plain))
+    with pytest.raises(BackendUnavailableError, match=r"--mpirun .* is a directory"):
+        mpi.probe_mpirun(str(tmp_path))
+    with pytest.raises(BackendUnavailableError, match=r"nope: no such file"):
+        mpi.probe_mpirun(str(tmp_path / "nope"))
 
 
 def test_hostfile_user_or_port_is_refused_by_line() -> None:

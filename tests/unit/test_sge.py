@@ -3,6 +3,7 @@ task file, exit codes, the DRMAA environment checks and the dry run. No Grid Eng
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import stat
 import subprocess
@@ -247,6 +248,22 @@ def test_static_tls_error_names_the_tunable(monkeypatch) -> None:
         sge.load_drmaa({"DRMAA_LIBRARY_PATH": "/l.so", "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
     assert str(e.value).endswith(
         "start pslaunch with GLIBC_TUNABLES=glibc.malloc.arena_max=2:glibc.rtld.optional_static_tls=8192")
+
+
+def test_a_library_that_is_not_libdrmaa_is_one_line(tmp_path) -> None:
+    """DRMAA_LIBRARY_PATH naming some other shared library: drmaa's import fails with an
+    AttributeError (undefined symbol); that is a one-line error too, not a traceback."""
+    lib = next((p for p in ("/lib/x86_64-linux-gnu/libz.so.1", "/usr/lib/x86_64-linux-gnu/libz.so.1",
+                            "/lib/aarch64-linux-gnu/libz.so.1") if os.path.exists(p)), None)
+    if lib is None or importlib.util.find_spec("drmaa") is None:
+        pytest.skip("needs the drmaa package and libz")
+    r = subprocess.run([sys.executable, "-m", "launcher", "--launcher", "sge", "--host-ip", "127.0.0.1",
+                        "-n", "1", "-s", "0", "true"], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(REPO), "DRMAA_LIBRARY_PATH": lib, "SGE_ROOT": str(tmp_path)})
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and f"DRMAA_LIBRARY_PATH={lib} is not a DRMAA library" in lines[0], r.stderr
 
 
 # --- dry run: no drmaa, no Grid Engine ------------------------------------------------------------

@@ -82,6 +82,11 @@ def test_netif_and_directory_commands_quote_their_arguments() -> None:
     assert prepare_dir_command("/tmp/job") == ('mkdir -p -- /tmp/job && cd -- /tmp/job && echo "pslaunch-dir=$(pwd)" '
                                                '&& echo "pslaunch-rsync=$(command -v rsync)"')
     assert prepare_dir_command("my dir/$(id)").startswith("mkdir -p -- 'my dir/$(id)' && cd -- 'my dir/$(id)' && ")
+    # a leading ~ is the remote home (not a directory named "~"); the rest stays quoted
+    assert prepare_dir_command("~/my job").startswith('mkdir -p -- "$HOME"/\'my job\' && cd -- "$HOME"/\'my job\' && ')
+    assert prepare_dir_command("~").startswith('mkdir -p -- "$HOME" && cd -- "$HOME" && ')
+    assert prepare_dir_command("~/$(id)").startswith("mkdir -p -- \"$HOME\"/'$(id)' && ")
+    assert prepare_dir_command("~other/x").startswith("mkdir -p -- '~other/x' && ")
     # what a login shell prints from its rc files does not confuse the parser
     assert parse_prepare_dir("Welcome!\npslaunch-dir=/home/u/job x\npslaunch-rsync=/usr/bin/rsync\n") == \
         ("/home/u/job x", True)
@@ -134,7 +139,82 @@ def test_dry_run_shows_hosts_commands_and_sync(monkeypatch) -> None:
         in lines[0]
     assert "  A: me@A:22, cwd /tmp/job: server 0, worker 1" in lines
     assert "  bob@B:2222: bob@B:2222, cwd /tmp/job: worker 0" in lines
-    assert ("  rsync -az --stats --timeout=60 --delete --exclude=.git --exclude=__pycache__ '--exclude=*.log' -e "
+    assert ("  rsync -az -s --stats --timeout=60 --delete --exclude=.git --exclude=__pycache__ '--exclude=*.log' -e "
             "'ssh -F /dev/null -p 2222 -l bob -o BatchMode=yes -o StrictHostKeyChecking=yes -o ConnectTimeout=10' "
             "/home/me/job/ B:/tmp/job/") in lines
     assert "0" * 64 not in text
+
+
+class _Watchdog:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def watch(self, pgid: int) -> None:
+        self.calls.append(("watch", pgid))
+
+    def forget(self, pgid: int) -> None:
+        self.calls.append(("forget", pgid))
+
+
+def test_rsync_runs_in_its_own_group_known_to_the_watchdog(tmp_path, monkeypatch) -> None:
+    """If the launcher is killed during a sync, the watchdog stops rsync (and its ssh) too."""
+    import os
+    import types
+
+    from launcher.output import Console
+    from launcher.sshconn import Target
+
+    fake = tmp_path / "bin" / "rsync"
+    fake.parent.mkdir()
+    report = tmp_path / "ids"
+    fake.write_text(f'#!/bin/sh\necho "$$ $(ps -o pgid= -p $$)" > {report}\n'
+                    'echo "Number of regular files transferred: 2"\necho "Total bytes sent: 10"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    spec = _spec(sync_dst_dir="/tmp/job")
+    import io
+    backend = SSHBackend(spec, Console(stdout=io.BytesIO(), stderr=io.BytesIO()), _Watchdog())
+    host = types.SimpleNamespace(label="A", session=types.SimpleNamespace(
+        target=Target(host=Host("A"), hostname="A", port=22, user="me")))
+    stats = backend._rsync(host, str(tmp_path), "/tmp/job")
+    assert (stats.files, stats.bytes) == (2, 10)
+    pid, pgid = (int(x) for x in report.read_text().split())
+    assert pid == pgid  # a group of its own, which the watchdog can kill whole
+    assert backend.watchdog.calls == [("watch", pid), ("forget", pid)]
+
+
+def test_an_interrupt_during_the_sync_stops_rsync_at_once() -> None:
+    """Ctrl-C while hosts sync: the launcher does not wait for the rsyncs to finish (they are in
+    groups of their own, so the terminal's SIGINT does not reach them): it kills them."""
+    import io
+    import signal
+    import subprocess
+    import time
+    import types
+
+    from launcher.output import Console
+
+    backend = SSHBackend(_spec(sync_dst_dir="/tmp/job"), Console(stdout=io.BytesIO(), stderr=io.BytesIO()), None)
+    slow = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    backend._rsyncs.add(slow)
+    backend.hosts = {("me", "A", 22): types.SimpleNamespace(label="A")}
+
+    class Interrupted(BaseException):
+        pass
+
+    def interrupt(signum, frame):
+        raise Interrupted()
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(Interrupted):
+            backend._per_host(lambda host: slow.wait(), "sync")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        if slow.poll() is None:
+            slow.kill()
+    assert slow.wait(timeout=5) == -signal.SIGKILL
+    assert time.monotonic() - t0 < 5

@@ -164,6 +164,51 @@ def test_missing_program_is_reported_with_127() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_a_process_that_cannot_start_leaves_the_others_supervised() -> None:
+    """A start that fails with something other than OSError (Popen's ValueError for a NUL byte)
+    is reported; the wrapper does not die and leave the processes it started unsupervised."""
+    w = Wrapped(py("import time; time.sleep(30)"), ["echo", "a\0b"])
+    try:
+        info = json.loads(w.read_until(b"f", 1))
+        assert info["code"] == 1 and "cannot run" in info["error"]
+        pid = json.loads(w.read_until(b"p", 0))["pid"]
+        assert pid_alive(pid)
+        w.p.stdin.close()  # type: ignore[union-attr]  # the launcher goes: the wrapper stops the group
+        wait_for(lambda: not pid_alive(pid), 10, what="the started process to be stopped")
+    finally:
+        w.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_wrapper_that_fails_stops_what_it_started(tmp_path) -> None:
+    """Any error inside the wrapper after it started processes (here a header entry it cannot
+    read) still stops them: the wrapper never exits leaving its process groups behind."""
+    pidfile = tmp_path / "pid"
+    code = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(30)"
+    header = {"procs": [{"id": 0, "argv": py(code), "env": {}, "cwd": None}, {"id": 1}],
+              "keepalive": 5.0, "lost_after": 20.0, "grace": 1.0}
+    p = subprocess.Popen(["sh", "-c", wrapper_command(sys.executable)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+    pid = None
+    try:
+        p.stdin.write(wrapper_payload(header))  # type: ignore[union-attr]
+        p.stdin.flush()  # type: ignore[union-attr]
+        out, _ = p.communicate(timeout=15)  # the wrapper gives up on the bad entry (stdin still open)...
+        starts = [json.loads(f[2]) for f in FrameDecoder().feed(out) if f[:2] == (b"p", 0)]
+        assert starts, "the wrapper died without reporting the process it had started"
+        pid = starts[0]["pid"]
+        wait_for(lambda: not pid_alive(pid), 5, what="the started process to be stopped")  # ...and takes it along
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        time.sleep(0.5)
+        for leftover in {pid, int(pidfile.read_text()) if pidfile.exists() else None} - {None}:
+            if pid_alive(leftover):
+                os.kill(leftover, signal.SIGKILL)
+
+
+@pytest.mark.timeout(30)
 def test_bad_directory_is_reported(tmp_path) -> None:
     w = Wrapped(["true"], cwd=str(tmp_path / "missing"))
     try:

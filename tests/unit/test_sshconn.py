@@ -9,6 +9,7 @@ from launcher.spec import Host, SSHOptions
 from launcher.sshconn import (
     HostKeyError,
     Target,
+    _load_known,
     check_host_key,
     fingerprint,
     keyscan_command,
@@ -43,7 +44,8 @@ def test_config_patterns_hostname_user_port_keys(config, tmp_path) -> None:
     assert (t.hostname, t.user, t.port) == ("10.9.0.3", "trainer", 2200)
     assert t.key_files == (str(tmp_path / "k"),)
     assert t.known_hosts == (str(tmp_path / "kh"), "/etc/other_known_hosts")
-    assert t.host_key_alias == "gpu3-key" and t.key_name == "[gpu3-key]:2200"
+    # OpenSSH records and looks up a HostKeyAlias as written, without the port
+    assert t.host_key_alias == "gpu3-key" and t.key_name == "gpu3-key"
     assert t.config_file == "/cfg" and t.label == "gpu-3" and t.address == "trainer@10.9.0.3:2200"
 
 
@@ -114,3 +116,68 @@ def test_accept_new_records_the_key(keys, tmp_path) -> None:
     hk = paramiko.HostKeys()
     hk.load(str(kh))
     check_host_key(t, key, [(str(kh), hk)], accept_new=False)  # known now
+
+
+def test_host_key_alias_is_looked_up_as_openssh_writes_it(keys, tmp_path) -> None:
+    """ssh (and rsync over it) file a HostKeyAlias host under the bare alias, whatever the port."""
+    key, _ = keys
+    t = Target(Host("gpu-3"), "10.9.0.3", 2200, "u", known_hosts=(str(tmp_path / "known_hosts"),),
+               host_key_alias="gpu3-key")
+    check_host_key(t, key, _known(tmp_path, f"gpu3-key {key.get_name()} {key.get_base64()}\n"), accept_new=False)
+    with pytest.raises(HostKeyError) as e:
+        check_host_key(t, key, _known(tmp_path, ""), accept_new=False)
+    assert (f"ssh-keyscan -p 2200 -t rsa 10.9.0.3 | sed 's/^[^ ]*/gpu3-key/' >> {tmp_path / 'known_hosts'}"
+            in str(e.value))
+    kh = tmp_path / "new_known_hosts"
+    t2 = Target(Host("gpu-3"), "10.9.0.3", 2200, "u", known_hosts=(str(kh),), host_key_alias="gpu3-key")
+    check_host_key(t2, key, [], accept_new=True)
+    assert kh.read_text() == f"gpu3-key {key.get_name()} {key.get_base64()}\n"
+
+
+@pytest.mark.parametrize("line", ["ProxyJump bastion", "ProxyCommand ssh -W %h:%p bastion"])
+def test_a_proxy_in_the_config_is_refused_not_bypassed(line, tmp_path) -> None:
+    """Connecting straight to the host would bypass the jump host the user configured."""
+    from launcher.sshconn import SSHConnectError
+
+    config = paramiko.SSHConfig.from_text(f"Host gpu-*\n    {line}\nHost *\n    ProxyCommand none\n")
+    with pytest.raises(SSHConnectError) as e:
+        resolve_target(Host("gpu-1"), SSHOptions(), config, local_user="me", home=str(tmp_path))
+    assert str(e.value).startswith("gpu-1: ~/.ssh/config sets Proxy") and "not support" in str(e.value)
+    assert "\n" not in str(e.value)
+    t = resolve_target(Host("cpu-1"), SSHOptions(), config, local_user="me", home=str(tmp_path))  # "none" is fine
+    assert t.hostname == "cpu-1"
+
+
+def test_any_listed_key_is_accepted_as_openssh_does(keys, tmp_path) -> None:
+    """A stale line before the right one, or in another file, is not a changed key."""
+    key, other = keys
+    t = Target(Host("n"), "10.0.0.1", 22, "u", known_hosts=(str(tmp_path / "known_hosts"),))
+    stale = f"10.0.0.1 {other.get_name()} {other.get_base64()}\n"
+    right = f"10.0.0.1 {key.get_name()} {key.get_base64()}\n"
+    check_host_key(t, key, _known(tmp_path, stale + right), accept_new=False)
+    user = _known(tmp_path, stale)
+    (tmp_path / "global").write_text(right)
+    hk = paramiko.HostKeys()
+    hk.load(str(tmp_path / "global"))
+    check_host_key(t, key, user + [(str(tmp_path / "global"), hk)], accept_new=False)
+    with pytest.raises(HostKeyError, match="has CHANGED"):  # listed only with another key
+        check_host_key(t, key, _known(tmp_path, stale), accept_new=False)
+
+
+def test_known_hosts_with_markers_and_bad_lines_is_read_as_openssh_does(keys, tmp_path) -> None:
+    """paramiko's HostKeys.load raises on @cert-authority, @revoked and undecodable lines;
+    OpenSSH skips what it cannot use. One such line must not stop every connection."""
+    key, other = keys
+    kh = tmp_path / "known_hosts"
+    kh.write_text(
+        "# comment\n"
+        f"@cert-authority *.example.org {other.get_name()} {other.get_base64()}\n"
+        "10.0.0.9 ssh-rsa AAAAbroken\n"
+        f"10.0.0.1 {key.get_name()} {key.get_base64()}\n"
+        f"@revoked 10.0.0.2 {other.get_name()} {other.get_base64()}\n"
+        f"10.0.0.2 {other.get_name()} {other.get_base64()}\n")
+    known = [(p, k) for p, k in _load_known([str(kh)]) if p == str(kh)]
+    assert len(known) == 1
+    check_host_key(Target(Host("a"), "10.0.0.1", 22, "u", known_hosts=(str(kh),)), key, known, accept_new=False)
+    with pytest.raises(HostKeyError, match="@revoked"):  # listed, but revoked: refused, even with accept_new
+        check_host_key(Target(Host("b"), "10.0.0.2", 22, "u", known_hosts=(str(kh),)), other, known, accept_new=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 
 import pytest
 
@@ -32,7 +34,7 @@ def test_rsync_argv_golden() -> None:
     argv = rsync_argv("/src/proj/", "/tmp/job", TARGET, excludes=(".git", "__pycache__", "*.log"), delete=True,
                       connect_timeout=10, config_file=None)
     assert argv == [
-        "rsync", "-az", "--stats", "--timeout=60", "--delete", "--exclude=.git", "--exclude=__pycache__",
+        "rsync", "-az", "-s", "--stats", "--timeout=60", "--delete", "--exclude=.git", "--exclude=__pycache__",
         "--exclude=*.log", "-e",
         "ssh -F /dev/null -p 2222 -l alice -i '/home/a/.ssh/id key' -o IdentitiesOnly=no -o BatchMode=yes "
         "-o StrictHostKeyChecking=yes -o ConnectTimeout=10 -o 'UserKnownHostsFile=/home/a/.ssh/known_hosts /etc/kh'",
@@ -103,3 +105,27 @@ def test_local_tree_skips_excluded_directories_and_keeps_links(tmp_path) -> None
     assert sorted(tree) == ["link", "src", "src/m.py"]
     assert tree["link"].kind == "link" and tree["link"].link == "src/m.py"
     assert tree["src/m.py"].kind == "file" and tree["src/m.py"].size == 7
+
+
+def test_rsync_remote_path_never_reaches_a_shell(tmp_path, monkeypatch) -> None:
+    """The destination goes through rsync's protocol (-s), so even the old argument handling
+    (an rsync before 3.2.4, or RSYNC_OLD_ARGS=1) cannot let the remote shell run $(...)."""
+    if shutil.which("rsync") is None:
+        pytest.skip("rsync is not installed")
+    fake_ssh = tmp_path / "fake-ssh"  # as ssh does: drop the host, run the rest with a shell
+    fake_ssh.write_text('#!/bin/sh\nshift\nexec sh -c "$*"\n')
+    fake_ssh.chmod(0o755)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_text("hi")
+    marker = tmp_path / "PWNED"
+    dst = tmp_path / "dst $(touch PWNED); x"  # the fake ssh runs in tmp_path
+    dst.mkdir()  # the backend creates it first (prepare_dir_command)
+    argv = rsync_argv(str(src), str(dst), Target(host=Host("h"), hostname="h", port=22, user="u"), excludes=(),
+                      delete=False, connect_timeout=5, config_file=None)
+    argv[argv.index("-e") + 1] = str(fake_ssh)
+    monkeypatch.setenv("RSYNC_OLD_ARGS", "1")
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert not marker.exists(), "the remote shell ran part of --sync-dst-dir"
+    assert r.returncode == 0, r.stderr
+    assert (dst / "f").read_text() == "hi"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -117,6 +118,17 @@ def test_service_script_quotes_the_command() -> None:
                       "-- python -c 'print('\"'\"'a b'\"'\"')' '$HOME' 'x;y'")
 
 
+def test_hostile_variable_names_never_reach_the_launch_script(tmp_path) -> None:
+    """YARN writes each service env entry as `export NAME="VALUE"` into a bash script."""
+    spec = make_spec(tmp_path, environ=ENVIRON + (("PS_A$(touch pwned)", "1"), ("DMLC_B;id", "1")),
+                     env=(), files=(), archives=())
+    yp = yarn.build_yarn_plan(spec, make_procs(spec), wrapper_zip="/w.zip", task_file="/t.json",
+                              isfile=lambda p: False)
+    names = [k for svc in yp.app_spec["services"].values() for k in svc["env"]]
+    names += [k for r in yp.task_file["roles"].values() for k in r["env"]]
+    assert "PS_VERBOSE" in names and all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k) for k in names), names
+
+
 def test_split_env() -> None:
     spec_env, file_env = yarn.split_env({"A": "plain value", "PSLAUNCH_SECRET": "s", "AWS_SECRET_ACCESS_KEY": "k",
                                          "Q": 'has "quotes"', "D": "$HOME", "B": "back`tick", "S": "a\\b",
@@ -187,6 +199,22 @@ def test_skein_accepts_the_spec(job_dir) -> None:
 def test_kill_command() -> None:
     assert yarn.kill_command("application_1476912658570_0002") == \
         ["yarn", "application", "-kill", "application_1476912658570_0002"]
+
+
+def test_watchdog_kill_uses_the_yarn_of_hadoop_home(tmp_path) -> None:
+    """The watchdog runs with the PATH the launcher had at start, before $HADOOP_HOME/bin was
+    added: its kill command must name yarn by its full path."""
+    yarn_bin = tmp_path / "hadoop" / "bin" / "yarn"
+    yarn_bin.parent.mkdir(parents=True)
+    yarn_bin.write_text("#!/bin/sh\n")
+    yarn_bin.chmod(0o755)
+    env = {"PATH": "/nonexistent", "HADOOP_HOME": str(tmp_path / "hadoop")}
+    assert yarn.yarn_program(env) == str(yarn_bin)
+    env = {"PATH": str(yarn_bin.parent), "HADOOP_HOME": "/elsewhere"}
+    assert yarn.yarn_program(env) == str(yarn_bin)
+    assert yarn.yarn_program({"PATH": "/nonexistent"}) == "yarn"  # nothing better to offer
+    assert yarn.kill_command("application_1_0002", str(yarn_bin)) == \
+        [str(yarn_bin), "application", "-kill", "application_1_0002"]
 
 
 # --- status parsing ------------------------------------------------------------------------------------
@@ -463,6 +491,23 @@ def test_lifecycle_failure_kills_the_application(tmp_path, fast_poll) -> None:
     backend.close()
     assert {h.name: h.poll() for h in handles} == {"server-0": 143, "worker-0": 143, "worker-1": 3}
     assert fake.calls[-1] == "close" and backend._tmp is None
+
+
+@pytest.mark.timeout(30)
+def test_watchdog_gets_the_full_path_of_yarn(tmp_path, fast_poll, monkeypatch) -> None:
+    yarn_bin = tmp_path / "hadoop" / "bin" / "yarn"
+    yarn_bin.parent.mkdir(parents=True)
+    yarn_bin.write_text("#!/bin/sh\n")
+    yarn_bin.chmod(0o755)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.setenv("HADOOP_HOME", str(tmp_path / "hadoop"))
+    fake = FakeSkein()
+    backend, procs = _backend(tmp_path, fake)
+    fake.app_state = "RUNNING"
+    fake.containers = {("server", 0): ("RUNNING", ""), ("worker", 0): ("RUNNING", ""), ("worker", 1): ("RUNNING", "")}
+    backend.start(procs)
+    assert backend.watchdog.commands == [[str(yarn_bin), "application", "-kill", "application_1_0001"]]
+    backend.close()
 
 
 @pytest.mark.timeout(30)
