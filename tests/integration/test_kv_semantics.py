@@ -80,6 +80,13 @@ def test_optimizer_runs_on_the_servers(tmp_path: Path) -> None:
     assert results[0]["w"] == pytest.approx([-1.125] * 6)
 
 
+@pytest.mark.parametrize("kvtype", ["dist_sync", "dist_async"])
+def test_wd_mult_names_the_users_keys(tmp_path: Path, kvtype: str) -> None:
+    run, results = launch(tmp_path, "wd", servers=2, kvtype=kvtype, workers=1)
+    ok(run, results, workers=1)
+    assert results[0]["b"] == [1.0, 1.0] and results[0]["w"] == [0.5625] * 3
+
+
 def test_placement_is_balanced_by_bytes(tmp_path: Path) -> None:
     run, results = launch(tmp_path, "place", servers=2)
     ok(run, results)

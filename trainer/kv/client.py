@@ -83,6 +83,38 @@ def dtype_code(dtype: np.dtype) -> int:
     return code
 
 
+def wd_mult_to_ids(spec: dict[str, Any], keys: dict[Hashable, KeyInfo]) -> dict[str, Any]:
+    """``spec`` with ``wd_mult`` keyed by the servers' key ids instead of the user's keys.
+
+    A server only knows key ids (the order of ``init``); ``wd_mult`` names the
+    user's keys as strings. Raises KVConfigError for a key not initialised yet.
+    """
+    mult = spec.get("wd_mult") or {}
+    if not mult:
+        return spec
+    ids: dict[str, list[int]] = {}
+    for key, info in keys.items():
+        ids.setdefault(str(key), []).append(info.id)
+    out: dict[str, Any] = {}
+    for name, factor in mult.items():
+        found = ids.get(str(name))
+        if found is None:
+            raise KVConfigError(f"wd_mult names key {name!r}, which is not initialised: call "
+                                "kv.init for every key before kv.set_optimizer")
+        for i in found:
+            out[str(i)] = factor
+    return {**spec, "wd_mult": out}
+
+
+def wd_mult_to_keys(spec: dict[str, Any], keys: dict[Hashable, KeyInfo]) -> dict[str, Any]:
+    """The inverse of :func:`wd_mult_to_ids`: ``wd_mult`` keyed by the user's keys again."""
+    mult = spec.get("wd_mult") or {}
+    if not mult:
+        return spec
+    names = {str(info.id): str(key) for key, info in keys.items()}
+    return {**spec, "wd_mult": {names[i]: f for i, f in mult.items() if i in names}}
+
+
 class _Control(threading.Thread):
     """The control thread: scheduler session, heartbeats, relays (see the module docstring)."""
 
@@ -525,8 +557,8 @@ class KVClient:
     def set_optimizer(self, spec: dict[str, Any]) -> None:
         """Rank 0 installs the optimizer (a JSON spec) on every server; all workers sync."""
         self._check()
+        body = P.dumps(wd_mult_to_ids(spec, self.keys))  # on every rank: the same error
         if self.rank == 0:
-            body = P.dumps(spec)
             self._all_servers(P.SET_OPTIMIZER, [[body]] * len(self.links))
         self.barrier()
 
@@ -538,7 +570,8 @@ class KVClient:
         spec = None
         for msg in batch.results:
             meta = msg.json()
-            spec = spec or meta.get("optimizer")
+            if spec is None and meta.get("optimizer") is not None:
+                spec = wd_mult_to_keys(meta["optimizer"], self.keys)
             frames = list(msg.frames[1:])
             for entry in meta["slots"]:
                 arrays = {}
@@ -565,6 +598,8 @@ class KVClient:
                    states: dict[Hashable, tuple[int, dict[str, np.ndarray]]]) -> None:
         """Rank 0 restores optimizer states on the servers; all workers sync."""
         self._check()
+        if spec is not None:
+            spec = wd_mult_to_ids(spec, self.keys)
         if self.rank == 0:
             metas: list[dict[str, Any]] = [{"optimizer": spec, "slots": []} for _ in self.links]
             frames: list[list[Any]] = [[] for _ in self.links]

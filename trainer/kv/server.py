@@ -67,6 +67,12 @@ class Slot:
         self.backlog: list[tuple[P.Peer, P.Message]] = []
 
 
+def _key_id(slot_key: Any) -> int:
+    """The key id of a ``(key id, part)`` state key: ``wd_mult`` is keyed by key id
+    (the worker translates its keys, see :func:`trainer.kv.client.wd_mult_to_ids`)."""
+    return slot_key[0]
+
+
 def _queued(slot: Slot, rid: bytes) -> bool:
     """True when a request of this peer waits for the slot's next round."""
     return any(p.rid == rid for p, _ in slot.backlog)
@@ -252,7 +258,7 @@ class Shard:
     # --- control ------------------------------------------------------------------------------
     def _set_optimizer(self, peer: P.Peer, msg: P.Message) -> None:
         try:
-            self.updater = Updater(create_optimizer(msg.json()))
+            self.updater = Updater(create_optimizer(msg.json()), wd_key=_key_id)
         except OptimizerError as e:
             self._error(peer, msg, str(e))
             return
@@ -280,7 +286,7 @@ class Shard:
             spec = meta.get("optimizer")
             entries = meta["slots"]
             if spec is not None:
-                self.updater = Updater(create_optimizer(spec))
+                self.updater = Updater(create_optimizer(spec), wd_key=_key_id)
             if self.updater is None:
                 raise ValueError("no optimizer is set: call kv.set_optimizer(...) first")
             frames = list(msg.frames[1:])
