@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-import pytest
+import socket
 
+import pytest
+import zmq
+
+from launcher.envvars import ClusterEnv
+from trainer.kv import client as C
+from trainer.kv import protocol as P
 from trainer.kv.client import KeyInfo, wd_mult_to_ids, wd_mult_to_keys
 from trainer.kv.errors import KVConfigError
 from trainer.kv.placement import Part
+from trainer.kv.transport import CLEAN_LINGER_MS, Verbose
 
 KEYS = {"fc1_weight": KeyInfo(0, 1, 4, [Part(0, 0, 0, 4)]),
         "fc1_bias": KeyInfo(1, 1, 2, [Part(0, 0, 0, 2)]),
@@ -27,3 +34,44 @@ def test_wd_mult_for_a_key_not_initialised_is_a_one_line_error() -> None:
                                             "initialised") as e:
         wd_mult_to_ids({"name": "sgd", "wd_mult": {"conv_bias": 0.0}}, KEYS)
     assert "\n" not in str(e.value)
+
+
+def test_a_failing_worker_lingers_so_its_fail_message_is_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The control thread sends FAIL, then is told to stop at once (KVClient.fail):
+    # closing the scheduler link with linger 0 would drop the FAIL unsent.
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    env = ClusterEnv(role="worker", root_uri="127.0.0.1", root_port=port, num_workers=1,
+                     num_servers=1, heartbeat_interval=0)
+
+    class FakeClient:
+        ctx = zmq.Context()
+        secret = b"k" * 32
+        v = Verbose(0, "W[0]")
+        started = 0.0
+        host = "127.0.0.1"
+        finished = False
+
+    fake = FakeClient()
+    fake.env = env  # type: ignore[attr-defined]
+    main = fake.ctx.socket(zmq.PAIR)
+    main.bind("inproc://test-control")
+    control = C._Control(fake, "inproc://test-control")  # type: ignore[arg-type]
+    sent, lingers = [], []
+    monkeypatch.setattr(control.sched, "connect", lambda *a, **k: None)
+    monkeypatch.setattr(control.sched.link, "send_json", lambda cmd, obj, **k: sent.append(cmd))
+    real_close = control.sched.close
+    monkeypatch.setattr(control.sched, "close",
+                        lambda linger_ms=0: (lingers.append(linger_ms), real_close(0)))
+    control.start()
+    main.send_multipart([b"fail", b"boom"])
+    assert main.poll(5000) and main.recv_multipart()[0] == b"failed"
+    main.send_multipart([b"stop", b""])
+    control.join(5)
+    assert not control.is_alive()
+    main.close(0)
+    fake.ctx.term()
+    assert sent == [P.FAIL]
+    assert lingers == [CLEAN_LINGER_MS]

@@ -126,6 +126,7 @@ class _Control(threading.Thread):
         self.pipe.connect(endpoint)
         self.sched = SchedulerSession(client.ctx, client.env, client.secret, client.v)
         self.done = False
+        self.fail_sent = False
 
     def _to_main(self, kind: bytes, data: bytes = b"") -> None:
         try:
@@ -144,7 +145,9 @@ class _Control(threading.Thread):
             if e.errno != zmq.ETERM:
                 self._abort(f"control connection failed: {e}")
         finally:
-            self.sched.close(CLEAN_LINGER_MS if self.c.finished else 0)
+            # Linger after a FAIL too: closing at once would drop it unsent, and the
+            # scheduler would report a disconnection instead of the worker's error.
+            self.sched.close(CLEAN_LINGER_MS if self.c.finished or self.fail_sent else 0)
             self.pipe.close(0)
 
     def _loop(self) -> None:
@@ -167,6 +170,7 @@ class _Control(threading.Thread):
                         link.send(P.FINALIZE)
                     elif kind == b"fail":
                         link.send_json(P.FAIL, {"reason": data.decode()})
+                        self.fail_sent = True
                         self._to_main(b"failed")
                     elif kind == b"stop":
                         return
