@@ -9,6 +9,7 @@ Scenarios:
     sync       integer sums across workers: int and str keys, a split array,
                push+pull, pushpull, several rounds, lists of keys, device lists.
     async      dist_async with SGD lr=1: every push is applied at once.
+    async_noopt  dist_async without an optimizer: the push says so at once.
     optim      sgd/momentum on the servers; states round trip.
     wd         wd_mult by the user's keys reaches the servers (biases do not decay).
     place      balanced placement: report the bytes per server.
@@ -106,6 +107,16 @@ def scenario_async(kv: kvstore.KVStore, out: dict) -> None:
     # every push of every worker was applied: w = -(5 * n)
     expect(bool((got == -5.0 * kv.num_workers).all()), f"async: {got.tolist()}")
     out["value"] = got.tolist()
+
+
+def scenario_async_noopt(kv: kvstore.KVStore, out: dict) -> None:
+    kv.init(0, torch.zeros(2))
+    try:
+        kv.push(0, torch.ones(2))
+    except kvstore.KVConfigError as e:
+        out["error"] = str(e)
+    else:
+        fail("dist_async push without an optimizer was accepted")
 
 
 def scenario_optim(kv: kvstore.KVStore, out: dict) -> None:

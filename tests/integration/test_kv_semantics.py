@@ -74,6 +74,12 @@ def test_async_applies_every_push(tmp_path: Path) -> None:
     assert results[1]["value"] == [-10.0] * 8
 
 
+def test_async_without_an_optimizer_is_a_clear_error(tmp_path: Path) -> None:
+    run, results = launch(tmp_path, "async_noopt", kvtype="dist_async")
+    ok(run, results)
+    assert results[1]["error"].startswith("dist_async needs an optimizer on the servers")
+
+
 def test_optimizer_runs_on_the_servers(tmp_path: Path) -> None:
     run, results = launch(tmp_path, "optim", servers=2, env={envvars.MAC_PAYLOAD: "1"})
     ok(run, results)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 
+import numpy as np
 import pytest
 import zmq
 
@@ -75,3 +76,10 @@ def test_a_failing_worker_lingers_so_its_fail_message_is_sent(monkeypatch: pytes
     fake.ctx.term()
     assert sent == [P.FAIL]
     assert lingers == [CLEAN_LINGER_MS]
+
+
+def test_dist_async_push_without_an_optimizer_fails_at_once() -> None:
+    kv = C.KVClient.__new__(C.KVClient)  # no job: the check comes before any I/O
+    kv.closed, kv.aborted, kv.asynchronous, kv.has_optimizer = False, None, True, False
+    with pytest.raises(KVConfigError, match=r"dist_async needs an optimizer .*kv.set_optimizer"):
+        kv.push(["w"], [np.zeros(2, np.float32)])

@@ -245,6 +245,8 @@ class KVClient:
         self.env = env
         self.secret = secret
         self.asynchronous = asynchronous
+        #: set_optimizer (or set_states with a spec) has run: dist_async needs it
+        self.has_optimizer = False
         self._flags = P.F_ASYNC if asynchronous else 0
         self.started = time.monotonic()
         self.finished = False
@@ -463,6 +465,11 @@ class KVClient:
         so the caller may change them as soon as it returns.
         """
         self._check()
+        if self.asynchronous and not self.has_optimizer:
+            # The servers would refuse every push, and a plain push's refusal only
+            # shows at a later call: say it here, at the push that is wrong.
+            raise KVConfigError("dist_async needs an optimizer on the servers: call "
+                                "kv.set_optimizer(...) on every worker before the first push")
         batch = _Batch() if dests is not None else None
         flags = self._flags | (P.F_PULL if dests is not None else 0)
         if dests is not None:
@@ -565,6 +572,7 @@ class KVClient:
         if self.rank == 0:
             self._all_servers(P.SET_OPTIMIZER, [[body]] * len(self.links))
         self.barrier()
+        self.has_optimizer = True
 
     def get_states(self) -> tuple[dict[str, Any] | None, dict[Hashable, tuple[int, dict[str, np.ndarray]]]]:
         """The optimizer spec and ``{key: (count, {state: flat array})}`` from every server."""
@@ -625,6 +633,8 @@ class KVClient:
                             a[part.lo:part.hi].astype(P.DTYPES[info.code][0], copy=False))
             self._all_servers(P.SET_STATES, [[P.dumps(m), *f] for m, f in zip(metas, frames)])
         self.barrier()
+        if spec is not None:
+            self.has_optimizer = True
 
     # --- the end -----------------------------------------------------------------------------
     def close(self) -> None:
