@@ -83,3 +83,24 @@ def test_dist_async_push_without_an_optimizer_fails_at_once() -> None:
     kv.closed, kv.aborted, kv.asynchronous, kv.has_optimizer = False, None, True, False
     with pytest.raises(KVConfigError, match=r"dist_async needs an optimizer .*kv.set_optimizer"):
         kv.push(["w"], [np.zeros(2, np.float32)])
+
+
+def _bare_client(rank: int = 1) -> C.KVClient:
+    """A KVClient without a job, for the checks that come before any I/O."""
+    from trainer.kv.placement import Placement
+
+    kv = C.KVClient.__new__(C.KVClient)
+    kv.closed, kv.aborted, kv.asynchronous, kv.has_optimizer = False, None, False, False
+    kv.rank, kv.keys, kv.placement = rank, {}, Placement(2)
+    return kv
+
+
+@pytest.mark.parametrize("keys, arrays, message", [
+    (["a", "a"], [np.zeros(2, np.float32)] * 2, "key 'a' was already initialised"),
+    (["a", "b"], [np.zeros(2, np.float32), np.zeros(2, np.complex64)], "cannot go through"),
+])
+def test_a_refused_init_changes_nothing(keys, arrays, message: str) -> None:
+    kv = _bare_client()
+    with pytest.raises(KVConfigError, match=message):
+        kv.init(keys, arrays)
+    assert kv.keys == {} and kv.placement.loads == [0, 0]

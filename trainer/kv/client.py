@@ -425,16 +425,18 @@ class KVClient:
         """Register keys (same order on every worker); rank 0's arrays become the values."""
         self._check()
         new = []
+        seen: set[Hashable] = set()
         for key, arr in zip(keys, arrays):
-            if key in self.keys:
+            if key in self.keys or key in seen:
                 raise KVConfigError(f"key {key!r} was already initialised; init each key once")
-            new.append((key, arr))
-        parts = self.placement.assign([(a.size, a.itemsize) for _, a in new])
-        for (key, arr), p in zip(new, parts):
-            self.keys[key] = KeyInfo(len(self.keys), dtype_code(arr.dtype), arr.size, p)
+            seen.add(key)
+            new.append((key, arr, dtype_code(arr.dtype)))  # every check before any change
+        parts = self.placement.assign([(a.size, a.itemsize) for _, a, _ in new])
+        for (key, arr, code), p in zip(new, parts):
+            self.keys[key] = KeyInfo(len(self.keys), code, arr.size, p)
         if self.rank == 0:
             batch = _Batch()
-            for key, arr in new:
+            for key, arr, _ in new:
                 info = self.keys[key]
                 for part in info.parts:
                     view = arr[part.lo:part.hi]
