@@ -104,3 +104,40 @@ def test_a_refused_init_changes_nothing(keys, arrays, message: str) -> None:
     with pytest.raises(KVConfigError, match=message):
         kv.init(keys, arrays)
     assert kv.keys == {} and kv.placement.loads == [0, 0]
+
+
+def test_a_dist_async_barrier_first_confirms_this_workers_pushes(monkeypatch) -> None:
+    # Plain async pushes get no reply and the barrier goes through the scheduler:
+    # before it, one small pull per server proves the pushes there were applied.
+    kv = _bare_client()
+    kv.asynchronous, kv.has_optimizer, kv._flags = True, True, P.F_ASYNC
+    kv.links = ["link0", "link1"]
+    kv._req, kv._pending, kv._latest, kv._stash = 0, {}, {}, {}
+    kv._unconfirmed = {}
+    kv.placement.bigarray_bound = 100
+    kv.keys = {"big": KeyInfo(0, 1, 200, kv.placement.assign([(200, 4)])[0]),
+               "small": KeyInfo(1, 1, 3, [Part(1, 0, 0, 3)])}
+    sent: list[tuple] = []
+
+    def fake_send(link, cmd, kind, batch, dest=None, key=0, part=0, **kw):
+        sent.append((link, cmd, key, part, None if dest is None else dest.size))
+        if batch is not None:
+            batch.left += 1
+
+    def fake_wait(batch):
+        sent.append(("wait", batch.left))
+
+    monkeypatch.setattr(kv, "_send", fake_send)
+    monkeypatch.setattr(kv, "_wait", fake_wait)
+    monkeypatch.setattr(kv, "_wait_trackers", lambda t: None)
+    monkeypatch.setattr(kv, "_raise_errors", lambda b=None: None)
+    kv.push(["big", "small"], [np.zeros(200, np.float32), np.zeros(3, np.float32)])
+    assert [(s[0], s[1]) for s in sent] == [("link0", P.PUSH), ("link1", P.PUSH),
+                                            ("link1", P.PUSH)]
+    sent.clear()
+    kv._confirm_pushes()
+    # server 0 holds part 0 of "big" (100 elements); server 1 holds "small" (3)
+    assert sent == [("link0", P.PULL, 0, 0, 100), ("link1", P.PULL, 1, 0, 3), ("wait", 2)]
+    sent.clear()
+    kv._confirm_pushes()  # nothing pushed since: nothing to confirm
+    assert sent == []

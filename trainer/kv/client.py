@@ -314,6 +314,9 @@ class KVClient:
         # instead of asking again.
         self._latest: dict[tuple[int, int], int] = {}
         self._stash: dict[tuple[int, int], P.Message] = {}
+        # dist_async: server -> the smallest (elements, key id, part, dtype code) this
+        # worker pushed there since its last barrier (plain async pushes get no reply).
+        self._unconfirmed: dict[int, tuple[int, int, int, int]] = {}
         self.keys: dict[Hashable, KeyInfo] = {}
         self.placement = Placement(self.num_servers, env.bigarray_bound)
 
@@ -504,6 +507,11 @@ class KVClient:
                 if kind == _STASH:
                     latest[slot] = self._req
                     stash.pop(slot, None)
+                elif kind is None:  # a plain dist_async push
+                    mark = (view.size, info.id, part.index, code)
+                    old = self._unconfirmed.get(part.server)
+                    if old is None or mark < old:
+                        self._unconfirmed[part.server] = mark
                 if t is not None and not t.done:
                     trackers.append(t)
         if batch is not None:
@@ -551,13 +559,36 @@ class KVClient:
         self._wait(batch)
 
     def barrier(self, group: int = P.GROUP_WORKERS) -> None:
-        """Block until every member of ``group`` has reached its barrier."""
+        """Block until every member of ``group`` has reached its barrier.
+
+        dist_async: this worker's pushes have been applied by then, so a pull
+        after the barrier sees every worker's pushes from before it.
+        """
         self._check()
+        self._confirm_pushes()
         self._released.discard(group)
         self._pipe.send_multipart([b"barrier", str(group).encode()])
         while group not in self._released:
             self._poll(500)
         self._released.discard(group)
+
+    def _confirm_pushes(self) -> None:
+        """Wait until the servers have applied our plain dist_async pushes.
+
+        They get no reply, and the barrier travels through the scheduler, so
+        another worker's pull could overtake them. A server serves a connection
+        in order: the answer to a pull of the smallest array we pushed there
+        comes after those pushes were applied.
+        """
+        if not self._unconfirmed:
+            return
+        batch = _Batch()
+        for server, (count, key_id, part, code) in sorted(self._unconfirmed.items()):
+            scratch = np.empty(count, P.DTYPES[code][0])
+            self._send(self.links[server], P.PULL, _VALUE, batch, scratch, key=key_id,
+                       part=part, flags=self._flags)
+        self._unconfirmed.clear()
+        self._wait(batch)
 
     def _all_servers(self, cmd: int, payloads: Sequence[Sequence[Any]] | None = None,
                      kind: int = _ACK) -> _Batch:
