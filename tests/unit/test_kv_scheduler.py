@@ -50,12 +50,13 @@ class Running:
 class Node:
     """A worker as the scheduler sees it: an authenticated DEALER."""
 
-    def __init__(self, ctx: zmq.Context, port: int, task_id: int) -> None:
+    def __init__(self, ctx: zmq.Context, port: int, task_id: int, **info: Any) -> None:
         self.link = Link(ctx, "127.0.0.1", port, SECRET, "the scheduler", "H", False,
                          Verbose(0, "W"))
         self.link.handshake(time.monotonic() + 10)
         self.link.send_json(P.REGISTER, {"role": "worker", "task_id": task_id,
-                                         "host": "127.0.0.1", "port": 0, "pid": 1000 + task_id})
+                                         "host": "127.0.0.1", "port": 0, "pid": 1000 + task_id,
+                                         **info})
 
     def recv(self, timeout: float) -> P.Message | None:
         end = time.monotonic() + timeout
@@ -131,3 +132,18 @@ def test_a_fail_behind_many_messages_is_reported_rather_than_the_disconnection(
     assert "worker 0 (task 0, pid 1000 on 127.0.0.1) failed: ValueError: boom" in str(run.error)
     msg = b.recv(5)
     assert msg is not None and msg.cmd == P.ABORT and "boom" in msg.json()["reason"]
+
+
+def test_a_nonsense_registration_is_dropped_and_counted(ctx: zmq.Context) -> None:
+    port = free_port()
+    sched = Scheduler(env(port, 1), SECRET)
+    run = Running(sched)
+    odd = Node(ctx, port, 0, pid=float("inf"))  # JSON Infinity: int() overflows
+    assert odd.recv(0.5) is None
+    assert run.thread.is_alive() and sched.hub.drops.counts.get("malformed") == 1
+    good = Node(ctx, port, 0)
+    msg = good.recv(10)
+    assert msg is not None and msg.cmd == P.READY
+    good.link.send(P.FINALIZE)
+    run.join(10)
+    assert run.error is None

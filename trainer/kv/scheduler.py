@@ -276,7 +276,7 @@ class Scheduler:
                 for peer, msg in self.hub.receive(1 << 30 if gone else 64):
                     try:
                         done = self._handle(peer, msg, now)
-                    except (P.ProtocolError, KeyError, TypeError, ValueError):
+                    except (P.ProtocolError, KeyError, TypeError, ValueError, OverflowError):
                         self.hub.drops.drop("malformed", peer.label)
                         continue
                     if done:

@@ -308,7 +308,8 @@ class Shard:
                 states[(key, part)] = (int(entry["count"]), arrays)
             if frames:
                 raise ValueError("more state arrays than described")
-        except (P.ProtocolError, OptimizerError, KeyError, TypeError, ValueError) as e:
+        except (P.ProtocolError, OptimizerError, KeyError, TypeError, ValueError,
+                OverflowError) as e:
             self._error(peer, msg, f"cannot restore optimizer states: {e}")
             return
         self.updater.set_states(states)
@@ -336,7 +337,7 @@ class Server:
         try:
             info = msg.json()
             peer.label = f"worker {int(info['rank'])} (pid {int(info['pid'])} on {info['host']})"
-        except (P.ProtocolError, KeyError, TypeError, ValueError):
+        except (P.ProtocolError, KeyError, TypeError, ValueError, OverflowError):
             self.hub.drops.drop("malformed", peer.label)
 
     def _stop(self, peer: P.Peer, msg: P.Message) -> None:
@@ -439,7 +440,7 @@ class Server:
         for msg in self.sched.receive():
             try:
                 done = self._control(msg) or done
-            except (P.ProtocolError, KeyError, TypeError, ValueError):
+            except (P.ProtocolError, KeyError, TypeError, ValueError, OverflowError):
                 self.sched.link.drops.drop("malformed", self.sched.name)
         return done
 
