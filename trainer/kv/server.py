@@ -215,26 +215,28 @@ class Shard:
         assert merged is not None and frame is not None
         slot.merged = slot.merged_frame = None
         slot.pushed = set()
+        failed = None
         if self.updater is not None:
             try:
                 self.updater((key, part), slot.value, merged)
             except (TypeError, ValueError) as e:
-                text = f"the optimizer failed on key {key}: {e}"
-                logger.warning("%s %s", self.who, text)
-                for peer, req, _ in slot.pending:
-                    self.send(peer, P.REPLY, key, part, req, status=P.ST_ERROR,
-                                  payload=[text.encode()])
-                slot.pending = []
-                return
+                failed = f"the optimizer failed on key {key}: {e}"
         else:
             slot.value, slot.frame = merged, frame
         pending = slot.pending
         slot.pending = []
-        digest = None
-        if pending and self.mac_payload:
-            digest = P.payload_digest([slot.value])
-        for peer, req, _ in pending:
-            self._send_value(peer, key, part, req, slot, digest)
+        if failed is not None:
+            logger.warning("%s %s", self.who, failed)
+            for peer, req, _ in pending:
+                self.send(peer, P.REPLY, key, part, req, status=P.ST_ERROR,
+                          payload=[failed.encode()])
+        else:
+            digest = None
+            if pending and self.mac_payload:
+                digest = P.payload_digest([slot.value])
+            for peer, req, _ in pending:
+                self._send_value(peer, key, part, req, slot, digest)
+        # the next round's requests, failed round or not: nobody waits forever
         if slot.backlog:
             backlog = slot.backlog
             slot.backlog = []
