@@ -20,7 +20,7 @@ This module imports nothing heavy: the trainer imports it before torch.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 # --- the dmlc / ps-lite contract -------------------------------------------
@@ -298,7 +298,7 @@ class ClusterEnv:
     task_id: int | None = None
     node_host: str | None = None
     interface: str | None = None
-    secret: str | None = None
+    secret: str | None = field(default=None, repr=False)  # never in a log or traceback
     insecure: bool = False
     job_id: str | None = None
     cluster: str | None = None

@@ -231,6 +231,9 @@ class KVStore:
                 "momentum": 0.9, "wd": 1e-4, "rescale_grad": 1 / 128,
                 "lr_scheduler": {"name": "multifactor", "step": [938], "factor": 0.1}}``.
                 dist stores send it (as JSON) to the servers; every worker calls this.
+                ``wd_mult`` maps keys (as strings) to factors on ``wd``; a dist store
+                needs those keys initialised first, and a ``dist_async`` store needs
+                an optimizer before its first push.
 
         Raises:
             KVConfigError: an unknown optimizer, option or scheduler, or a bad value.
@@ -248,7 +251,8 @@ class KVStore:
         raise NotImplementedError
 
     def barrier(self) -> None:
-        """Wait for every worker (a no-op for a single process)."""
+        """Wait for every worker (a no-op for a single process); with ``dist_async``,
+        this worker's pushes have been applied by the time it returns."""
 
     def close(self) -> None:
         """End the job (dist: final barrier, rank 0 stops the servers)."""

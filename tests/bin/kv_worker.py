@@ -9,7 +9,9 @@ Scenarios:
     sync       integer sums across workers: int and str keys, a split array,
                push+pull, pushpull, several rounds, lists of keys, device lists.
     async      dist_async with SGD lr=1: every push is applied at once.
+    async_noopt  dist_async without an optimizer: the push says so at once.
     optim      sgd/momentum on the servers; states round trip.
+    wd         wd_mult by the user's keys reaches the servers (biases do not decay).
     place      balanced placement: report the bytes per server.
     stall      after one round every worker writes ``ready-<rank>``; rank 1 then
                sleeps (the test kills or stops it) while the others wait in pushpull.
@@ -107,6 +109,16 @@ def scenario_async(kv: kvstore.KVStore, out: dict) -> None:
     out["value"] = got.tolist()
 
 
+def scenario_async_noopt(kv: kvstore.KVStore, out: dict) -> None:
+    kv.init(0, torch.zeros(2))
+    try:
+        kv.push(0, torch.ones(2))
+    except kvstore.KVConfigError as e:
+        out["error"] = str(e)
+    else:
+        fail("dist_async push without an optimizer was accepted")
+
+
 def scenario_optim(kv: kvstore.KVStore, out: dict) -> None:
     n = kv.num_workers
     kv.init("w", torch.ones(6))
@@ -126,6 +138,23 @@ def scenario_optim(kv: kvstore.KVStore, out: dict) -> None:
     # mom3 = -0.375 - 0.5 = -0.875, w3 = -1.125
     expect(torch.allclose(got, torch.full((6,), -1.125)), f"after restore: {got.tolist()}")
     out["w"] = got.tolist()
+
+
+def scenario_wd(kv: kvstore.KVStore, out: dict) -> None:
+    kv.init(["w", "b"], [torch.ones(3), torch.ones(2)])
+    kv.set_optimizer({"name": "sgd", "learning_rate": 0.5, "wd": 0.5, "wd_mult": {"b": 0.0}})
+    w, b = torch.empty(3), torch.empty(2)
+    kv.pushpull(["w", "b"], [torch.zeros(3), torch.zeros(2)], [w, b])
+    # w = 1 - 0.5 * 0.5 * 1; b keeps its value (wd_mult 0)
+    expect(torch.equal(w, torch.full((3,), 0.75)) and torch.equal(b, torch.ones(2)),
+           f"wd_mult: w {w.tolist()}, b {b.tolist()}")
+    states = kv.get_optimizer_states()
+    expect(states["optimizer"]["wd_mult"] == {"b": 0.0}, f"states: {states['optimizer']}")
+    kv.set_optimizer_states(states)
+    kv.pushpull(["w", "b"], [torch.zeros(3), torch.zeros(2)], [w, b])
+    expect(torch.equal(w, torch.full((3,), 0.5625)) and torch.equal(b, torch.ones(2)),
+           f"wd_mult after restore: w {w.tolist()}, b {b.tolist()}")
+    out["w"], out["b"] = w.tolist(), b.tolist()
 
 
 def scenario_place(kv: kvstore.KVStore, out: dict) -> None:

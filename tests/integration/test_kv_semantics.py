@@ -74,10 +74,23 @@ def test_async_applies_every_push(tmp_path: Path) -> None:
     assert results[1]["value"] == [-10.0] * 8
 
 
+def test_async_without_an_optimizer_is_a_clear_error(tmp_path: Path) -> None:
+    run, results = launch(tmp_path, "async_noopt", kvtype="dist_async")
+    ok(run, results)
+    assert results[1]["error"].startswith("dist_async needs an optimizer on the servers")
+
+
 def test_optimizer_runs_on_the_servers(tmp_path: Path) -> None:
     run, results = launch(tmp_path, "optim", servers=2, env={envvars.MAC_PAYLOAD: "1"})
     ok(run, results)
     assert results[0]["w"] == pytest.approx([-1.125] * 6)
+
+
+@pytest.mark.parametrize("kvtype", ["dist_sync", "dist_async"])
+def test_wd_mult_names_the_users_keys(tmp_path: Path, kvtype: str) -> None:
+    run, results = launch(tmp_path, "wd", servers=2, kvtype=kvtype, workers=1)
+    ok(run, results, workers=1)
+    assert results[0]["b"] == [1.0, 1.0] and results[0]["w"] == [0.5625] * 3
 
 
 def test_placement_is_balanced_by_bytes(tmp_path: Path) -> None:

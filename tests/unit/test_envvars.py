@@ -86,3 +86,11 @@ def test_compose_reports_only_real_conflicts() -> None:
     out = envvars.compose(c, inherited={"DMLC_ROLE": "worker", "HOME": "/h"}, cli_env={"DMLC_TASK_ID": "7"})
     assert out.overridden == ("DMLC_TASK_ID",)
     assert out.env["DMLC_TASK_ID"] == "1" and out.env["HOME"] == "/h"
+
+
+def test_cluster_env_repr_hides_the_secret() -> None:
+    from launcher.envvars import ClusterEnv
+
+    env = ClusterEnv(role="worker", root_uri="127.0.0.1", root_port=9, num_workers=1,
+                     num_servers=1, secret="5e" * 32)
+    assert "5e5e" not in repr(env) and env.secret == "5e" * 32

@@ -175,3 +175,41 @@ def test_optimizer_states_round_trip(shard) -> None:
     assert rec.take()[-1]["status"] == P.ST_OK
     assert other.updater is not None and other.updater.counts == {(0, 0): 1}
     np.testing.assert_array_equal(other.updater.states[(0, 0)]["mom"], [-2, -2])
+
+
+def test_wd_mult_applies_by_key_id_on_a_server() -> None:
+    # The server's optimizer states are keyed by (key id, part); wd_mult names key ids
+    # (the worker translates its own keys, see trainer.kv.client.wd_mult_to_ids).
+    rec = Recorder()
+    s = Shard(num_workers=1, mac_payload=False, send=rec)
+    s.handle(W0, tensor_msg(P.INIT, [1, 1], key=0))
+    s.handle(W0, tensor_msg(P.INIT, [1, 1], key=1))
+    s.handle(W0, json_msg(P.SET_OPTIMIZER, {"name": "sgd", "learning_rate": 1.0, "wd": 0.5,
+                                            "wd_mult": {"0": 0.0}}))
+    rec.take()
+    s.handle(W0, tensor_msg(P.PUSH, [0, 0], key=0, req=10))
+    s.handle(W0, tensor_msg(P.PUSH, [0, 0], key=1, req=11))
+    bias, weight = rec.take()
+    assert values(bias) == [1, 1]  # wd_mult 0: no decay
+    assert values(weight) == [0.5, 0.5]  # 1 - 1.0 * 0.5 * 1
+
+
+def test_a_failed_round_still_serves_the_next_rounds_requests() -> None:
+    rec = Recorder()
+    s = Shard(num_workers=2, mac_payload=False, send=rec)
+
+    def ints(cmd: int, v: list[int], req: int) -> P.Message:
+        a = np.asarray(v, np.int32)  # an optimizer cannot update integers: every round fails
+        return P.Message(cmd, 0, 4, 0, 0, req, 0, 0, a.size, [zmq.Frame(a.tobytes())])
+
+    s.handle(W0, ints(P.INIT, [0, 0], 1))
+    s.handle(W0, json_msg(P.SET_OPTIMIZER, {"name": "sgd", "learning_rate": 0.5}))
+    rec.take()
+    s.handle(W0, ints(P.PUSH, [1, 1], 10))
+    s.handle(W0, ints(P.PUSH, [1, 1], 11))  # the next round: queued
+    s.handle(W1, ints(P.PUSH, [1, 1], 20))
+    assert [(r["req"], r["status"]) for r in rec.take()] == [(10, P.ST_ERROR), (20, P.ST_ERROR)]
+    s.handle(W1, ints(P.PUSH, [1, 1], 21))  # completes the queued round
+    replies = rec.take()
+    assert [(r["req"], r["status"]) for r in replies] == [(11, P.ST_ERROR), (21, P.ST_ERROR)]
+    assert b"the optimizer failed on key 0" in replies[0]["data"][0]

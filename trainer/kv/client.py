@@ -83,6 +83,38 @@ def dtype_code(dtype: np.dtype) -> int:
     return code
 
 
+def wd_mult_to_ids(spec: dict[str, Any], keys: dict[Hashable, KeyInfo]) -> dict[str, Any]:
+    """``spec`` with ``wd_mult`` keyed by the servers' key ids instead of the user's keys.
+
+    A server only knows key ids (the order of ``init``); ``wd_mult`` names the
+    user's keys as strings. Raises KVConfigError for a key not initialised yet.
+    """
+    mult = spec.get("wd_mult") or {}
+    if not mult:
+        return spec
+    ids: dict[str, list[int]] = {}
+    for key, info in keys.items():
+        ids.setdefault(str(key), []).append(info.id)
+    out: dict[str, Any] = {}
+    for name, factor in mult.items():
+        found = ids.get(str(name))
+        if found is None:
+            raise KVConfigError(f"wd_mult names key {name!r}, which is not initialised: call "
+                                "kv.init for every key before kv.set_optimizer")
+        for i in found:
+            out[str(i)] = factor
+    return {**spec, "wd_mult": out}
+
+
+def wd_mult_to_keys(spec: dict[str, Any], keys: dict[Hashable, KeyInfo]) -> dict[str, Any]:
+    """The inverse of :func:`wd_mult_to_ids`: ``wd_mult`` keyed by the user's keys again."""
+    mult = spec.get("wd_mult") or {}
+    if not mult:
+        return spec
+    names = {str(info.id): str(key) for key, info in keys.items()}
+    return {**spec, "wd_mult": {names[i]: f for i, f in mult.items() if i in names}}
+
+
 class _Control(threading.Thread):
     """The control thread: scheduler session, heartbeats, relays (see the module docstring)."""
 
@@ -94,6 +126,7 @@ class _Control(threading.Thread):
         self.pipe.connect(endpoint)
         self.sched = SchedulerSession(client.ctx, client.env, client.secret, client.v)
         self.done = False
+        self.fail_sent = False
 
     def _to_main(self, kind: bytes, data: bytes = b"") -> None:
         try:
@@ -112,7 +145,9 @@ class _Control(threading.Thread):
             if e.errno != zmq.ETERM:
                 self._abort(f"control connection failed: {e}")
         finally:
-            self.sched.close(CLEAN_LINGER_MS if self.c.finished else 0)
+            # Linger after a FAIL too: closing at once would drop it unsent, and the
+            # scheduler would report a disconnection instead of the worker's error.
+            self.sched.close(CLEAN_LINGER_MS if self.c.finished or self.fail_sent else 0)
             self.pipe.close(0)
 
     def _loop(self) -> None:
@@ -135,6 +170,7 @@ class _Control(threading.Thread):
                         link.send(P.FINALIZE)
                     elif kind == b"fail":
                         link.send_json(P.FAIL, {"reason": data.decode()})
+                        self.fail_sent = True
                         self._to_main(b"failed")
                     elif kind == b"stop":
                         return
@@ -209,6 +245,8 @@ class KVClient:
         self.env = env
         self.secret = secret
         self.asynchronous = asynchronous
+        #: set_optimizer (or set_states with a spec) has run: dist_async needs it
+        self.has_optimizer = False
         self._flags = P.F_ASYNC if asynchronous else 0
         self.started = time.monotonic()
         self.finished = False
@@ -276,6 +314,9 @@ class KVClient:
         # instead of asking again.
         self._latest: dict[tuple[int, int], int] = {}
         self._stash: dict[tuple[int, int], P.Message] = {}
+        # dist_async: server -> the smallest (elements, key id, part, dtype code) this
+        # worker pushed there since its last barrier (plain async pushes get no reply).
+        self._unconfirmed: dict[int, tuple[int, int, int, int]] = {}
         self.keys: dict[Hashable, KeyInfo] = {}
         self.placement = Placement(self.num_servers, env.bigarray_bound)
 
@@ -387,16 +428,18 @@ class KVClient:
         """Register keys (same order on every worker); rank 0's arrays become the values."""
         self._check()
         new = []
+        seen: set[Hashable] = set()
         for key, arr in zip(keys, arrays):
-            if key in self.keys:
+            if key in self.keys or key in seen:
                 raise KVConfigError(f"key {key!r} was already initialised; init each key once")
-            new.append((key, arr))
-        parts = self.placement.assign([(a.size, a.itemsize) for _, a in new])
-        for (key, arr), p in zip(new, parts):
-            self.keys[key] = KeyInfo(len(self.keys), dtype_code(arr.dtype), arr.size, p)
+            seen.add(key)
+            new.append((key, arr, dtype_code(arr.dtype)))  # every check before any change
+        parts = self.placement.assign([(a.size, a.itemsize) for _, a, _ in new])
+        for (key, arr, code), p in zip(new, parts):
+            self.keys[key] = KeyInfo(len(self.keys), code, arr.size, p)
         if self.rank == 0:
             batch = _Batch()
-            for key, arr in new:
+            for key, arr, _ in new:
                 info = self.keys[key]
                 for part in info.parts:
                     view = arr[part.lo:part.hi]
@@ -427,6 +470,11 @@ class KVClient:
         so the caller may change them as soon as it returns.
         """
         self._check()
+        if self.asynchronous and not self.has_optimizer:
+            # The servers would refuse every push, and a plain push's refusal only
+            # shows at a later call: say it here, at the push that is wrong.
+            raise KVConfigError("dist_async needs an optimizer on the servers: call "
+                                "kv.set_optimizer(...) on every worker before the first push")
         batch = _Batch() if dests is not None else None
         flags = self._flags | (P.F_PULL if dests is not None else 0)
         if dests is not None:
@@ -459,6 +507,11 @@ class KVClient:
                 if kind == _STASH:
                     latest[slot] = self._req
                     stash.pop(slot, None)
+                elif kind is None:  # a plain dist_async push
+                    mark = (view.size, info.id, part.index, code)
+                    old = self._unconfirmed.get(part.server)
+                    if old is None or mark < old:
+                        self._unconfirmed[part.server] = mark
                 if t is not None and not t.done:
                     trackers.append(t)
         if batch is not None:
@@ -506,13 +559,36 @@ class KVClient:
         self._wait(batch)
 
     def barrier(self, group: int = P.GROUP_WORKERS) -> None:
-        """Block until every member of ``group`` has reached its barrier."""
+        """Block until every member of ``group`` has reached its barrier.
+
+        dist_async: this worker's pushes have been applied by then, so a pull
+        after the barrier sees every worker's pushes from before it.
+        """
         self._check()
+        self._confirm_pushes()
         self._released.discard(group)
         self._pipe.send_multipart([b"barrier", str(group).encode()])
         while group not in self._released:
             self._poll(500)
         self._released.discard(group)
+
+    def _confirm_pushes(self) -> None:
+        """Wait until the servers have applied our plain dist_async pushes.
+
+        They get no reply, and the barrier travels through the scheduler, so
+        another worker's pull could overtake them. A server serves a connection
+        in order: the answer to a pull of the smallest array we pushed there
+        comes after those pushes were applied.
+        """
+        if not self._unconfirmed:
+            return
+        batch = _Batch()
+        for server, (count, key_id, part, code) in sorted(self._unconfirmed.items()):
+            scratch = np.empty(count, P.DTYPES[code][0])
+            self._send(self.links[server], P.PULL, _VALUE, batch, scratch, key=key_id,
+                       part=part, flags=self._flags)
+        self._unconfirmed.clear()
+        self._wait(batch)
 
     def _all_servers(self, cmd: int, payloads: Sequence[Sequence[Any]] | None = None,
                      kind: int = _ACK) -> _Batch:
@@ -525,10 +601,11 @@ class KVClient:
     def set_optimizer(self, spec: dict[str, Any]) -> None:
         """Rank 0 installs the optimizer (a JSON spec) on every server; all workers sync."""
         self._check()
+        body = P.dumps(wd_mult_to_ids(spec, self.keys))  # on every rank: the same error
         if self.rank == 0:
-            body = P.dumps(spec)
             self._all_servers(P.SET_OPTIMIZER, [[body]] * len(self.links))
         self.barrier()
+        self.has_optimizer = True
 
     def get_states(self) -> tuple[dict[str, Any] | None, dict[Hashable, tuple[int, dict[str, np.ndarray]]]]:
         """The optimizer spec and ``{key: (count, {state: flat array})}`` from every server."""
@@ -538,7 +615,8 @@ class KVClient:
         spec = None
         for msg in batch.results:
             meta = msg.json()
-            spec = spec or meta.get("optimizer")
+            if spec is None and meta.get("optimizer") is not None:
+                spec = wd_mult_to_keys(meta["optimizer"], self.keys)
             frames = list(msg.frames[1:])
             for entry in meta["slots"]:
                 arrays = {}
@@ -565,6 +643,8 @@ class KVClient:
                    states: dict[Hashable, tuple[int, dict[str, np.ndarray]]]) -> None:
         """Rank 0 restores optimizer states on the servers; all workers sync."""
         self._check()
+        if spec is not None:
+            spec = wd_mult_to_ids(spec, self.keys)
         if self.rank == 0:
             metas: list[dict[str, Any]] = [{"optimizer": spec, "slots": []} for _ in self.links]
             frames: list[list[Any]] = [[] for _ in self.links]
@@ -586,6 +666,8 @@ class KVClient:
                             a[part.lo:part.hi].astype(P.DTYPES[info.code][0], copy=False))
             self._all_servers(P.SET_STATES, [[P.dumps(m), *f] for m, f in zip(metas, frames)])
         self.barrier()
+        if spec is not None:
+            self.has_optimizer = True
 
     # --- the end -----------------------------------------------------------------------------
     def close(self) -> None:

@@ -313,11 +313,15 @@ class Updater:
     Args:
         optimizer: the optimizer.
         ops: array functions for the arrays passed in (numpy by default).
+        wd_key: maps a state key to the key its ``wd_mult`` entry is looked up
+            by (a server's state keys are ``(key id, part)``: the key id).
     """
 
-    def __init__(self, optimizer: Optimizer, ops: ArrayOps = NUMPY_OPS) -> None:
+    def __init__(self, optimizer: Optimizer, ops: ArrayOps = NUMPY_OPS,
+                 wd_key: Callable[[Hashable], Hashable] | None = None) -> None:
         self.optimizer = optimizer
         self.ops = ops
+        self.wd_key = wd_key
         self.states: dict[Hashable, dict[str, Any]] = {}
         self.counts: dict[Hashable, int] = {}
         self.num_update = optimizer.begin_num_update
@@ -332,7 +336,8 @@ class Updater:
         if state is None:
             state = self.states[key] = self.optimizer.create_state(weight, self.ops)
         opt = self.optimizer
-        opt.step(weight, grad, state, opt.lr(self.num_update), opt.key_wd(key), count, self.ops)
+        wd = opt.key_wd(key if self.wd_key is None else self.wd_key(key))
+        opt.step(weight, grad, state, opt.lr(self.num_update), wd, count, self.ops)
 
     def get_states(self) -> dict[Hashable, tuple[int, dict[str, Any]]]:
         """``{key: (count, {state name: array})}`` for every key updated so far."""

@@ -271,10 +271,12 @@ class Scheduler:
                 # peer that got a recycled fd is never blamed; handle them after the
                 # messages, so a FAIL sent just before dying is what gets reported.
                 gone = self.hub.gone()
-                for peer, msg in self.hub.receive():
+                # A peer that closed may have left more than one batch of messages
+                # (its FAIL or FINALIZE behind heartbeats): read them all first.
+                for peer, msg in self.hub.receive(1 << 30 if gone else 64):
                     try:
                         done = self._handle(peer, msg, now)
-                    except (P.ProtocolError, KeyError, TypeError, ValueError):
+                    except (P.ProtocolError, KeyError, TypeError, ValueError, OverflowError):
                         self.hub.drops.drop("malformed", peer.label)
                         continue
                     if done:

@@ -67,6 +67,12 @@ class Slot:
         self.backlog: list[tuple[P.Peer, P.Message]] = []
 
 
+def _key_id(slot_key: Any) -> int:
+    """The key id of a ``(key id, part)`` state key: ``wd_mult`` is keyed by key id
+    (the worker translates its keys, see :func:`trainer.kv.client.wd_mult_to_ids`)."""
+    return slot_key[0]
+
+
 def _queued(slot: Slot, rid: bytes) -> bool:
     """True when a request of this peer waits for the slot's next round."""
     return any(p.rid == rid for p, _ in slot.backlog)
@@ -209,26 +215,28 @@ class Shard:
         assert merged is not None and frame is not None
         slot.merged = slot.merged_frame = None
         slot.pushed = set()
+        failed = None
         if self.updater is not None:
             try:
                 self.updater((key, part), slot.value, merged)
             except (TypeError, ValueError) as e:
-                text = f"the optimizer failed on key {key}: {e}"
-                logger.warning("%s %s", self.who, text)
-                for peer, req, _ in slot.pending:
-                    self.send(peer, P.REPLY, key, part, req, status=P.ST_ERROR,
-                                  payload=[text.encode()])
-                slot.pending = []
-                return
+                failed = f"the optimizer failed on key {key}: {e}"
         else:
             slot.value, slot.frame = merged, frame
         pending = slot.pending
         slot.pending = []
-        digest = None
-        if pending and self.mac_payload:
-            digest = P.payload_digest([slot.value])
-        for peer, req, _ in pending:
-            self._send_value(peer, key, part, req, slot, digest)
+        if failed is not None:
+            logger.warning("%s %s", self.who, failed)
+            for peer, req, _ in pending:
+                self.send(peer, P.REPLY, key, part, req, status=P.ST_ERROR,
+                          payload=[failed.encode()])
+        else:
+            digest = None
+            if pending and self.mac_payload:
+                digest = P.payload_digest([slot.value])
+            for peer, req, _ in pending:
+                self._send_value(peer, key, part, req, slot, digest)
+        # the next round's requests, failed round or not: nobody waits forever
         if slot.backlog:
             backlog = slot.backlog
             slot.backlog = []
@@ -252,7 +260,7 @@ class Shard:
     # --- control ------------------------------------------------------------------------------
     def _set_optimizer(self, peer: P.Peer, msg: P.Message) -> None:
         try:
-            self.updater = Updater(create_optimizer(msg.json()))
+            self.updater = Updater(create_optimizer(msg.json()), wd_key=_key_id)
         except OptimizerError as e:
             self._error(peer, msg, str(e))
             return
@@ -280,7 +288,7 @@ class Shard:
             spec = meta.get("optimizer")
             entries = meta["slots"]
             if spec is not None:
-                self.updater = Updater(create_optimizer(spec))
+                self.updater = Updater(create_optimizer(spec), wd_key=_key_id)
             if self.updater is None:
                 raise ValueError("no optimizer is set: call kv.set_optimizer(...) first")
             frames = list(msg.frames[1:])
@@ -302,7 +310,8 @@ class Shard:
                 states[(key, part)] = (int(entry["count"]), arrays)
             if frames:
                 raise ValueError("more state arrays than described")
-        except (P.ProtocolError, OptimizerError, KeyError, TypeError, ValueError) as e:
+        except (P.ProtocolError, OptimizerError, KeyError, TypeError, ValueError,
+                OverflowError) as e:
             self._error(peer, msg, f"cannot restore optimizer states: {e}")
             return
         self.updater.set_states(states)
@@ -330,7 +339,7 @@ class Server:
         try:
             info = msg.json()
             peer.label = f"worker {int(info['rank'])} (pid {int(info['pid'])} on {info['host']})"
-        except (P.ProtocolError, KeyError, TypeError, ValueError):
+        except (P.ProtocolError, KeyError, TypeError, ValueError, OverflowError):
             self.hub.drops.drop("malformed", peer.label)
 
     def _stop(self, peer: P.Peer, msg: P.Message) -> None:
@@ -433,7 +442,7 @@ class Server:
         for msg in self.sched.receive():
             try:
                 done = self._control(msg) or done
-            except (P.ProtocolError, KeyError, TypeError, ValueError):
+            except (P.ProtocolError, KeyError, TypeError, ValueError, OverflowError):
                 self.sched.link.drops.drop("malformed", self.sched.name)
         return done
 
