@@ -172,3 +172,28 @@ def test_bad_specs_give_one_line_errors(spec: object, message: str) -> None:
     with pytest.raises(OptimizerError, match=message.replace("(", r"\(")) as e:
         create_optimizer(spec)  # type: ignore[arg-type]
     assert "\n" not in str(e.value)
+
+
+def test_wd_mult_applies_to_every_part_of_a_server_key() -> None:
+    up = Updater(create_optimizer({"name": "sgd", "learning_rate": 0.1, "wd": 0.5, "wd_mult": {"3": 0.0}}))
+    part0, part1, other = np.ones(2), np.ones(2), np.ones(2)
+    up((3, 0), part0, np.zeros(2))
+    up((3, 1), part1, np.zeros(2))
+    up((4, 0), other, np.zeros(2))
+    np.testing.assert_allclose(part0, [1.0, 1.0])
+    np.testing.assert_allclose(part1, [1.0, 1.0])
+    np.testing.assert_allclose(other, [1 - 0.1 * 0.5] * 2)
+
+
+def test_the_client_sends_wd_mult_by_wire_id_and_reads_it_back() -> None:
+    from trainer.kv.client import KeyInfo, wd_mult_from_wire, wd_mult_to_wire
+    from trainer.kv.errors import KVConfigError
+
+    keys = {"fc.weight": KeyInfo(0, 0, 4, []), "fc.bias": KeyInfo(1, 0, 2, []), 7: KeyInfo(2, 0, 2, [])}
+    spec = {"name": "sgd", "wd": 0.1, "wd_mult": {"fc.bias": 0.0, "7": 2.0}}
+    wire = wd_mult_to_wire(spec, keys)
+    assert wire["wd_mult"] == {"1": 0.0, "2": 2.0} and spec["wd_mult"] == {"fc.bias": 0.0, "7": 2.0}
+    assert wd_mult_from_wire(wire, keys) == spec
+    assert wd_mult_to_wire({"name": "sgd"}, keys) == {"name": "sgd"}
+    with pytest.raises(KVConfigError, match="wd_mult names key 'nope', which is not initialised"):
+        wd_mult_to_wire({"name": "sgd", "wd_mult": {"nope": 0.0}}, keys)

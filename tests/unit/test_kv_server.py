@@ -175,3 +175,22 @@ def test_optimizer_states_round_trip(shard) -> None:
     assert rec.take()[-1]["status"] == P.ST_OK
     assert other.updater is not None and other.updater.counts == {(0, 0): 1}
     np.testing.assert_array_equal(other.updater.states[(0, 0)]["mom"], [-2, -2])
+
+
+def test_wd_mult_applies_on_the_servers_parts(shard) -> None:
+    # A server's updater sees (wire id, part) keys; wd_mult, keyed by wire id, must still apply.
+    s, rec = shard
+    s.handle(W0, tensor_msg(P.INIT, [0, 0], key=1, req=3))
+    rec.take()
+    spec = {"name": "sgd", "learning_rate": 0.5, "wd": 0.1, "wd_mult": {"1": 0.0}}
+    s.handle(W0, json_msg(P.SET_OPTIMIZER, spec, req=2))
+    assert rec.take()[0]["status"] == P.ST_OK
+    s.slots[(0, 0)].value[:] = 2.0
+    s.slots[(1, 0)].value[:] = 2.0
+    for key in (0, 1):
+        s.handle(W0, tensor_msg(P.PUSH, [0, 0], key=key))
+        s.handle(W1, tensor_msg(P.PUSH, [0, 0], key=key))
+    replies = rec.take()
+    by_key = {r["key"]: values(r) for r in replies}
+    assert by_key[0] == pytest.approx([2 - 0.5 * 0.1 * 2] * 2)  # decayed
+    assert by_key[1] == [2, 2]  # wd_mult 0: untouched, as MXNet leaves biases

@@ -63,6 +63,33 @@ class KeyInfo:
     parts: list[Part]
 
 
+def wd_mult_to_wire(spec: dict[str, Any], keys: dict[Hashable, KeyInfo]) -> dict[str, Any]:
+    """``spec`` with its ``wd_mult`` keyed by wire ids, as the servers' updaters see keys.
+
+    The user names keys by ``str(key)``; a server knows only the wire id, the
+    order of ``init``. A factor for a key that is not initialised is an error:
+    it would silently apply to whichever key later gets that id.
+    """
+    mult = spec.get("wd_mult")
+    if not mult or not isinstance(mult, dict):
+        return spec
+    ids = {str(k): str(info.id) for k, info in keys.items()}
+    unknown = [k for k in mult if str(k) not in ids]
+    if unknown:
+        raise KVConfigError(f"wd_mult names key {unknown[0]!r}, which is not initialised: "
+                            "call kv.init before kv.set_optimizer")
+    return {**spec, "wd_mult": {ids[str(k)]: v for k, v in mult.items()}}
+
+
+def wd_mult_from_wire(spec: dict[str, Any] | None, keys: dict[Hashable, KeyInfo]
+                      ) -> dict[str, Any] | None:
+    """The inverse of :func:`wd_mult_to_wire`, for a spec read back from the servers."""
+    if not spec or not isinstance(spec.get("wd_mult"), dict) or not spec["wd_mult"]:
+        return spec
+    names = {str(info.id): str(k) for k, info in keys.items()}
+    return {**spec, "wd_mult": {names.get(str(i), str(i)): v for i, v in spec["wd_mult"].items()}}
+
+
 class _Batch:
     """Replies a call is waiting for."""
 
@@ -525,8 +552,9 @@ class KVClient:
     def set_optimizer(self, spec: dict[str, Any]) -> None:
         """Rank 0 installs the optimizer (a JSON spec) on every server; all workers sync."""
         self._check()
+        wire = wd_mult_to_wire(spec, self.keys)  # on every worker: each fails alike
         if self.rank == 0:
-            body = P.dumps(spec)
+            body = P.dumps(wire)
             self._all_servers(P.SET_OPTIMIZER, [[body]] * len(self.links))
         self.barrier()
 
@@ -559,14 +587,15 @@ class KVClient:
                     full[p.lo:p.hi] = np.frombuffer(g[1][name].buffer, dtype)  # type: ignore[index]
                 arrays[name] = full
             out[key] = (count, arrays)
-        return spec, out
+        return wd_mult_from_wire(spec, self.keys), out
 
     def set_states(self, spec: dict[str, Any] | None,
                    states: dict[Hashable, tuple[int, dict[str, np.ndarray]]]) -> None:
         """Rank 0 restores optimizer states on the servers; all workers sync."""
         self._check()
+        wire = wd_mult_to_wire(spec, self.keys) if spec is not None else None
         if self.rank == 0:
-            metas: list[dict[str, Any]] = [{"optimizer": spec, "slots": []} for _ in self.links]
+            metas: list[dict[str, Any]] = [{"optimizer": wire, "slots": []} for _ in self.links]
             frames: list[list[Any]] = [[] for _ in self.links]
             for key, (count, arrays) in states.items():
                 info = self.keys.get(key)

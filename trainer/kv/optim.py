@@ -14,7 +14,9 @@ Semantics follow MXNet 1.x: the learning rate comes from the scheduler at
 ``num_update``, the largest per-key update count seen by this updater (so on
 a server it counts that server's updates); Adam's bias correction uses the
 key's own count. ``wd_mult`` maps a key (as a string) to a factor on ``wd``
-(MXNet gives biases 0, see :func:`wd_mult_for`); a key not listed gets 1.
+(MXNet gives biases 0, see :func:`trainer.fit.wd_mult`); a key not listed gets 1. A
+server's updater sees ``(wire id, part)`` keys; the factor of the wire id applies
+to every part (the client translates the user's keys to wire ids).
 Nothing here is ever unpickled: only names in
 :data:`OPTIMIZERS` and :data:`SCHEDULERS` can be built.
 """
@@ -196,7 +198,12 @@ class Optimizer:
         return spec
 
     def key_wd(self, key: Hashable) -> float:
-        """The weight decay of ``key``: ``wd`` times its ``wd_mult`` (default 1)."""
+        """The weight decay of ``key``: ``wd`` times its ``wd_mult`` (default 1).
+
+        A server's ``(key, part)`` tuple uses the factor of ``key``.
+        """
+        if isinstance(key, tuple) and key:
+            key = key[0]
         return self.wd * self.wd_mult.get(str(key), 1.0)
 
     def _prepare(self, weight: Any, grad: Any, wd: float, ops: ArrayOps,
