@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="relative share of the batch per device, e.g. 3,1 (default: equal)")
     o.add_argument("--data-dir", default=None,
                    help="MNIST IDX files and cache (default: ~/.cache/pslaunch/mnist)")
-    o.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the shuffling")
+    o.add_argument("--seed", type=_non_negative_int, default=0, help="seeds the initial weights and the shuffling")
     o.add_argument("--threads", type=_positive_int, default=None,
                    help="torch threads per process (default: the cores divided by this job's processes on the host)")
     o.add_argument("--plot", default=None, metavar="FILE.png",

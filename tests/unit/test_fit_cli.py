@@ -44,6 +44,7 @@ def test_our_flags() -> None:
         (["--mom", "1"], "--mom 1 must be below 1"),
         (["--lr", "-1"], "must be a finite number >= 0"),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--seed", "-1"], "--seed: -1 must not be negative"),  # numpy's shuffling seed cannot be negative
     ],
 )
 def test_usage_errors(argv: list[str], message: str) -> None:
