@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import hashlib
+import http.client
 import logging
 import math
 import os
@@ -298,7 +299,9 @@ def download(spec: IdxSpec, data_dir: Path, mirrors: Sequence[str] = MIRRORS,
             os.replace(part, final)
             log.info("Downloaded %s from %s", spec.gz_name, url)
             return final
-        except (DataError, OSError, ValueError) as e:
+        except (DataError, OSError, ValueError, http.client.HTTPException) as e:
+            # HTTPException: a reply that is not HTTP (BadStatusLine) or a cut chunked body
+            # (IncompleteRead); neither is an OSError.
             reason = _describe_error(e)
             log.debug("Download of %s failed: %s", url, reason)
             failures.append(f"{url}: {reason}")
@@ -314,6 +317,8 @@ def _describe_error(e: BaseException) -> str:
         return str(getattr(e.reason, "strerror", None) or e.reason)
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
+    if isinstance(e, http.client.HTTPException):
+        return f"bad HTTP reply ({type(e).__name__}: {' '.join(str(e).split())[:80]})"
     return str(e) or type(e).__name__
 
 

@@ -400,6 +400,29 @@ def test_download_checksum_fail(http_server: _Server, tmp_path: Path) -> None:
     assert not list(tmp_path.iterdir())  # neither the file nor its part is kept
 
 
+def test_a_mirror_that_does_not_speak_http_is_a_clean_failure(tmp_path: Path) -> None:
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")  # not an HTTP status line
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    spec = D.IdxSpec("train-labels-idx1-ubyte", (1,), 10, "0" * 64, "0" * 64)
+    try:
+        with pytest.raises(D.DataError, match="bad HTTP reply") as info:
+            D.download(spec, tmp_path, [f"http://127.0.0.1:{listener.getsockname()[1]}/"], timeout=5)
+    finally:
+        thread.join(5)
+        listener.close()
+    assert "\n" not in str(info.value)
+
+
 def test_download_falls_through_to_the_next_mirror(http_server: _Server, tmp_path: Path) -> None:
     spec, gz = _served_spec(http_server)
     D.download(spec, tmp_path, [_url(http_server, "missing"), _url(http_server)], timeout=5)
