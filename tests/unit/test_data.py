@@ -524,6 +524,9 @@ def test_shards_are_disjoint_equal_and_match_one_big_worker(n_train: int, frac: 
     assert len(set(flat[:num_examples].tolist())) == num_examples
     assert len(flat) - num_examples < workers * batch
     assert flat.min() >= 0 and flat.max() < n_train
+    if nb >= 2 or num_examples >= workers * batch:  # each worker pads from its own shard
+        used = [set(s.ravel().tolist()) for s in shards]
+        assert all(not used[r] & used[q] for r in range(workers) for q in range(r))
 
 
 def test_shards_are_seeded_and_change_per_epoch() -> None:
@@ -534,6 +537,15 @@ def test_shards_are_seeded_and_change_per_epoch() -> None:
     assert not np.array_equal(a, D.epoch_batches(epoch=0, seed=8, **kw))
     other = D.epoch_batches(epoch=0, seed=7, **{**kw, "rank": 0})
     assert not set(a.ravel().tolist()) & set(other.ravel().tolist())
+
+
+def test_mnist_shards_of_two_workers_are_disjoint() -> None:
+    # 60,000 = 468 global batches of 128 + 96: the last one is padded with 32 repeats.
+    kw = {"num_train": 60000, "num_examples": 60000, "epoch": 0, "seed": 0, "num_workers": 2, "batch_size": 64}
+    a, b = (D.epoch_batches(rank=r, **kw) for r in (0, 1))
+    assert a.shape == b.shape == (469, 64)
+    assert not set(a.ravel().tolist()) & set(b.ravel().tolist())
+    assert len(set(a.ravel().tolist()) | set(b.ravel().tolist())) == 60000
 
 
 def test_shard_arguments_are_checked() -> None:
