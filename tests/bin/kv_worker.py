@@ -126,6 +126,17 @@ def scenario_optim(kv: kvstore.KVStore, out: dict) -> None:
     # mom3 = -0.375 - 0.5 = -0.875, w3 = -1.125
     expect(torch.allclose(got, torch.full((6,), -1.125)), f"after restore: {got.tolist()}")
     out["w"] = got.tolist()
+    # wd_mult, named by the user's keys, reaches the servers (whose keys are wire ids and parts):
+    # "b" (wd_mult 0, like MXNet's biases) keeps its value, "d" decays.
+    kv.init(["d", "b"], [torch.ones(4), torch.ones(4)])
+    kv.set_optimizer({"name": "sgd", "learning_rate": 0.5, "wd": 0.1, "wd_mult": {"b": 0.0},
+                      "rescale_grad": 1.0 / n})
+    d, b = torch.empty(4), torch.empty(4)
+    kv.pushpull(["d", "b"], [torch.zeros(4), torch.zeros(4)], [d, b])
+    expect(torch.allclose(d, torch.full((4,), 0.95)), f"wd on d: {d.tolist()}")
+    expect(bool((b == 1).all()), f"wd_mult 0 on b: {b.tolist()}")
+    spec = kv.get_optimizer_states()["optimizer"]
+    expect(spec["wd_mult"] == {"b": 0.0}, f"wd_mult read back: {spec['wd_mult']}")
 
 
 def scenario_place(kv: kvstore.KVStore, out: dict) -> None:
