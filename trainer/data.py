@@ -21,7 +21,8 @@ directory neither corrupt it nor do the work twice).
 Sharding (:func:`epoch_batches`): each epoch the whole training set is
 shuffled with a generator seeded by ``(seed, epoch)``, the same on every
 worker, and cut into global batches of ``num_workers * batch_size`` samples;
-worker ``rank`` takes slice ``rank`` of each global batch. Within an epoch the
+worker ``rank`` takes slice ``rank`` of each global batch (a short last one is
+padded from each worker's own earlier samples). Within an epoch the
 workers' samples are therefore disjoint, every worker runs the same number of
 batches, and N workers with batch b see exactly the samples that one worker
 with batch N*b would see, step by step. :func:`split_batch` then divides a
@@ -35,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import hashlib
+import http.client
 import logging
 import math
 import os
@@ -298,7 +300,9 @@ def download(spec: IdxSpec, data_dir: Path, mirrors: Sequence[str] = MIRRORS,
             os.replace(part, final)
             log.info("Downloaded %s from %s", spec.gz_name, url)
             return final
-        except (DataError, OSError, ValueError) as e:
+        except (DataError, OSError, ValueError, http.client.HTTPException) as e:
+            # HTTPException: a reply that is not HTTP (BadStatusLine) or a cut chunked body
+            # (IncompleteRead); neither is an OSError.
             reason = _describe_error(e)
             log.debug("Download of %s failed: %s", url, reason)
             failures.append(f"{url}: {reason}")
@@ -314,6 +318,8 @@ def _describe_error(e: BaseException) -> str:
         return str(getattr(e.reason, "strerror", None) or e.reason)
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
+    if isinstance(e, http.client.HTTPException):
+        return f"bad HTTP reply ({type(e).__name__}: {' '.join(str(e).split())[:80]})"
     return str(e) or type(e).__name__
 
 
@@ -619,9 +625,11 @@ def epoch_batches(*, num_train: int, num_examples: int, epoch: int, seed: int,
     """The training-set indices this worker uses in ``epoch``, one row per batch.
 
     The first ``num_examples`` samples of a permutation seeded by ``(seed,
-    epoch)`` are cut into global batches of ``num_workers * batch_size``; the
-    last global batch is completed from the start of the permutation. Worker
-    ``rank`` gets slice ``rank`` of each global batch.
+    epoch)`` are cut into global batches of ``num_workers * batch_size``.
+    Worker ``rank`` gets slice ``rank`` of each global batch. The last global
+    batch is completed with the samples at the same positions one global batch
+    earlier, so each worker pads from its own shard and the shards stay
+    disjoint (with a single global batch, from the start of the permutation).
 
     Returns:
         An int64 array of shape ``(batches_per_epoch, batch_size)``.
@@ -633,9 +641,13 @@ def epoch_batches(*, num_train: int, num_examples: int, epoch: int, seed: int,
     nb = batches_per_epoch(num_examples, num_workers, batch_size)
     rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(num_train)[:num_examples]
-    total = nb * num_workers * batch_size
+    g = num_workers * batch_size
+    total = nb * g
     if total > num_examples:
-        order = np.resize(order, total)  # repeats from the start
+        if nb >= 2:  # position p repeats p - g: the same worker's slot, one batch earlier
+            order = np.concatenate([order, order[num_examples - g:total - g]])
+        else:
+            order = np.resize(order, total)  # repeats from the start
     return order.reshape(nb, num_workers, batch_size)[:, rank, :].copy()
 
 

@@ -159,9 +159,16 @@ def checkpoint_path(prefix: str | os.PathLike[str], epoch: int) -> Path:
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """Write ``state`` with torch.save atomically (a temporary file beside it, then a rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda f: torch.save(state, f))
+    """Write ``state`` with torch.save atomically (a temporary file beside it, then a rename).
+
+    Raises:
+        FitError: the file cannot be written (one line).
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda f: torch.save(state, f))
+    except OSError as e:
+        raise FitError(f"cannot write checkpoint {path}: {e.strerror or e}") from None
 
 
 def load_checkpoint(path: Path, network: str) -> dict[str, Any]:
@@ -350,6 +357,14 @@ def fit(cfg: TrainConfig, kv: Any, data: MNIST, *, plot: str | None = None) -> d
     begin_epoch = cfg.load_epoch or 0
     if begin_epoch >= cfg.num_epochs:
         raise FitError(f"--load-epoch {begin_epoch} leaves nothing to train with --num-epochs {cfg.num_epochs}")
+
+    if rank == 0 and cfg.model_prefix:
+        # Before the first epoch, not after it: a checkpoint that cannot be written is a usage error.
+        folder = checkpoint_path(cfg.model_prefix, 1).parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise FitError(f"--model-prefix {cfg.model_prefix}: cannot create {folder}: {e.strerror or e}") from None
 
     torch.manual_seed(cfg.seed)
     replicas = Replicas(cfg.network, devices, cfg.seed, cfg.channels_last)

@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="relative share of the batch per device, e.g. 3,1 (default: equal)")
     o.add_argument("--data-dir", default=None,
                    help="MNIST IDX files and cache (default: ~/.cache/pslaunch/mnist)")
-    o.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the shuffling")
+    o.add_argument("--seed", type=_non_negative_int, default=0, help="seeds the initial weights and the shuffling")
     o.add_argument("--threads", type=_positive_int, default=None,
                    help="torch threads per process (default: the cores divided by this job's processes on the host)")
     o.add_argument("--plot", default=None, metavar="FILE.png",
@@ -189,24 +189,24 @@ def _role() -> str:
     return envvars.ClusterEnv.from_environ(os.environ).role
 
 
-class _RankFilter(logging.Filter):
-    rank = "?"
+def _formatter(rank: int | str) -> logging.Formatter:
+    """MXNet's log format, ``Node[rank]`` written into the format string as MXNet does.
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.node = self.rank
-        return True
+    The rank is part of the format, not a record attribute set by a filter:
+    tqdm's ``logging_redirect_tqdm`` copies a handler's formatter but, before
+    tqdm 4.70, not its filters, and every line under the progress bar then failed
+    to format.
+    """
+    return logging.Formatter(f"%(asctime)s Node[{rank}] %(message)s")
 
 
-_rank_filter = _RankFilter()
-
-
-def _setup_logging() -> None:
+def _setup_logging() -> logging.Handler:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s Node[%(node)s] %(message)s"))
-    handler.addFilter(_rank_filter)
+    handler.setFormatter(_formatter("?"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
+    return handler
 
 
 def _fail(message: str, code: int = 1) -> int:
@@ -235,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    _setup_logging()
+    handler = _setup_logging()
     threads = args.threads or default_threads()
     if threads > 1:
         # libgomp's threads spin between parallel regions by default; when other processes want
@@ -261,7 +261,7 @@ def _worker(args: argparse.Namespace) -> int:
             progress=sys.stdout.isatty() and sys.stderr.isatty(),
         )
         with kvstore.create(args.kv_store) as kv:
-            _rank_filter.rank = str(kv.rank)
+            handler.setFormatter(_formatter(kv.rank))
             log.info("start with arguments %s", _namespace_text(args))
             log.info("%d torch thread(s), devices %s", torch.get_num_threads(), ", ".join(devices))
             data = load_mnist(args.data_dir)

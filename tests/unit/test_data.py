@@ -400,6 +400,29 @@ def test_download_checksum_fail(http_server: _Server, tmp_path: Path) -> None:
     assert not list(tmp_path.iterdir())  # neither the file nor its part is kept
 
 
+def test_a_mirror_that_does_not_speak_http_is_a_clean_failure(tmp_path: Path) -> None:
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")  # not an HTTP status line
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    spec = D.IdxSpec("train-labels-idx1-ubyte", (1,), 10, "0" * 64, "0" * 64)
+    try:
+        with pytest.raises(D.DataError, match="bad HTTP reply") as info:
+            D.download(spec, tmp_path, [f"http://127.0.0.1:{listener.getsockname()[1]}/"], timeout=5)
+    finally:
+        thread.join(5)
+        listener.close()
+    assert "\n" not in str(info.value)
+
+
 def test_download_falls_through_to_the_next_mirror(http_server: _Server, tmp_path: Path) -> None:
     spec, gz = _served_spec(http_server)
     D.download(spec, tmp_path, [_url(http_server, "missing"), _url(http_server)], timeout=5)
@@ -501,6 +524,9 @@ def test_shards_are_disjoint_equal_and_match_one_big_worker(n_train: int, frac: 
     assert len(set(flat[:num_examples].tolist())) == num_examples
     assert len(flat) - num_examples < workers * batch
     assert flat.min() >= 0 and flat.max() < n_train
+    if nb >= 2 or num_examples >= workers * batch:  # each worker pads from its own shard
+        used = [set(s.ravel().tolist()) for s in shards]
+        assert all(not used[r] & used[q] for r in range(workers) for q in range(r))
 
 
 def test_shards_are_seeded_and_change_per_epoch() -> None:
@@ -511,6 +537,15 @@ def test_shards_are_seeded_and_change_per_epoch() -> None:
     assert not np.array_equal(a, D.epoch_batches(epoch=0, seed=8, **kw))
     other = D.epoch_batches(epoch=0, seed=7, **{**kw, "rank": 0})
     assert not set(a.ravel().tolist()) & set(other.ravel().tolist())
+
+
+def test_mnist_shards_of_two_workers_are_disjoint() -> None:
+    # 60,000 = 468 global batches of 128 + 96: the last one is padded with 32 repeats.
+    kw = {"num_train": 60000, "num_examples": 60000, "epoch": 0, "seed": 0, "num_workers": 2, "batch_size": 64}
+    a, b = (D.epoch_batches(rank=r, **kw) for r in (0, 1))
+    assert a.shape == b.shape == (469, 64)
+    assert not set(a.ravel().tolist()) & set(b.ravel().tolist())
+    assert len(set(a.ravel().tolist()) | set(b.ravel().tolist())) == 60000
 
 
 def test_shard_arguments_are_checked() -> None:

@@ -210,6 +210,16 @@ def test_resume_with_the_wrong_network(mnist: MNIST, tmp_path: Path) -> None:
         _run(T.TrainConfig(network="lenet", num_epochs=2, load_epoch=1, model_prefix=str(tmp_path / "m")), mnist)
 
 
+def test_an_unwritable_model_prefix_is_one_line_before_training(mnist: MNIST, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(T.FitError, match="--model-prefix .*: cannot create .*file/sub") as info:
+        _run(T.TrainConfig(model_prefix=str(tmp_path / "file" / "sub" / "m"), num_epochs=1, num_examples=64,
+                           disp_batches=0), mnist)
+    assert "\n" not in str(info.value)
+    with pytest.raises(T.FitError, match="cannot write checkpoint .*m-0001.pt"):
+        T.save_checkpoint(tmp_path / "file" / "m-0001.pt", {})
+
+
 def test_fit_checks_its_configuration(mnist: MNIST) -> None:
     with pytest.raises(T.FitError, match="--num-examples 60001 must be between 1 and 60000"):
         _run(T.TrainConfig(num_examples=60001), mnist)

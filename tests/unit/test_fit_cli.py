@@ -44,6 +44,7 @@ def test_our_flags() -> None:
         (["--mom", "1"], "--mom 1 must be below 1"),
         (["--lr", "-1"], "must be a finite number >= 0"),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--seed", "-1"], "--seed: -1 must not be negative"),  # numpy's shuffling seed cannot be negative
     ],
 )
 def test_usage_errors(argv: list[str], message: str) -> None:
@@ -83,3 +84,22 @@ def test_bad_role_environment_is_one_line(monkeypatch: pytest.MonkeyPatch, capsy
     assert M.main([]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not set" in err
+
+
+def test_the_rank_prefix_survives_a_handler_copied_without_filters() -> None:
+    # tqdm's logging_redirect_tqdm before 4.70 copies a console handler's formatter and stream but not
+    # its filters: the Node[rank] prefix must come from the formatter alone.
+    import logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        handler = M._setup_logging()
+        handler.setFormatter(M._formatter(3))
+        copy = logging.StreamHandler(handler.stream)
+        copy.setFormatter(handler.formatter)
+        record = logging.LogRecord("trainer.fit", logging.INFO, __file__, 1, "Epoch[0] Train-accuracy=%f", (0.5,), None)
+        assert copy.format(record).endswith(" Node[3] Epoch[0] Train-accuracy=0.500000")
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
