@@ -45,6 +45,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -496,7 +497,17 @@ def _start_sshd(tb: Testbed, h: TestHost) -> None:
     extra = "MaxSessions 1\n" if h.index == LIMITED_HOST else ""
     cfg.write_text(_SSHD_CONFIG.format(hostkey=hostdir / "ssh_host_ed25519_key",
                                        authorized_keys=tb.authorized_keys) + extra)
-    script = (f"mount -t tmpfs -o mode=1777 tmpfs /tmp && mount -t tmpfs -o mode=0755 tmpfs {tb.sync_root} "
+    tmp_mount = "mount -t tmpfs -o mode=1777 tmpfs /tmp"
+    repo = Path(__file__).resolve().parent.parent
+    if Path("/tmp") in repo.parents:
+        # A checkout under /tmp (a CI clone, say) stays visible through the host's private /tmp:
+        # the job runs the checkout's venv in the checkout's directory on every host.
+        keep = hostdir / "repo"
+        keep.mkdir(exist_ok=True)
+        q = shlex.quote
+        tmp_mount = (f"mount --bind {q(str(repo))} {q(str(keep))} && {tmp_mount} && "
+                     f"mkdir -p {q(str(repo))} && mount --bind {q(str(keep))} {q(str(repo))}")
+    script = (f"{tmp_mount} && mount -t tmpfs -o mode=0755 tmpfs {tb.sync_root} "
               f"&& exec {SSHD} -D -e -f {cfg}")
     log = open(hostdir / "sshd.log", "ab")
     try:
