@@ -125,7 +125,7 @@ def lr_steps(step_epochs: Sequence[int], epoch_size: int, updates_per_batch: int
     return sorted({s * epoch_size * updates_per_batch for s in step_epochs if s > 0})
 
 
-def wd_mult(names: list[str]) -> dict[str, float]:
+def wd_mult(names: Sequence[str]) -> dict[str, float]:
     """Per-key weight-decay factors, MXNet's rule: only weights (and batch-norm
     gammas) decay; biases and other parameters get 0. Keys are list positions."""
     return {str(i): 0.0 for i, name in enumerate(names)
@@ -133,7 +133,7 @@ def wd_mult(names: list[str]) -> dict[str, float]:
 
 
 def optimizer_spec(cfg: TrainConfig, kv_type: str, num_workers: int, epoch_size: int,
-                   names: list[str] = ()) -> dict[str, Any]:
+                   names: Sequence[str] = ()) -> dict[str, Any]:
     """The JSON optimizer spec for ``kv.set_optimizer``; ``names`` are the
     parameter names in key order (for ``wd_mult``)."""
     spec: dict[str, Any] = {
