@@ -17,7 +17,7 @@ from launcher import envvars
 from trainer.kv import protocol as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bin"))
-from kv_job import REPO, SECRET, KVJob, worker_command  # noqa: E402
+from kv_job import REPO, SECRET, KVJob, free_port, worker_command  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -27,7 +27,7 @@ ROLE_CMD = [sys.executable, "-m", "trainer.kv"]
 def role_env(role: str, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env[envvars.PYTHONPATH] = str(REPO)
-    env.update(envvars.contract(role, root_uri="127.0.0.1", root_port=_free_port(),
+    env.update(envvars.contract(role, root_uri="127.0.0.1", root_port=free_port(),
                                 num_workers=1, num_servers=1, secret=SECRET, start_timeout=1,
                                 job_id="j", task_id=None if role == "scheduler" else 1,
                                 cluster=None if role == "scheduler" else "local",
@@ -75,14 +75,6 @@ def test_roles_do_not_import_torch() -> None:
     assert not re.search(r"\|\s+torch\b", r.stderr)
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 @pytest.fixture
 def job(tmp_path: Path):
     jobs: list[KVJob] = []
@@ -105,7 +97,7 @@ def test_python_m_trainer_kv_runs_scheduler_and_server(job) -> None:
 
 
 def test_port_range_is_honoured(job, tmp_path: Path) -> None:
-    lo = _free_port()
+    lo = free_port()
     j = job(servers=2, command=worker_command("noop"),
             env={envvars.PORT_RANGE: f"{lo}-{lo + 20}", envvars.VERBOSE: "1"}).start()
     codes = j.wait(90)

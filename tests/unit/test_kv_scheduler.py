@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import socket
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,15 +17,10 @@ from trainer.kv.errors import KVAbortError
 from trainer.kv.scheduler import Scheduler
 from trainer.kv.transport import Link, Verbose
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bin"))
+from kv_job import free_port  # noqa: E402
+
 SECRET = P.secret_key("ab" * 32)
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 class Running:
