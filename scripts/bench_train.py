@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from launcher import envvars  # noqa: E402
+from trainer.summary import read_summaries  # noqa: E402
 
 MODES = ("local", "dist_sync", "dist_async")
 MXNET_CANDIDATES = ("/opt/mxnet-venv/bin/python", str(REPO / ".venv-mxnet" / "bin" / "python"))
@@ -61,17 +62,7 @@ def run(argv: list[str], env: dict[str, str], timeout: float) -> tuple[list[dict
     t0 = time.perf_counter()
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
     wall = time.perf_counter() - t0
-    out = []
-    for line in proc.stdout.splitlines():
-        start = line.find("{")
-        if start < 0:
-            continue
-        try:
-            value = json.loads(line[start:])
-        except ValueError:
-            continue
-        if isinstance(value, dict) and "samples_per_sec" in value:
-            out.append(value)
+    out = read_summaries(proc.stdout)
     tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[:6])} ... exited {proc.returncode}:\n{tail}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -57,15 +56,8 @@ def run_launched(*args: str, workers: int = 2, servers: int = 1, timeout: float 
 
 def summaries(stdout: str) -> list[dict[str, Any]]:
     """The JSON summary lines of the output (launcher prefixes such as ``[worker 0]`` are skipped)."""
-    out = []
-    for line in stdout.splitlines():
-        start = line.find("{")
-        if start < 0:
-            continue
-        try:
-            value = json.loads(line[start:])
-        except ValueError:
-            continue
-        if isinstance(value, dict) and "validation_accuracy" in value:
-            out.append(value)
-    return sorted(out, key=lambda s: s["rank"])
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from trainer.summary import read_summaries
+
+    return sorted(read_summaries(stdout), key=lambda s: s["rank"])
