@@ -16,18 +16,26 @@ file as every MPI rank. It
 3. runs the command as a child in its own session and process group (stdin
    from ``/dev/null``), with a dead-man switch (:mod:`launcher.watchdog`) that
    kills that group if this wrapper is killed with SIGKILL;
-4. relays the child's output as *records*, one ``write`` each, so mpirun
-   never mixes two ranks within a line and the launcher can tell every
+4. relays the child's output as *records*, so the launcher can tell every
    line's rank; reports the child's pid at the start and its exit code at
    the end; exits with the child's code (128+N for signal N).
+
+Where the records go: over this rank's own TCP connection to the launcher
+(the table's ``output`` address), authenticated both ways with the job
+secret (see :func:`channel_mac`; the secret never crosses the wire). mpirun
+relays output in chunks of its own size, and Open MPI's chunks from different
+ranks interleave in the middle of lines, so records sent through mpirun cannot
+always be told apart. Only if that connection cannot be made (or breaks) do
+the records go through mpirun's output instead, one ``write`` each, with a
+warning.
 
 Signals: SIGTERM, SIGINT and SIGHUP (and the death of the parent, mpirun's
 daemon) are passed to the child's group, which gets SIGKILL after the job's
 ``--kill-grace``; SIGUSR1 (which both Open MPI and MPICH forward to every
 rank) makes the child's group dump its Python stacks (SIGABRT).
 
-Record format, one line on the wrapper's stdout (stdout records) or stderr
-(stderr records)::
+Record format, one line on the connection (or the wrapper's stdout for stdout
+records, stderr for stderr records)::
 
     \\x1e<mpi rank><kind> <payload>\\n
 
@@ -45,6 +53,8 @@ at the same path on every node).
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import json
 import os
 import re
@@ -70,6 +80,11 @@ RECORD_MARK = b"\x1e"
 MAX_PAYLOAD = 3072
 STDOUT_LINE, STDOUT_PART, STDERR_LINE, STDERR_PART, START, EXIT = "o", "O", "e", "E", "s", "x"
 RECORD_RE = re.compile(rb"\x1e(\d+)([oOeEsx]) ?(.*)", re.DOTALL)
+# The connection to the launcher: its greeting, and how long connecting and sending may take.
+CHANNEL_HELLO = b"pslaunch-mpi-output 1 "
+CHANNEL_CONNECT_TIMEOUT = 10.0
+CHANNEL_SEND_TIMEOUT = 60.0
+CHANNEL_LINE_MAX = 512
 # After the child exits, how long its leftover grandchildren may keep its pipes open.
 DRAIN_SECONDS = 0.5
 _PR_SET_PDEATHSIG = 1
@@ -176,6 +191,115 @@ def parse_record(line: bytes) -> Optional[tuple[int, str, bytes]]:
     return int(m.group(1)), m.group(2).decode(), m.group(3)
 
 
+# --- the connection to the launcher ------------------------------------------------------
+
+
+def channel_mac(secret: str, side: str, server_nonce: bytes, client_nonce: bytes, rank: int) -> str:
+    """The proof that ``side`` (``client``: the wrapper, ``server``: the launcher) holds the job
+    secret, bound to both nonces and the rank, so no proof can be replayed or reused."""
+    msg = b"\0".join((b"pslaunch-mpi-output", side.encode(), server_nonce, client_nonce, str(rank).encode()))
+    return hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()
+
+
+def _read_line(sock: socket.socket) -> bytes:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = sock.recv(CHANNEL_LINE_MAX)
+        if not chunk:
+            raise ConnectionError("the launcher closed the connection")
+        data += chunk
+        if len(data) > CHANNEL_LINE_MAX:
+            raise ConnectionError("the launcher's greeting is too long")
+    return data[:-1]
+
+
+class Channel:
+    """This rank's authenticated connection to the launcher, which carries its records.
+
+    Handshake (one line each way, then records)::
+
+        launcher: pslaunch-mpi-output 1 <server nonce, hex>
+        wrapper:  <MPI rank> <client nonce, hex> <channel_mac(client)>
+        launcher: ok <channel_mac(server)>
+    """
+
+    def __init__(self, address: Sequence[Any], rank: int, secret: str) -> None:
+        host, port = str(address[0]), int(address[1])
+        sock = socket.create_connection((host, port), timeout=CHANNEL_CONNECT_TIMEOUT)
+        try:
+            hello = _read_line(sock)
+            if not hello.startswith(CHANNEL_HELLO):
+                raise ConnectionError(f"{host}:{port} is not a pslaunch launcher")
+            server_nonce = bytes.fromhex(hello[len(CHANNEL_HELLO):].decode("ascii"))
+            client_nonce = os.urandom(16)
+            mac = channel_mac(secret, "client", server_nonce, client_nonce, rank)
+            sock.sendall(f"{rank} {client_nonce.hex()} {mac}\n".encode())
+            answer = _read_line(sock).decode("ascii", "replace")
+            expected = "ok " + channel_mac(secret, "server", server_nonce, client_nonce, rank)
+            if not hmac.compare_digest(answer, expected):
+                raise ConnectionError(f"{host}:{port} did not prove it holds the job's secret")
+        except (OSError, ValueError):
+            sock.close()
+            raise
+        sock.settimeout(CHANNEL_SEND_TIMEOUT)
+        self.sock = sock
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_WR)  # the launcher reads everything, then EOF
+        except OSError:
+            pass
+        self.sock.close()
+
+
+_CHANNEL: Optional[Channel] = None
+
+
+def _open_channel(rank: int, table: Mapping[str, Any], env: Mapping[str, str]) -> None:
+    """Connect to the launcher if the table says where; on failure, warn and use mpirun's output."""
+    global _CHANNEL
+    address = table.get("output")
+    secret = env.get(envvars.SECRET, "")
+    if not address:
+        return
+    try:
+        if not secret:
+            raise ValueError(f"{envvars.SECRET} is not set")
+        _CHANNEL = Channel(address, rank, secret)
+    except (OSError, ValueError) as e:
+        _emit(rank, STDERR_LINE, (
+            f"pslaunch rank wrapper: warning: cannot send this rank's output to the launcher at "
+            f"{address[0]}:{address[1]} from {socket.gethostname()} ({e}); it goes through mpirun's output "
+            "instead, where long lines of different ranks may mix").encode("utf-8", "replace")[:MAX_PAYLOAD])
+
+
+def _close_channel() -> None:
+    global _CHANNEL
+    if _CHANNEL is not None:
+        _CHANNEL.close()
+        _CHANNEL = None
+
+
+def _send(fd: int, data: bytes) -> bool:
+    """One record to the launcher: on the connection, else on ``fd`` (mpirun's output).
+    True if it went on the connection."""
+    global _CHANNEL
+    if _CHANNEL is not None:
+        try:
+            _CHANNEL.send(data)
+            return True
+        except OSError:
+            _close_channel()  # the launcher is gone or stuck: mpirun's output is all that is left
+    try:
+        os.write(fd, data)
+    except OSError:
+        pass  # mpirun's side is gone; keep going so the child is still stopped
+    return False
+
+
 # --- running the command -------------------------------------------------------------
 
 
@@ -210,10 +334,7 @@ class _Relay:
             self.partial = b""
 
     def _write(self, data: bytes) -> None:
-        try:
-            os.write(self.fd, data)
-        except OSError:
-            pass  # mpirun's side is gone; keep going so the child is still stopped
+        _send(self.fd, data)
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -397,31 +518,26 @@ def _on_signal(signum: int, frame: object) -> None:
 
 def _emit_error(rank: Optional[int], message: str) -> None:
     text = f"pslaunch rank wrapper: error: {message}".encode("utf-8", "replace")
+    if rank is not None:
+        _send(2, record(rank, STDERR_LINE, text[:MAX_PAYLOAD]))
+        return
     try:
-        if rank is None:
-            os.write(2, text + b"\n")
-        else:
-            os.write(2, record(rank, STDERR_LINE, text[:MAX_PAYLOAD]))
+        os.write(2, text + b"\n")
     except OSError:
         pass
 
 
 def _emit_exit(rank: int, code: int) -> None:
-    """The exit record, on stdout and on stderr: the launcher keeps the first that arrives
-    (one copy reaching it is enough; a lost exit record would make it guess)."""
+    """The exit record: on the connection, after the last output record; without one, on
+    stdout and on stderr, and the launcher keeps the first that arrives (one copy reaching it
+    is enough; a lost exit record would make it guess)."""
     data = record(rank, EXIT, str(code).encode())
-    for fd in (1, 2):
-        try:
-            os.write(fd, data)
-        except OSError:
-            pass
+    if not _send(1, data):
+        _send(2, data)
 
 
 def _emit(rank: int, kind: str, payload: bytes) -> None:
-    try:
-        os.write(1, record(rank, kind, payload))
-    except OSError:
-        pass
+    _send(1 if kind in (STDOUT_LINE, STDOUT_PART, START, EXIT) else 2, record(rank, kind, payload))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -460,6 +576,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _, _, job_env = rank_entry(table, rank, size)
         env = child_environ(environ, job_env)
         env[envvars.NODE_HOST] = node_address(env)
+        _open_channel(rank, table, env)
         runner = _Runner(rank, float(table.get("grace", 10.0)), "mpi4py" if mpi is not None else "env")
         watchdog = _Watchdog(runner.grace)
         code = runner.run(args, env, watchdog)
@@ -477,6 +594,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         if watchdog is not None:
             watchdog.close()
+        _close_channel()
     if mpi is not None:
         try:
             mpi.Finalize()

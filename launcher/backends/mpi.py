@@ -17,17 +17,22 @@ Environment: the variables every rank shares travel by *name*
 no secret appears on a command line; the rest (role, task id, per-role
 ``--env-*``) is inside the table, itself one environment variable.
 
-Status: the wrappers write their children's output and their own start and
-exit records through mpirun's output (see :mod:`launcher.mpirank`). This
-module splits that stream back into one :class:`MPIRank` handle per server
-and worker, so the supervisor sees per-rank output, pids and exit codes, and
-names the first rank that failed, as on every other backend.
+Status: each wrapper sends its child's output and its own start and exit
+records over its own TCP connection back to this host (:class:`RankChannels`,
+authenticated with the job secret; see :mod:`launcher.mpirank`), or, if it
+cannot connect, through mpirun's output. This module turns both into one
+:class:`MPIRank` handle per server and worker, so the supervisor sees
+per-rank output, pids and exit codes, and names the first rank that failed,
+as on every other backend. (mpirun's own output is no channel for records:
+Open MPI forwards each rank's output in chunks of its own size, and chunks of
+different ranks interleave in the middle of lines.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import hmac
 import ipaddress
 import json
 import logging
@@ -65,6 +70,9 @@ OUTPUT_DRAIN_WAIT = 5.0
 MPIRUN_EXIT_WAIT = 30.0
 # A longer run of mpirun's output without a newline cannot be a record; it is shown as is.
 MAX_UNTERMINATED = 64 * 1024
+# Rank connections that have not proven the job secret: how many may wait, and how long.
+CHANNEL_PENDING_MAX = 64
+CHANNEL_HANDSHAKE_WAIT = 15.0
 # Open MPI's hostfile is written at start; argv builders and dry runs use this name for it.
 _HOSTFILE_PLACEHOLDER = "<tmpdir>/hostfile"
 
@@ -185,7 +193,8 @@ def rank_layout(procs: Sequence[ProcSpec]) -> RankLayout:
 
 
 def rank_table(procs: Sequence[ProcSpec], layout: RankLayout, grace: float,
-               extra_common: Mapping[str, str] = {}) -> tuple[dict[str, str], dict[str, Any]]:
+               extra_common: Mapping[str, str] = {},
+               output: Optional[tuple[str, int]] = None) -> tuple[dict[str, str], dict[str, Any]]:
     """Split the plan's environments into what all ranks share and the rank table.
 
     Returns:
@@ -193,8 +202,9 @@ def rank_table(procs: Sequence[ProcSpec], layout: RankLayout, grace: float,
         same for every rank (passed by name on mpirun's command line, values in
         its environment); ``table`` has per role the variables shared by that
         role's ranks (``roles``) and per MPI rank ``[role, rank, own variables]``
-        (``ranks``), the shared values mpirun may rewrite (``pinned``), and the
-        kill grace the wrappers give the commands.
+        (``ranks``), the shared values mpirun may rewrite (``pinned``), the
+        kill grace the wrappers give the commands, and the launcher's address
+        for the ranks' output connections (``output``, when there is one).
     """
     ordered = [procs[i] for i in layout.order]
     envs = [dict(p.env) for p in ordered]
@@ -212,7 +222,9 @@ def rank_table(procs: Sequence[ProcSpec], layout: RankLayout, grace: float,
     # mpirun may rewrite some shared values on the way (Open MPI prepends its prefix to
     # LD_LIBRARY_PATH): the wrappers restore the job's own values for the command.
     pinned = {k: common[k] for k in envvars.MPI_REWRITTEN if k in common}
-    table = {"grace": grace, "roles": roles, "ranks": ranks, "pinned": pinned}
+    table: dict[str, Any] = {"grace": grace, "roles": roles, "ranks": ranks, "pinned": pinned}
+    if output is not None:
+        table["output"] = [output[0], output[1]]
     return common, table
 
 
@@ -330,17 +342,19 @@ def build_mpirun_argv(
 
 
 def mpirun_command(spec: JobSpec, info: MPIInfo, procs: Sequence[ProcSpec], layout: RankLayout,
-                   *, resolve: bool = True) -> tuple[list[str], dict[str, str], Optional[str]]:
+                   *, resolve: bool = True, output: Optional[tuple[str, int]] = None,
+                   ) -> tuple[list[str], dict[str, str], Optional[str]]:
     """mpirun's argv, its environment and Open MPI's hostfile text (None without hosts).
 
     The argv names :data:`_HOSTFILE_PLACEHOLDER` where the hostfile's path goes.
-    ``resolve=False`` (dry runs) looks no host name up.
+    ``resolve=False`` (dry runs) looks no host name up. ``output`` is where
+    :class:`RankChannels` listens for the ranks' records.
     """
     extra: dict[str, str] = {}
     source = spec.environ_dict().get(envvars.MPI_RANK_SOURCE)
     if source:
         extra[envvars.MPI_RANK_SOURCE] = source
-    common, table = rank_table(procs, layout, spec.kill_grace, extra)
+    common, table = rank_table(procs, layout, spec.kill_grace, extra, output)
     encoded = mpirank.encode_table(table)
     if len(encoded) > MAX_TABLE_CHARS:
         raise LaunchError(f"the rank table for {len(procs)} ranks is {len(encoded)} characters, more than "
@@ -451,6 +465,7 @@ class MPIRank(ProcessHandle):
         self.node: dict[str, Any] = {}
         self.local_pgid: Optional[int] = None
         self.note = ""
+        self.channel = "none"  # its wrapper's connection to us: "none", "open" or "closed"
 
     def started(self, info: dict[str, Any]) -> None:
         """The wrapper's start record: the command's pid, the node, its address."""
@@ -521,6 +536,7 @@ class MPIJob:
         self._all_done_at: Optional[float] = None
         self._lingered = False
         self._out_closed = threading.Event()
+        self._mpirun_closed = {False: False, True: False}
         self._exited_at: Optional[float] = None
 
     def attach(self, ranks: Sequence[MPIRank]) -> None:
@@ -547,16 +563,38 @@ class MPIJob:
             self._line(err, line)
 
     def close(self, err: bool) -> None:
-        """mpirun's stdout or stderr reached its end: flush, and close every rank's stream."""
+        """mpirun's stdout or stderr reached its end: flush, and close the ranks' streams
+        (those of a rank still connected close when its connection does)."""
         with self._lock:
             rest, self._buffers[err] = self._buffers[err], b""
         if rest:
             self._line(err, rest)
+        self._mpirun_closed[err] = True
         for r in self.ranks:
-            (r.output.stderr if err else r.output.stdout).close()
+            if r.channel != "open":
+                (r.output.stderr if err else r.output.stdout).close()
         (self.out.stderr if err else self.out.stdout).close()
         if not err:
             self._out_closed.set()
+
+    # -- the ranks' own connections (RankChannels; called on the pump's thread) --------
+
+    def channel_opened(self, rank: int) -> None:
+        self.ranks[rank].channel = "open"
+
+    def channel_line(self, rank: int, line: bytes) -> None:
+        parsed = mpirank.parse_record(line)
+        if parsed is None or parsed[0] != rank:
+            log.debug("rank %d's connection sent a line that is not one of its records: %r", rank, line[:80])
+            return
+        self._record(self.ranks[rank], parsed[1], parsed[2])
+
+    def channel_closed(self, rank: int) -> None:
+        r = self.ranks[rank]
+        r.channel = "closed"
+        for err, closed in self._mpirun_closed.items():
+            if closed:
+                (r.output.stderr if err else r.output.stdout).close()
 
     def _line(self, err: bool, line: bytes) -> None:
         parsed = mpirank.parse_record(line)
@@ -564,7 +602,9 @@ class MPIJob:
             (self.out.stderr if err else self.out.stdout).feed(line + b"\n")
             return
         rank, kind, payload = parsed
-        r = self.ranks[rank]
+        self._record(self.ranks[rank], kind, payload)
+
+    def _record(self, r: MPIRank, kind: str, payload: bytes) -> None:
         if kind == mpirank.STDOUT_LINE:
             r.output.stdout.feed(payload + b"\n")
         elif kind == mpirank.STDOUT_PART:
@@ -624,15 +664,16 @@ class MPIJob:
         return code or 1
 
     def _finished(self) -> Optional[int]:
-        """mpirun's exit code once it has exited *and* its stdout (the ranks' records) is read.
+        """mpirun's exit code once it has exited *and* the ranks' records are read (its
+        stdout and every rank connection reached their end).
 
-        mpirun can be seen to exit before the pump has read the last records it
-        wrote; a rank's exit record must not be taken for missing.
+        mpirun can be seen to exit before the pump has read the last records;
+        a rank's exit record must not be taken for missing.
         """
         code = self.mpirun_code()
         if code is None:
             return None
-        if not self._out_closed.is_set():
+        if not self._out_closed.is_set() or any(r.channel == "open" for r in self.ranks):
             if self._exited_at is None:
                 self._exited_at = time.monotonic()
             if time.monotonic() - self._exited_at < OUTPUT_DRAIN_WAIT:
@@ -712,6 +753,177 @@ class MPIJob:
         log.debug("mpirun (pid %d) exited with code %s", self.popen.pid, self.mpirun_code())
 
 
+class _Conn:
+    """One accepted connection: the handshake, then the records of the rank it proved to be."""
+
+    def __init__(self, owner: RankChannels, sock: socket.socket, peer: str) -> None:
+        self.owner = owner
+        self.sock = sock
+        self.peer = peer
+        self.nonce = os.urandom(16)
+        self.since = time.monotonic()
+        self.rank: Optional[int] = None
+        self.rejected = False
+        self.buf = b""
+
+    def feed(self, data: bytes) -> None:
+        if self.rejected:
+            return
+        self.buf += data
+        if self.rank is None:
+            line, newline, rest = self.buf.partition(b"\n")
+            if not newline:
+                if len(self.buf) > mpirank.CHANNEL_LINE_MAX:
+                    self.reject("its greeting is too long")
+                return
+            self.buf = b""
+            if not self._handshake(line):
+                return
+            self.buf = rest
+        *lines, self.buf = self.buf.split(b"\n")
+        if len(self.buf) > MAX_UNTERMINATED:
+            lines.append(self.buf)
+            self.buf = b""
+        for line in lines:
+            self.owner.job.channel_line(self.rank, line)  # type: ignore[arg-type]
+
+    def _handshake(self, line: bytes) -> bool:
+        owner = self.owner
+        try:
+            rank_text, client_hex, mac = line.decode("ascii").split(" ")
+            rank, client_nonce = int(rank_text), bytes.fromhex(client_hex)
+        except ValueError:
+            self.reject("it does not speak the rank wrapper's protocol")
+            return False
+        expected = mpirank.channel_mac(owner.secret, "client", self.nonce, client_nonce, rank)
+        if not hmac.compare_digest(mac, expected):
+            self.reject("it does not hold the job's secret")
+            return False
+        with owner.lock:
+            if not 0 <= rank < len(owner.job.ranks) or rank in owner.claimed:
+                taken = True
+            else:
+                taken = False
+                owner.claimed.add(rank)
+                owner.pending.discard(self)
+        if taken:
+            self.reject(f"MPI rank {rank} is not in the job or already connected")
+            return False
+        try:
+            proof = mpirank.channel_mac(owner.secret, "server", self.nonce, client_nonce, rank)
+            self.sock.send(f"ok {proof}\n".encode())  # a few bytes into an empty buffer
+        except OSError:
+            pass  # the wrapper sees the connection fail and falls back to mpirun's output
+        self.rank = rank
+        owner.job.channel_opened(rank)
+        return True
+
+    def reject(self, why: str) -> None:
+        if not self.rejected:
+            self.rejected = True
+            self.owner.rejected(self.peer, why)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # the pump reads EOF and lets go of it
+        except OSError:
+            pass
+
+    def closed(self) -> None:
+        """The pump read EOF (and closed its copy of the descriptor)."""
+        self.sock.close()
+        with self.owner.lock:
+            self.owner.pending.discard(self)
+        if self.rank is not None:
+            if self.buf:
+                self.owner.job.channel_line(self.rank, self.buf)
+                self.buf = b""
+            self.owner.job.channel_closed(self.rank)
+
+
+class RankChannels:
+    """Where the rank wrappers send their records: one TCP connection per rank, to this host.
+
+    A connection serves only after its wrapper proved it holds the job secret
+    for a rank of this job that has no connection yet (and this side proved it
+    back; see :class:`launcher.mpirank.Channel`). Reading is the job's pump's
+    work, so records and mpirun's output are handled on one thread.
+    """
+
+    def __init__(self, job: MPIJob, pump: PipePump, secret: str, address: str,
+                 ports: Sequence[int] = ()) -> None:
+        self.job = job
+        self.pump = pump
+        self.secret = secret
+        self.lock = threading.Lock()
+        self.claimed: set[int] = set()
+        self.pending: set[_Conn] = set()
+        self._warned = False
+        self.sock = _bind_first(address, ports)
+        self.address = (address, self.sock.getsockname()[1])
+        self.sock.listen(128)
+        self.sock.settimeout(0.25)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="pslaunch-mpi-output", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            self._sweep()
+            try:
+                sock, peer = self.sock.accept()
+            except OSError:
+                continue
+            conn = _Conn(self, sock, f"{peer[0]}:{peer[1]}")
+            with self.lock:
+                full = len(self.pending) >= CHANNEL_PENDING_MAX
+                if not full:
+                    self.pending.add(conn)
+            if full:
+                sock.close()
+                continue
+            try:
+                sock.settimeout(5.0)
+                sock.sendall(mpirank.CHANNEL_HELLO + conn.nonce.hex().encode() + b"\n")
+                fd = os.dup(sock.fileno())
+            except OSError:
+                with self.lock:
+                    self.pending.discard(conn)
+                sock.close()
+                continue
+            self.pump.add(fd, conn.feed, conn.closed)
+
+    def _sweep(self) -> None:
+        """Connections that have not proven the secret in time are dropped."""
+        now = time.monotonic()
+        with self.lock:
+            stale = [c for c in self.pending if now - c.since > CHANNEL_HANDSHAKE_WAIT]
+        for c in stale:
+            c.reject("it did not finish the handshake in time")
+
+    def rejected(self, peer: str, why: str) -> None:
+        (log.debug if self._warned else log.warning)(
+            "refused a connection to the ranks' output port from %s: %s", peer, why)
+        self._warned = True
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2.0)
+        self.sock.close()
+
+
+def _bind_first(address: str, ports: Sequence[int]) -> socket.socket:
+    """A TCP socket bound to ``address`` on the first free of ``ports``, else any port."""
+    for port in [*ports, 0]:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind((address, port))
+            return sock
+        except OSError:
+            sock.close()
+            if port == 0:
+                raise
+    raise AssertionError("unreachable")
+
+
 class MPIBackend(Backend):
     """``--launcher mpi``: servers and workers as the ranks of one mpirun."""
 
@@ -723,6 +935,7 @@ class MPIBackend(Backend):
         self.info: Optional[MPIInfo] = None
         self.job: Optional[MPIJob] = None
         self.pump: Optional[PipePump] = None
+        self.channels: Optional[RankChannels] = None
         self.tmpdir: Optional[str] = None
 
     def check(self) -> None:
@@ -748,7 +961,12 @@ class MPIBackend(Backend):
         assert self.info is not None
         spec = self.spec
         layout = rank_layout(procs)
-        argv, env, hostfile_text = mpirun_command(spec, self.info, procs, layout)
+        job = MPIJob([], self.console.proc("mpirun", "mpirun", "mpirun"), self.watchdog)
+        if self.pump is None:
+            self.pump = PipePump()
+        self.channels = self._listen(job, procs, layout)
+        argv, env, hostfile_text = mpirun_command(spec, self.info, procs, layout,
+                                                  output=self.channels.address if self.channels else None)
         if hostfile_text is not None:
             self.tmpdir = tempfile.mkdtemp(prefix="pslaunch-mpi-")
             path = os.path.join(self.tmpdir, "hostfile")
@@ -756,13 +974,10 @@ class MPIBackend(Backend):
                 f.write(hostfile_text)
             argv = [path if a == _HOSTFILE_PLACEHOLDER else a for a in argv]
         log.debug("mpirun command: %s", shlex.join(argv))
-        job = MPIJob([], self.console.proc("mpirun", "mpirun", "mpirun"), self.watchdog)
         ranks = [MPIRank(procs[i], self.console.proc(procs[i].name, procs[i].label, str(procs[i].role)), job, r)
                  for r, i in enumerate(layout.order)]
         job.attach(ranks)
         self.job = job
-        if self.pump is None:
-            self.pump = PipePump()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
@@ -784,6 +999,28 @@ class MPIBackend(Backend):
                  f" on {len(layout.hosts)} host{'s' if len(layout.hosts) != 1 else ''}" if layout.hosts else "")
         by_proc = {i: ranks[r] for r, i in enumerate(layout.order)}
         return [by_proc[i] for i in range(len(procs))]
+
+    def _listen(self, job: MPIJob, procs: Sequence[ProcSpec], layout: RankLayout) -> Optional[RankChannels]:
+        """The port the ranks send their records to: on the scheduler's address (which every
+        host reaches; loopback when all ranks run here), in ``--port-range`` if one is free."""
+        env = procs[0].env
+        secret = env.get(envvars.SECRET, "")
+        root = env.get(envvars.ROOT_URI, "")
+        if not secret or (layout.hosts and not root):
+            return None
+        lo, hi = self.spec.port_range
+        root_port = int(env.get(envvars.ROOT_PORT, lo) or lo)
+        ports = [p for p in range(root_port + 1, hi + 1)][:64] + [p for p in range(lo, root_port)][:16]
+        try:
+            address = netif.resolve_ipv4(root) if layout.hosts else "127.0.0.1"
+            assert self.pump is not None
+            channels = RankChannels(job, self.pump, secret, address, ports)
+        except (OSError, netif.NetifError) as e:
+            log.warning("cannot listen for the ranks' output on %s (%s); it goes through mpirun's output, "
+                        "where long lines of different ranks may mix", root or "127.0.0.1", e)
+            return None
+        log.debug("the ranks send their output to %s:%d", *channels.address)
+        return channels
 
     @classmethod
     def dry_run(cls, spec: JobSpec, plan: Plan) -> list[str]:
@@ -817,11 +1054,18 @@ class MPIBackend(Backend):
         for r, i in enumerate(layout.order):
             p = procs[i]
             lines.append(f"  rank {r}: {p.label} (task id {p.task_id})")
+        lo, hi = spec.port_range
+        where = procs[0].env.get(envvars.ROOT_URI, "?") if layout.hosts else "127.0.0.1"
+        lines.append(f"rank output: each rank connects back to {where}, on a free port of {lo}-{hi} after the "
+                     "scheduler's (authenticated with the job secret)")
         return lines
 
     def close(self) -> None:
         if self.job is not None:
             self.job.stop(timeout=5.0)
+        if self.channels is not None:
+            self.channels.stop()
+            self.channels = None
         if self.pump is not None:
             self.pump.stop()
             self.pump = None
@@ -831,7 +1075,7 @@ class MPIBackend(Backend):
 
 
 __all__ = [
-    "MPIBackend", "MPIImpl", "MPIInfo", "MPIJob", "MPIRank", "RankLayout", "build_mpirun_argv",
+    "MPIBackend", "MPIImpl", "MPIInfo", "MPIJob", "MPIRank", "RankChannels", "RankLayout", "build_mpirun_argv",
     "detect_implementation", "mpi_interface", "mpirun_command", "openmpi_hostfile", "probe_mpirun",
     "rank_layout", "rank_table",
 ]

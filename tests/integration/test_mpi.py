@@ -160,6 +160,30 @@ def test_output_is_labelled_per_rank(mpirun, probe, tmp_path) -> None:
     assert not any("\x1e" in line for line in lines)
 
 
+FLOOD = ("import os, sys\n"
+         "who = os.environ['DMLC_ROLE'] + os.environ.get('DMLC_TASK_ID', '')\n"
+         "for i in range(300):\n"
+         "    print(f'{who}:{i}:' + who[0] * 5000)\n"
+         "    if i % 100 == 0: print(f'{who} err {i}', file=sys.stderr)\n")
+
+
+@pytest.mark.timeout(90)
+def test_floods_of_long_lines_from_every_rank_stay_whole(mpirun) -> None:
+    """Open MPI forwards each rank's output in chunks of its own size, and chunks of different
+    ranks interleave mid-line; the ranks' records must not depend on that (they did once:
+    hundreds of broken lines per run like this one)."""
+    r = run_pslaunch(*mpi_args(mpirun, "-n", "3", "-s", "2", sys.executable, "-c", FLOOD), timeout=80)
+    assert r.returncode == 0, r.stderr
+    labels = {"scheduler": "scheduler", "server3": "server 0", "server4": "server 1",
+              "worker0": "worker 0", "worker1": "worker 1", "worker2": "worker 2"}
+    expected = sorted(f"[{label}] {who}:{i}:" + who[0] * 5000 for who, label in labels.items() for i in range(300))
+    assert sorted(r.stdout.splitlines()) == expected
+    for who, label in labels.items():
+        assert [line for line in r.stderr.splitlines() if line.startswith(f"[{label}] {who} err")] == [
+            f"[{label}] {who} err {i}" for i in (0, 100, 200)]
+    assert "long lines of different ranks may mix" not in r.stderr
+
+
 @pytest.mark.timeout(60)
 def test_rank_exiting_3_fails_the_job_naming_it(mpirun, probe, tmp_path) -> None:
     summary = tmp_path / "summary.json"
@@ -396,6 +420,8 @@ def test_hosts_env_contract_and_placement_match_the_plan(remote, tmp_path) -> No
         assert str(REPO) in env["PYTHONPATH"].split(os.pathsep)
         assert ("WHO" in env) == (role == "worker")
         assert f"[{role} {rank} @ {host}] hi" in r.stdout.splitlines()
+    # every rank reached the launcher's output port across the namespaces (no fallback warning)
+    assert "long lines of different ranks may mix" not in r.stderr
     assert_hosts_clean(tb)
 
 

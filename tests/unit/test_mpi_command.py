@@ -350,6 +350,7 @@ def test_dry_run_shows_the_mpirun_command_without_secret_values(tmp_path, text, 
     assert "DB_PASSWORD" not in cmd  # a worker-only variable travels in the table
     assert cmd.endswith(f"{sys.executable} {mpi.WRAPPER} -- python train.py")
     assert "rank 0: server 0 @ A (task id 3)" in out and "rank 4: worker 0 @ C (task id 0)" in out
+    assert "rank output: each rank connects back to 127.0.0.1, on a free port of 9091-9998" in out
 
 
 def test_dry_run_without_mpi_shows_both_forms(tmp_path) -> None:

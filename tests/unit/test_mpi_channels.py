@@ -1,0 +1,177 @@
+"""The mpi backend's rank connections: each rank wrapper sends its records to the launcher over
+its own TCP connection, after both sides proved they hold the job secret. Real sockets, a real
+pump and real wrapper processes (no mpirun: the wrapper takes its rank from the environment)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+from conftest import REPO, wait_for
+
+from launcher import mpirank
+from launcher.backends import mpi
+from launcher.output import Console, PipePump
+from launcher.plan import ProcSpec
+from launcher.spec import Role
+
+SECRET = "5e" * 32
+
+
+class Job:
+    """A real MPIJob of ``n`` workers printing to in-memory consoles, and its RankChannels."""
+
+    def __init__(self, n: int) -> None:
+        self.out, self.err = io.BytesIO(), io.BytesIO()
+        console = Console(self.out, self.err, color=False)
+        self.procs = [ProcSpec(Role.WORKER, i, i, None, ("x",), {}) for i in range(n)]
+        self.job = mpi.MPIJob([], console.proc("mpirun", "mpirun", "mpirun"), None)
+        self.job.attach([mpi.MPIRank(p, console.proc(p.name, p.label, "worker"), self.job, i)
+                         for i, p in enumerate(self.procs)])
+        self.pump = PipePump()
+        self.channels = mpi.RankChannels(self.job, self.pump, SECRET, "127.0.0.1")
+
+    def stdout(self) -> str:
+        return self.out.getvalue().decode()
+
+    def close(self) -> None:
+        self.channels.stop()
+        self.pump.stop()
+
+
+@pytest.fixture
+def job():
+    j = Job(3)
+    yield j
+    j.close()
+
+
+def test_a_rank_that_proves_the_secret_is_heard_in_order(job: Job) -> None:
+    ch = mpirank.Channel(job.channels.address, 1, SECRET)
+    ch.send(mpirank.record(1, mpirank.START, json.dumps({"pid": 4242, "host": "h"}).encode()))
+    long = b"y" * (3 * mpirank.MAX_PAYLOAD)
+    for i in range(200):
+        ch.send(mpirank.record(1, mpirank.STDOUT_LINE, b"line %d" % i))
+    ch.send(mpirank.record(1, mpirank.STDOUT_PART, long[:5000]) + mpirank.record(1, mpirank.STDOUT_LINE, long[5000:]))
+    ch.send(mpirank.record(1, mpirank.STDERR_LINE, b"oops"))
+    ch.send(mpirank.record(1, mpirank.EXIT, b"3"))
+    ch.close()
+    rank = job.job.ranks[1]
+    wait_for(lambda: rank.channel == "closed", 5, what="the connection to end")
+    assert rank.reported == 3 and rank.pid == 4242
+    job.job.close(False)
+    job.job.close(True)  # mpirun's streams end: the rank's streams close, partial lines flushed
+    lines = job.stdout().splitlines()
+    assert lines[:200] == [f"[worker 1] line {i}" for i in range(200)]
+    assert lines[200] == "[worker 1] " + long.decode()
+    assert job.err.getvalue().decode() == "[worker 1] oops\n"
+    assert job.job.ranks[0].channel == "none" and job.job.ranks[0].reported is None
+
+
+def test_a_wrong_secret_is_refused_and_never_served(job: Job, caplog) -> None:
+    with pytest.raises(ConnectionError):
+        mpirank.Channel(job.channels.address, 0, "0" * 64)
+    assert job.job.ranks[0].channel == "none"
+    assert "does not hold the job's secret" in caplog.text
+    # Records without a handshake are not records of anyone.
+    with socket.create_connection(job.channels.address, timeout=5) as s:
+        s.sendall(b"0 " + b"00" * 16 + b" " + b"ab" * 32 + b"\n" + mpirank.record(0, mpirank.EXIT, b"0"))
+        assert s.recv(4096).startswith(mpirank.CHANNEL_HELLO)
+        assert s.recv(4096) == b""  # refused: closed without an answer
+    assert job.job.ranks[0].reported is None
+    assert SECRET not in caplog.text
+
+
+def test_each_rank_connects_once_and_only_with_its_own_records(job: Job) -> None:
+    ch = mpirank.Channel(job.channels.address, 0, SECRET)
+    with pytest.raises(ConnectionError):
+        mpirank.Channel(job.channels.address, 0, SECRET)  # rank 0 is taken
+    with pytest.raises(ConnectionError):
+        mpirank.Channel(job.channels.address, 7, SECRET)  # no such rank
+    ch.send(mpirank.record(2, mpirank.EXIT, b"9"))  # rank 0 speaking for rank 2
+    ch.send(mpirank.record(0, mpirank.EXIT, b"0"))
+    ch.close()
+    wait_for(lambda: job.job.ranks[0].channel == "closed", 5, what="the connection to end")
+    assert job.job.ranks[0].reported == 0 and job.job.ranks[2].reported is None
+
+
+def test_a_connection_that_never_finishes_the_handshake_is_dropped(job: Job, monkeypatch) -> None:
+    monkeypatch.setattr(mpi, "CHANNEL_HANDSHAKE_WAIT", 0.5)
+    with socket.create_connection(job.channels.address, timeout=10) as s:
+        assert s.recv(4096).startswith(mpirank.CHANNEL_HELLO)
+        assert s.recv(4096) == b""  # closed by the launcher, within seconds
+    wait_for(lambda: not job.channels.pending, 5, what="the connection to be forgotten")
+
+
+def test_the_wrapper_refuses_a_listener_that_cannot_prove_the_secret() -> None:
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def impostor() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.sendall(mpirank.CHANNEL_HELLO + b"00" * 16 + b"\n")
+            conn.recv(4096)
+            conn.sendall(b"ok " + b"ab" * 32 + b"\n")
+            conn.recv(4096)
+
+    t = threading.Thread(target=impostor, daemon=True)
+    t.start()
+    with pytest.raises(ConnectionError, match="did not prove"):
+        mpirank.Channel(srv.getsockname(), 0, SECRET)
+    t.join(5)
+    srv.close()
+
+
+def _run_wrapper(table: dict, tmp_path, *command: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3",
+           "PSLAUNCH_SECRET": SECRET, "DMLC_PS_ROOT_URI": "127.0.0.1",
+           "PSLAUNCH_MPI_TABLE": mpirank.encode_table(table)}
+    return subprocess.run([sys.executable, os.path.join(REPO, "launcher", "mpirank.py"), "--", *command],
+                          capture_output=True, timeout=60, env=env, cwd=tmp_path)
+
+
+def _table(job: Job, output) -> dict:
+    procs = [ProcSpec(Role.WORKER, i, i, None, ("x",), {"DMLC_ROLE": "worker", "DMLC_NODE_HOST": "127.0.0.1"})
+             for i in range(3)]
+    return mpi.rank_table(procs, mpi.rank_layout(procs), grace=1.0, output=output)[1]
+
+
+PRINTER = ("import sys\n"
+           "for i in range(300): print('x' * 5000, i)\n"
+           "print('bye', file=sys.stderr)\n"
+           "sys.exit(5)\n")
+
+
+def test_a_wrapper_sends_everything_on_its_connection(job: Job, tmp_path) -> None:
+    r = _run_wrapper(_table(job, job.channels.address), tmp_path, sys.executable, "-c", PRINTER)
+    assert r.returncode == 5
+    assert r.stdout == b"" and r.stderr == b""  # nothing went through "mpirun"
+    rank = job.job.ranks[1]
+    wait_for(lambda: rank.channel == "closed", 5, what="the connection to end")
+    assert rank.reported == 5 and isinstance(rank.pid, int)
+    job.job.close(False)
+    job.job.close(True)
+    assert job.stdout().splitlines() == [f"[worker 1] {'x' * 5000} {i}" for i in range(300)]
+    assert job.err.getvalue() == b"[worker 1] bye\n"
+
+
+def test_a_wrapper_that_cannot_connect_falls_back_to_mpiruns_output(tmp_path) -> None:
+    with socket.socket() as s:  # a port with nobody listening
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()
+    r = _run_wrapper(_table(None, dead), tmp_path, sys.executable, "-c", PRINTER)  # type: ignore[arg-type]
+    assert r.returncode == 5
+    out = [mpirank.parse_record(line) for line in r.stdout.splitlines()]
+    assert all(p is not None and p[0] == 1 for p in out)
+    assert [p[1] for p in out][0] == mpirank.START and [p[1] for p in out][-1] == mpirank.EXIT
+    err = [mpirank.parse_record(line) for line in r.stderr.splitlines()]
+    warning = err[0][2].decode()
+    assert "cannot send this rank's output to the launcher at 127.0.0.1:" in warning
+    assert "goes through mpirun's output" in warning
+    assert err[1][2] == b"bye" and err[-1][1] == mpirank.EXIT
