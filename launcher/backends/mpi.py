@@ -906,6 +906,10 @@ class RankChannels:
 
     def stop(self) -> None:
         self._stop.set()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() at once (Linux)
+        except OSError:
+            pass
         self._thread.join(2.0)
         self.sock.close()
 
