@@ -85,18 +85,22 @@ def scheduler_address(spec: JobSpec, node_hosts: Mapping[Optional[Host], Optiona
                       remote: bool, needs_address: bool) -> str:
     """``DMLC_PS_ROOT_URI``: the launching host's address the nodes can reach.
 
-    A literal ``--host-ip`` wins (the user said exactly what to use); then
-    ``DMLC_INTERFACE``; then ``--host-ip ip|dns`` (dmlc's guesses); then
-    127.0.0.1 when everything runs on this machine; else the address that
-    routes to the first host.
+    In order: this host's address on ``DMLC_INTERFACE``; ``--host-ip`` (an
+    address, or dmlc's guesses ``ip``/``dns``); 127.0.0.1 when everything
+    runs on this machine; else the address that routes to the first host.
+    A ``DMLC_INTERFACE`` that this host does not have is an error, unless
+    ``--host-ip`` gives an address (launching from a machine whose interfaces
+    differ from the nodes', such as a login node).
     """
     environ = spec.environ_dict()
     iface = (dict(spec.env).get(envvars.INTERFACE) or environ.get(envvars.INTERFACE, "")).strip()
     try:
+        if iface:
+            address = _interface_address_or_none(iface, spec.host_ip)
+            if address is not None:
+                return address
         if _is_literal_host_ip(spec.host_ip):
             return netif.resolve_ipv4(spec.host_ip or "")
-        if iface:
-            return netif.interface_address(iface)
         if spec.host_ip in ("ip", "dns"):
             return netif.resolve_ipv4(netif.guess_host_ip(spec.host_ip))
         if needs_address:
@@ -110,6 +114,18 @@ def scheduler_address(spec: JobSpec, node_hosts: Mapping[Optional[Host], Optiona
         return netif.route_source(dest)
     except netif.NetifError as e:
         raise ConfigError(str(e)) from None
+
+
+def _interface_address_or_none(iface: str, host_ip: Optional[str]) -> Optional[str]:
+    """This host's address on ``iface``; None if it has none there and a literal ``--host-ip`` stands in."""
+    try:
+        return netif.interface_address(iface)
+    except netif.NetifError as e:
+        if not _is_literal_host_ip(host_ip):
+            raise
+        log.info("DMLC_INTERFACE=%s selects no address on this host (%s); the scheduler listens on "
+                 "--host-ip %s", iface, e, host_ip)
+        return None
 
 
 def port_is_free(port: int) -> bool:
@@ -511,14 +527,14 @@ def dry_run_plan(spec: JobSpec) -> Plan:
     remote = spec.launcher != "local"
     iface = (dict(spec.env).get(envvars.INTERFACE) or environ.get(envvars.INTERFACE, "")).strip()
     try:
-        if _is_literal_host_ip(spec.host_ip):
-            root_uri = spec.host_ip or ""
-        elif iface:
-            root_uri = netif.interface_address(iface)
-        elif not remote or not spec.hosts:
-            root_uri = "127.0.0.1" if spec.launcher in ("local", "mpi", "ssh") else "<DMLC_INTERFACE or --host-ip>"
-        else:
-            root_uri = "<this host's address toward the hosts>"
+        root_uri = _interface_address_or_none(iface, spec.host_ip) if iface else None
+        if root_uri is None:
+            if _is_literal_host_ip(spec.host_ip):
+                root_uri = spec.host_ip or ""
+            elif not remote or not spec.hosts:
+                root_uri = "127.0.0.1" if spec.launcher in ("local", "mpi", "ssh") else "<DMLC_INTERFACE or --host-ip>"
+            else:
+                root_uri = "<this host's address toward the hosts>"
     except netif.NetifError as e:
         raise ConfigError(str(e)) from None
     if spec.launcher == "local" or (spec.launcher == "mpi" and not spec.hosts):

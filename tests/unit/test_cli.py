@@ -215,3 +215,41 @@ def test_parse_env_item_rules() -> None:
     with pytest.raises(ConfigError):
         cli.parse_env_item("A:b", "--env", {}, True)
     assert isinstance(cli.run_command, click.Command)
+
+
+# --- the scheduler's address: DMLC_INTERFACE, then --host-ip (the order) -----------------
+
+
+@pytest.mark.parametrize("iface, host_ip, expected", [
+    ("lo", None, "127.0.0.1"),
+    ("lo", "10.9.9.9", "127.0.0.1"),  # the interface comes first
+    ("127.0.0.0/8", "10.9.9.9", "127.0.0.1"),  # as a CIDR too
+    ("nosuch9", "10.9.9.9", "10.9.9.9"),  # not on this host: the address given stands in
+    (None, "10.9.9.9", "10.9.9.9"),
+])
+def test_scheduler_address_order(monkeypatch, iface, host_ip, expected) -> None:
+    from launcher.supervisor import scheduler_address
+
+    monkeypatch.delenv("DMLC_INTERFACE", raising=False)
+    if iface:
+        monkeypatch.setenv("DMLC_INTERFACE", iface)
+    spec = spec_of(["--launcher", "sge", *(["--host-ip", host_ip] if host_ip else []), "-n", "1", "x"])
+    assert scheduler_address(spec, {}, remote=True, needs_address=True) == expected
+
+
+def test_an_interface_this_host_lacks_is_an_error_without_host_ip(monkeypatch) -> None:
+    from launcher.supervisor import scheduler_address
+
+    monkeypatch.setenv("DMLC_INTERFACE", "nosuch9")
+    spec = spec_of(["--launcher", "sge", "-n", "1", "x"])
+    with pytest.raises(ConfigError, match="nosuch9"):
+        scheduler_address(spec, {}, remote=True, needs_address=True)
+
+
+def test_dry_run_puts_the_interface_before_host_ip(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("DMLC_INTERFACE", "lo")
+    monkeypatch.setenv("PSLAUNCH_SECRET", "x")
+    code = cli.main(["--launcher", "yarn", "--host-ip", "10.9.9.9", "-n", "1", "-s", "1", "--dry-run", "x"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "scheduler address 127.0.0.1," in out and "10.9.9.9" not in out
