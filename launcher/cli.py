@@ -283,6 +283,11 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
     for name in ("ssh_connect_timeout", "ssh_keepalive"):
         if kw.get(name) is not None and kw[name] <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    for role_env in (env_server, env_worker):
+        try:  # what the processes would refuse at start is refused before anything starts
+            envvars.heartbeat_settings({**environ, **dict(env), **dict(role_env)})
+        except envvars.ClusterEnvError as e:
+            raise ConfigError(str(e)) from None
     ssh = SSHOptions(
         user=kw.get("ssh_user"), port=kw.get("ssh_port"),
         key=os.path.expanduser(kw["ssh_key"]) if kw.get("ssh_key") else None,

@@ -275,6 +275,35 @@ def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def seconds_from(environ: Mapping[str, str], name: str, default: float) -> float:
+    """A non-negative number of seconds from ``environ[name]`` (``default`` when unset);
+    raises :class:`ClusterEnvError` naming the variable."""
+    value = environ.get(name)
+    if value is None or not value.strip():
+        return default
+    try:
+        x = float(value)
+    except ValueError:
+        raise ClusterEnvError(f"{name}={value!r} is not a number of seconds") from None
+    if not x >= 0 or x == float("inf"):
+        raise ClusterEnvError(f"{name}={value!r} must be a finite number of seconds, not negative")
+    return x
+
+
+def heartbeat_settings(environ: Mapping[str, str]) -> tuple[float, float]:
+    """``(interval, timeout)`` from ``PS_HEARTBEAT_INTERVAL``/``PS_HEARTBEAT_TIMEOUT`` (1 s and
+    10 s by default; 0 turns heartbeats or the check off). A timeout not longer than the
+    interval would declare every node dead between two heartbeats: :class:`ClusterEnvError`."""
+    interval = seconds_from(environ, HEARTBEAT_INTERVAL, 1.0)
+    timeout = seconds_from(environ, HEARTBEAT_TIMEOUT, 10.0)
+    if interval > 0 and 0 < timeout <= interval:
+        raise ClusterEnvError(
+            f"{HEARTBEAT_TIMEOUT}={timeout:g} must be longer than {HEARTBEAT_INTERVAL}={interval:g} (a node "
+            "would count as dead between two heartbeats); use several intervals, such as 10 and 1, "
+            "or 0 to turn the check off")
+    return interval, timeout
+
+
 def parse_port_range(text: str) -> tuple[int, int]:
     """``"9000-9100"`` -> ``(9000, 9100)``; raises ValueError with the rule on bad input."""
     m = re.fullmatch(r"\s*(\d{1,5})\s*-\s*(\d{1,5})\s*", text or "")
@@ -341,24 +370,13 @@ class ClusterEnv:
                 raise ClusterEnvError(f"{name}={n} must be at least {minimum}")
             return n
 
-        def seconds(name: str, default: float) -> float:
-            value = environ.get(name)
-            if value is None or not value.strip():
-                return default
-            try:
-                x = float(value)
-            except ValueError:
-                raise ClusterEnvError(f"{name}={value!r} is not a number of seconds") from None
-            if x < 0:
-                raise ClusterEnvError(f"{name}={value!r} must not be negative")
-            return x
-
         port_range = None
         if environ.get(PORT_RANGE, "").strip():
             try:
                 port_range = parse_port_range(environ[PORT_RANGE])
             except ValueError as e:
                 raise ClusterEnvError(f"{PORT_RANGE}: {e}") from None
+        heartbeat = heartbeat_settings(environ)
         task = environ.get(TASK_ID, "").strip()
         local = environ.get(LOCAL_PROCS, "").strip()
         verbose = environ.get(VERBOSE, "").strip() or "0"
@@ -375,9 +393,9 @@ class ClusterEnv:
             insecure=_truthy(environ.get(INSECURE)),
             job_id=environ.get(JOB_ID) or None,
             cluster=environ.get(JOB_CLUSTER) or None,
-            start_timeout=seconds(START_TIMEOUT, 60.0),
-            heartbeat_interval=seconds(HEARTBEAT_INTERVAL, 1.0),
-            heartbeat_timeout=seconds(HEARTBEAT_TIMEOUT, 10.0),
+            start_timeout=seconds_from(environ, START_TIMEOUT, 60.0),
+            heartbeat_interval=heartbeat[0],
+            heartbeat_timeout=heartbeat[1],
             port_range=port_range,
             mac_payload=_truthy(environ.get(MAC_PAYLOAD)),
             verbose=integer(VERBOSE, verbose),

@@ -94,6 +94,9 @@ def run_err(args: list[str], capsys) -> tuple[int, str]:
     (["-n", "1", "--kill-grace", "-1", "true"], "--kill-grace must not be negative"),
     (["-n", "1", "--timeout", "0", "true"], "--timeout must be positive"),
     (["-n", "1", "--sync-dst-dir", "/tmp/x", "true"], "--launcher local has none"),
+    (["-n", "1", "--env", "PS_HEARTBEAT_TIMEOUT=0.5", "true"],
+     "PS_HEARTBEAT_TIMEOUT=0.5 must be longer than PS_HEARTBEAT_INTERVAL=1 (a node would count as dead"),
+    (["-n", "1", "--env-server", "PS_HEARTBEAT_INTERVAL=20", "true"], "must be longer than PS_HEARTBEAT_INTERVAL=20"),
 ])
 def test_user_errors_are_one_line_exit_2(args, message, capsys) -> None:
     code, err = run_err(args, capsys)

@@ -69,6 +69,11 @@ def test_cluster_env_missing_role_means_worker() -> None:
     ({"DMLC_ROLE": "boss"}, "DMLC_ROLE='boss' is not one of"),
     ({"PS_START_TIMEOUT": "soon"}, "PS_START_TIMEOUT='soon' is not a number"),
     ({"PS_PORT_RANGE": "10-5"}, "PS_PORT_RANGE: bad port range"),
+    ({"PS_HEARTBEAT_TIMEOUT": "1"}, "PS_HEARTBEAT_TIMEOUT=1 must be longer than PS_HEARTBEAT_INTERVAL=1"),
+    ({"PS_HEARTBEAT_INTERVAL": "5", "PS_HEARTBEAT_TIMEOUT": "2"}, "must be longer than PS_HEARTBEAT_INTERVAL=5"),
+    ({"PS_HEARTBEAT_INTERVAL": "-1"}, "PS_HEARTBEAT_INTERVAL='-1' must be a finite number of seconds"),
+    ({"PS_HEARTBEAT_TIMEOUT": "nan"}, "PS_HEARTBEAT_TIMEOUT='nan' must be a finite number"),
+    ({"PS_HEARTBEAT_TIMEOUT": "inf"}, "PS_HEARTBEAT_TIMEOUT='inf' must be a finite number"),
 ])
 def test_cluster_env_errors(change, message) -> None:
     env = contract_env()
@@ -79,6 +84,18 @@ def test_cluster_env_errors(change, message) -> None:
             env[k] = v
     with pytest.raises(ClusterEnvError, match=message):
         ClusterEnv.from_environ(env)
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({}, (1.0, 10.0)),
+    ({"PS_HEARTBEAT_INTERVAL": "0.5", "PS_HEARTBEAT_TIMEOUT": "3"}, (0.5, 3.0)),
+    ({"PS_HEARTBEAT_INTERVAL": "0", "PS_HEARTBEAT_TIMEOUT": "0.1"}, (0.0, 0.1)),  # heartbeats off
+    ({"PS_HEARTBEAT_INTERVAL": "2", "PS_HEARTBEAT_TIMEOUT": "0"}, (2.0, 0.0)),  # the check off
+])
+def test_heartbeat_settings(change, expected) -> None:
+    env = {**contract_env(), **change}
+    c = ClusterEnv.from_environ(env)
+    assert (c.heartbeat_interval, c.heartbeat_timeout) == expected
 
 
 def test_compose_reports_only_real_conflicts() -> None:
