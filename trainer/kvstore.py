@@ -247,7 +247,9 @@ class KVStore:
         raise NotImplementedError
 
     def set_optimizer_states(self, states: dict[str, Any]) -> None:
-        """Restore :meth:`get_optimizer_states` output (dist: rank 0's copy is used)."""
+        """Restore :meth:`get_optimizer_states` output (dist: rank 0's copy is used). The
+        states go to the optimizer set with :meth:`set_optimizer`, if any (its hyper-parameters
+        win); else the saved optimizer is installed."""
         raise NotImplementedError
 
     def barrier(self) -> None:
@@ -545,7 +547,9 @@ class _DistStore(KVStore):
             if k not in self._shapes:
                 raise KVConfigError(f"optimizer state for key {k!r}, which is not initialised")
             flat[k] = (count, {n: _flat_numpy(a)[0] for n, a in arrays.items()})
-        self._client.set_states(spec if spec is not None else self._spec, flat)
+        # The optimizer this run set wins over the one saved with the states (a resumed run
+        # with a new --lr uses it), as in the local stores; the saved one serves if none was set.
+        self._client.set_states(self._spec if self._spec is not None else spec, flat)
 
     def barrier(self) -> None:
         self._client.barrier()

@@ -137,6 +137,13 @@ def scenario_optim(kv: kvstore.KVStore, out: dict) -> None:
     kv.pushpull("w", torch.ones(6), got)
     # mom3 = -0.375 - 0.5 = -0.875, w3 = -1.125
     expect(torch.allclose(got, torch.full((6,), -1.125)), f"after restore: {got.tolist()}")
+    # A resumed run with a new learning rate: the states go to the optimizer it set.
+    states = kv.get_optimizer_states()
+    kv.set_optimizer({"name": "sgd", "learning_rate": 0.1, "momentum": 0.5, "rescale_grad": 1.0 / n})
+    kv.set_optimizer_states(states)
+    kv.pushpull("w", torch.ones(6), got)
+    # mom4 = -0.4375 - 0.1 = -0.5375, w4 = -1.6625 (with the saved lr 0.5 it would be -2.0625)
+    expect(torch.allclose(got, torch.full((6,), -1.6625)), f"after restore with a new lr: {got.tolist()}")
     out["w"] = got.tolist()
 
 
