@@ -822,6 +822,8 @@ class _Conn:
         if not self.rejected:
             self.rejected = True
             self.owner.rejected(self.peer, why)
+        with self.owner.lock:
+            self.owner.pending.discard(self)  # no longer waited for (the sweep skips it)
         try:
             self.sock.shutdown(socket.SHUT_RDWR)  # the pump reads EOF and lets go of it
         except OSError:
@@ -1014,7 +1016,7 @@ class MPIBackend(Backend):
             return None
         lo, hi = self.spec.port_range
         root_port = int(env.get(envvars.ROOT_PORT, lo) or lo)
-        ports = [p for p in range(root_port + 1, hi + 1)][:64] + [p for p in range(lo, root_port)][:16]
+        ports = [*range(root_port + 1, hi + 1)][:64] + [*range(lo, root_port)][:16]
         try:
             address = netif.resolve_ipv4(root) if layout.hosts else "127.0.0.1"
             assert self.pump is not None
