@@ -13,7 +13,7 @@ every process is running, split into the backend's phases:
 
 Drives :class:`launcher.backends.ssh.SSHBackend` directly (the scheduler is
 not part of an ssh launch). Needs root: it builds a testbed of max(H) hosts
-with ``tests/testbed.py``, and removes it afterwards.
+with ``tests/support/testbed.py``, and removes it afterwards.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def shell_baseline(tb, runs: int = 5) -> float:
 
 
 def bench_ssh_main(host_counts: list[int], per_host: list[int], repeats: int, sync: bool) -> int:
-    import testbed as testbed_mod
+    from support import testbed as testbed_mod
 
     if os.geteuid() != 0:
         print("bench_launch.py --launcher ssh needs root (it builds network namespaces)", file=sys.stderr)

@@ -1,30 +1,30 @@
-"""Shared fixtures and the suite-wide rules.
+"""Suite-wide rules and fixtures.
 
 * Every test has a timeout (pytest-timeout; default in pyproject).
 * Under ``CI=true`` a *skipped* test that carries a backend or real-client
-  marker (mxnet, ssh, mpi, sge) fails instead: a missing install must not pass
-  quietly.
+  marker (see ``suite_rules.STRICT_MARKERS``) fails instead: a missing install
+  must not pass quietly.
 * A network guard (``tests/netguard``) refuses Python sockets to anything but
   loopback and the test namespaces, in this process and in every Python child;
   any attempt fails the session.
+
+Helpers live in ``tests/support`` (importable as ``support``); this file only
+registers fixtures.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Iterable
 
 import pytest
+from support.helpers import MPIRUNS, REPO, mpirun_path, mxnet_python, probe_argv
+from support.helpers import free_port as _free_port
+from support.testbed import testbed  # noqa: F401 - the session's namespace hosts (a fixture)
 
-REPO = Path(__file__).resolve().parent.parent
 GUARD_DIR = REPO / "tests" / "netguard"
-BIN = REPO / "tests" / "bin"
 
 sys.path.insert(0, str(GUARD_DIR))
 import _pslaunch_netguard  # noqa: E402
@@ -57,66 +57,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     fail_skips_under_ci(item, outcome.get_result(), dict(os.environ))
 
 
-# --- helpers -------------------------------------------------------------------
-
-
-def wait_for(cond: Callable[[], object], timeout: float, interval: float = 0.05, what: str = "condition") -> object:
-    end = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
-def pid_alive(pid: int) -> bool:
-    """True for a live, non-zombie process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2:].split()[0] not in (b"Z", b"X")
-
-
-def assert_no_orphans(pids: Iterable[int], timeout: float = 10.0) -> None:
-    pids = list(pids)
-    assert pids, "no pids recorded"
-    try:
-        wait_for(lambda: not any(pid_alive(p) for p in pids), timeout, what="every process to be gone")
-    except AssertionError:
-        alive = [p for p in pids if pid_alive(p)]
-        raise AssertionError(f"{len(alive)} orphan(s) still running after {timeout}s: {alive}") from None
-
-
-def read_probes(directory: Path) -> dict[str, dict]:
-    """``{"worker-0": {...}, "scheduler": {...}}`` from probe.py's JSON files."""
-    out = {}
-    for f in sorted(directory.glob("*.json")):
-        out[f.stem] = json.loads(f.read_text())
-    return out
-
-
-def pslaunch_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "launcher", *args]
-
-
-def run_pslaunch(*args: str, timeout: float = 60, env: dict | None = None, cwd: str | Path | None = None,
-                 input: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(pslaunch_argv(*args), capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=cwd or REPO, input=input)
-
-
 @pytest.fixture
 def probe(tmp_path: Path) -> Callable[..., list[str]]:
-    """``probe("--sleep", "5")`` -> the argv of tests/bin/probe.py writing into a fresh dir."""
+    """``probe("--sleep", "5")`` -> the argv of tests/bin/probe.py writing into a fresh dir (``probe.dir``)."""
     out = tmp_path / "probes"
     out.mkdir()
 
     def make(*args: str) -> list[str]:
-        return [sys.executable, str(BIN / "probe.py"), "--out", str(out), *args]
+        return probe_argv(out, *args)
 
     make.dir = out  # type: ignore[attr-defined]
     return make
@@ -124,16 +72,7 @@ def probe(tmp_path: Path) -> Callable[..., list[str]]:
 
 @pytest.fixture
 def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def mxnet_python() -> str | None:
-    cand = os.environ.get("PSLAUNCH_MXNET_PYTHON") or str(REPO / ".venv-mxnet" / "bin" / "python")
-    return cand if os.path.exists(cand) else None
+    return _free_port()
 
 
 @pytest.fixture
@@ -143,3 +82,12 @@ def mxnet() -> str:
     if py is None:
         pytest.skip("MXNet 1.9.1 venv not found (run scripts/install-test-deps.sh or set PSLAUNCH_MXNET_PYTHON)")
     return py
+
+
+@pytest.fixture(params=sorted(MPIRUNS))
+def mpirun(request: pytest.FixtureRequest) -> str:
+    """The path of a real mpirun, once per family (Open MPI, MPICH)."""
+    path = mpirun_path(request.param)
+    if path is None:
+        pytest.skip(f"{request.param}: mpirun not found (run scripts/deps/40-mpi.sh or set {MPIRUNS[request.param][0]})")
+    return path

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The ssh backend's tests: OpenSSH server and client, rsync (the --sync-dst-dir
 # fast path), iproute2 and util-linux (network namespaces, unshare, nsenter).
-# The test fixture (tests/testbed.py) builds the namespace hosts itself; this
+# The test fixture (tests/support/testbed.py) builds the namespace hosts itself; this
 # step only installs. No service is started: each testbed host runs its own sshd.
 source "$(dirname "$0")/lib.sh"
 apt_install openssh-server openssh-client rsync iproute2 util-linux procps

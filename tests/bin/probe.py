@@ -16,16 +16,18 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from launcher import envvars  # noqa: E402
+# The contract's names, spelled here on purpose: this program stands for any user program,
+# which reads the variables without importing anything of pslaunch.
+ROLE, TASK_ID, NUM_WORKER = "DMLC_ROLE", "DMLC_TASK_ID", "DMLC_NUM_WORKER"
+ROOT_URI, ROOT_PORT = "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT"
 
 
 def name_of(env: dict) -> str:
-    role = env.get(envvars.ROLE, "worker")
+    role = env.get(ROLE, "worker")
     if role == "scheduler":
         return "scheduler"
-    task = int(env.get(envvars.TASK_ID, "0"))
-    nw = int(env.get(envvars.NUM_WORKER, "0"))
+    task = int(env.get(TASK_ID, "0"))
+    nw = int(env.get(NUM_WORKER, "0"))
     return f"server-{task - nw}" if role == "server" else f"worker-{task}"
 
 
@@ -44,6 +46,8 @@ def main() -> int:
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--exit", type=int, default=0)
     ap.add_argument("--fail", default=None, help="ROLE-RANK:CODE[:DELAY], e.g. worker-1:3:0.5")
+    ap.add_argument("--kill-self", default=None, metavar="ROLE-RANK:SIGNAL",
+                    help="after writing the record, kill this process with SIGNAL, e.g. worker-0:SEGV")
     ap.add_argument("--child", action="store_true", help="spawn a sleeping grandchild")
     ap.add_argument("--ignore-term", action="store_true")
     ap.add_argument("--take-port-once", default=None, metavar="FLAGFILE")
@@ -62,13 +66,13 @@ def main() -> int:
         holder = subprocess.Popen([sys.executable, "-c", (
             "import socket,sys,time; s=socket.socket(); s.bind((sys.argv[1], int(sys.argv[2]))); "
             "s.listen(); print('held', flush=True); time.sleep(8)"),
-            env[envvars.ROOT_URI], env[envvars.ROOT_PORT]], stdout=subprocess.PIPE, start_new_session=True)
+            env[ROOT_URI], env[ROOT_PORT]], stdout=subprocess.PIPE, start_new_session=True)
         holder.stdout.readline()
         print("bind failed", file=sys.stderr)
         return 1
     if me == "scheduler" and a.listen:
         listener = socket.socket()
-        listener.bind((env[envvars.ROOT_URI], int(env[envvars.ROOT_PORT])))
+        listener.bind((env[ROOT_URI], int(env[ROOT_PORT])))
         listener.listen(64)
     child_pid = None
     if a.child:
@@ -85,6 +89,11 @@ def main() -> int:
     os.replace(tmp, os.path.join(a.out, f"{me}.json"))
     for line in a.print:
         print(line, flush=True)
+    if a.kill_self:
+        target, signame = a.kill_self.split(":")
+        if target == me:
+            os.kill(os.getpid(), getattr(signal, f"SIG{signame}"))
+            time.sleep(5)  # (a handled signal would return here)
     if a.fail:
         target, code, *delay = a.fail.split(":")
         if target == me:

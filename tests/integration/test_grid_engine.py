@@ -20,7 +20,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from conftest import BIN, REPO, pslaunch_argv, read_probes, run_pslaunch, wait_for
+from support import trainer as H
+from support.helpers import BIN, REPO, pslaunch_argv, read_probes, run_pslaunch, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.sge]
 
@@ -308,12 +309,6 @@ def test_scheduler_address_is_required(job) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_trainer_dist_sync_on_grid_engine(job) -> None:
-    helpers = REPO / "tests" / "bin" / "train_helpers.py"
-    if not (REPO / "scripts" / "train_mnist.py").exists() or not helpers.exists():
-        pytest.skip("the trainer (scripts/train_mnist.py) is not on this branch yet")
-    sys.path.insert(0, str(helpers.parent))
-    import train_helpers as H
-
     data = H.mnist_dir()
     t0 = time.monotonic()
     r = subprocess.run(

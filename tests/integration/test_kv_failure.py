@@ -4,16 +4,13 @@ heartbeat timeout, with no launcher to clean up (its fail-fast is not involved).
 from __future__ import annotations
 
 import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from support.kvjob import KVJob, worker_command
 
 from launcher import envvars
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bin"))
-from kv_job import KVJob, worker_command  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -12,12 +12,10 @@ from pathlib import Path
 
 import pytest
 import zmq
+from support.kvjob import REPO, SECRET, KVJob, free_port, worker_command
 
 from launcher import envvars
 from trainer.kv import protocol as P
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bin"))
-from kv_job import REPO, SECRET, KVJob, free_port, worker_command  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

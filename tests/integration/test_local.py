@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import (
+from support.helpers import (
     REPO,
     assert_no_orphans,
     pid_alive,

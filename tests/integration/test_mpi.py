@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import (
+from support.helpers import (
     BIN,
     REPO,
     assert_no_orphans,
@@ -31,19 +31,6 @@ from conftest import (
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.mpi]
-
-IMPLS = {"openmpi": ("PSLAUNCH_MPIRUN_OPENMPI", "/usr/bin/mpirun.openmpi"),
-         "mpich": ("PSLAUNCH_MPIRUN_MPICH", "/usr/bin/mpirun.mpich")}
-
-
-@pytest.fixture(params=sorted(IMPLS))
-def mpirun(request: pytest.FixtureRequest) -> str:
-    var, default = IMPLS[request.param]
-    path = os.environ.get(var) or default
-    if not os.access(path, os.X_OK):
-        pytest.skip(f"{request.param}: {path} not found (run scripts/deps/40-mpi.sh or set {var})")
-    return path
-
 
 def mpi_args(mpirun: str, *args: str) -> list[str]:
     return ["--launcher", "mpi", "--mpirun", mpirun, "--kill-grace", "1", *args]
@@ -335,7 +322,6 @@ def test_mxnet_dist_sync_under_mpi(mpirun, mxnet: str) -> None:
 
 # --- several hosts: the ssh issue's network-namespace testbed ----------------------------------------
 
-from testbed import testbed  # noqa: E402,F401 - the session's namespace hosts (a fixture)
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import BIN, run_pslaunch
+from support.helpers import BIN, run_pslaunch
 
 pytestmark = [pytest.mark.integration, pytest.mark.mxnet]
 

@@ -1,5 +1,5 @@
 # ruff: noqa: F811 - the testbed fixture is imported, and test arguments share its name
-"""The ssh backend on the namespace testbed (tests/testbed.py): real sshd, real hosts' namespaces.
+"""The ssh backend on the namespace testbed (tests/support/testbed.py): real sshd, real hosts' namespaces.
 
 Every host is a network namespace with its own sshd, a private /tmp and a
 private sync root; processes there are counted with ``ip netns pids``.
@@ -20,8 +20,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import REPO, pslaunch_argv, read_probes, run_pslaunch, wait_for
-from testbed import Testbed, TestHost, testbed  # noqa: F401 - the session fixture
+from support.helpers import REPO, pslaunch_argv, read_probes, run_pslaunch, wait_for
+from support.testbed import Testbed, TestHost
 
 pytestmark = [pytest.mark.integration, pytest.mark.ssh]
 

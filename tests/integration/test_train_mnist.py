@@ -9,15 +9,12 @@ import re
 import select
 import struct
 import subprocess
-import sys
 import termios
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bin"))
-import train_helpers as H  # noqa: E402
+from support import trainer as H
 
 from trainer import data as D  # noqa: E402
 from trainer.fit import checkpoint_path, load_checkpoint  # noqa: E402

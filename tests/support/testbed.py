@@ -35,8 +35,8 @@ is removed by :meth:`Testbed.close`; a testbed whose owner died is removed by
 the next :func:`build`. Stable interface for other tests: :func:`build`,
 :func:`get` (one per pytest session), :class:`Testbed` attributes and methods.
 
-Command line: ``python tests/testbed.py up [--hosts N]`` prints the state
-directory (the testbed stays up), ``python tests/testbed.py down DIR`` removes it.
+Command line: ``python tests/support/testbed.py up [--hosts N]`` prints the state
+directory (the testbed stays up), ``python tests/support/testbed.py down DIR`` removes it.
 """
 
 from __future__ import annotations
@@ -476,7 +476,7 @@ def _keys(tb: Testbed) -> None:
     client = _keygen(tb.key, "pslaunch-testbed-client")
     protected = _keygen(tb.protected_key, "pslaunch-testbed-protected", PASSPHRASE)
     tb.authorized_keys.write_text(f"{client}\n{protected}\n")
-    known, config = [], ["# written by tests/testbed.py", ""]
+    known, config = [], ["# written by tests/support/testbed.py", ""]
     for h in tb.hosts:
         hostkey = tb.state / h.name / "ssh_host_ed25519_key"
         pub = _keygen(hostkey, f"pslaunch-testbed-{h.name}")
@@ -549,7 +549,7 @@ def close_session() -> None:
         _SESSION = None
 
 
-try:  # pytest fixtures (import them into a test module: ``from testbed import testbed``)
+try:  # pytest fixtures (conftest.py registers them for every test)
     import pytest
 
     @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,18 +19,9 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from launcher import envvars
+from support.helpers import BIN, REPO, free_port
 
-REPO = Path(__file__).resolve().parent.parent.parent
-BIN = Path(__file__).resolve().parent
 SECRET = "5e" * 32
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 class KVJob:

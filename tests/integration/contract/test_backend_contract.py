@@ -1,0 +1,214 @@
+"""The backend conformance suite: the same scenarios on every backend that can run here.
+
+Each scenario runs once per :class:`~support.clusters.Cluster` (local; ssh on the namespace
+testbed; mpi with Open MPI and with MPICH; sge on a real Grid Engine). A backend earns its place
+in ``--launcher`` by passing all of them:
+
+* the environment contract, per role;
+* a failing process stops the rest, and the launcher exits with its code;
+* a process killed by signal N makes the launcher exit 128+N;
+* Ctrl-C stops everything (130); a second Ctrl-C kills at once;
+* kill -9 of the launcher leaves nothing running or queued;
+* a program that does not exist is one line (exit 127), found here or on the nodes;
+* ``--timeout`` dumps every Python stack and exits 124;
+* a scheduler that fails stops the job before anything else starts.
+
+"Nothing left" is checked independently of the code under test (see ``support.clusters``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from support.clusters import CLUSTERS, Cluster, make_cluster
+from support.helpers import pid_alive, read_probes, wait_for, wait_probes
+
+pytestmark = pytest.mark.integration
+
+CONTRACT = ("DMLC_ROLE", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_WORKER", "DMLC_NUM_SERVER",
+            "PSLAUNCH_SECRET", "PS_START_TIMEOUT", "PSLAUNCH_JOB_ID")
+
+
+@pytest.fixture(params=[pytest.param(kind, marks=marks) for kind, marks in CLUSTERS.items()])
+def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Cluster:
+    c = make_cluster(request.param, tmp_path, request)
+    yield c
+    c.close()
+
+
+def assert_nothing_left(cluster: Cluster, timeout: float = 15.0) -> float:
+    """Wait until nothing of the job runs or is queued; returns how long that took."""
+    t0 = time.monotonic()
+    try:
+        wait_for(lambda: not cluster.leftovers(), timeout, interval=0.2, what="nothing left")
+    except AssertionError:
+        raise AssertionError(f"left after {timeout}s: {cluster.leftovers()}") from None
+    return time.monotonic() - t0
+
+
+def running_job(cluster: Cluster, *args: str, count: int):
+    """Start a job and wait until its ``count`` processes have written their probes."""
+    p = cluster.start(*args)
+    try:
+        probes = wait_probes(cluster.out, count, timeout=cluster.start_timeout)
+    except BaseException:
+        p.kill()
+        out, err = p.communicate()
+        print(err)
+        raise
+    return p, probes
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [x for x in stderr.splitlines() if x.startswith("pslaunch: error:")]
+
+
+# --- the contract -----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+def test_env_contract_per_role(cluster: Cluster, monkeypatch) -> None:
+    monkeypatch.setenv("PS_VERBOSE", "1")          # forwarded to every node on every backend
+    monkeypatch.setenv("DMLC_NODE_HOST", "1.2.3.4")  # the launcher's own value wins
+    r = cluster.run("-n", "3", "-s", "2", "--env", "FOO=bar baz", "--env-server", "OMP_NUM_THREADS:3",
+                    "--env-worker", "WHO=worker", "--kill-grace", "1", *cluster.probe("--listen"))
+    assert r.returncode == 0, r.stderr
+    probes = read_probes(cluster.out)
+    assert sorted(probes) == ["scheduler", "server-0", "server-1", "worker-0", "worker-1", "worker-2"]
+    sched = probes["scheduler"]["env"]
+    assert len(sched["PSLAUNCH_SECRET"]) == 64 and int(sched["PSLAUNCH_SECRET"], 16) >= 0
+    for name, rec in probes.items():
+        env = rec["env"]
+        role = name.split("-")[0]
+        for key in CONTRACT:
+            if key != "DMLC_ROLE":
+                assert env[key] == sched[key], (name, key)
+        assert env["DMLC_ROLE"] == role
+        assert env["DMLC_NUM_WORKER"] == "3" and env["DMLC_NUM_SERVER"] == "2"
+        assert env["PS_VERBOSE"] == "1" and env["FOO"] == "bar baz"
+        assert rec["pgid"] == rec["pid"] == rec["sid"], name  # its own session and process group
+        if role == "scheduler":
+            assert "DMLC_TASK_ID" not in env
+            continue
+        rank = int(name.split("-")[1])
+        assert env["DMLC_TASK_ID"] == str(rank if role == "worker" else 3 + rank), name
+        assert env["DMLC_JOB_CLUSTER"] == cluster.launcher
+        assert env["DMLC_NODE_HOST"] == cluster.node_host(name, rec), name
+        assert env["OMP_NUM_THREADS"] == ("3" if role == "server" else "1"), name
+        assert (env.get("WHO") == "worker") == (role == "worker"), name
+        cluster.check_record(name, rec)
+    assert "all 6 processes exited 0" in r.stderr
+    assert "PSLAUNCH_SECRET=" not in r.stderr and sched["PSLAUNCH_SECRET"] not in r.stderr + r.stdout
+    assert_nothing_left(cluster)
+
+
+# --- failures -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+def test_a_failure_stops_the_rest_with_its_exit_code(cluster: Cluster, tmp_path: Path) -> None:
+    summary = tmp_path / "summary.json"
+    r = cluster.run("-n", "3", "-s", "1", "--kill-grace", "1", "--summary-json", str(summary),
+                    *cluster.probe("--listen", "--sleep", "60", "--child", "--fail", "worker-1:3:1.0"))
+    assert r.returncode == 3, r.stderr
+    assert re.search(r"error: worker 1\b.* exited with code 3 first; stopped the other processes", r.stderr), r.stderr
+    assert "worker-1 failing with code 3" in r.stderr  # the tail of its output is in the report
+    assert_nothing_left(cluster)
+    doc = json.loads(summary.read_text())
+    assert doc["exit_code"] == 3 and doc["reason"] == "failure" and doc["first_failure"] == "worker-1"
+    procs = {p["name"]: p for p in doc["processes"]}
+    assert sorted(procs) == ["scheduler", "server-0", "worker-0", "worker-1", "worker-2"]
+    assert procs["worker-1"]["exit_code"] == 3 and not procs["worker-1"]["stopped_by_launcher"]
+    for name in ("scheduler", "server-0", "worker-0", "worker-2"):
+        assert procs[name]["stopped_by_launcher"], procs[name]
+        assert procs[name]["exit_code"] not in (None, 0), procs[name]
+
+
+@pytest.mark.timeout(150)
+def test_killed_by_signal_n_reports_128_plus_n(cluster: Cluster) -> None:
+    r = cluster.run("-n", "2", "-s", "0", "--kill-grace", "1",
+                    *cluster.probe("--sleep", "60", "--kill-self", "worker-0:SEGV"))
+    assert r.returncode == 128 + signal.SIGSEGV, r.stderr
+    assert re.search(r"error: worker 0\b.* was killed by SIGSEGV \(exit code 139\) first", r.stderr), r.stderr
+    assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(150)
+def test_scheduler_failure_stops_the_job(cluster: Cluster) -> None:
+    r = cluster.run("-n", "2", "-s", "1", *cluster.probe("--fail", "scheduler:5"))
+    assert r.returncode == 5, r.stderr
+    assert "error: scheduler (on localhost, pid" in r.stderr and "exited with code 5 first" in r.stderr
+    assert sorted(read_probes(cluster.out)) == ["scheduler"]  # nothing else was started
+    assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("servers", ["1", "0"], ids=["found-here", "found-on-the-node"])
+def test_missing_program_is_one_line(cluster: Cluster, servers: str) -> None:
+    # with a scheduler, this machine finds out first; without one, the node that runs worker 0 does
+    r = cluster.run("-n", "2", "-s", servers, "no-such-program-xyz")
+    assert r.returncode == 127, r.stderr
+    (line,) = error_lines(r.stderr)
+    assert "'no-such-program-xyz'" in line and "no such program" in line, line
+    assert "Traceback" not in r.stderr and not re.search(r"^\[", r.stderr, re.M), r.stderr
+    assert_nothing_left(cluster)
+
+
+# --- stopping ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["INT", "TERM"])
+def test_a_signal_stops_everything(cluster: Cluster, sig: int, code: int) -> None:
+    p, probes = running_job(cluster, "-n", "2", "-s", "1", "--kill-grace", "2",
+                            *cluster.probe("--listen", "--sleep", "60", "--child"), count=4)
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == code, err
+    assert f"stopped by {signal.Signals(sig).name}" in err or "stopped by a signal" in err, err
+    assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(150)
+def test_a_second_ctrl_c_kills_at_once(cluster: Cluster) -> None:
+    p, probes = running_job(cluster, "-n", "2", "-s", "1", "--kill-grace", "60",
+                            *cluster.probe("--listen", "--sleep", "90", "--ignore-term"), count=4)
+    p.send_signal(signal.SIGINT)
+    time.sleep(2.0)
+    assert p.poll() is None, p.communicate()[1]  # SIGTERM is ignored: the launcher waits out the grace
+    assert all(pid_alive(rec["pid"]) for rec in probes.values())  # (one pid namespace for every host)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    took = time.monotonic() - t0
+    assert p.returncode == 130, err
+    assert "killing every process" in err
+    assert took < 15, f"the second Ctrl-C took {took:.1f}s to end the job"
+    assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(150)
+def test_kill_9_of_the_launcher_leaves_nothing(cluster: Cluster) -> None:
+    p, _ = running_job(cluster, "-n", "2", "-s", "1", "--kill-grace", "1",
+                       *cluster.probe("--listen", "--sleep", "60", "--child"), count=4)
+    p.kill()
+    p.communicate()
+    took = assert_nothing_left(cluster, timeout=30)
+    print(f"{cluster.launcher}: nothing left {took:.1f}s after kill -9 of the launcher")
+
+
+@pytest.mark.timeout(150)
+def test_timeout_dumps_python_stacks_and_exits_124(cluster: Cluster) -> None:
+    r = cluster.run("-n", "1", "-s", "1", "--timeout", str(cluster.timeout), "--kill-grace", "1",
+                    *cluster.probe("--listen", "--sleep", "90"))
+    assert r.returncode == 124, r.stderr
+    assert f"longer than --timeout {cluster.timeout:g}s" in r.stderr
+    # faulthandler's dump of the sleeping worker, under its label
+    assert re.search(r"^\[worker 0\b[^\]]*\] Fatal Python error: Aborted", r.stderr, re.M), r.stderr
+    assert re.search(r"^\[worker 0\b[^\]]*\] Current thread", r.stderr, re.M) and "probe.py" in r.stderr
+    assert_nothing_left(cluster)

@@ -1,0 +1,258 @@
+"""One :class:`Cluster` per backend that can run here, for the backend conformance suite.
+
+A cluster knows three things about its backend: the pslaunch options that select it (and the
+environment the launcher needs), where the probes of a job write their records, and how to find
+what a job left behind. Everything else is the same scenario on every backend
+(``tests/integration/contract/test_backend_contract.py``).
+
+What is left behind is found two ways, both independent of the code under test:
+
+* every process whose environment holds this job's unique ``PSLAUNCH_TEST_MARK`` (every process a
+  job starts inherits the job's variables, and so does whatever those processes start, however
+  they detach): one pass over ``/proc``, which covers this machine and its network-namespace hosts;
+* what the backend itself still holds: processes on the namespace hosts other than sshd (ssh),
+  jobs of this job's name that Grid Engine still knows (sge).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+from support.helpers import (
+    describe_pids,
+    mpirun_path,
+    pids_with_env,
+    probe_argv,
+    run_pslaunch,
+    start_pslaunch,
+)
+
+MARK = "PSLAUNCH_TEST_MARK"
+
+
+class Cluster:
+    """A backend ready to run jobs; one instance per test (its own probe directory and mark).
+
+    Attributes:
+        launcher: the ``--launcher`` value.
+        out: where the probes of this test's jobs write their records.
+        start_timeout: seconds a job may take until every process runs (batch queues are slower).
+        timeout: a ``--timeout`` long enough for every process to have started first.
+        graceful: the first SIGTERM reaches the processes, which may ignore it (False only
+            where the backend can do nothing but kill).
+    """
+
+    launcher = ""
+    start_timeout = 30.0
+    timeout = 3.0
+    graceful = True
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.mark = uuid.uuid4().hex
+
+    # -- what a subclass tells -----------------------------------------------------------
+
+    def options(self) -> list[str]:
+        """pslaunch options that select and configure the backend."""
+        return ["--launcher", self.launcher]
+
+    def env(self) -> Optional[dict]:
+        """The launcher's environment (None: the test's own)."""
+        return None
+
+    def node_host(self, name: str, rec: dict) -> str:
+        """The ``DMLC_NODE_HOST`` the process ``name`` (``worker-0``) should have had."""
+        return "127.0.0.1"
+
+    def check_record(self, name: str, rec: dict) -> None:
+        """Backend-specific checks of one probe record (where it ran, its own variables)."""
+
+    def backend_leftovers(self) -> list[str]:
+        """What the backend itself still holds for this test's jobs."""
+        return []
+
+    # -- the same for every backend ----------------------------------------------------------
+
+    def probe(self, *args: str) -> list[str]:
+        return probe_argv(self.out, *args)
+
+    def argv(self, *args: str) -> list[str]:
+        """The full pslaunch arguments: backend options, the test mark, then ``args``."""
+        return [*self.options(), "--env", f"{MARK}={self.mark}", *args]
+
+    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return run_pslaunch(*self.argv(*args), timeout=timeout, env=self.env())
+
+    def start(self, *args: str) -> subprocess.Popen:
+        return start_pslaunch(*self.argv(*args), env=self.env())
+
+    def leftovers(self) -> list[str]:
+        """Descriptions of everything of this test's jobs that still runs or is still queued."""
+        pids = pids_with_env(MARK, self.mark)
+        left = [describe_pids(pids)] if pids else []
+        return left + self.backend_leftovers()
+
+    def close(self) -> None:
+        """Remove whatever a failed test left (after the assertions have run)."""
+        for line in self.leftovers():
+            print(f"cleaning up after the test: {line}")
+        for pid in pids_with_env(MARK, self.mark):
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+
+
+class LocalCluster(Cluster):
+    launcher = "local"
+    timeout = 2.0
+
+
+class MPICluster(Cluster):
+    """``--launcher mpi`` with every rank on this machine, for one mpirun family."""
+
+    launcher = "mpi"
+
+    def __init__(self, out: Path, impl: str) -> None:
+        super().__init__(out)
+        path = mpirun_path(impl)
+        if path is None:
+            pytest.skip(f"{impl}: mpirun not found (run scripts/deps/40-mpi.sh)")
+        self.mpirun = path
+
+    def options(self) -> list[str]:
+        return [*super().options(), "--mpirun", self.mpirun]
+
+
+class SSHCluster(Cluster):
+    """``--launcher ssh`` over the namespace testbed: 3 hosts, each its own sshd and network."""
+
+    launcher = "ssh"
+
+    def __init__(self, out: Path, testbed: object, hostfile: Path) -> None:
+        super().__init__(out)
+        self.tb = testbed
+        self.hostfile = hostfile
+
+    def options(self) -> list[str]:
+        # the network guard travels to every remote Python child too
+        return [*super().options(), "-H", str(self.hostfile), "--env", "PSLAUNCH_NETGUARD_LOG"]
+
+    def env(self) -> dict:
+        return self.tb.env()  # type: ignore[attr-defined]
+
+    def host_of(self, rec: dict) -> object:
+        host = self.tb.host_of(rec["netns"])  # type: ignore[attr-defined]
+        assert host is not None, f"{rec['name']} ran in the launcher's namespace, not on a host"
+        return host
+
+    def node_host(self, name: str, rec: dict) -> str:
+        return self.host_of(rec).addr_a  # type: ignore[attr-defined]
+
+    def check_record(self, name: str, rec: dict) -> None:
+        self.host_of(rec)
+
+    def backend_leftovers(self) -> list[str]:
+        tb = self.tb
+        return [f"{h.name}: {tb.describe_pids(pids)}" for h in tb.hosts  # type: ignore[attr-defined]
+                if (pids := tb.job_pids(h))]  # type: ignore[attr-defined]
+
+
+class SGECluster(Cluster):
+    """``--launcher sge`` on the one-node Grid Engine that CI starts (scripts/setup-sge.sh)."""
+
+    launcher = "sge"
+    start_timeout = 60.0
+    timeout = 8.0
+
+    def __init__(self, out: Path, logs: Path) -> None:
+        super().__init__(out)
+        problem = sge_problem()
+        if problem:
+            pytest.skip(f"no Grid Engine: {problem}")
+        self.name = f"pslt-{self.mark[:8]}"
+        self.logs = logs
+
+    def options(self) -> list[str]:
+        return [*super().options(), "--host-ip", "127.0.0.1", "--jobname", self.name, "--sge-log-dir",
+                str(self.logs)]
+
+    def check_record(self, name: str, rec: dict) -> None:
+        assert rec["env"]["JOB_NAME"] == self.name  # it ran as a Grid Engine task of this job
+
+    def backend_leftovers(self) -> list[str]:
+        jobs = sge_jobs(self.name)
+        return [f"Grid Engine jobs named {self.name}: {', '.join(jobs)}"] if jobs else []
+
+    def close(self) -> None:
+        jobs = sge_jobs(self.name)
+        if jobs:
+            subprocess.run(["qdel", *jobs], capture_output=True, timeout=20)
+        super().close()
+
+
+def sge_problem() -> Optional[str]:
+    """Why no Grid Engine job can run here, or None."""
+    for name in ("SGE_ROOT", "DRMAA_LIBRARY_PATH", "GLIBC_TUNABLES"):
+        if not os.environ.get(name):
+            return f"{name} is not set (eval \"$(scripts/setup-sge.sh env)\" after scripts/setup-sge.sh)"
+    if not shutil.which("qstat"):
+        return "qstat not found (scripts/setup-sge.sh installs Grid Engine)"
+    r = subprocess.run(["qstat"], capture_output=True, text=True, timeout=20)
+    if r.returncode != 0:
+        return f"qstat fails: {r.stderr.strip()} (start Grid Engine with scripts/setup-sge.sh)"
+    return None
+
+
+def sge_jobs(name: str) -> list[str]:
+    """Numbers of the jobs named ``name`` that Grid Engine still knows (queued, running, deleting)."""
+    r = subprocess.run(["qstat", "-u", "*", "-xml"], capture_output=True, text=True, timeout=20, check=True)
+    root = ET.fromstring(r.stdout)
+    return sorted({j.findtext("JB_job_number") or "" for j in root.iter("job_list")
+                   if j.findtext("JB_name") == name})
+
+
+#: The clusters of the conformance suite: id -> pytest marks.
+CLUSTERS = {
+    "local": (),
+    "ssh": (pytest.mark.ssh,),
+    "mpi-openmpi": (pytest.mark.mpi,),
+    "mpi-mpich": (pytest.mark.mpi,),
+    "sge": (pytest.mark.sge,),
+}
+
+
+def make_cluster(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Cluster:
+    """Build the cluster ``kind`` for one test (the testbed fixture only when it is needed)."""
+    if kind == "local":
+        out = tmp_path / "probes"
+        out.mkdir()
+        return LocalCluster(out)
+    if kind.startswith("mpi-"):
+        out = tmp_path / "probes"
+        out.mkdir()
+        return MPICluster(out, kind.split("-", 1)[1])
+    if kind == "ssh":
+        tb = request.getfixturevalue("testbed")
+        out = tb.shared / uuid.uuid4().hex[:10]
+        out.mkdir(mode=0o777)
+        request.addfinalizer(lambda: shutil.rmtree(out, ignore_errors=True))
+        hostfile = tb.write_hostfile(tmp_path / "hosts", tb.hosts[:3])
+        return SSHCluster(out, tb, hostfile)
+    if kind == "sge":
+        out = tmp_path / "probes"
+        out.mkdir()
+        return SGECluster(out, tmp_path / "logs")
+    raise ValueError(f"unknown cluster {kind!r}")
+
+
+__all__ = ["CLUSTERS", "Cluster", "MARK", "make_cluster", "sge_jobs", "sge_problem"]

@@ -1,0 +1,189 @@
+"""Helpers every test module may use: waiting, live processes, probes, running pslaunch.
+
+One copy of each: test modules import them from here (``from support.helpers import ...``),
+never from ``conftest`` or from another test module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = REPO / "tests" / "bin"
+PROBE = BIN / "probe.py"
+
+
+def wait_for(cond: Callable[[], object], timeout: float, interval: float = 0.05, what: str = "condition") -> object:
+    """Poll ``cond`` until it returns something true (returned), or fail after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def pid_alive(pid: int) -> bool:
+    """True for a live, non-zombie process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:].split()[0] not in (b"Z", b"X")
+
+
+def assert_no_orphans(pids: Iterable[int], timeout: float = 10.0) -> None:
+    """Every pid in ``pids`` is gone (or a zombie) within ``timeout`` seconds.
+
+    Check before anything reaps them: a reaped pid is gone whether or not the
+    code under test stopped it.
+    """
+    pids = list(pids)
+    assert pids, "no pids recorded"
+    try:
+        wait_for(lambda: not any(pid_alive(p) for p in pids), timeout, what="every process to be gone")
+    except AssertionError:
+        alive = [p for p in pids if pid_alive(p)]
+        raise AssertionError(f"{len(alive)} orphan(s) still running after {timeout}s: {describe_pids(alive)}") from None
+
+
+def describe_pids(pids: Iterable[int]) -> str:
+    """``"4711 python probe.py ...; ..."`` for messages."""
+    parts = []
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            cmd = "?"
+        parts.append(f"{pid} {cmd[:160].strip()}")
+    return "; ".join(parts) or "none"
+
+
+def pids_with_env(name: str, value: str) -> list[int]:
+    """Live processes whose initial environment has ``name=value`` (from ``/proc/PID/environ``).
+
+    Every process a job starts, and whatever those start in turn (a grandchild that
+    called ``setsid()`` included), inherits the job's variables: a unique value
+    finds them all, on this machine and in its network namespaces (one pid namespace).
+    """
+    needle = f"{name}={value}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        if needle in env.split(b"\0") and pid_alive(int(entry)):
+            found.append(int(entry))
+    return sorted(found)
+
+
+def all_pids(probes: dict) -> list[int]:
+    """The pids a set of probe records names: each process and its grandchild, if any."""
+    pids = []
+    for rec in probes.values():
+        pids.append(rec["pid"])
+        if rec.get("child"):
+            pids.append(rec["child"])
+    return pids
+
+
+def read_probes(directory: Path) -> dict[str, dict]:
+    """``{"worker-0": {...}, "scheduler": {...}}`` from probe.py's JSON files."""
+    out = {}
+    for f in sorted(Path(directory).glob("*.json")):
+        out[f.stem] = json.loads(f.read_text())
+    return out
+
+
+def wait_probes(directory: Path, count: int, timeout: float = 30) -> dict[str, dict]:
+    """Wait until ``count`` probes have written their records; return them."""
+    return wait_for(lambda: (lambda p: p if len(p) == count else None)(read_probes(directory)), timeout,
+                    what=f"{count} processes to start")  # type: ignore[return-value]
+
+
+def probe_argv(out: Path, *args: str, python: str = sys.executable) -> list[str]:
+    """The argv of ``tests/bin/probe.py`` writing its record into ``out``."""
+    return [python, str(PROBE), "--out", str(out), *args]
+
+
+def pslaunch_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "launcher", *args]
+
+
+def run_pslaunch(*args: str, timeout: float = 60, env: Optional[dict] = None, cwd: str | Path | None = None,
+                 input: Optional[str] = None) -> subprocess.CompletedProcess:
+    """Run pslaunch to the end (text output captured)."""
+    return subprocess.run(pslaunch_argv(*args), capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=cwd or REPO, input=input)
+
+
+def start_pslaunch(*args: str, env: Optional[dict] = None, cwd: str | Path | None = None) -> subprocess.Popen:
+    """Start pslaunch in the background (text pipes), for signal tests."""
+    return subprocess.Popen(pslaunch_argv(*args), cwd=cwd or REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def one_line_error(stderr: str) -> str:
+    """The single ``pslaunch: error:`` line that ``stderr`` must consist of."""
+    lines = [x for x in stderr.splitlines() if x.strip()]
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr
+    assert lines[0].startswith("pslaunch: error: "), lines[0]
+    return lines[0]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago."""
+    s = socket.socket()
+    s.bind((host, 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def ancestors(pid: int) -> list[tuple[int, str]]:
+    """``(pid, command line)`` of ``pid``'s parents, nearest first."""
+    out = []
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+            ppid = int(stat[stat.rfind(b")") + 2:].split()[1])
+            with open(f"/proc/{ppid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError):
+            break
+        out.append((ppid, cmd))
+        pid = ppid
+    return out
+
+
+def mxnet_python() -> Optional[str]:
+    """The Python of a venv with MXNet 1.9.1 (scripts/deps/20-mxnet.sh makes .venv-mxnet)."""
+    cand = os.environ.get("PSLAUNCH_MXNET_PYTHON") or str(REPO / ".venv-mxnet" / "bin" / "python")
+    return cand if os.path.exists(cand) else None
+
+
+MPIRUNS = {"openmpi": ("PSLAUNCH_MPIRUN_OPENMPI", "/usr/bin/mpirun.openmpi"),
+           "mpich": ("PSLAUNCH_MPIRUN_MPICH", "/usr/bin/mpirun.mpich")}
+
+
+def mpirun_path(impl: str) -> Optional[str]:
+    """The mpirun of ``impl`` (``openmpi``/``mpich``): ``$PSLAUNCH_MPIRUN_*`` or Debian's path."""
+    var, default = MPIRUNS[impl]
+    path = os.environ.get(var) or default
+    return path if os.access(path, os.X_OK) else None
