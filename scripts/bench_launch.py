@@ -33,7 +33,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from launcher import envvars  # noqa: E402
+import pscontract as pc  # noqa: E402
 
 SCHEDULER_PY = f"""
 import os, socket, sys, time
@@ -42,7 +42,7 @@ with open(os.path.join(out, "scheduler"), "w") as f:
     f.write(repr(time.time()))
 s = socket.socket()
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind((os.environ["{envvars.ROOT_URI}"], int(os.environ["{envvars.ROOT_PORT}"])))
+s.bind((os.environ["{pc.ROOT_URI}"], int(os.environ["{pc.ROOT_PORT}"])))
 s.listen(128)
 end = time.time() + 60
 while time.time() < end and len(os.listdir(out)) < expected:
@@ -51,10 +51,10 @@ while time.time() < end and len(os.listdir(out)) < expected:
 
 JOB_SH = f"""#!/bin/sh
 # every role runs this; the scheduler listens until all others have started
-if [ "${envvars.ROLE}" = scheduler ]; then
+if [ "${pc.ROLE}" = scheduler ]; then
     exec "$BENCH_PYTHON" -S "$BENCH_DIR/sched.py" "$BENCH_OUT" "$BENCH_EXPECTED"
 fi
-date +%s.%N > "$BENCH_OUT/${envvars.ROLE}-${envvars.TASK_ID}"
+date +%s.%N > "$BENCH_OUT/${pc.ROLE}-${pc.TASK_ID}"
 """
 
 
@@ -106,10 +106,10 @@ def bench_dmlc(mxnet_python: str, job: str, root: str, n: int) -> tuple[float, f
 
 FAIL_SH = f"""#!/bin/sh
 # worker 0 fails with code 3 after a moment; everything else waits to be stopped
-if [ "${envvars.ROLE}" = scheduler ]; then
+if [ "${pc.ROLE}" = scheduler ]; then
     exec "$BENCH_PYTHON" -S "$BENCH_DIR/sched.py" "$BENCH_OUT" 1000
 fi
-if [ "${envvars.ROLE}" = worker ] && [ "${envvars.TASK_ID}" = 0 ]; then
+if [ "${pc.ROLE}" = worker ] && [ "${pc.TASK_ID}" = 0 ]; then
     sleep 0.5; date +%s.%N > "$BENCH_OUT/failed"; exit 3
 fi
 exec sleep 60

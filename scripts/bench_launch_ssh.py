@@ -32,9 +32,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 from launcher.backends.ssh import SSHBackend  # noqa: E402
-from launcher.output import Console  # noqa: E402
-from launcher.plan import build_plan  # noqa: E402
-from launcher.spec import Host, JobSpec, SSHOptions  # noqa: E402
+from launcher.runtime.output import Console  # noqa: E402
+from launcher.spec.job import Host, JobSpec  # noqa: E402
+from launcher.spec.plan import build_plan  # noqa: E402
+from launcher.transport.ssh import SSHOptions  # noqa: E402
 
 # Every process: this Python (the hosts share the file system) printing one line, then waiting.
 PROGRAM = (sys.executable, "-S", "-c", "import time; print('running', flush=True); time.sleep(60)")
@@ -57,16 +58,16 @@ def one_launch(tb, hosts: int, per_host: int, src: Path, sync: bool) -> dict[str
     spec = JobSpec(command=PROGRAM, num_workers=hosts * per_host, num_servers=0, launcher="ssh", hosts=lines,
                    workdir=str(src), kill_grace=1.0,
                    sync_dst_dir=f"{tb.sync_root}/bench-{time.monotonic_ns()}" if sync else None,
-                   ssh=SSHOptions(connect_timeout=20.0))
+                   options=SSHOptions(connect_timeout=20.0))
     console = Console(stdout=io.BytesIO(), stderr=io.BytesIO(), color=False)  # type: ignore[arg-type]
     backend = SSHBackend(spec, console, None)
     try:
         t0 = time.monotonic()
-        node_hosts = backend.prepare()
+        addresses = backend.prepare()
         t1 = time.monotonic()
         plan = build_plan(spec, root_uri=tb.root_a, root_port=9, secret="0" * 64, job_id="bench",
-                          node_hosts=node_hosts, inherit_environ=False)
-        handles = backend.start(plan.procs)
+                          addresses=addresses, inherit_environ=False)
+        handles = backend.start(plan.procs).handles
         t2 = time.monotonic()
         end = t2 + 120
         while any(h.first_output is None for h in handles):  # type: ignore[attr-defined]
@@ -87,7 +88,7 @@ def one_launch(tb, hosts: int, per_host: int, src: Path, sync: bool) -> dict[str
 
 def shell_baseline(tb, runs: int = 5) -> float:
     """Median seconds of ``true`` over an open connection to the first host."""
-    from launcher.sshconn import HostSession, connect, resolve_targets
+    from launcher.transport.ssh import HostSession, connect, resolve_targets
 
     opts = SSHOptions(connect_timeout=20.0)
     target = resolve_targets([Host(tb.hosts[0].addr_a)], opts)[0]

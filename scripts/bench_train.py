@@ -40,7 +40,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from launcher import envvars  # noqa: E402
+import pscontract as pc  # noqa: E402
 from trainer.summary import read_summaries  # noqa: E402
 
 MODES = ("local", "dist_sync", "dist_async")
@@ -93,8 +93,8 @@ def main() -> int:
     mxnet = find_mxnet(a.mxnet)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     env = dict(os.environ)
-    env[envvars.PYTHONPATH] = os.pathsep.join([str(REPO)] + [x for x in env.get(envvars.PYTHONPATH, "").split(os.pathsep) if x])
-    env.pop(envvars.OMP_NUM_THREADS, None)
+    env[pc.PYTHONPATH] = os.pathsep.join([str(REPO)] + [x for x in env.get(pc.PYTHONPATH, "").split(os.pathsep) if x])
+    env.pop(pc.OMP_NUM_THREADS, None)
 
     rows = []
     load0 = _load()
@@ -114,7 +114,7 @@ def main() -> int:
                         continue
                     run_env = dict(env)
                     if who == "mxnet" and mode == "local":
-                        run_env[envvars.OMP_NUM_THREADS] = str(cores)
+                        run_env[pc.OMP_NUM_THREADS] = str(cores)
                     best: list[dict[str, Any]] | None = None
                     try:
                         for _ in range(a.repeat):

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import os
 
-from launcher import envvars as _envvars
+import pscontract as pc
 
-if os.environ.get(_envvars.ROLE, "").strip().lower() in ("scheduler", "server"):
+if os.environ.get(pc.ROLE, "").strip().lower() in ("scheduler", "server"):
     from trainer.kv.role import run_role as _run_role
 
     _run_role()
@@ -395,7 +395,7 @@ class _DistStore(KVStore):
 
     def __init__(self, kvtype: str) -> None:
         super().__init__(kvtype)
-        from launcher.envvars import ClusterEnv, ClusterEnvError
+        from pscontract import ClusterEnv, ClusterEnvError
         from trainer.kv.client import KVClient
         from trainer.kv.transport import check_dist_env, setup_logging
 
@@ -404,7 +404,7 @@ class _DistStore(KVStore):
         except ClusterEnvError as e:
             raise KVConfigError(f"{kvtype}: {e}") from None
         if env.role != "worker":
-            raise KVConfigError(f"a {kvtype} kvstore is created by workers, but {_envvars.ROLE}="
+            raise KVConfigError(f"a {kvtype} kvstore is created by workers, but {pc.ROLE}="
                                 f"{env.role}: import trainer.kvstore first, it runs that role")
         setup_logging(env.verbose)
         _install_excepthook()

@@ -26,7 +26,7 @@ import os
 import sys
 from typing import Callable, NoReturn, Sequence
 
-from launcher import envvars
+import pscontract as pc
 
 log = logging.getLogger("trainer.train_mnist")
 
@@ -171,7 +171,7 @@ def default_threads(environ: os._Environ[str] | dict[str, str] | None = None) ->
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    local = environ.get(envvars.LOCAL_PROCS, "").strip()
+    local = environ.get(pc.LOCAL_PROCS, "").strip()
     try:
         procs = int(local) if local else 1
     except ValueError:
@@ -181,9 +181,9 @@ def default_threads(environ: os._Environ[str] | dict[str, str] | None = None) ->
 
 def _role() -> str:
     """This process's role: ``worker`` when run alone or as a launcher worker."""
-    if envvars.ROLE not in os.environ:
+    if pc.ROLE not in os.environ:
         return "worker"
-    return envvars.ClusterEnv.from_environ(os.environ).role
+    return pc.ClusterEnv.from_environ(os.environ).role
 
 
 def _formatter(rank: int | str) -> logging.Formatter:
@@ -218,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         role = _role()
     except UsageError as e:
         return _fail(f"{e} (see --help)", 2)
-    except envvars.ClusterEnvError as e:
+    except pc.ClusterEnvError as e:
         return _fail(str(e), 2)
     if role in ("scheduler", "server"):
         if not args.kv_store.startswith("dist"):
@@ -237,7 +237,7 @@ def _worker(args: argparse.Namespace) -> int:
     if threads > 1:
         # libgomp's threads spin between parallel regions by default; when other processes want
         # the same cores that makes every step wait for descheduled spinners (10x slower here).
-        os.environ.setdefault(envvars.OMP_WAIT_POLICY, "PASSIVE")
+        os.environ.setdefault(pc.OMP_WAIT_POLICY, "PASSIVE")
     import torch
 
     torch.set_num_threads(threads)

@@ -1,54 +1,56 @@
-"""Backend registry: ``--launcher NAME`` -> a :class:`~launcher.backends.base.Backend` class.
+"""The backend registry: ``--launcher NAME`` -> a :class:`~launcher.backends.base.Backend` class.
 
-Backends are registered by name with a factory that imports the module only
-when that backend is used, so an optional dependency (paramiko, drmaa, skein)
-is needed only by the jobs that use it.
+The one list of backends. The CLI takes ``--launcher``'s choices and every backend's own
+options from here; nothing else in the launcher names a backend. Each backend is registered
+with its module and class; a module is imported on first use, and its optional dependencies
+(paramiko, drmaa, skein) only when a job uses it.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from typing import TYPE_CHECKING
 
 from ..errors import BackendUnavailableError
-from .base import Backend
 
-_REGISTRY: dict[str, Callable[[], type[Backend]]] = {}
+if TYPE_CHECKING:  # pragma: no cover
+    from .base import Backend
+
+_REGISTRY: dict[str, tuple[str, str]] = {}
 
 
-def register(name: str, factory: Callable[[], type[Backend]]) -> None:
-    """Register ``factory`` (returning a Backend class) under ``name``."""
-    if name in _REGISTRY and _REGISTRY[name] is not factory:
+def register(name: str, module: str, attr: str) -> None:
+    """Register the class ``attr`` of ``module`` (relative to this package) as backend ``name``."""
+    if name in _REGISTRY and _REGISTRY[name] != (module, attr):
         raise ValueError(f"backend {name!r} is already registered")
-    _REGISTRY[name] = factory
-
-
-def _lazy(module: str, attr: str) -> Callable[[], type[Backend]]:
-    def factory() -> type[Backend]:
-        return getattr(importlib.import_module(module, __name__), attr)
-    return factory
+    _REGISTRY[name] = (module, attr)
 
 
 def available() -> list[str]:
+    """The backend names, sorted."""
     return sorted(_REGISTRY)
 
 
 def get(name: str) -> type[Backend]:
     """The Backend class for ``name``; a one-line error when it is not available."""
     try:
-        factory = _REGISTRY[name]
+        module, attr = _REGISTRY[name]
     except KeyError:
         raise BackendUnavailableError(
-            f"the {name} backend is not available yet in this version of pslaunch "
-            f"(available: {', '.join(available())}); --dry-run still shows the plan") from None
-    cls = factory()
+            f"unknown launcher {name!r}: choose one of {', '.join(available())}") from None
+    cls = getattr(importlib.import_module(module, __name__), attr)
     if cls.name != name:
         raise BackendUnavailableError(f"backend {name!r} resolved to a class named {cls.name!r}")
     return cls
 
 
-register("local", _lazy(".local", "LocalBackend"))
-register("mpi", _lazy(".mpi", "MPIBackend"))
-register("ssh", _lazy(".ssh", "SSHBackend"))
-register("sge", _lazy(".sge", "SGEBackend"))
-register("yarn", _lazy(".yarn", "YarnBackend"))
+def classes() -> list[type[Backend]]:
+    """Every backend class, in name order (imports every backend module: keep them light)."""
+    return [get(name) for name in available()]
+
+
+register("local", ".local", "LocalBackend")
+register("mpi", ".mpi", "MPIBackend")
+register("ssh", ".ssh", "SSHBackend")
+register("sge", ".sge", "SGEBackend")
+register("yarn", ".yarn", "YarnBackend")

@@ -1,27 +1,69 @@
 """The backend interface: how servers and workers get started somewhere.
 
-A backend is one module under ``launcher/backends/`` with one :class:`Backend`
-subclass. The supervisor drives it in this order::
+A backend is one module under ``launcher/backends/`` with one :class:`Backend` subclass and
+one line in the registry (``launcher/backends/__init__.py``). Everything other modules need to
+know about a backend, they ask its class: its capabilities (class attributes), its own
+options (:attr:`Backend.options`, turned into CLI options and YAML keys), how to check a spec
+(:meth:`Backend.check_spec`), where its processes run (:meth:`Backend.where`,
+:meth:`Backend.all_here`) and what a dry run shows (:meth:`Backend.dry_run`). No other module
+compares backend names.
 
-    with backend:                       # __enter__/close(): sessions, connections
-        node_hosts = backend.prepare()  # connect, sync, resolve each node's address
-        ...                             # the supervisor starts the scheduler locally
-        handles = backend.start(plan.procs)
-        ...                             # poll / terminate / kill the handles
+The supervisor drives a backend in this order::
 
-Everything a backend needs comes from the frozen :class:`~launcher.spec.JobSpec`
-and the :class:`~launcher.plan.Plan`; builders of commands and job templates are
-pure functions in the backend's module, so golden tests can check them.
+    with backend:                        # __enter__/close(): sessions, connections
+        backend.check()                  # dependencies present (one-line error otherwise)
+        addresses = backend.prepare()    # connect, sync, each host's DMLC_NODE_HOST if known
+        ...                              # the supervisor starts the scheduler here
+        group = backend.start(procs)     # servers and workers; a ProcGroup of handles
+        ...                              # poll the handles, signal the group
+
+A backend module's import must stay light (the CLI imports every backend to build its
+options): heavy or optional modules are imported inside the methods that need them. Pure
+builders of commands and job templates live in the backend's module, for golden tests.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, Optional, Sequence
 
-from ..output import Console
-from ..plan import Plan, ProcSpec
-from ..process import ProcessHandle, Watchdog
-from ..spec import Host, JobSpec
+from ..errors import ConfigError
+from ..node.watchdog import Client as Watchdog
+from ..runtime.handle import ProcGroup
+from ..runtime.output import Console
+from ..spec.job import Host, JobSpec
+from ..spec.plan import Plan, ProcSpec
+
+
+@dataclass(frozen=True)
+class BackendOption:
+    """One option of a backend, as the CLI and the YAML config know it.
+
+    Attributes:
+        flags: the option's names (``("--ssh-user",)``); the first, without dashes, is its
+            YAML key and parameter name (``ssh_user``).
+        field: the field of the backend's :attr:`Backend.Options` it fills.
+        help: the ``--help`` text (the CLI prefixes the backend's name).
+        kind: ``str``, ``int``, ``float``, ``flag`` or ``multiple`` (a repeatable string).
+        default: the value when the option is not given.
+    """
+
+    flags: tuple[str, ...]
+    field: str
+    help: str
+    kind: str = "str"
+    default: Any = None
+    metavar: Optional[str] = None
+    show_default: bool = False
+
+    @property
+    def param(self) -> str:
+        return self.flags[0].lstrip("-").replace("-", "_")
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of a backend that has none."""
 
 
 class Backend:
@@ -29,16 +71,28 @@ class Backend:
 
     Class attributes:
         name: the ``--launcher`` value.
-        remote: processes run on other machines (labels get ``@ host``, and the
-            launcher's environment is not inherited wholesale).
-        needs_scheduler_address: the nodes are unknown before the job runs
-            (sge, yarn), so ``DMLC_INTERFACE`` or ``--host-ip`` must say which
-            of the launching host's addresses they can reach.
+        remote: processes run under a node program or on other machines: labels carry
+            ``@ host``, and the launcher's environment is not inherited wholesale (only the
+            forwarded variables and ``--env`` reach them).
+        uses_hostfile: ``-H/--hostfile`` places the processes.
+        requires_hostfile: and without one there is nothing to run on.
+        supports_sync: ``--sync-dst-dir`` copies the working directory to the hosts.
+        needs_scheduler_address: the nodes are unknown before the job runs (a batch system
+            places them), so ``DMLC_INTERFACE`` or ``--host-ip`` must say which address of
+            this host they can reach.
+        Options: the frozen record of the backend's own options (validated in its
+            ``__post_init__``); ``JobSpec.options`` holds one.
+        options: the CLI options that fill :attr:`Options`.
     """
 
     name: ClassVar[str] = ""
     remote: ClassVar[bool] = False
+    uses_hostfile: ClassVar[bool] = False
+    requires_hostfile: ClassVar[bool] = False
+    supports_sync: ClassVar[bool] = False
     needs_scheduler_address: ClassVar[bool] = False
+    Options: ClassVar[type] = NoOptions
+    options: ClassVar[tuple[BackendOption, ...]] = ()
 
     def __init__(self, spec: JobSpec, console: Console, watchdog: Optional[Watchdog]) -> None:
         self.spec = spec
@@ -51,27 +105,70 @@ class Backend:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- what the rest of the launcher asks of the class ------------------------------------
+
+    @classmethod
+    def make_options(cls, values: Mapping[str, Any]) -> Any:
+        """The backend's :attr:`Options` from parsed CLI/YAML values (keyed by :attr:`BackendOption.param`)."""
+        given = {o.field: values[o.param] for o in cls.options if values.get(o.param) is not None}
+        return cls.Options(**given)
+
+    @classmethod
+    def default_options(cls) -> Any:
+        return cls.Options()
+
+    @classmethod
+    def check_spec(cls, spec: JobSpec) -> None:
+        """Refuse (``ConfigError``) what this backend cannot run: the hostfile rules by default."""
+        if spec.hosts and not cls.uses_hostfile:
+            raise ConfigError(f"--launcher {cls.name} does not use a hostfile; drop -H {spec.hostfile or ''} "
+                              "or choose a backend that does (--launcher ssh or mpi)")
+        if cls.requires_hostfile and not spec.hosts:
+            raise ConfigError(f"--launcher {cls.name} needs hosts: give -H/--hostfile FILE with one host per line")
+        if spec.sync_dst_dir and not cls.supports_sync:
+            raise ConfigError(f"--sync-dst-dir copies the working directory to remote hosts over ssh; "
+                              f"--launcher {cls.name} has none (drop --sync-dst-dir)")
+
+    @classmethod
+    def all_here(cls, spec: JobSpec) -> bool:
+        """True when every process of ``spec`` runs on this machine (they bind the scheduler's address)."""
+        return not cls.remote
+
+    @classmethod
+    def where(cls, spec: JobSpec, plan: Plan) -> str:
+        """Where the processes run, for the start-up line: ``this machine``, ``3 hosts``, ..."""
+        hosts = {p.host.name for p in plan.procs if p.host is not None}
+        if hosts:
+            return f"{len(hosts)} host{'s' if len(hosts) != 1 else ''}"
+        return "this machine" if cls.all_here(spec) else "the cluster's hosts"
+
+    @classmethod
+    def dry_run_addresses(cls, spec: JobSpec, interface: str) -> Mapping[Host, str]:
+        """``DMLC_NODE_HOST`` per host as a dry run shows it (placeholders where only the host can tell)."""
+        return {h: (f"<{h.name} on {interface}>" if interface else h.name) for h in spec.hosts}
+
     @classmethod
     def dry_run(cls, spec: JobSpec, plan: Plan) -> list[str]:
         """Extra lines for ``--dry-run`` (commands, job templates); pure, no dependencies needed."""
         return []
 
+    # -- the lifecycle -------------------------------------------------------------------------
+
     def check(self) -> None:
         """Fail fast (``BackendUnavailableError``) when a dependency is missing; no side effects."""
 
-    def prepare(self) -> Mapping[Optional[Host], Optional[str]]:
-        """Get ready to start: connect, sync, and work out each host's ``DMLC_NODE_HOST``.
+    def prepare(self) -> Mapping[Host, str]:
+        """Get ready to start: connect, sync, and work out the ``DMLC_NODE_HOST`` of the hosts
+        whose address only the connection tells (ssh). Other addresses are worked out on the
+        nodes, or are the scheduler's (everything on this machine)."""
+        return {}
 
-        Returns the address per host (key ``None`` for this machine). A ``None``
-        value means the backend's wrapper resolves it on the node itself.
-        """
-        return {None: None}
+    def start(self, procs: Sequence[ProcSpec]) -> ProcGroup:
+        """Start the servers and workers (servers first); a :class:`ProcGroup` of one handle each,
+        in the order of ``procs``.
 
-    def start(self, procs: Sequence[ProcSpec]) -> list[ProcessHandle]:
-        """Start the servers and workers (servers first) and return one handle each.
-
-        On an exception the supervisor terminates the handles it already
-        holds; a backend must clean up whatever else it half-started itself.
+        On an exception the supervisor stops whatever handles it already holds; a backend
+        must clean up whatever else it half-started itself.
         """
         raise NotImplementedError
 

@@ -1,19 +1,19 @@
 """The local backend: every process on this machine, as dmlc's ``--launcher local``.
 
-Each process is a :class:`~launcher.process.LocalProcess`: argv passed as a
-list (no shell), stdin from ``/dev/null``, its own session and process group,
-the launcher's whole environment beneath the job's variables. ``DMLC_NODE_HOST``
-is the scheduler's address, so every node binds the same interface.
+Each process is a :class:`~launcher.runtime.local.LocalProcess`: argv passed as a list (no
+shell), stdin from ``/dev/null``, its own session and process group, the launcher's whole
+environment beneath the job's variables. ``DMLC_NODE_HOST`` is the scheduler's address, so
+every node binds the same interface.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from typing import Sequence
 
-from ..output import PipePump
-from ..plan import ProcSpec
-from ..process import LocalProcess, ProcessHandle
-from ..spec import Host
+from ..runtime.handle import ProcessHandle, ProcGroup
+from ..runtime.local import LocalProcess
+from ..runtime.output import PipePump
+from ..spec.plan import ProcSpec
 from .base import Backend
 
 
@@ -23,13 +23,8 @@ class LocalBackend(Backend):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.pump: PipePump | None = None
-        self.node_address: str | None = None
 
-    def prepare(self) -> Mapping[Optional[Host], Optional[str]]:
-        # The supervisor fills in the scheduler's address (see Supervisor._node_hosts).
-        return {None: None}
-
-    def start(self, procs: Sequence[ProcSpec]) -> list[ProcessHandle]:
+    def start(self, procs: Sequence[ProcSpec]) -> ProcGroup:
         if self.pump is None:
             self.pump = PipePump()
         handles: list[ProcessHandle] = []
@@ -41,7 +36,7 @@ class LocalBackend(Backend):
             for h in handles:  # nothing half-started stays behind
                 h.kill()
             raise
-        return handles
+        return ProcGroup(handles)
 
     def close(self) -> None:
         if self.pump is not None:

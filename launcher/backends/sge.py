@@ -1,46 +1,44 @@
 """The sge backend: servers and workers as Grid Engine array jobs, through DRMAA.
 
-The scheduler runs on this machine, as on every backend; its address must be
-reachable from the execution hosts, so ``DMLC_INTERFACE`` or ``--host-ip`` is
-required. Servers, then workers, are submitted as two bulk jobs
-(``runBulkJobs``) of one DRMAA session, one job template per role:
+The scheduler runs on this machine, as on every backend; its address must be reachable from
+the execution hosts, so ``DMLC_INTERFACE`` or ``--host-ip`` is required. Servers, then workers,
+are submitted as two bulk jobs (``runBulkJobs``) of one DRMAA session, one job template per role:
 
-* ``jobName`` is ``--jobname``; ``nativeSpecification`` comes from
-  ``--queue`` (``-q``), ``--*-cores`` (``-pe <--sge-pe> N``), ``--*-memory``
-  (``-l h_vmem=``, which Grid Engine counts per slot, so the total is split
-  over the cores) and ``--sge-native`` for anything else;
+* ``jobName`` is ``--jobname``; ``nativeSpecification`` comes from ``--queue`` (``-q``),
+  ``--*-cores`` (``-pe <--sge-pe> N``), ``--*-memory`` (``-l h_vmem=``, which Grid Engine
+  counts per slot, so the total is split over the cores) and ``--sge-native`` for anything else;
 * the working directory is the launcher's, and each task writes
-  ``<--sge-log-dir>/<role>.<SGE_TASK_ID>.out`` and ``.err`` (default
-  ``<jobname>.log/``): the launcher streams them to the console while the
-  tasks run, labelled ``[worker 0]``;
-* the command is the task wrapper (:mod:`launcher.task`) under this very
-  interpreter (``sys.executable``: a job's ``PATH`` is Grid Engine's, not
-  ours), which maps the 1-based ``SGE_TASK_ID`` to ``DMLC_TASK_ID``, works
-  out ``DMLC_NODE_HOST`` on the execution host and execs the command.
+  ``<--sge-log-dir>/<role>.<SGE_TASK_ID>.out`` and ``.err`` (default ``<jobname>.log/``);
+* the command is the task wrapper (``launcher.node.task``, under this very interpreter: a
+  job's ``PATH`` is Grid Engine's, not ours), which maps the 1-based ``SGE_TASK_ID`` to
+  ``DMLC_TASK_ID``, works out ``DMLC_NODE_HOST`` on the execution host, and runs the command
+  under the node agent, connected to the launcher's hub (``launcher.backends.batch``): its
+  output reaches the console as it is printed, labelled ``[worker 0]``, and the launcher can
+  stop it gracefully or make it dump its stacks. A task whose agent cannot connect still runs;
+  its output is then tailed from its files.
 
 What Grid Engine's DRMAA does not do, and how this module copes:
 
-* ``jobEnvironment`` values are cut at the first ``=``, the caller's
-  environment is not passed without ``-V``, and whatever is in the template
-  shows in ``qstat -j``. So the job's variables (contract, ``--env``, the
-  forwarded ones and the launcher's ``PATH``) travel in a task file of mode
-  0600 in the log directory, which must be on a file system the execution
-  hosts share (as the working directory already is). The template carries no
-  secret and no ``-V``.
-* Jobs outlive the DRMAA session. Every queued or running task is sent
-  ``TERMINATE`` when a task fails, on Ctrl-C and whenever the launcher exits
-  (:meth:`SGEBackend.close`), and the launcher waits until Grid Engine has
-  dropped them; if the launcher is killed with SIGKILL, its watchdog runs
-  ``qdel`` on the jobs.
-* libdrmaa must be found (``DRMAA_LIBRARY_PATH``), needs ``SGE_ROOT``, and
-  Debian's build links libjemalloc, which only loads into a Python started
-  with ``GLIBC_TUNABLES=glibc.rtld.optional_static_tls=8192``. Each missing
-  piece is a one-line error that says what to set.
+* ``jobEnvironment`` values are cut at the first ``=``, the caller's environment is not passed
+  without ``-V``, and whatever is in the template shows in ``qstat -j``. So the job's variables
+  (contract, ``--env``, the forwarded ones and the launcher's ``PATH``) travel in a task file of
+  mode 0600 in the log directory, which must be on a file system the execution hosts share (as
+  the working directory already is). The template carries no secret and no ``-V``.
+* Jobs outlive the DRMAA session. Every queued or running task is sent ``TERMINATE`` when a
+  task fails, on Ctrl-C and whenever the launcher exits, and the launcher waits until Grid
+  Engine has dropped them; if the launcher is killed with SIGKILL, its watchdog runs ``qdel``
+  on the jobs (and the agents, whose connections end, stop their commands).
+* DRMAA can only delete a task (``TERMINATE``, which Grid Engine carries out with SIGKILL):
+  graceful stops and stack dumps go through the task's agent.
+* libdrmaa must be found (``DRMAA_LIBRARY_PATH``), needs ``SGE_ROOT``, and Debian's build links
+  libjemalloc, which only loads into a Python started with
+  ``GLIBC_TUNABLES=glibc.rtld.optional_static_tls=8192``. Each missing piece is a one-line error
+  that says what to set.
 
-DRMAA calls are serialised by one lock. A single thread follows every task:
-it reaps finished tasks with ``wait(JOB_IDS_SESSION_ANY, TIMEOUT_NO_WAIT)``
-(answered from libdrmaa's event cache), asks ``jobStatus`` only for tasks not
-yet seen running, and tails the output files.
+DRMAA calls are serialised by one lock. The follower thread reaps finished tasks with
+``wait(JOB_IDS_SESSION_ANY, TIMEOUT_NO_WAIT)`` (answered from libdrmaa's event cache), asks
+``jobStatus`` only for tasks not yet seen running, and tails the output files of tasks whose
+agent is not connected.
 """
 
 from __future__ import annotations
@@ -54,21 +52,30 @@ import os
 import re
 import shutil
 import signal
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from .. import envvars
+import pscontract as pc
+
+from .. import node
 from ..errors import BackendUnavailableError, ConfigError, LaunchError
-from ..output import ProcOutput
-from ..plan import Plan, ProcSpec
-from ..process import ProcessHandle, resolve_program, spawn_guard
-from ..spec import Host, JobSpec, Role
-from .base import Backend
+from ..runtime.handle import spawn_guard
+from ..runtime.output import ProcOutput
+from ..spec.job import JobSpec, Role
+from ..spec.plan import Plan, ProcSpec
+from .base import BackendOption
+from .batch import BatchBackend, BatchTask, build_task_file, role_procs, write_private_json
 
 log = logging.getLogger(__name__)
+
+# What libdrmaa needs in the launcher's environment (and Grid Engine's own variables).
+SGE_ROOT = "SGE_ROOT"
+SGE_CELL = "SGE_CELL"
+DRMAA_LIBRARY_PATH = "DRMAA_LIBRARY_PATH"
+# Debian's libdrmaa links libjemalloc, which needs static TLS that glibc only
+# reserves at process start when this tunable asks for it.
+GLIBC_TUNABLES = "GLIBC_TUNABLES"
 
 #: DRMAA's placeholder for a bulk job's task index (``JobTemplate.PARAMETRIC_INDEX``).
 PARAMETRIC_INDEX = "$drmaa_incr_ph$"
@@ -76,12 +83,10 @@ PARAMETRIC_INDEX = "$drmaa_incr_ph$"
 DEBIAN_SGE_ROOT = "/var/lib/gridengine"
 DEBIAN_DRMAA_LIBRARY = "/usr/lib/gridengine-drmaa/lib/libdrmaa.so.1.0"
 STATIC_TLS_TUNABLE = "glibc.rtld.optional_static_tls=8192"
-WRAPPER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "task.py")
 
 TICK = 0.2           # output tailing
 REAP_EVERY = 0.5     # wait(ANY, NO_WAIT)
 STATUS_EVERY = 1.0   # jobStatus of tasks not yet seen running
-CLOSE_WAIT = 20.0    # how long close() waits for Grid Engine to drop terminated tasks
 
 # DRMAA state -> qstat's letters, for messages
 _QSTAT_CODE = {
@@ -93,7 +98,18 @@ _QSTAT_CODE = {
 _BAD_NAME = re.compile(r"^\d|[\s/:@\\*?]")
 
 
-# --- pure builders ----------------------------------------------------------------
+# --- options and pure builders -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SGEOptions:
+    """``--sge-*``: ``pe`` is the parallel environment that ``--worker-cores``/``--server-cores``
+    above 1 request (``-pe PE N``)."""
+
+    native: Optional[str] = None
+    log_dir: Optional[str] = None
+    pe: str = "smp"
+
 
 
 def check_job_name(name: str) -> str:
@@ -107,7 +123,7 @@ def check_job_name(name: str) -> str:
 def log_dir_for(spec: JobSpec) -> str:
     """The absolute task output directory: ``--sge-log-dir`` or ``<jobname>.log``."""
     workdir = spec.workdir or os.getcwd()
-    return os.path.normpath(os.path.join(workdir, spec.sge.log_dir or f"{spec.name}.log"))
+    return os.path.normpath(os.path.join(workdir, (spec.options or SGEOptions()).log_dir or f"{spec.name}.log"))
 
 
 def build_native_specification(*, queue: Optional[str], cores: int, memory_mb: Optional[int], pe: str,
@@ -142,56 +158,6 @@ def build_native_specification(*, queue: Optional[str], cores: int, memory_mb: O
     if native and native.strip():
         parts.append(native.strip())
     return " ".join(parts)
-
-
-def _role_procs(procs: Sequence[ProcSpec], role: Role) -> list[ProcSpec]:
-    return sorted((p for p in procs if p.role is role), key=lambda p: p.rank)
-
-
-# Set per task by the wrapper, or meaningless on a cluster whose hosts are unknown here.
-_PER_TASK = (envvars.TASK_ID, envvars.NODE_HOST, envvars.LOCAL_PROCS)
-
-
-def task_roles(procs: Sequence[ProcSpec]) -> dict[str, Any]:
-    """Each role's part of a task file: ``{"first_task_id", "count", "env"}`` (shared with yarn).
-
-    The per-task variables (``DMLC_TASK_ID``, ``DMLC_NODE_HOST``) are left to
-    the wrapper; ``PSLAUNCH_LOCAL_PROCS`` is dropped because nobody here knows
-    which tasks share a host.
-
-    Raises:
-        LaunchError: the tasks of a role differ in more than their task ids,
-            or their ids are not consecutive (a bulk job cannot express that).
-    """
-    roles: dict[str, Any] = {}
-    for role in (Role.SERVER, Role.WORKER):
-        members = _role_procs(procs, role)
-        if not members:
-            continue
-        envs = [{k: v for k, v in p.env.items() if k not in _PER_TASK} for p in members]
-        if any(e != envs[0] for e in envs[1:]):
-            raise LaunchError(f"the {role}s' environments differ beyond their task ids; "
-                              "a bulk job gives every task the same variables")
-        task_ids = [p.task_id for p in members]
-        first = min(t for t in task_ids if t is not None)
-        if task_ids != list(range(first, first + len(members))):
-            raise LaunchError(f"the {role}s' task ids {task_ids} are not consecutive")
-        roles[str(role)] = {"first_task_id": first, "count": len(members), "env": envs[0]}
-    return roles
-
-
-def build_task_file(spec: JobSpec, procs: Sequence[ProcSpec]) -> dict[str, Any]:
-    """The task file (see :mod:`launcher.task`): each role's variables, the command, ``PATH``.
-
-    ``PATH`` is the launcher's, so the command resolves as it does here (a
-    job's own ``PATH`` is Grid Engine's); a program in the working directory
-    becomes ``./prog`` as on the local backend.
-    """
-    environ = spec.environ_dict()
-    common = {envvars.PATH: environ[envvars.PATH]} if environ.get(envvars.PATH) else {}
-    argv = list(spec.command)
-    argv[0] = resolve_program(argv[0], {envvars.PATH: common.get(envvars.PATH, os.defpath)}, spec.workdir)
-    return {"version": 1, "argv": argv, "env": common, "roles": task_roles(procs)}
 
 
 @dataclass(frozen=True)
@@ -231,7 +197,7 @@ class JobTemplateSpec:
                 self.error_path.lstrip(":").replace(PARAMETRIC_INDEX, str(index)))
 
 
-def build_job_templates(spec: JobSpec, procs: Sequence[ProcSpec], *, python: str, wrapper: str,
+def build_job_templates(spec: JobSpec, procs: Sequence[ProcSpec], *, wrapper: Sequence[str],
                         task_file: str, log_dir: str, job_id: str) -> tuple[JobTemplateSpec, ...]:
     """The job templates, servers first; one bulk job of ``count`` tasks each.
 
@@ -240,29 +206,30 @@ def build_job_templates(spec: JobSpec, procs: Sequence[ProcSpec], *, python: str
     job's id, so ``qstat -j`` shows which pslaunch job a task belongs to.
 
     Args:
-        python: the interpreter for the wrapper (``sys.executable``).
-        wrapper: the path of :mod:`launcher.task`.
-        task_file: the 0600 task file (:func:`build_task_file`).
+        wrapper: the argv of the task wrapper (``launcher.node.command("task")``: this very
+            interpreter and this installation).
+        task_file: the 0600 task file (``launcher.backends.batch.build_task_file``).
         log_dir: absolute directory of the task output files.
         job_id: ``PSLAUNCH_JOB_ID``.
     """
     name = check_job_name(spec.name)
+    opts = spec.options or SGEOptions()
     out = []
     for role, cores, memory in ((Role.SERVER, spec.server_cores, spec.server_memory_mb),
                                 (Role.WORKER, spec.worker_cores, spec.worker_memory_mb)):
-        count = len(_role_procs(procs, role))
+        count = len(role_procs(procs, role))
         if not count:
             continue
         out.append(JobTemplateSpec(
-            role=str(role), count=count, job_name=name, remote_command=python,
-            args=(wrapper, "--task-file", task_file, "--role", str(role), "--index", "sge",
+            role=str(role), count=count, job_name=name, remote_command=wrapper[0],
+            args=(*wrapper[1:], "--task-file", task_file, "--role", str(role), "--index", "sge",
                   "--report-dir", log_dir),
             working_directory=spec.workdir or os.getcwd(),
             output_path=":" + os.path.join(log_dir, f"{role}.{PARAMETRIC_INDEX}.out"),
             error_path=":" + os.path.join(log_dir, f"{role}.{PARAMETRIC_INDEX}.err"),
             native_specification=build_native_specification(
-                queue=spec.queue, cores=cores, memory_mb=memory, pe=spec.sge.pe, native=spec.sge.native),
-            job_environment={envvars.JOB_ID: job_id},
+                queue=spec.queue, cores=cores, memory_mb=memory, pe=opts.pe, native=opts.native),
+            job_environment={pc.JOB_ID: job_id},
         ))
     return tuple(out)
 
@@ -309,19 +276,19 @@ def environment_problem(environ: Mapping[str, str], exists: Callable[[str], bool
     a directory). ``GLIBC_TUNABLES`` is checked by loading the library (see
     :func:`load_drmaa`), since only libraries that link libjemalloc need it.
     """
-    lib = environ.get(envvars.DRMAA_LIBRARY_PATH, "")
+    lib = environ.get(DRMAA_LIBRARY_PATH, "")
     hint = f" (Debian: {DEBIAN_DRMAA_LIBRARY})" if exists(DEBIAN_DRMAA_LIBRARY) else \
         " (the libdrmaa.so of your Grid Engine, e.g. $SGE_ROOT/lib/<arch>/libdrmaa.so)"
     if not lib:
-        return f"{envvars.DRMAA_LIBRARY_PATH} is not set: export {envvars.DRMAA_LIBRARY_PATH}=<path of libdrmaa.so>{hint}"
+        return f"{DRMAA_LIBRARY_PATH} is not set: export {DRMAA_LIBRARY_PATH}=<path of libdrmaa.so>{hint}"
     if not exists(lib):
-        return f"{envvars.DRMAA_LIBRARY_PATH}={lib}: no such file; set it to the path of libdrmaa.so{hint}"
-    root = environ.get(envvars.SGE_ROOT, "")
+        return f"{DRMAA_LIBRARY_PATH}={lib}: no such file; set it to the path of libdrmaa.so{hint}"
+    root = environ.get(SGE_ROOT, "")
     root_hint = f" (Debian: {DEBIAN_SGE_ROOT})" if isdir(DEBIAN_SGE_ROOT) else ""
     if not root:
-        return f"{envvars.SGE_ROOT} is not set (libdrmaa needs it): export {envvars.SGE_ROOT}=<Grid Engine's root>{root_hint}"
+        return f"{SGE_ROOT} is not set (libdrmaa needs it): export {SGE_ROOT}=<Grid Engine's root>{root_hint}"
     if not isdir(root):
-        return f"{envvars.SGE_ROOT}={root}: no such directory{root_hint}"
+        return f"{SGE_ROOT}={root}: no such directory{root_hint}"
     return None
 
 
@@ -339,14 +306,14 @@ def load_drmaa(environ: Mapping[str, str] = os.environ) -> Any:
         text = str(e)
         if "static TLS" in text:
             raise BackendUnavailableError(
-                f"libdrmaa ({environ.get(envvars.DRMAA_LIBRARY_PATH)}) pulls in a library that needs static "
+                f"libdrmaa ({environ.get(DRMAA_LIBRARY_PATH)}) pulls in a library that needs static "
                 f"TLS, which glibc reserves only at start-up: start pslaunch with "
-                f"{envvars.GLIBC_TUNABLES}={_with_tunable(environ.get(envvars.GLIBC_TUNABLES, ''))}") from None
+                f"{GLIBC_TUNABLES}={_with_tunable(environ.get(GLIBC_TUNABLES, ''))}") from None
         raise BackendUnavailableError(
-            f"cannot load {envvars.DRMAA_LIBRARY_PATH}={environ.get(envvars.DRMAA_LIBRARY_PATH)}: {text}") from None
+            f"cannot load {DRMAA_LIBRARY_PATH}={environ.get(DRMAA_LIBRARY_PATH)}: {text}") from None
     except AttributeError as e:  # a loadable library that is not libdrmaa: "undefined symbol: drmaa_init"
         raise BackendUnavailableError(
-            f"{envvars.DRMAA_LIBRARY_PATH}={environ.get(envvars.DRMAA_LIBRARY_PATH)} is not a DRMAA library "
+            f"{DRMAA_LIBRARY_PATH}={environ.get(DRMAA_LIBRARY_PATH)} is not a DRMAA library "
             f"({_one_line(e)}); set it to the path of libdrmaa.so") from None
     except RuntimeError as e:  # drmaa's own "Could not find drmaa library"
         raise BackendUnavailableError(f"drmaa: {' '.join(str(e).split())}") from None
@@ -363,64 +330,52 @@ def _one_line(e: BaseException) -> str:
 # --- the handle --------------------------------------------------------------------------
 
 
-class SGETask(ProcessHandle):
-    """One array task of a bulk job. Its state is kept by :class:`SGEBackend`'s thread."""
+class SGETask(BatchTask):
+    """One array task of a bulk job."""
 
     def __init__(self, proc: ProcSpec, output: ProcOutput, backend: SGEBackend, job_task_id: str,
-                 out_path: str, err_path: str) -> None:
-        super().__init__(proc, output, host="(sge)")
-        self.backend = backend
+                 out_path: str, err_path: str, started_file: str) -> None:
+        super().__init__(proc, output, backend, host="(sge)")
         self.job_task_id = job_task_id          # "<job number>.<SGE_TASK_ID>"
         self.out_path = out_path
         self.err_path = err_path
+        self.started_file = started_file
         self.state = "queued_active"
-        self.ran = False
-        self.terminated = False
-        self.reason = ""
-        self.code: Optional[int] = None
-        self.files: dict[str, Any] = {}  # output file -> open binary file, once Grid Engine created it
-        self.started_file = ""
+        self.reaped = False                     # Grid Engine no longer holds it
+        self.files: dict[str, Any] = {}         # output file -> open binary file, once it exists
 
-    def _poll(self) -> Optional[int]:
-        return self.code
-
-    def terminate(self) -> None:
-        self.backend.terminate_task(self)
-
-    def kill(self) -> None:
-        # DRMAA has no stronger action than TERMINATE (Grid Engine kills with SIGKILL)
-        self.backend.terminate_task(self)
+    def where(self) -> str:
+        return f"SGE task {self.job_task_id}"
 
     def describe(self) -> str:
-        where = f"SGE task {self.job_task_id}" + (f" on {self.host}" if self.host != "(sge)" else "")
-        if self.pid:
-            where += f", pid {self.pid}"
-        why = f"; {self.reason}" if self.reason else ""
-        return f"{self.label} ({where}{why}; output {self.out_path})"
+        text = super().describe()
+        return f"{text[:-1]}; output {self.out_path})"
 
 
 # --- the backend -------------------------------------------------------------------------
 
 
-class SGEBackend(Backend):
+class SGEBackend(BatchBackend):
     """Grid Engine through DRMAA. See the module docstring."""
 
     name = "sge"
-    remote = True
-    needs_scheduler_address = True
+    index_source = "sge"
+    Options = SGEOptions
+    options = (
+        BackendOption(("--sge-native",), "native", "extra native specification (qsub options).", metavar="TEXT"),
+        BackendOption(("--sge-log-dir",), "log_dir", "task output files (default: <jobname>.log/).", metavar="DIR"),
+        BackendOption(("--sge-pe",), "pe", "parallel environment for --worker-cores/--server-cores above 1.",
+                      default="smp", metavar="PE", show_default=True),
+    )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._drmaa: Any = None
         self._s: Any = None  # the drmaa.Session (one per process)
         self._session = False
-        self._lock = threading.RLock()
-        self._tasks: list[SGETask] = []
-        self._thread: Optional[threading.Thread] = None
-        self._stop = threading.Event()
         self._full_scan = False
-        self._task_file: Optional[str] = None
         self._job_numbers: list[str] = []
+        self._next_reap = self._next_status = 0.0
 
     # -- dry run ------------------------------------------------------------------------
 
@@ -428,8 +383,8 @@ class SGEBackend(Backend):
     def dry_run(cls, spec: JobSpec, plan: Plan) -> list[str]:
         log_dir = log_dir_for(spec)
         task_file = task_file_path(log_dir, plan.job_id)
-        templates = build_job_templates(spec, plan.procs, python=sys.executable, wrapper=WRAPPER,
-                                        task_file=task_file, log_dir=log_dir, job_id=plan.job_id)
+        templates = build_job_templates(spec, plan.procs, wrapper=node.command("task"), task_file=task_file,
+                                        log_dir=log_dir, job_id=plan.job_id)
         doc = build_task_file(spec, plan.procs)
         out = ["Grid Engine (DRMAA): one bulk job per role, servers first:"]
         for t in templates:
@@ -441,8 +396,10 @@ class SGEBackend(Backend):
             out.append(f"  {role}: DMLC_TASK_ID = {r['first_task_id']} + SGE_TASK_ID - 1, "
                        f"{len(r['env'])} variables")
         if doc["env"]:
-            out.append(f"  every task: PATH={doc['env'][envvars.PATH]}")
+            out.append(f"  every task: PATH={doc['env'][pc.PATH]}")
         out.append(f"  argv: {json.dumps(doc['argv'])}")
+        out.append("each task's agent connects back to the scheduler's address on a free port of --port-range "
+                   "(authenticated with the job secret): output as it is printed, graceful stops, stack dumps")
         return out
 
     # -- set-up ---------------------------------------------------------------------------
@@ -450,7 +407,7 @@ class SGEBackend(Backend):
     def check(self) -> None:
         self._drmaa = load_drmaa(os.environ)
 
-    def prepare(self) -> Mapping[Optional[Host], Optional[str]]:
+    def prepare(self) -> Mapping[Any, str]:
         """Open the DRMAA session. Node addresses are resolved by the wrapper on each node."""
         drmaa = self._drmaa or load_drmaa(os.environ)
         self._drmaa = drmaa
@@ -459,39 +416,39 @@ class SGEBackend(Backend):
             self._s.initialize()
         except drmaa.errors.DrmaaException as e:
             raise LaunchError(f"cannot open a DRMAA session with Grid Engine "
-                              f"({envvars.SGE_ROOT}={os.environ.get(envvars.SGE_ROOT)}, "
-                              f"{envvars.SGE_CELL}={os.environ.get(envvars.SGE_CELL, 'default')}): "
+                              f"({SGE_ROOT}={os.environ.get(SGE_ROOT)}, "
+                              f"{SGE_CELL}={os.environ.get(SGE_CELL, 'default')}): "
                               f"{_one_line(e)}; is sge_qmaster running (qstat)?") from None
         self._session = True
-        log.debug("DRMAA session %s (%s)", self._s.contact, self._s.drmaaImplementation)
         return {}
 
-    # -- start ----------------------------------------------------------------------------
+    # -- submitting -------------------------------------------------------------------------
 
-    def start(self, procs: Sequence[ProcSpec]) -> list[ProcessHandle]:
+    def submit(self, procs: Sequence[ProcSpec], hub: Optional[tuple[str, int]]) -> list[BatchTask]:
         spec = self.spec
-        if not procs:
-            return []
-        job_id = procs[0].env.get(envvars.JOB_ID, "job")
+        job_id = procs[0].env.get(pc.JOB_ID, "job")
         log_dir = log_dir_for(spec)
         try:
             os.makedirs(log_dir, exist_ok=True)
         except OSError as e:
             raise LaunchError(f"cannot create --sge-log-dir {log_dir}: {e.strerror or e}") from None
-        task_file = task_file_path(log_dir, job_id)
-        templates = build_job_templates(spec, procs, python=sys.executable, wrapper=WRAPPER,
-                                        task_file=task_file, log_dir=log_dir, job_id=job_id)
-        self._write_task_file(task_file, build_task_file(spec, procs))
-        by_role = {str(r): _role_procs(procs, r) for r in (Role.SERVER, Role.WORKER)}
+        path = task_file_path(log_dir, job_id)
+        templates = build_job_templates(spec, procs, wrapper=node.command("task"), task_file=path, log_dir=log_dir,
+                                        job_id=job_id)
+        write_private_json(path, build_task_file(spec, procs, hub=hub))
+        self.task_file = path
+        by_role = {str(r): role_procs(procs, r) for r in (Role.SERVER, Role.WORKER)}
         qdel = shutil.which("qdel")
         if qdel is None:
             log.warning("qdel is not on PATH: if pslaunch is killed with SIGKILL, nothing can delete its "
                         "Grid Engine jobs")
         with spawn_guard():  # a Ctrl-C now is raised only once every submitted task has a handle
+            if self.watchdog is not None:
+                self.watchdog.on_abandon(["rm", "-f", path])
             for t in templates:
                 for i in range(1, t.count + 1):  # Grid Engine appends to existing files
-                    for path in (*t.task_files(i), os.path.join(log_dir, f"{t.role}-{i - 1}.started")):
-                        _remove(path)
+                    for f in (*t.task_files(i), os.path.join(log_dir, f"{t.role}-{i - 1}.started")):
+                        _remove(f)
                 ids = self._submit(t)
                 number = ids[0].split(".")[0]
                 self._job_numbers.append(number)
@@ -501,35 +458,17 @@ class SGEBackend(Backend):
                         self.watchdog.on_abandon(cmd)
                 for i, (job_task_id, proc) in enumerate(zip(ids, by_role[t.role]), start=1):
                     out_path, err_path = t.task_files(i)
-                    task = SGETask(proc, self.console.proc(proc.name, proc.label, str(proc.role)), self,
-                                   job_task_id, out_path, err_path)
-                    task.started_file = os.path.join(log_dir, f"{proc.name}.started")
-                    with self._lock:
-                        self._tasks.append(task)
+                    self.add_task(SGETask(proc, self.console.proc(proc.name, proc.label, str(proc.role)), self,
+                                          job_task_id, out_path, err_path,
+                                          os.path.join(log_dir, f"{proc.name}.started")))
                 log.info("submitted %d %s task%s as Grid Engine job %s (%s)", t.count, t.role,
                          "" if t.count == 1 else "s", number, t.native_specification or "no native options")
-            if self.watchdog is not None:
-                self.watchdog.on_abandon(["rm", "-f", task_file])
         log.info("task output: %s/{server,worker}.<SGE_TASK_ID>.{out,err} (SGE_TASK_ID = rank + 1)", log_dir)
-        self._thread = threading.Thread(target=self._follow, name="pslaunch-sge", daemon=True)
-        self._thread.start()
-        self._wait_started()
-        order = {(p.role, p.rank): i for i, p in enumerate(procs)}
-        return sorted(self._tasks, key=lambda t: order[(t.proc.role, t.proc.rank)])
-
-    def _write_task_file(self, path: str, doc: Mapping[str, Any]) -> None:
-        _remove(path)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(doc, f)
-        except OSError as e:
-            raise LaunchError(f"cannot write the task file {path}: {e.strerror or e}") from None
-        self._task_file = path
+        return self.tasks
 
     def _submit(self, t: JobTemplateSpec) -> list[str]:
         drmaa = self._drmaa
-        with self._lock:
+        with self.lock:
             jt = self._s.createJobTemplate()
             try:
                 for key, value in t.attributes().items():
@@ -545,48 +484,31 @@ class SGEBackend(Backend):
         log.debug("%s tasks: %s", t.role, ", ".join(ids))
         return ids
 
-    def _wait_started(self) -> None:
-        """Block until every task has started (or ended); a task still queued after
-        ``--start-timeout`` fails the launch with the queue state."""
-        timeout = max(self.spec.start_timeout, 1.0)
-        deadline = time.monotonic() + timeout
-        while True:
-            with self._lock:
-                pending = [t for t in self._tasks if not t.ran and t.code is None]
-                failed = any(t.code not in (None, 0) for t in self._tasks)
-            if failed or not pending:
-                if not pending:
-                    log.info("all %d tasks started", len(self._tasks))
-                return
-            if time.monotonic() > deadline:
-                states = "; ".join(f"{t.label}: SGE task {t.job_task_id} {t.state} "
-                                   f"({_QSTAT_CODE.get(t.state, t.state)})" for t in pending)
-                raise LaunchError(
-                    f"{len(pending)} of {len(self._tasks)} tasks still queued after --start-timeout {timeout:g}s "
-                    f"- {states}; `qstat -j {' '.join(self._job_numbers)}` tells why (free slots, queue, "
-                    "parallel environment, holds)")
-            time.sleep(0.05)
+    def describe_pending(self, pending: Sequence[BatchTask], timeout: float) -> str:
+        states = "; ".join(f"{t.label}: {t.where()} {t.state} ({_QSTAT_CODE.get(t.state, t.state)})"
+                           for t in pending)
+        return (f"{len(pending)} of {len(self.tasks)} tasks still queued after --start-timeout {timeout:g}s "
+                f"- {states}; `qstat -j {' '.join(self._job_numbers)}` tells why (free slots, queue, "
+                "parallel environment, holds)")
 
     # -- following the tasks -------------------------------------------------------------
 
-    def _follow(self) -> None:
-        next_reap = next_status = 0.0
-        while not self._stop.is_set():
-            now = time.monotonic()
-            try:
-                for t in list(self._tasks):
-                    if t.code is None:
-                        self._tail(t)
-                        self._read_started(t)
-                if now >= next_reap:
-                    next_reap = now + REAP_EVERY
-                    self._reap()
-                if now >= next_status:
-                    next_status = now + STATUS_EVERY
-                    self._statuses()
-            except Exception as e:  # noqa: BLE001 - never let the follower die: the job would hang
-                log.error("following the Grid Engine tasks: %s", _one_line(e), exc_info=True)
-            self._stop.wait(TICK)
+    def poll_once(self) -> None:
+        now = time.monotonic()
+        for t in list(self.tasks):
+            assert isinstance(t, SGETask)
+            if t.code is None and t.channel == "none":
+                self._tail(t)
+                self._read_started(t)
+        if now >= self._next_reap:
+            self._next_reap = now + REAP_EVERY
+            self._reap()
+        if now >= self._next_status:
+            self._next_status = now + STATUS_EVERY
+            self._statuses()
+
+    def settled(self) -> bool:
+        return all(isinstance(t, SGETask) and t.reaped for t in self.tasks)
 
     def _tail(self, t: SGETask, final: bool = False) -> None:
         """Feed what the task's output files gained since the last call (kept open once they exist)."""
@@ -611,6 +533,15 @@ class SGEBackend(Backend):
             if final:
                 stream.close()
 
+    def final_output(self, t: BatchTask) -> None:
+        assert isinstance(t, SGETask)
+        if t.channel == "none":
+            self._tail(t, final=True)  # its output is in its files only
+        else:
+            for f in t.files.values():
+                f.close()
+            super().final_output(t)
+
     def _read_started(self, t: SGETask) -> None:
         if t.pid is not None:
             return
@@ -631,8 +562,8 @@ class SGEBackend(Backend):
         drmaa = self._drmaa
         errors = drmaa.errors
         while True:
-            with self._lock:
-                if all(t.code is not None for t in self._tasks):
+            with self.lock:
+                if self.settled():
                     return
                 try:
                     info = self._s.wait(drmaa.Session.JOB_IDS_SESSION_ANY, drmaa.Session.TIMEOUT_NO_WAIT)
@@ -649,13 +580,14 @@ class SGEBackend(Backend):
     def _statuses(self) -> None:
         drmaa = self._drmaa
         errors = drmaa.errors
-        with self._lock:
+        with self.lock:
             full = self._full_scan
             self._full_scan = False
-            todo = [t for t in self._tasks if t.code is None and (full or t.terminated or not t.ran)]
+            todo = [t for t in self.tasks if isinstance(t, SGETask) and not t.reaped
+                    and (full or t.terminated or not t.ran or t.code is not None)]
         for t in todo:
-            with self._lock:
-                if t.code is not None:
+            with self.lock:
+                if t.reaped:
                     continue
                 try:
                     state = str(self._s.jobStatus(t.job_task_id))
@@ -664,7 +596,7 @@ class SGEBackend(Backend):
                 except errors.DrmaaException as e:
                     log.debug("jobStatus(%s): %s", t.job_task_id, _one_line(e))
                     continue
-            if state != t.state:
+            if state != t.state and t.code is None:
                 log.debug("%s (SGE task %s): %s -> %s", t.label, t.job_task_id, t.state, state)
             if state == "running":
                 t.ran = True
@@ -672,16 +604,16 @@ class SGEBackend(Backend):
                 self._wait_one(t)
             elif state == "gone":
                 # reaped elsewhere or forgotten by Grid Engine: no exit status is left
-                self._set_code(t, *exit_code_of(has_exited=False, exit_status=0, has_signal=False,
-                                                signal_name="", was_aborted=True, ran=t.ran,
-                                                terminated=t.terminated))
-            else:
+                t.reaped = True
+                self.set_code(t, *exit_code_of(has_exited=False, exit_status=0, has_signal=False, signal_name="",
+                                               was_aborted=True, ran=t.ran, terminated=t.terminated))
+            elif t.code is None:
                 t.state = state
 
     def _wait_one(self, t: SGETask) -> None:
         drmaa = self._drmaa
         errors = drmaa.errors
-        with self._lock:
+        with self.lock:
             try:
                 info = self._s.wait(t.job_task_id, drmaa.Session.TIMEOUT_NO_WAIT)
             except errors.ExitTimeoutException:
@@ -691,87 +623,61 @@ class SGEBackend(Backend):
                 log.debug("wait(%s): %s", t.job_task_id, _one_line(e))
                 info = None
         if info is None:
-            self._set_code(t, *exit_code_of(has_exited=False, exit_status=0, has_signal=False, signal_name="",
-                                            was_aborted=True, ran=t.ran, terminated=t.terminated))
+            t.reaped = True
+            self.set_code(t, *exit_code_of(has_exited=False, exit_status=0, has_signal=False, signal_name="",
+                                           was_aborted=True, ran=t.ran, terminated=t.terminated))
         else:
             self._finish(info.jobId, info)
 
     def _finish(self, job_task_id: str, info: Any) -> None:
-        task = next((t for t in self._tasks if t.job_task_id == job_task_id), None)
-        if task is None or task.code is not None:
+        task = next((t for t in self.tasks if isinstance(t, SGETask) and t.job_task_id == job_task_id), None)
+        if task is None or task.reaped:
             return
+        task.reaped = True
+        if task.code is not None:
+            return  # its agent told us first, and better (when it ended, and how)
         self._read_started(task)
         ran = task.ran or info.hasExited or info.hasSignal
         code, reason = exit_code_of(has_exited=info.hasExited, exit_status=info.exitStatus,
                                     has_signal=info.hasSignal, signal_name=info.terminatedSignal,
                                     was_aborted=info.wasAborted, ran=ran, terminated=task.terminated)
-        self._set_code(task, code, reason)
-
-    def _set_code(self, t: SGETask, code: int, reason: str) -> None:
-        self._tail(t, final=True)  # the last lines first: the failure report shows them
-        t.state = "done" if code == 0 else ("aborted" if reason else "failed")
-        t.reason = reason
-        t.code = code
-        log.debug("%s (SGE task %s) ended: exit code %d%s", t.label, t.job_task_id, code,
-                  f" ({reason})" if reason else "")
+        self.set_code(task, code, reason)
 
     # -- stopping ----------------------------------------------------------------------------
 
-    def terminate_task(self, t: SGETask) -> None:
-        """``control(TERMINATE)`` one task unless it has ended; idempotent."""
+    def cancel(self, tasks: Sequence[BatchTask]) -> None:
+        """``control(TERMINATE)`` every task of ``tasks`` that Grid Engine still holds; idempotent."""
         drmaa = self._drmaa
-        with self._lock:
-            if t.code is not None or not self._session:
-                return
-            first = not t.terminated
-            t.terminated = True
-            self._full_scan = True
-            try:
-                self._s.control(t.job_task_id, drmaa.JobControlAction.TERMINATE)
-            except drmaa.errors.InvalidJobException:
-                pass  # already gone; the follower collects it
-            except drmaa.errors.DrmaaException as e:
-                log.warning("could not delete SGE task %s: %s", t.job_task_id, _one_line(e))
-        if first:
+        for t in tasks:
+            assert isinstance(t, SGETask)
+            with self.lock:
+                if t.reaped or not self._session or t.terminated:
+                    continue
+                t.terminated = True
+                self._full_scan = True
+                try:
+                    self._s.control(t.job_task_id, drmaa.JobControlAction.TERMINATE)
+                except drmaa.errors.InvalidJobException:
+                    pass  # already gone; the follower collects it
+                except drmaa.errors.DrmaaException as e:
+                    log.warning("could not delete SGE task %s: %s", t.job_task_id, _one_line(e))
+                    continue
             log.debug("deleted %s (SGE task %s, %s)", t.label, t.job_task_id, t.state)
 
-    def close(self) -> None:
-        """Delete every task still queued or running, wait until Grid Engine has
-        dropped them, end the session and remove the task file. Idempotent."""
-        try:
-            if self._session:
-                for t in list(self._tasks):
-                    self.terminate_task(t)
-                deadline = time.monotonic() + CLOSE_WAIT
-                while any(t.code is None for t in self._tasks) and time.monotonic() < deadline:
-                    if self._thread is None or not self._thread.is_alive():
-                        self._reap()
-                        self._statuses()
-                    time.sleep(0.1)
-                left = [t.job_task_id for t in self._tasks if t.code is None]
-                if left:
-                    log.warning("Grid Engine has not dropped SGE task%s %s yet; check with qstat and "
-                                "delete with qdel %s", "" if len(left) == 1 else "s", ", ".join(left),
-                                " ".join(self._job_numbers))
-        finally:
-            self._stop.set()
-            if self._thread is not None:
-                self._thread.join(5)
-                self._thread = None
-            for t in self._tasks:
-                if t.code is None:
-                    self._tail(t, final=True)
-            if self._session:
-                try:
-                    self._s.exit()
-                except Exception as e:  # noqa: BLE001 - the session is being dropped anyway
-                    log.debug("DRMAA exit: %s", _one_line(e))
-                self._session = False
-            if self._task_file:
-                _remove(self._task_file)
-                self._task_file = None
-            for t in self._tasks:
-                _remove(t.started_file)
+    def release(self) -> None:
+        """End the DRMAA session; remove the task file and the tasks' start reports."""
+        if self._session:
+            try:
+                self._s.exit()
+            except Exception as e:  # noqa: BLE001 - the session is being dropped anyway
+                log.debug("DRMAA exit: %s", _one_line(e))
+            self._session = False
+        if self.task_file:
+            _remove(self.task_file)
+            self.task_file = None
+        for t in self.tasks:
+            assert isinstance(t, SGETask)
+            _remove(t.started_file)
 
 
 def _remove(path: str) -> None:

@@ -3,21 +3,22 @@
 Lifecycle (driven by the supervisor, see :mod:`launcher.backends.base`):
 
 1. :meth:`SSHBackend.prepare`: resolve each host that gets a process through
-   ``~/.ssh/config`` (:func:`launcher.sshconn.resolve_target`), connect to
+   ``~/.ssh/config`` (:func:`launcher.transport.ssh.resolve_target`), connect to
    all of them in parallel (bounded fan-out, retries, strict host keys), then
    per host and in parallel: work out ``DMLC_NODE_HOST`` (the interface
    ``DMLC_INTERFACE`` selects on that host, found by sending
-   ``launcher/netif.py`` to its ``python3``; without it, the address the
+   ``pscontract/netif.py`` to its ``python3``; without it, the address the
    connection reached) and, with ``--sync-dst-dir``, sync the working
-   directory (:mod:`launcher.sync`).
+   directory (:mod:`launcher.transport.sync`).
 2. :meth:`SSHBackend.start`: per host, one session channel on the host's
    connection runs :func:`wrapper_command` (a few lines of Python that read
-   ``ssh_remote.py`` from stdin and run it; nothing is installed). The argv,
-   environment and working directory of every process of that host follow on
-   stdin (:func:`wrapper_payload`), so no value ever appears on a command
-   line. The wrapper starts each process in its own process group and
-   reports its pid; output comes back framed by process (:class:`FrameDecoder`).
-   One login shell and one Python per host, however many processes it runs.
+   the node bundle from stdin and run ``launcher.node.ssh_wrapper`` from memory;
+   nothing is installed). The argv, environment and working directory of every
+   process of that host follow on stdin (:func:`wrapper_payload`), so no value ever
+   appears on a command line. The wrapper starts each process in its own process
+   group and reports its pid; output comes back framed by process
+   (:class:`~launcher.node.ssh_wire.FrameDecoder`). One login shell and one Python
+   per host, however many processes it runs.
 3. Supervision: the launcher sends a keep-alive to every host's wrapper each
    ``--ssh-keepalive`` seconds and the wrapper answers. A host silent for
    :data:`LOST_FACTOR` intervals is *lost*: its processes count as failed
@@ -28,47 +29,46 @@ Lifecycle (driven by the supervisor, see :mod:`launcher.backends.base`):
    stdin is closed and it kills what is left of every group. If the launcher
    dies (``kill -9``), sshd closes the channel and the wrapper does the same.
 
-Every remote command line is built by a pure function here
-(:func:`wrapper_command`, :func:`kill_command`, :func:`netif_command`,
-:func:`prepare_dir_command`) with every argument ``shlex``-quoted.
+Every remote command line is built by a pure function (:func:`wrapper_command`,
+:func:`kill_command`, :func:`netif_command`, ``transport.sync.prepare_dir_command``)
+with every argument ``shlex``-quoted.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import getpass
 import json
 import logging
 import os
 import queue
 import shlex
-import shutil
-import signal
 import socket
-import struct
-import subprocess
 import threading
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
-from .. import envvars, netif
+from pscontract import netif
+
+from .. import node
 from ..errors import ConfigError, LaunchError
-from ..output import ProcOutput
-from ..plan import Plan, ProcSpec, place
-from ..process import ProcessHandle
-from ..spec import Host, JobSpec, SSHOptions
-from ..sshconn import (
+from ..node.ssh_wire import BOOTSTRAP, KEEPALIVE, FrameDecoder, blob, frame
+from ..runtime.handle import ProcessHandle, ProcGroup
+from ..runtime.output import ProcOutput
+from ..spec.job import Host, JobSpec
+from ..spec.plan import Plan, ProcSpec, place
+from ..transport.ssh import (
     HostSession,
+    SSHOptions,
     Target,
     connect_all,
     require_paramiko,
-    resolve_target,
     resolve_targets,
 )
-from ..sync import SyncStats, parse_rsync_stats, rsync_argv, sftp_sync
-from .base import Backend
+from ..transport.sync import Syncer, SyncStats
+from .base import Backend, BackendOption
 
 if TYPE_CHECKING:  # pragma: no cover
     import paramiko
@@ -78,30 +78,9 @@ log = logging.getLogger(__name__)
 REMOTE_PYTHON = "python3"
 LOST_FACTOR = 4  # a host is lost after this many keep-alive intervals without a reply
 EXIT_LOST = 255  # ssh's own code for "the connection failed"
-IN_FRAME = struct.Struct(">cI")  # launcher -> wrapper: kind, length
-OUT_FRAME = struct.Struct(">cHI")  # wrapper -> launcher: kind, process id, length
-HOST_ID = 0xFFFF
-MAGIC = b"\0pslaunch-frames\0"  # the wrapper's first bytes: frames follow
-_HERE = Path(__file__).resolve().parent
-
-# Reads exactly N bytes of wrapper source (N as 10 digits first) from stdin and runs it,
-# leaving the rest of stdin (the header, keep-alives) to the wrapper.
-BOOTSTRAP = """import os
-def r(n):
- b=b""
- while len(b)<n:
-  c=os.read(0,n-len(b))
-  if not c:os._exit(255)
-  b+=c
- return b
-exec(compile(r(int(r(10))),"pslaunch-wrapper","exec"))"""
 
 
 # --- pure builders (golden-tested) -----------------------------------------------------------
-
-
-def wrapper_source() -> bytes:
-    return (_HERE / "ssh_remote.py").read_bytes()
 
 
 def wrapper_command(python: str = REMOTE_PYTHON) -> str:
@@ -119,14 +98,13 @@ def wrapper_header(procs: Sequence[tuple[int, ProcSpec]], cwd: Optional[str], ke
             "keepalive": keepalive, "lost_after": LOST_FACTOR * keepalive, "grace": grace}
 
 
-def wrapper_payload(header: Mapping, source: Optional[bytes] = None) -> bytes:
-    """The bytes written first to a wrapper channel's stdin: the source, then the header frame."""
-    src = wrapper_source() if source is None else source
+def wrapper_payload(header: Mapping, bundle: Optional[bytes] = None) -> bytes:
+    """The bytes written first to a wrapper channel's stdin: the loader, the node bundle, the header
+    frame (``launcher.node.ssh_wire``)."""
+    with open(node.path("ssh_loader"), "rb") as f:
+        loader = f.read()
     body = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    return b"%010d" % len(src) + src + IN_FRAME.pack(b"H", len(body)) + body
-
-
-KEEPALIVE = IN_FRAME.pack(b"k", 0)
+    return blob(loader) + blob(node.bundle("ssh_wrapper") if bundle is None else bundle) + frame(b"H", body)
 
 
 def kill_command(signame: str, pgids: Sequence[int]) -> str:
@@ -145,78 +123,6 @@ def kill_command(signame: str, pgids: Sequence[int]) -> str:
 def netif_command(iface: str, python: str = REMOTE_PYTHON) -> str:
     """Runs ``netif.py`` (sent on stdin) on the host to resolve ``DMLC_INTERFACE`` there."""
     return f"{shlex.quote(python)} -S - {shlex.quote(iface)}"
-
-
-def remote_path(path: str) -> str:
-    """``path`` for a remote shell: quoted, but a leading ``~``/``~/`` is the remote ``$HOME``."""
-    if path == "~":
-        return '"$HOME"'
-    if path.startswith("~/"):
-        rest = path[2:].lstrip("/")
-        return '"$HOME"/' + shlex.quote(rest) if rest else '"$HOME"'
-    return shlex.quote(path)
-
-
-def prepare_dir_command(path: str) -> str:
-    """Create the sync target; print its absolute path and rsync's path (empty without rsync).
-
-    The lines are marked: a login shell's rc files may print to stdout too.
-    A leading ``~`` or ``~/`` (a YAML value, a quoted option) means the remote
-    home, as it does in dmlc's ``rsync ... host:DIR``; anything else is quoted.
-    """
-    q = remote_path(path)
-    return (f"mkdir -p -- {q} && cd -- {q} && echo \"pslaunch-dir=$(pwd)\" && "
-            "echo \"pslaunch-rsync=$(command -v rsync)\"")
-
-
-def parse_prepare_dir(output: str) -> tuple[Optional[str], bool]:
-    """(the absolute directory, whether rsync exists) from :func:`prepare_dir_command`'s output."""
-    found = dict(line.partition("=")[::2] for line in output.splitlines() if line.startswith("pslaunch-"))
-    return found.get("pslaunch-dir") or None, bool(found.get("pslaunch-rsync", "").strip())
-
-
-class FrameDecoder:
-    """Splits the wrapper's stdout into ``(kind, process id, payload)`` frames.
-
-    Bytes before the wrapper's marker (a login shell's rc files printing to
-    stdout) are not frames: they are collected in :attr:`preamble`.
-    """
-
-    def __init__(self, expect_marker: bool = True) -> None:
-        self._buf = bytearray()
-        self._synced = not expect_marker
-        self.preamble = bytearray()
-
-    def feed(self, data: bytes) -> list[tuple[bytes, int, bytes]]:
-        self._buf += data
-        if not self._synced:
-            at = self._buf.find(MAGIC)
-            if at < 0:
-                keep = len(MAGIC) - 1  # the marker may be split across reads
-                self.preamble += self._buf[:max(0, len(self._buf) - keep)]
-                del self._buf[:max(0, len(self._buf) - keep)]
-                return []
-            self.preamble += self._buf[:at]
-            del self._buf[:at + len(MAGIC)]
-            self._synced = True
-        frames = []
-        size = OUT_FRAME.size
-        while len(self._buf) >= size:
-            kind, ident, length = OUT_FRAME.unpack_from(self._buf)
-            if len(self._buf) < size + length:
-                break
-            frames.append((kind, ident, bytes(self._buf[size:size + length])))
-            del self._buf[:size + length]
-        return frames
-
-    @property
-    def pending(self) -> int:
-        return len(self._buf)
-
-
-def interface_spec(spec: JobSpec) -> str:
-    """``DMLC_INTERFACE`` as the job's processes get it (``--env`` wins over the environment)."""
-    return (dict(spec.env).get(envvars.INTERFACE) or spec.environ_dict().get(envvars.INTERFACE) or "").strip()
 
 
 def hosts_with_processes(spec: JobSpec) -> list[Host]:
@@ -250,7 +156,7 @@ class RemoteHost:
         self.last_heard = time.monotonic()
         self.lost = False
         self.lost_reason = ""
-        self.interval = max(0.1, spec.ssh.keepalive)
+        self.interval = max(0.1, spec.options.keepalive)
         self.lost_after = LOST_FACTOR * self.interval
         self._stop = threading.Event()
         self._signals: queue.Queue[Optional[tuple[str, SSHProcess]]] = queue.Queue()
@@ -379,38 +285,24 @@ class RemoteHost:
 
     # -- signals --------------------------------------------------------------------
 
-    def signal(self, signame: str, proc: SSHProcess) -> None:
-        self._signals.put((signame, proc))
+    def signal(self, signame: str, procs: Sequence[SSHProcess]) -> None:
+        """Send ``signame`` to the groups of ``procs`` (one kill command; done by the host's signal thread)."""
+        self._signals.put((signame, list(procs)))
 
     def _signal_loop(self) -> None:
         while True:
             item = self._signals.get()
             if item is None:
                 return
-            batch: dict[str, list[SSHProcess]] = collections.defaultdict(list)
-            batch[item[0]].append(item[1])
-            time.sleep(0.01)  # the supervisor signals every process in one loop: batch them
-            stop = False
-            while True:
-                try:
-                    more = self._signals.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    stop = True
-                    break
-                batch[more[0]].append(more[1])
-            for signame, procs in batch.items():
-                pgids = [p.pgid for p in procs if p.pgid and p.running]
-                if not pgids or self.lost or self.closed or not self.session.active:
-                    continue
-                try:
-                    r = self.session.exec(kill_command(signame, pgids), timeout=max(5.0, self.lost_after))
-                    log.debug("%s: kill -%s %s: exit %d", self.label, signame, pgids, r.code)
-                except LaunchError as e:
-                    log.debug("%s: kill -%s failed: %s", self.label, signame, e)
-            if stop:
-                return
+            signame, procs = item
+            pgids = [p.pgid for p in procs if p.pgid and p.running]
+            if not pgids or self.lost or self.closed or not self.session.active:
+                continue
+            try:
+                r = self.session.exec(kill_command(signame, pgids), timeout=max(5.0, self.lost_after))
+                log.debug("%s: kill -%s %s: exit %d", self.label, signame, pgids, r.code)
+            except LaunchError as e:
+                log.debug("%s: kill -%s failed: %s", self.label, signame, e)
 
     def kill_now(self, pgids: Sequence[int]) -> None:
         """SIGKILL ``pgids`` and wait for the command (a failed start)."""
@@ -516,13 +408,13 @@ class SSHProcess(ProcessHandle):
         self.output.close()  # nothing more will come; the supervisor need not wait for it
 
     def terminate(self) -> None:
-        self.remote.signal("TERM", self)
+        self.remote.signal("TERM", [self])
 
     def kill(self) -> None:
-        self.remote.signal("KILL", self)
+        self.remote.signal("KILL", [self])
 
     def dump_stacks(self) -> None:
-        self.remote.signal("ABRT", self)
+        self.remote.signal("ABRT", [self])
 
     def cleanup(self, groups: Optional[Mapping[int, list[int]]] = None) -> None:
         """The job is over for this process: its host's wrapper sweeps leftovers once all are.
@@ -538,6 +430,27 @@ class SSHProcess(ProcessHandle):
         return f"{self.label} ({where})"
 
 
+class SSHGroup(ProcGroup):
+    """The processes of an ssh job: a signal is one kill command per host, for all its groups at once."""
+
+    def _each_host(self, signame: str) -> None:
+        by_host: dict[int, tuple[RemoteHost, list[SSHProcess]]] = {}
+        for h in self.running():
+            assert isinstance(h, SSHProcess)
+            by_host.setdefault(id(h.remote), (h.remote, []))[1].append(h)
+        for host, procs in by_host.values():
+            host.signal(signame, procs)
+
+    def terminate(self) -> None:
+        self._each_host("TERM")
+
+    def kill(self) -> None:
+        self._each_host("KILL")
+
+    def dump_stacks(self) -> None:
+        self._each_host("ABRT")
+
+
 # --- the backend ----------------------------------------------------------------------------
 
 
@@ -546,16 +459,49 @@ class SSHBackend(Backend):
 
     name = "ssh"
     remote = True
+    uses_hostfile = True
+    requires_hostfile = True
+    supports_sync = True
+    Options = SSHOptions
+    #: the options that say how to connect (``pslaunch doctor`` takes these too)
+    connection_options = (
+        BackendOption(("--ssh-user",), "user", "user for hosts whose line gives none."),
+        BackendOption(("--ssh-port",), "port", "port for hosts whose line gives none.", kind="int"),
+        BackendOption(("--ssh-key",), "key", "private key file.", metavar="FILE"),
+        BackendOption(("--ssh-connect-timeout",), "connect_timeout", "connection timeout per host.", kind="float",
+                      default=10.0, metavar="SECONDS", show_default=True),
+        BackendOption(("--accept-new-host-keys",), "accept_new_host_keys",
+                      "trust and record host keys not yet in known_hosts (a changed key is always refused).",
+                      kind="flag"),
+    )
+    options = connection_options + (
+        BackendOption(("--ssh-keepalive",), "keepalive", "keep-alive interval; a host silent for 4 intervals is "
+                      "lost (the job fails), and its processes stop themselves.", kind="float", default=5.0,
+                      metavar="SECONDS", show_default=True),
+        BackendOption(("--sync-exclude",), "sync_exclude", "--sync-dst-dir skips files matching PATTERN (.git and "
+                      "__pycache__ always). Repeatable.", kind="multiple", metavar="PATTERN"),
+        BackendOption(("--sync-delete",), "sync_delete", "--sync-dst-dir deletes remote files that are gone here.",
+                      kind="flag"),
+    )
+
+    @classmethod
+    def make_options(cls, values: Mapping[str, object]) -> SSHOptions:
+        opts = super().make_options(values)
+        changes: dict[str, object] = {"sync_exclude": SSHOptions.sync_exclude + tuple(values.get("sync_exclude") or ())}
+        if opts.key:
+            changes["key"] = os.path.expanduser(opts.key)
+        return dataclasses.replace(opts, **changes)
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.opts: SSHOptions = self.spec.options or SSHOptions()
         self.hosts: dict[tuple, RemoteHost] = {}
         self._adopted: dict[tuple, RemoteHost] = {}
         self.by_line: dict[Host, RemoteHost] = {}
         self.handles: list[SSHProcess] = []
         self.sync_stats: dict[str, SyncStats] = {}
         self.timings: dict[str, float] = {}
-        self._rsyncs: set[subprocess.Popen] = set()
+        self.syncer: Optional[Syncer] = None
         self._closing = False
         self._lock = threading.Lock()
 
@@ -571,17 +517,17 @@ class SSHBackend(Backend):
             if p.host is not None:
                 per_host[p.host].append(p.label.split(" @ ")[0])
         cwd = spec.sync_dst_dir or spec.workdir or "."
+        opts = spec.options or SSHOptions()
         for host, labels in per_host.items():
-            t = _basic_target(host, spec.ssh)
+            t = _basic_target(host, opts)
             lines.append(f"  {host.display}: {t.address}, cwd {cwd}: {', '.join(labels)}")
         if spec.sync_dst_dir:
             lines.append("sync (rsync when both ends have it, else SFTP):")
+            syncer = Syncer(spec.workdir or ".", spec.sync_dst_dir, opts)
             for host in per_host:
-                argv = rsync_argv(spec.workdir or ".", spec.sync_dst_dir, _basic_target(host, spec.ssh),
-                                  excludes=spec.ssh.sync_exclude, delete=spec.ssh.sync_delete,
-                                  connect_timeout=spec.ssh.connect_timeout, config_file=None)
-                lines.append("  " + shlex.join(argv))
-        iface = interface_spec(spec)
+                target = _basic_target(host, opts)  # (no ~/.ssh/config: a dry run needs no paramiko)
+                lines.append("  " + shlex.join(syncer.argv(target, spec.sync_dst_dir)))
+        iface = spec.interface
         if iface:
             lines.append(f"DMLC_NODE_HOST: each host's address on DMLC_INTERFACE={iface}, resolved there before launch")
         return lines
@@ -591,12 +537,12 @@ class SSHBackend(Backend):
     def check(self) -> None:
         require_paramiko()
 
-    def prepare(self) -> Mapping[Optional[Host], Optional[str]]:
+    def prepare(self) -> Mapping[Host, str]:
         spec = self.spec
         lines = hosts_with_processes(spec)
-        targets = resolve_targets(lines, spec.ssh)
+        targets = resolve_targets(lines, self.opts)
         t0 = time.monotonic()
-        sessions = connect_all(targets, spec.ssh, on_connect=self._adopt)
+        sessions = connect_all(targets, self.opts, on_connect=self._adopt)
         self.timings["connect"] = time.monotonic() - t0
         ordered = {t.ident: self._adopted[t.ident] for t in targets}  # hostfile order, for messages
         self.hosts = ordered
@@ -609,6 +555,7 @@ class SSHBackend(Backend):
         self.timings["resolve"] = time.monotonic() - t1
         if spec.sync_dst_dir:
             t2 = time.monotonic()
+            self.syncer = Syncer(spec.workdir or os.getcwd(), spec.sync_dst_dir, self.opts, self.watchdog)
             self._per_host(self._sync, "sync")
             self.timings["sync"] = time.monotonic() - t2
         else:
@@ -640,7 +587,8 @@ class SSHBackend(Backend):
         except BaseException:
             # Ctrl-C or SIGTERM: do not wait for the syncs (close() ends the SFTP ones by closing
             # the connections); stop the rsyncs now, they run in groups of their own.
-            self._kill_rsyncs()
+            if self.syncer is not None:
+                self.syncer.stop()
             pool.shutdown(wait=False, cancel_futures=True)
             raise
         pool.shutdown(wait=True)
@@ -655,7 +603,7 @@ class SSHBackend(Backend):
             raise LaunchError(f"{what}: {first}{suffix}") from None
 
     def _resolve_address(self, host: RemoteHost) -> None:
-        iface = interface_spec(self.spec)
+        iface = self.spec.interface
         if not iface:
             address = host.session.peer_address
             for candidate in (address, host.session.target.hostname):
@@ -666,7 +614,7 @@ class SSHBackend(Backend):
                     continue
             raise ConfigError(f"{host.label}: no IPv4 address for DMLC_NODE_HOST (the connection reached "
                               f"{address}; ps-lite needs IPv4): set DMLC_INTERFACE to the host's IPv4 network")
-        source = (Path(netif.__file__)).read_bytes()
+        source = node.source("pscontract/netif.py")
         r = host.session.exec(netif_command(iface), stdin=source)
         try:
             doc = json.loads(r.stdout.decode(errors="replace").strip().splitlines()[-1])
@@ -680,70 +628,12 @@ class SSHBackend(Backend):
         log.debug("%s: DMLC_INTERFACE=%s is %s (%s)", host.label, iface, doc.get("interface"), host.node_address)
 
     def _sync(self, host: RemoteHost) -> None:
-        spec = self.spec
-        src = spec.workdir or os.getcwd()
-        dst = spec.sync_dst_dir or ""
-        t0 = time.monotonic()
-        r = host.session.exec(prepare_dir_command(dst))
-        if r.code != 0:
-            raise LaunchError(f"sync to {host.label}:{dst} failed: cannot create the directory: {r.err_line}")
-        found, remote_rsync = parse_prepare_dir(r.stdout.decode(errors="replace"))
-        abs_dst = found or dst
-        host.workdir = abs_dst
-        local_tools = shutil.which("rsync") is not None and shutil.which("ssh") is not None
-        if local_tools and remote_rsync:
-            stats = self._rsync(host, src, abs_dst)
-        else:
-            why = "no rsync here" if not local_tools else "no rsync on the host"
-            log.debug("%s: syncing over SFTP (%s)", host.label, why)
-            try:
-                sftp = host.session.sftp()
-                try:
-                    stats = sftp_sync(sftp, src, abs_dst, excludes=spec.ssh.sync_exclude,
-                                      delete=spec.ssh.sync_delete)
-                finally:
-                    sftp.close()
-            except OSError as e:
-                raise LaunchError(f"sync to {host.label}:{abs_dst} failed (SFTP): {e}") from None
-        stats.seconds = time.monotonic() - t0
-        self.sync_stats[host.label] = stats
-        log.info("synced %s to %s:%s with %s: %d file%s, %s sent%s in %.1fs", src, host.label, abs_dst,
-                 stats.method, stats.files, "" if stats.files == 1 else "s", _size(stats.bytes),
-                 f", {stats.deleted} deleted" if stats.deleted else "", stats.seconds)
-
-    def _rsync(self, host: RemoteHost, src: str, dst: str) -> SyncStats:
-        spec = self.spec
-        target = host.session.target
-        argv = rsync_argv(src, dst, target, excludes=spec.ssh.sync_exclude, delete=spec.ssh.sync_delete,
-                          connect_timeout=spec.ssh.connect_timeout, config_file=target.config_file)
-        log.debug("%s: %s", host.label, shlex.join(argv))
-        with self._lock:
-            if self._closing:
-                raise LaunchError(f"sync to {host.label}: the launcher is stopping")
-            # its own group, known to the watchdog: rsync and its ssh go too if the launcher is killed
-            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, errors="replace", start_new_session=True)
-            self._rsyncs.add(p)
-            if self.watchdog is not None:
-                self.watchdog.watch(p.pid)
-        try:
-            out, err = p.communicate()
-        finally:
-            with self._lock:
-                self._rsyncs.discard(p)
-            if self.watchdog is not None:
-                self.watchdog.forget(p.pid)
-        if p.returncode != 0:
-            lines = [x for x in err.splitlines() if x.strip()]
-            reason = lines[0] if lines else f"exit code {p.returncode}"
-            raise LaunchError(f"sync to {host.label}:{dst} failed: rsync exited with code {p.returncode}: "
-                              f"{reason}")
-        files, sent = parse_rsync_stats(out)
-        return SyncStats("rsync", files=files, bytes=sent)
+        assert self.syncer is not None
+        host.workdir, self.sync_stats[host.label] = self.syncer.sync(host.session)
 
     # -- start ---------------------------------------------------------------------------
 
-    def start(self, procs: Sequence[ProcSpec]) -> list[ProcessHandle]:
+    def start(self, procs: Sequence[ProcSpec]) -> ProcGroup:
         t0 = time.monotonic()
         handles: list[SSHProcess] = []
         per_host: dict[int, tuple[RemoteHost, list[SSHProcess]]] = {}
@@ -770,7 +660,7 @@ class SSHBackend(Backend):
         self.timings["spawn"] = time.monotonic() - t0
         log.debug("started %d process%s in %.2fs", len(handles), "" if len(handles) == 1 else "es",
                   self.timings["spawn"])
-        return list(handles)
+        return SSHGroup(handles)
 
     @staticmethod
     def _run_parallel(fn: object, items: list) -> None:
@@ -801,19 +691,13 @@ class SSHBackend(Backend):
 
     # -- close --------------------------------------------------------------------------
 
-    def _kill_rsyncs(self) -> None:
-        with self._lock:
-            rsyncs = list(self._rsyncs)
-        for p in rsyncs:
-            if p.poll() is None:  # the leader still runs: the group is still ours
-                _kill_group(p.pid)
-
     def close(self) -> None:
         with self._lock:
             if self._closing:
                 return
             self._closing = True
-        self._kill_rsyncs()
+        if self.syncer is not None:
+            self.syncer.stop()
         hosts = list(self.hosts.values())
         live = [h for h in hosts if not h.lost]
         for h in live:
@@ -826,20 +710,5 @@ class SSHBackend(Backend):
             t.join(2.0)
 
 
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n} B"
-
-
-__all__ = ["SSHBackend", "SSHProcess", "FrameDecoder", "wrapper_command", "wrapper_payload", "wrapper_header",
-           "kill_command", "netif_command", "prepare_dir_command", "BOOTSTRAP", "resolve_target"]
+__all__ = ["SSHBackend", "SSHGroup", "SSHProcess", "kill_command", "netif_command", "wrapper_command",
+           "wrapper_header", "wrapper_payload"]

@@ -1,12 +1,5 @@
 """The yarn backend: servers and workers as the two services of one skein application.
 
-**Verified only at the level of specs and commands** - Hadoop cannot be
-installed where this project is tested, so no test submits to a live YARN.
-What is tested: the application spec (golden, and accepted by skein's own
-``ApplicationSpec``), its validation errors, the status and exit-code parsing
-(on examples from YARN's and skein's documentation), the missing-dependency
-errors, and the submit/follow/kill logic against a stand-in client.
-
 Why skein rather than Hadoop's distributed shell (``yarn jar
 hadoop-yarn-applications-distributedshell.jar``): a job needs two kinds of
 containers (servers and workers) with their own resources and environment,
@@ -30,9 +23,9 @@ How a job runs:
 * localized files: ``--files`` (by base name), ``--archives`` (unpacked by
   YARN into a directory named after the archive), every later argument of the
   command that is a file here (shipped and rewritten to ``./name``, as dmlc's
-  yarn launcher did), the task wrapper (:mod:`launcher.task`, as a runnable
-  zip: only the standard library, so any ``python3`` on the nodes runs it) and
-  the task file;
+  yarn launcher did), the node bundle (``launcher.node.bundle``: the task
+  wrapper as a runnable zip, standard library only, so any ``python3`` on the
+  nodes runs it) and the task file;
 * the environment contract travels in each service's ``env``, except what
   must not: the job secret and any value YARN's launch script would mangle
   (YARN writes ``export NAME="VALUE"`` lines into a bash script, so ``"``,
@@ -40,43 +33,46 @@ How a job runs:
   in the task file (mode 0600 here, private to the application there);
 * each container runs ``exec python3 pslaunch-task.zip ... -- COMMAND``: the
   wrapper turns skein's ``SKEIN_CONTAINER_ID`` (``worker_3``) into
-  ``DMLC_TASK_ID``, resolves ``DMLC_NODE_HOST`` on the node, and execs;
-* one thread follows the application report and the containers; a failed
-  container fails the job with its exit code (parsed from YARN's
-  diagnostics), and failure, Ctrl-C or the launcher's exit kill the
-  application; if the launcher is killed with SIGKILL its watchdog runs
+  ``DMLC_TASK_ID``, resolves ``DMLC_NODE_HOST`` on the node, and runs the
+  command under the node agent, which connects back to the launcher's hub
+  (``launcher.backends.batch``): the container's output reaches the console as
+  it is printed, its exit code and the moment it ended arrive at once (so the
+  first container to fail is the one reported), and the launcher can stop it
+  gracefully or make it dump its stacks;
+* one thread follows the application report and the containers; a container
+  whose agent could not connect fails the job with the exit code YARN reports
+  (parsed from its diagnostics); failure, Ctrl-C or the launcher's exit kill
+  the application; if the launcher is killed with SIGKILL its watchdog runs
   ``yarn application -kill``.
 
-Containers' output is not streamed while they run (YARN keeps it on the
-nodes); the launcher prints ``yarn logs -applicationId ID`` at the end.
+The output also stays in the containers' own logs (``yarn logs -applicationId
+ID``, printed at the end).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import io
-import json
 import logging
 import os
 import re
 import shlex
 import shutil
 import tempfile
-import threading
-import time
-import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from .. import envvars
+import pscontract as pc
+
+from .. import node
 from ..errors import BackendUnavailableError, ConfigError, LaunchError
-from ..output import ProcOutput
-from ..plan import Plan, ProcSpec
-from ..process import ProcessHandle, spawn_guard
-from ..spec import Host, JobSpec, Role
-from .base import Backend
-from .sge import task_roles
+from ..runtime.handle import spawn_guard
+from ..runtime.output import ProcOutput
+from ..spec import env as jobenv
+from ..spec.job import JobSpec, Role
+from ..spec.plan import Plan, ProcSpec
+from .base import BackendOption
+from .batch import BatchBackend, BatchTask, build_task_file, task_roles, write_private_json
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +83,10 @@ TASK_FILE = "pslaunch-task.json"
 ARCHIVE_SUFFIXES = (".zip", ".tar.gz", ".tgz", ".tar", ".jar")
 POLL = 1.0
 CLOSE_WAIT = 15.0
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# what the wrapper zip holds: the wrapper and the two standard-library-only modules it imports
-_WRAPPER_MODULES = ("__init__.py", "envvars.py", "netif.py", "task.py")
+# What the launching host needs for skein.
+JAVA_HOME = "JAVA_HOME"
+HADOOP_HOME = "HADOOP_HOME"
+HADOOP_CONF_DIR = "HADOOP_CONF_DIR"
 # YARN writes `export NAME="VALUE"` into a bash launch script: these would be interpreted
 _SHELL_SPECIAL = re.compile(r'["$`\\\n]')
 _EXIT_CODE = re.compile(r"(?:exit code(?: is|:)?|exitCode=)\s*(-?\d+)", re.IGNORECASE)
@@ -100,19 +97,28 @@ APP_FINAL_STATES = ("FINISHED", "FAILED", "KILLED")
 CONTAINER_STATES = ("WAITING", "REQUESTED", "RUNNING", "SUCCEEDED", "FAILED", "KILLED")
 
 
-# --- pure builders ---------------------------------------------------------------------
+# --- options and pure builders ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class YarnOptions:
+    """``--files`` and ``--archives``: what the containers get besides the command's own files."""
+
+    files: tuple[str, ...] = ()
+    archives: tuple[str, ...] = ()
+
 
 
 def split_env(env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
     """``(spec_env, file_env)``: what goes in the service's env, and what in the task file.
 
-    Secrets (by name, see :func:`launcher.envvars.is_secret`) and values
+    Secrets (by name, see :func:`launcher.spec.env.is_secret`) and values
     that bash would interpret in YARN's ``export NAME="VALUE"`` go to the file.
     """
     spec_env: dict[str, str] = {}
     file_env: dict[str, str] = {}
     for k, v in env.items():
-        (file_env if envvars.is_secret(k) or _SHELL_SPECIAL.search(v) else spec_env)[k] = v
+        (file_env if jobenv.is_secret(k) or _SHELL_SPECIAL.search(v) else spec_env)[k] = v
     return spec_env, file_env
 
 
@@ -162,7 +168,8 @@ def build_localized_files(spec: JobSpec, command_files: Mapping[str, str], *, wr
         out[name] = {"source": source, "type": kind}
         origin[name] = what
 
-    for option, paths, kind in (("--files", spec.files, "file"), ("--archives", spec.archives, "archive")):
+    opts = spec.options or YarnOptions()
+    for option, paths, kind in (("--files", opts.files, "file"), ("--archives", opts.archives, "archive")):
         for p in paths:
             path = os.path.abspath(os.path.join(workdir, os.path.expanduser(p)))
             if not isfile(path):
@@ -192,12 +199,14 @@ class YarnPlan:
 
 
 def build_yarn_plan(spec: JobSpec, procs: Sequence[ProcSpec], *, wrapper_zip: str, task_file: str,
+                    hub: Optional[tuple[str, int]] = None,
                     isfile: Callable[[str], bool] = os.path.isfile) -> YarnPlan:
     """The skein ``ApplicationSpec`` (as ``ApplicationSpec.from_dict`` takes it) and the task file.
 
     Args:
-        wrapper_zip: local path of the wrapper zip (:func:`wrapper_zip_bytes`).
+        wrapper_zip: local path of the node bundle (``launcher.node.bundle("task")``).
         task_file: local path of the task file (written with mode 0600).
+        hub: where the containers' agents connect.
     """
     workdir = spec.workdir or os.getcwd()
     argv, command_files = ship_command(spec.command, workdir, isfile)
@@ -226,7 +235,7 @@ def build_yarn_plan(spec: JobSpec, procs: Sequence[ProcSpec], *, wrapper_zip: st
     if re.search(r"\s", queue):
         raise ConfigError(f"--queue {queue!r}: a queue name has no spaces")
     app = {"name": spec.name, "queue": queue, "max_attempts": 1, "tags": ["pslaunch"], "services": services}
-    return YarnPlan(app_spec=app, task_file={"version": 1, "env": {}, "roles": file_roles})
+    return YarnPlan(app_spec=app, task_file=build_task_file(spec, procs, hub=hub, roles=file_roles, with_path=False))
 
 
 def kill_command(app_id: str, yarn: str = "yarn") -> list[str]:
@@ -240,27 +249,12 @@ def yarn_program(environ: Mapping[str, str]) -> str:
     The watchdog starts before :meth:`YarnBackend.prepare` puts ``$HADOOP_HOME/bin``
     on the launcher's ``PATH``; a bare ``yarn`` could then not be found when it matters.
     """
-    found = shutil.which("yarn", path=environ.get(envvars.PATH))
+    found = shutil.which("yarn", path=environ.get(pc.PATH))
     if found:
         return os.path.abspath(found)
-    hadoop = environ.get(envvars.HADOOP_HOME, "")
+    hadoop = environ.get(HADOOP_HOME, "")
     candidate = os.path.join(hadoop, "bin", "yarn") if hadoop else ""
     return candidate if candidate and os.access(candidate, os.X_OK) else "yarn"
-
-
-def wrapper_zip_bytes() -> bytes:
-    """A runnable zip of the task wrapper: ``python3 pslaunch-task.zip ARGS``. Deterministic."""
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-        def add(name: str, data: bytes) -> None:
-            info = zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0))
-            info.external_attr = 0o644 << 16
-            z.writestr(info, data, zipfile.ZIP_DEFLATED)
-        add("__main__.py", b"import sys\nfrom launcher.task import main\nsys.exit(main())\n")
-        for name in _WRAPPER_MODULES:
-            with open(os.path.join(_PACKAGE, name), "rb") as f:
-                add(f"launcher/{name}", f.read())
-    return buf.getvalue()
 
 
 # --- status parsing ---------------------------------------------------------------------
@@ -313,66 +307,57 @@ def dependency_problem(environ: Mapping[str, str], *, has_skein: bool,
     """What the launching host lacks for skein, as one line; ``None`` if nothing."""
     if not has_skein:
         return "the yarn backend needs skein: pip install 'pslaunch[yarn]' (skein>=0.8)"
-    java_home = environ.get(envvars.JAVA_HOME, "")
+    java_home = environ.get(JAVA_HOME, "")
     if java_home:
         if not exists(os.path.join(java_home, "bin", "java")):
-            return f"{envvars.JAVA_HOME}={java_home} has no bin/java; point it at a JDK or unset it"
+            return f"{JAVA_HOME}={java_home} has no bin/java; point it at a JDK or unset it"
     elif not which("java"):
         return (f"skein's driver needs Java: install a JDK (the one your Hadoop supports) "
-                f"and put java on PATH or set {envvars.JAVA_HOME}")
-    hadoop = environ.get(envvars.HADOOP_HOME, "")
+                f"and put java on PATH or set {JAVA_HOME}")
+    hadoop = environ.get(HADOOP_HOME, "")
     if not hadoop:
-        return (f"{envvars.HADOOP_HOME} is not set: export {envvars.HADOOP_HOME}=<your Hadoop installation> "
-                f"(skein runs its bin/yarn; {envvars.HADOOP_CONF_DIR} names the cluster)")
+        return (f"{HADOOP_HOME} is not set: export {HADOOP_HOME}=<your Hadoop installation> "
+                f"(skein runs its bin/yarn; {HADOOP_CONF_DIR} names the cluster)")
     if not exists(os.path.join(hadoop, "bin", "yarn")):
-        return f"{envvars.HADOOP_HOME}={hadoop} has no bin/yarn; point it at a Hadoop installation"
+        return f"{HADOOP_HOME}={hadoop} has no bin/yarn; point it at a Hadoop installation"
     return None
 
 
 # --- the handle --------------------------------------------------------------------------------
 
 
-class YarnContainer(ProcessHandle):
-    """One container (service instance). Its state is kept by :class:`YarnBackend`'s thread."""
+class YarnTask(BatchTask):
+    """One container (service instance)."""
 
     def __init__(self, proc: ProcSpec, output: ProcOutput, backend: YarnBackend) -> None:
-        super().__init__(proc, output, host="(yarn)")
-        self.backend = backend
+        super().__init__(proc, output, backend, host="(yarn)")
         self.state = "WAITING"
-        self.ran = False
-        self.code: Optional[int] = None
         self.container_id = ""
-        self.reason = ""
 
     @property
     def key(self) -> str:
         return f"{self.proc.role}_{self.proc.rank}"
 
-    def _poll(self) -> Optional[int]:
-        return self.code
-
-    def terminate(self) -> None:
-        self.backend.kill_application()
-
-    def kill(self) -> None:
-        self.backend.kill_application()
-
-    def describe(self) -> str:
-        where = f"YARN container {self.container_id or self.key}" + \
-            (f" on {self.host}" if self.host != "(yarn)" else "")
-        why = f"; {self.reason}" if self.reason else ""
-        return f"{self.label} ({where}{why})"
+    def where(self) -> str:
+        return f"YARN container {self.container_id or self.key}"
 
 
 # --- the backend --------------------------------------------------------------------------------
 
 
-class YarnBackend(Backend):
+class YarnBackend(BatchBackend):
     """YARN through skein. See the module docstring."""
 
     name = "yarn"
-    remote = True
-    needs_scheduler_address = True
+    index_source = "skein"
+    poll_every = POLL
+    close_wait = CLOSE_WAIT
+    Options = YarnOptions
+    options = (
+        BackendOption(("--files",), "files", "extra files to ship. Repeatable.", kind="multiple", metavar="FILE"),
+        BackendOption(("--archives",), "archives", "archives to ship and unpack. Repeatable.", kind="multiple",
+                      metavar="FILE"),
+    )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -382,10 +367,6 @@ class YarnBackend(Backend):
         self.app_id: Optional[str] = None
         self.app_state = "NEW"
         self.diagnostics = ""
-        self._handles: list[YarnContainer] = []
-        self._lock = threading.RLock()
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
         self._killed = False
         self._finished = False
         self._tmp: Optional[str] = None
@@ -397,6 +378,7 @@ class YarnBackend(Backend):
         yp = build_yarn_plan(spec, plan.procs, wrapper_zip=f"<temporary>/{WRAPPER_ZIP}",
                              task_file=f"<temporary>/{TASK_FILE}")
         out = ["YARN (skein): this application spec is submitted (skein.ApplicationSpec.from_dict):"]
+
         class Dumper(yaml.SafeDumper):
             def ignore_aliases(self, data: Any) -> bool:  # both services share `files`: print it twice
                 return True
@@ -407,6 +389,8 @@ class YarnBackend(Backend):
         for role, r in yp.task_file["roles"].items():
             names = ", ".join(sorted(r["env"])) or "nothing"
             out.append(f"  {role}: DMLC_TASK_ID = {r['first_task_id']} + the container's instance; {names}")
+        out.append("each container's agent connects back to the scheduler's address on a free port of --port-range "
+                   "(authenticated with the job secret): output as it is printed, graceful stops, stack dumps")
         out.append("on failure, Ctrl-C or exit: skein kill_application; if pslaunch is killed: "
                    + shlex.join(kill_command("<application id>")))
         return out
@@ -418,15 +402,15 @@ class YarnBackend(Backend):
         if problem:
             raise BackendUnavailableError(problem)
 
-    def prepare(self) -> Mapping[Optional[Host], Optional[str]]:
+    def prepare(self) -> Mapping[Any, str]:
         """Start skein's driver (Java). Node addresses are resolved by the wrapper on each node."""
         if self._skein is None:
             self._skein = importlib.import_module("skein")
-        hadoop = os.environ.get(envvars.HADOOP_HOME, "")
+        hadoop = os.environ.get(HADOOP_HOME, "")
         hadoop_bin = os.path.join(hadoop, "bin") if hadoop else ""
         if hadoop_bin and not shutil.which("yarn") and os.path.isdir(hadoop_bin):
             # skein runs `yarn classpath`; HADOOP_HOME/bin is where it lives
-            os.environ[envvars.PATH] = hadoop_bin + os.pathsep + os.environ.get(envvars.PATH, "")
+            os.environ[pc.PATH] = hadoop_bin + os.pathsep + os.environ.get(pc.PATH, "")
         try:
             self._client = self._skein.Client(log=False)
         except Exception as e:  # noqa: BLE001 - skein raises several kinds; all mean "no driver"
@@ -434,20 +418,16 @@ class YarnBackend(Backend):
                               f"{' '.join(str(e).split())}") from None
         return {}
 
-    # -- start -------------------------------------------------------------------------------
+    # -- submitting -------------------------------------------------------------------------------
 
-    def start(self, procs: Sequence[ProcSpec]) -> list[ProcessHandle]:
-        if not procs:
-            return []
+    def submit(self, procs: Sequence[ProcSpec], hub: Optional[tuple[str, int]]) -> list[BatchTask]:
         self._tmp = tempfile.mkdtemp(prefix="pslaunch-yarn-")  # mode 0700
         wrapper = os.path.join(self._tmp, WRAPPER_ZIP)
         task_file = os.path.join(self._tmp, TASK_FILE)
-        yp = build_yarn_plan(self.spec, procs, wrapper_zip=wrapper, task_file=task_file)
+        yp = build_yarn_plan(self.spec, procs, wrapper_zip=wrapper, task_file=task_file, hub=hub)
         with open(wrapper, "wb") as f:
-            f.write(wrapper_zip_bytes())
-        fd = os.open(task_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(yp.task_file, f)
+            f.write(node.bundle("task"))
+        write_private_json(task_file, yp.task_file)
         try:
             app_spec = self._skein.ApplicationSpec.from_dict(yp.app_spec)
         except (TypeError, ValueError) as e:
@@ -460,49 +440,29 @@ class YarnBackend(Backend):
             if self.watchdog is not None:
                 self.watchdog.on_abandon(kill_command(self.app_id, yarn_program(os.environ)))
             for p in sorted(procs, key=lambda p: (p.role is not Role.SERVER, p.rank)):
-                self._handles.append(YarnContainer(p, self.console.proc(p.name, p.label, str(p.role)), self))
+                self.add_task(YarnTask(p, self.console.proc(p.name, p.label, str(p.role)), self))
         log.info("submitted YARN application %s (%s, queue %s)", self.app_id, yp.app_spec["name"],
                  yp.app_spec["queue"])
-        self._thread = threading.Thread(target=self._follow, name="pslaunch-yarn", daemon=True)
-        self._thread.start()
-        self._wait_started()
-        order = {(p.role, p.rank): i for i, p in enumerate(procs)}
-        return sorted(self._handles, key=lambda h: order[(h.proc.role, h.proc.rank)])
+        return self.tasks
 
-    def _wait_started(self) -> None:
-        timeout = max(self.spec.start_timeout, 1.0)
-        deadline = time.monotonic() + timeout
-        while True:
-            with self._lock:
-                pending = [h for h in self._handles if not h.ran and h.code is None]
-                failed = any(h.code not in (None, 0) for h in self._handles)
-            if failed or not pending:
-                return
-            if time.monotonic() > deadline:
-                states = ", ".join(f"{h.label}: {h.state}" for h in pending)
-                diag = f"; YARN says: {' '.join(self.diagnostics.split())}" if self.diagnostics else ""
-                raise LaunchError(f"{len(pending)} of {len(self._handles)} containers not running after "
-                                  f"--start-timeout {timeout:g}s (application {self.app_id} {self.app_state}; "
-                                  f"{states}){diag}")
-            time.sleep(0.05)
+    def describe_pending(self, pending: Sequence[BatchTask], timeout: float) -> str:
+        states = ", ".join(f"{t.label}: {t.state}" for t in pending)
+        diag = f"; YARN says: {' '.join(self.diagnostics.split())}" if self.diagnostics else ""
+        return (f"{len(pending)} of {len(self.tasks)} containers not running after --start-timeout {timeout:g}s "
+                f"(application {self.app_id} {self.app_state}; {states}){diag}")
 
     # -- following -----------------------------------------------------------------------------
 
-    def _follow(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.poll_once()
-            except Exception as e:  # noqa: BLE001 - keep following; the driver may recover
-                log.debug("YARN status: %s", " ".join(str(e).split()))
-            if self._finished:
-                return
-            self._stop.wait(POLL)
+    def settled(self) -> bool:
+        return self._finished or self.app_id is None
 
     def poll_once(self) -> None:
         """One round: the application report, then every container's state."""
+        if self.app_id is None or self._finished:
+            return
         report = self._client.application_report(self.app_id)
         state, final = str(report.state), str(report.final_status)
-        with self._lock:
+        with self.lock:
             if state != self.app_state:
                 log.debug("YARN application %s: %s -> %s", self.app_id, self.app_state, state)
             self.app_state = state
@@ -515,43 +475,44 @@ class YarnBackend(Backend):
                              str(c.yarn_container_id or ""), str(c.yarn_node_http_address or ""))
         outcome = app_outcome(state, final)
         if outcome is not None:
-            with self._lock:
-                for h in self._handles:
-                    if h.code is None:
-                        h.reason = f"application {state}/{final}"
-                        self._set_code(h, 0 if outcome == 0 else outcome)
+            with self.lock:
+                for t in self.tasks:
+                    if t.code is None:
+                        self.set_code(t, 0 if outcome == 0 else outcome, f"application {state}/{final}")
                 self._finished = True
 
     def _update(self, service: str, instance: int, state: str, message: str, container_id: str,
-                node: str) -> None:
-        h = next((h for h in self._handles if str(h.proc.role) == service and h.proc.rank == instance), None)
-        if h is None or h.code is not None:
+                node_address: str) -> None:
+        t = next((t for t in self.tasks if str(t.proc.role) == service and t.proc.rank == instance), None)
+        if not isinstance(t, YarnTask) or t.code is not None:
             return
-        if state != h.state:
-            log.debug("%s (%s_%d): %s -> %s", h.label, service, instance, h.state, state)
-        h.state = state
-        h.container_id = container_id or h.container_id
-        if node:
-            h.host = node.rsplit(":", 1)[0]
+        if state != t.state:
+            log.debug("%s (%s_%d): %s -> %s", t.label, service, instance, t.state, state)
+        t.state = state
+        t.container_id = container_id or t.container_id
+        if node_address and t.host.startswith("("):
+            t.host = node_address.rsplit(":", 1)[0]
         if state == "RUNNING":
-            h.ran = True
+            t.ran = True
         code = container_exit_code(state, message)
         if code is not None:
-            h.reason = message.strip().splitlines()[0] if message.strip() else ""
-            self._set_code(h, code)
-
-    def _set_code(self, h: YarnContainer, code: int) -> None:
-        h.output.close()
-        h.code = code
+            self.set_code(t, code, message.strip().splitlines()[0] if message.strip() else "")
 
     # -- stopping ---------------------------------------------------------------------------------
 
+    def cancel(self, tasks: Sequence[BatchTask]) -> None:
+        """YARN removes containers as a whole application: ps-lite cannot go on without one anyway."""
+        if tasks:
+            self.kill_application()
+
     def kill_application(self) -> None:
         """Kill the whole application (every container); idempotent."""
-        with self._lock:
+        with self.lock:
             if self._killed or self.app_id is None or self._finished:
                 return
             self._killed = True
+            for t in self.tasks:
+                t.terminated = True
         try:
             self._client.kill_application(self.app_id)
             log.debug("killed YARN application %s", self.app_id)
@@ -559,43 +520,22 @@ class YarnBackend(Backend):
             log.warning("could not kill YARN application %s: %s; run: %s", self.app_id,
                         " ".join(str(e).split()), shlex.join(kill_command(self.app_id)))
 
-    def close(self) -> None:
-        """Kill the application if a container still runs, wait for its final state, stop skein's driver.
+    def release(self) -> None:
+        """Stop skein's driver; remove the local copies of the bundle and the task file."""
+        if self.app_id is not None:
+            if not self._finished:
+                self.kill_application()
+            log.info("container logs: yarn logs -applicationId %s", self.app_id)
+        for obj in (self._app, self._client):
+            if obj is not None:
+                try:
+                    obj.close()
+                except Exception:  # noqa: BLE001
+                    pass
+        self._app = self._client = None
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
 
-        When every container has ended, skein's application master ends the
-        application by itself (SUCCEEDED, or FAILED after a failure): wait for
-        that instead of killing it, so YARN records the true final status.
-        """
-        try:
-            if self.app_id is not None and not self._finished:
-                if any(h.code is None for h in self._handles):
-                    self.kill_application()
-                deadline = time.monotonic() + CLOSE_WAIT
-                while not self._finished and time.monotonic() < deadline:
-                    if self._thread is None or not self._thread.is_alive():
-                        try:
-                            self.poll_once()
-                        except Exception:  # noqa: BLE001
-                            break
-                    time.sleep(0.1)
-                if not self._finished:
-                    self.kill_application()
-            if self.app_id is not None:
-                log.info("container logs: yarn logs -applicationId %s", self.app_id)
-        finally:
-            self._stop.set()
-            if self._thread is not None:
-                self._thread.join(5)
-                self._thread = None
-            for h in self._handles:
-                h.output.close()
-            for obj in (self._app, self._client):
-                if obj is not None:
-                    try:
-                        obj.close()
-                    except Exception:  # noqa: BLE001
-                        pass
-            self._app = self._client = None
-            if self._tmp:
-                shutil.rmtree(self._tmp, ignore_errors=True)
-                self._tmp = None
+
+__all__ = ["YarnBackend", "YarnOptions", "YarnTask", "build_yarn_plan"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -54,6 +55,9 @@ def main() -> int:
     ap.add_argument("--print", action="append", default=[])
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args()
+    # No core file in the working directory (the repository) when a test kills this process with
+    # SIGSEGV or SIGABRT: batch systems start tasks with an unlimited core size.
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     env = dict(os.environ)
     me = name_of(env)
     if a.ignore_term:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from support.kvjob import KVJob, worker_command
 
-from launcher import envvars
+import pscontract as pc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -61,8 +61,8 @@ def test_killed_worker_stops_everyone_naming_it(job_factory, tmp_path: Path) -> 
 
 
 def test_hung_worker_is_caught_by_heartbeats(job_factory, tmp_path: Path) -> None:
-    job = stalled_job(job_factory, tmp_path, env={envvars.HEARTBEAT_INTERVAL: "0.5",
-                                                  envvars.HEARTBEAT_TIMEOUT: "3"})
+    job = stalled_job(job_factory, tmp_path, env={pc.HEARTBEAT_INTERVAL: "0.5",
+                                                  pc.HEARTBEAT_TIMEOUT: "3"})
     stopped = job.signal("worker-1", signal.SIGSTOP)  # alive, connected, silent
     codes = job.wait(15, names=["scheduler", "server-0", "worker-0"])
     elapsed = max(job.exit_times.values()) - stopped
@@ -133,7 +133,7 @@ def test_missing_scheduler_times_out(job_factory) -> None:
 def test_wrong_secret_is_rejected(job_factory) -> None:
     # a start timeout long enough for worker 1 to start (torch) on a busy machine
     job = job_factory(command=worker_command("noop"), start_timeout=20,
-                      role_env={"worker-1": {envvars.SECRET: "77" * 32}}).start()
+                      role_env={"worker-1": {pc.SECRET: "77" * 32}}).start()
     codes = job.wait(60)
     assert codes["worker-1"] not in (None, 0)
     assert ("cannot authenticate with the scheduler at 127.0.0.1" in job.output("worker-1")

@@ -14,7 +14,7 @@ import pytest
 import zmq
 from support.kvjob import REPO, SECRET, KVJob, free_port, worker_command
 
-from launcher import envvars
+import pscontract as pc
 from trainer.kv import protocol as P
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -24,8 +24,8 @@ ROLE_CMD = [sys.executable, "-m", "trainer.kv"]
 
 def role_env(role: str, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env[envvars.PYTHONPATH] = str(REPO)
-    env.update(envvars.contract(role, root_uri="127.0.0.1", root_port=free_port(),
+    env[pc.PYTHONPATH] = str(REPO)
+    env.update(pc.contract(role, root_uri="127.0.0.1", root_port=free_port(),
                                 num_workers=1, num_servers=1, secret=SECRET, start_timeout=1,
                                 job_id="j", task_id=None if role == "scheduler" else 1,
                                 cluster=None if role == "scheduler" else "local",
@@ -48,7 +48,7 @@ def test_worker_role_is_refused() -> None:
 
 def test_missing_secret_is_one_line_and_insecure_waives_it() -> None:
     env = role_env("scheduler")
-    del env[envvars.SECRET]
+    del env[pc.SECRET]
     r = run_role(env)
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "PSLAUNCH_SECRET is not set" in r.stderr and "--insecure" in r.stderr
@@ -59,7 +59,7 @@ def test_missing_secret_is_one_line_and_insecure_waives_it() -> None:
 
 
 def test_bad_contract_is_a_usage_error() -> None:
-    r = run_role(role_env("server", **{envvars.NUM_WORKER: "two"}))
+    r = run_role(role_env("server", **{pc.NUM_WORKER: "two"}))
     assert r.returncode == 2 and "DMLC_NUM_WORKER='two' is not an integer" in r.stderr
 
 
@@ -97,7 +97,7 @@ def test_python_m_trainer_kv_runs_scheduler_and_server(job) -> None:
 def test_port_range_is_honoured(job, tmp_path: Path) -> None:
     lo = free_port()
     j = job(servers=2, command=worker_command("noop"),
-            env={envvars.PORT_RANGE: f"{lo}-{lo + 20}", envvars.VERBOSE: "1"}).start()
+            env={pc.PORT_RANGE: f"{lo}-{lo + 20}", pc.VERBOSE: "1"}).start()
     codes = j.wait(90)
     assert set(codes.values()) == {0}, j.outputs()
     ports = [int(m) for n in ("server-0", "server-1")
@@ -109,7 +109,7 @@ def test_hostile_peers_are_never_served(job, tmp_path: Path) -> None:
     """Bare TCP connections, garbage, a wrong secret and forged messages against the
     scheduler and a server of a running job: all dropped, the job still succeeds."""
     j = job(command=worker_command("gate", "--out", str(tmp_path)),
-            env={envvars.VERBOSE: "1"}).start()
+            env={pc.VERBOSE: "1"}).start()
     for rank in range(2):
         end = time.monotonic() + 90
         while not (tmp_path / f"ready-{rank}").exists():

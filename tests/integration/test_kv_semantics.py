@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import envvars
+import pscontract as pc
 
 REPO = Path(__file__).resolve().parent.parent.parent
 WORKER = REPO / "tests" / "bin" / "kv_worker.py"
@@ -49,7 +49,7 @@ def test_sync_sums_across_workers(tmp_path: Path, servers: int, kvtype: str) -> 
     # rounds, a float64 array split over the servers (bound lowered to 100
     # elements), lists of keys, per-device lists, numpy values, non-contiguous outs.
     run, results = launch(tmp_path, "sync", servers=servers, kvtype=kvtype,
-                          env={envvars.BIGARRAY_BOUND: "100"})
+                          env={pc.BIGARRAY_BOUND: "100"})
     ok(run, results)
     assert results[0]["sum"] == [6.0] * 4  # three "devices" x 2 workers
     quiet = run.stdout + run.stderr
@@ -58,13 +58,13 @@ def test_sync_sums_across_workers(tmp_path: Path, servers: int, kvtype: str) -> 
 
 def test_three_workers_two_servers(tmp_path: Path) -> None:
     run, results = launch(tmp_path, "sync", workers=3, servers=2,
-                          env={envvars.BIGARRAY_BOUND: "100"})
+                          env={pc.BIGARRAY_BOUND: "100"})
     ok(run, results, workers=3)
     assert results[2]["sum"] == [9.0] * 4
 
 
 def test_store_closes_itself_at_exit(tmp_path: Path) -> None:
-    run, results = launch(tmp_path, "noclose", env={envvars.BIGARRAY_BOUND: "100"})
+    run, results = launch(tmp_path, "noclose", env={pc.BIGARRAY_BOUND: "100"})
     ok(run, results)
 
 
@@ -81,7 +81,7 @@ def test_async_without_an_optimizer_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_optimizer_runs_on_the_servers(tmp_path: Path) -> None:
-    run, results = launch(tmp_path, "optim", servers=2, env={envvars.MAC_PAYLOAD: "1"})
+    run, results = launch(tmp_path, "optim", servers=2, env={pc.MAC_PAYLOAD: "1"})
     ok(run, results)
     assert results[0]["w"] == pytest.approx([-1.6625] * 6)  # the last step with the new lr 0.1
 
@@ -103,7 +103,7 @@ def test_placement_is_balanced_by_bytes(tmp_path: Path) -> None:
 
 
 def test_ps_verbose_lines(tmp_path: Path) -> None:
-    run, results = launch(tmp_path, "noop", env={envvars.VERBOSE: "1"})
+    run, results = launch(tmp_path, "noop", env={pc.VERBOSE: "1"})
     ok(run, results)
     text = run.stdout + run.stderr
     for pattern in (r"H Bind to role=scheduler, ip=127\.0\.0\.1, port=\d+",
@@ -118,7 +118,7 @@ def test_ps_verbose_lines(tmp_path: Path) -> None:
 
 
 def test_ps_verbose_2_logs_every_message(tmp_path: Path) -> None:
-    run, results = launch(tmp_path, "optim", env={envvars.VERBOSE: "2"})
+    run, results = launch(tmp_path, "optim", env={pc.VERBOSE: "2"})
     ok(run, results)
     text = run.stdout + run.stderr
     assert re.search(r"W\[0\] => S\[0\]: cmd=PUSH key=0 part=0 bytes=24", text), text

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from launcher import envvars
+import pscontract as pc
 from support.helpers import BIN, REPO, free_port
 
 SECRET = "5e" * 32
@@ -69,10 +69,10 @@ class KVJob:
         elif role == "server":
             task = self.workers + int(name.split("-")[1])
         env = dict(os.environ)
-        env[envvars.PYTHONPATH] = os.pathsep.join(
-            p for p in (str(REPO), os.environ.get(envvars.PYTHONPATH)) if p)
-        env[envvars.PYTHONUNBUFFERED] = "1"
-        env.update(envvars.contract(
+        env[pc.PYTHONPATH] = os.pathsep.join(
+            p for p in (str(REPO), os.environ.get(pc.PYTHONPATH)) if p)
+        env[pc.PYTHONUNBUFFERED] = "1"
+        env.update(pc.contract(
             role, root_uri="127.0.0.1", root_port=self.port, num_workers=self.workers,
             num_servers=self.servers, secret=self.secret, start_timeout=self.start_timeout,
             job_id="kvtest", task_id=task, cluster="local" if task is not None else None,

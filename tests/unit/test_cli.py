@@ -5,11 +5,13 @@ from __future__ import annotations
 import click
 import pytest
 
-from launcher import cli
-from launcher.errors import ConfigError
+from launcher import backends, cli
+from launcher.cli import common, run
+from launcher.errors import BackendUnavailableError, ConfigError
+from launcher.run.addresses import scheduler_address
 
 
-def spec_of(args: list[str], environ: dict | None = None):
+def spec_of(args: list[str]):
     """Parse like pslaunch does and return the JobSpec (without running it)."""
     captured = {}
 
@@ -17,12 +19,9 @@ def spec_of(args: list[str], environ: dict | None = None):
         captured["spec"] = spec
         return 0
 
-    orig = cli.execute
-    cli.execute = fake_execute
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(run, "execute", fake_execute)
         code = cli.main(args)
-    finally:
-        cli.execute = orig
     assert code == 0, code
     return captured["spec"]
 
@@ -190,19 +189,16 @@ def test_dry_run_table_and_redaction(capsys, monkeypatch) -> None:
     assert "PS_VERBOSE=1" in out
 
 
-def test_dry_run_of_a_backend_not_available_still_shows_plan(tmp_path, capsys, monkeypatch) -> None:
-    from launcher import backends
+def test_an_unknown_backend_is_one_line_naming_the_available_ones() -> None:
+    with pytest.raises(BackendUnavailableError, match="unknown launcher 'nope': choose one of local, mpi, "):
+        backends.get("nope")
 
-    monkeypatch.delitem(backends._REGISTRY, "ssh")  # as if this version had no ssh backend
-    hosts = tmp_path / "hosts"
-    hosts.write_text("A\nB\nC\n")
-    code = cli.main(["-n", "3", "-s", "2", "-H", str(hosts), "--dry-run", "x"])
-    out = capsys.readouterr().out
-    assert code == 0
-    assert "note: the ssh backend is not available yet" in out
-    rows = [line.split()[:4] for line in out.splitlines() if line.startswith(("server ", "worker "))]
-    assert rows == [["server", "0", "3", "A"], ["server", "1", "4", "B"], ["worker", "0", "0", "C"],
-                    ["worker", "1", "1", "A"], ["worker", "2", "2", "B"]]
+
+def test_every_backend_option_is_a_cli_option_and_a_yaml_key() -> None:
+    params = {p.name for p in run.run_command.params}
+    for cls in backends.classes():
+        for o in cls.options:
+            assert o.param in params, (cls.name, o.param)
 
 
 def test_help_teaches(capsys) -> None:
@@ -213,11 +209,11 @@ def test_help_teaches(capsys) -> None:
 
 
 def test_parse_env_item_rules() -> None:
-    assert cli.parse_env_item("A=b", "--env", {}, True) == ("A", "b")
-    assert cli.parse_env_item("A:b", "--env-server", {}, False) == ("A", "b")
+    assert common.parse_env_item("A=b", "--env", {}, True) == ("A", "b")
+    assert common.parse_env_item("A:b", "--env-server", {}, False) == ("A", "b")
     with pytest.raises(ConfigError):
-        cli.parse_env_item("A:b", "--env", {}, True)
-    assert isinstance(cli.run_command, click.Command)
+        common.parse_env_item("A:b", "--env", {}, True)
+    assert isinstance(run.run_command, click.Command)
 
 
 # --- the scheduler's address: DMLC_INTERFACE, then --host-ip (the issue's order) -----------------
@@ -231,22 +227,18 @@ def test_parse_env_item_rules() -> None:
     (None, "10.9.9.9", "10.9.9.9"),
 ])
 def test_scheduler_address_order(monkeypatch, iface, host_ip, expected) -> None:
-    from launcher.supervisor import scheduler_address
-
     monkeypatch.delenv("DMLC_INTERFACE", raising=False)
     if iface:
         monkeypatch.setenv("DMLC_INTERFACE", iface)
     spec = spec_of(["--launcher", "sge", *(["--host-ip", host_ip] if host_ip else []), "-n", "1", "x"])
-    assert scheduler_address(spec, {}, remote=True, needs_address=True) == expected
+    assert scheduler_address(spec, {}, backends.get("sge")) == expected
 
 
 def test_an_interface_this_host_lacks_is_an_error_without_host_ip(monkeypatch) -> None:
-    from launcher.supervisor import scheduler_address
-
     monkeypatch.setenv("DMLC_INTERFACE", "nosuch9")
     spec = spec_of(["--launcher", "sge", "-n", "1", "x"])
     with pytest.raises(ConfigError, match="nosuch9"):
-        scheduler_address(spec, {}, remote=True, needs_address=True)
+        scheduler_address(spec, {}, backends.get("sge"))
 
 
 def test_dry_run_puts_the_interface_before_host_ip(capsys, monkeypatch) -> None:

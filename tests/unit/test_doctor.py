@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from launcher.doctor import remote_script
+from launcher.run.doctor import remote_script
 
 
 def _run_checks(tmp_path, cwd: str) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher import envvars
+import pscontract as pc
 from trainer import train_mnist as M
 
 
@@ -63,14 +63,14 @@ def test_main_prints_one_line_and_exits_2(capsys: pytest.CaptureFixture[str]) ->
                                                           ("junk", 4, 4)])
 def test_default_threads(monkeypatch: pytest.MonkeyPatch, local: str | None, cores: int, expected: int) -> None:
     monkeypatch.setattr(M.os, "sched_getaffinity", lambda pid: set(range(cores)))
-    env = {} if local is None else {envvars.LOCAL_PROCS: local}
+    env = {} if local is None else {pc.LOCAL_PROCS: local}
     assert M.default_threads(env) == expected
 
 
 @pytest.mark.parametrize("role", ["scheduler", "server"])
 def test_roles_without_parameter_servers_exit_0(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
                                                 role: str) -> None:
-    env = envvars.contract(role, root_uri="127.0.0.1", root_port=9, num_workers=1, num_servers=1, secret="s" * 32,
+    env = pc.contract(role, root_uri="127.0.0.1", root_port=9, num_workers=1, num_servers=1, secret="s" * 32,
                            start_timeout=5, job_id="t", task_id=None if role == "scheduler" else 1, cluster="local")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -79,8 +79,8 @@ def test_roles_without_parameter_servers_exit_0(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_bad_role_environment_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setenv(envvars.ROLE, "server")
-    monkeypatch.delenv(envvars.ROOT_URI, raising=False)
+    monkeypatch.setenv(pc.ROLE, "server")
+    monkeypatch.delenv(pc.ROOT_URI, raising=False)
     assert M.main([]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not set" in err

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from launcher.errors import ConfigError
-from launcher.hosts import parse_lines, read_hostfile
-from launcher.spec import Host
+from launcher.spec.hosts import parse_lines, read_hostfile
+from launcher.spec.job import Host
 
 
 def parse(text: str) -> list[Host]:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import zmq
 
-from launcher.envvars import ClusterEnv
+from pscontract import ClusterEnv
 from trainer.kv import client as C
 from trainer.kv import protocol as P
 from trainer.kv.client import KeyInfo, wd_mult_to_ids, wd_mult_to_keys

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from launcher import envvars
+import pscontract as pc
 from trainer import kvstore
 from trainer.kvstore import KVConfigError
 
@@ -101,7 +101,7 @@ def test_unknown_type() -> None:
 
 
 def _contract(**extra: str) -> dict[str, str]:
-    env = envvars.contract("worker", root_uri="127.0.0.1", root_port=9, num_workers=1,
+    env = pc.contract("worker", root_uri="127.0.0.1", root_port=9, num_workers=1,
                            num_servers=1, secret="", start_timeout=1, job_id="j", task_id=0,
                            cluster="local", node_host="127.0.0.1")
     env.update(extra)
@@ -111,8 +111,8 @@ def _contract(**extra: str) -> dict[str, str]:
 def test_dist_refuses_to_start_without_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
     for k, v in _contract().items():
         monkeypatch.setenv(k, v)
-    monkeypatch.delenv(envvars.SECRET)
-    monkeypatch.delenv(envvars.INSECURE, raising=False)
+    monkeypatch.delenv(pc.SECRET)
+    monkeypatch.delenv(pc.INSECURE, raising=False)
     with pytest.raises(KVConfigError) as e:
         kvstore.create("dist_sync")
     assert "PSLAUNCH_SECRET is not set" in str(e.value) and "PSLAUNCH_INSECURE=1" in str(e.value)
@@ -120,14 +120,14 @@ def test_dist_refuses_to_start_without_a_secret(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_dist_outside_a_job_names_the_missing_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in (envvars.ROOT_URI, envvars.ROOT_PORT, envvars.ROLE):
+    for name in (pc.ROOT_URI, pc.ROOT_PORT, pc.ROLE):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(KVConfigError, match="DMLC_PS_ROOT_URI is not set"):
         kvstore.create("dist_async")
 
 
 def test_dist_needs_a_server(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k, v in _contract(**{envvars.NUM_SERVER: "0", envvars.SECRET: "ab" * 32}).items():
+    for k, v in _contract(**{pc.NUM_SERVER: "0", pc.SECRET: "ab" * 32}).items():
         monkeypatch.setenv(k, v)
     with pytest.raises(KVConfigError, match="at least one server"):
         kvstore.create("dist_sync")

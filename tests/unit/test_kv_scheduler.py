@@ -10,7 +10,7 @@ import pytest
 import zmq
 from support.kvjob import free_port
 
-from launcher.envvars import ClusterEnv
+from pscontract import ClusterEnv
 from trainer.kv import protocol as P
 from trainer.kv.errors import KVAbortError
 from trainer.kv.scheduler import Scheduler

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import zmq
 
-from launcher.envvars import ClusterEnv
+from pscontract import ClusterEnv
 from trainer.kv import protocol as P
 from trainer.kv.errors import KVConfigError
 from trainer.kv.transport import bind, check_dist_env, node_address

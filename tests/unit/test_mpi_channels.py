@@ -1,6 +1,7 @@
-"""The mpi backend's rank connections: each rank wrapper sends its records to the launcher over
-its own TCP connection, after both sides proved they hold the job secret. Real sockets, a real
-pump and real wrapper processes (no mpirun: the wrapper takes its rank from the environment)."""
+"""The hub and the node agents' channels, with the mpi backend's job behind them: each rank
+wrapper sends its records to the launcher over its own TCP connection, after both sides proved
+they hold the job secret, and takes the launcher's commands on it. Real sockets, a real pump and
+real wrapper processes (no mpirun: the wrapper takes its rank from the environment)."""
 
 from __future__ import annotations
 
@@ -13,29 +14,35 @@ import sys
 import threading
 
 import pytest
-from support.helpers import REPO, wait_for
+from support.helpers import REPO, pid_alive, wait_for
 
-from launcher import mpirank
-from launcher.backends import mpi
-from launcher.output import Console, PipePump
-from launcher.plan import ProcSpec
-from launcher.spec import Role
+from launcher import node
+from launcher.backends.mpi import command as mc
+from launcher.backends.mpi import job as mj
+from launcher.node import mpi_wire, wire
+from launcher.runtime import hub as hub_module
+from launcher.runtime.hub import Hub
+from launcher.runtime.output import Console, PipePump
+from launcher.spec.job import Role
+from launcher.spec.plan import ProcSpec
 
 SECRET = "5e" * 32
 
 
 class Job:
-    """A real MPIJob of ``n`` workers printing to in-memory consoles, and its RankChannels."""
+    """A real MPIJob of ``n`` workers printing to in-memory consoles, and its hub."""
 
     def __init__(self, n: int) -> None:
         self.out, self.err = io.BytesIO(), io.BytesIO()
         console = Console(self.out, self.err, color=False)
         self.procs = [ProcSpec(Role.WORKER, i, i, None, ("x",), {}) for i in range(n)]
-        self.job = mpi.MPIJob([], console.proc("mpirun", "mpirun", "mpirun"), None)
-        self.job.attach([mpi.MPIRank(p, console.proc(p.name, p.label, "worker"), self.job, i)
+        self.job = mj.MPIJob([], console.proc("mpirun", "mpirun", "mpirun"), None)
+        self.job.attach([mj.MPIRank(p, console.proc(p.name, p.label, "worker"), self.job, i)
                          for i, p in enumerate(self.procs)])
         self.pump = PipePump()
-        self.channels = mpi.RankChannels(self.job, self.pump, SECRET, "127.0.0.1")
+        self.channels = self.job.hub = Hub(self.pump, SECRET, "127.0.0.1", (), range(n),
+                                           on_record=self.job.channel_record, on_open=self.job.channel_opened,
+                                           on_close=self.job.channel_closed)
 
     def stdout(self) -> str:
         return self.out.getvalue().decode()
@@ -53,14 +60,14 @@ def job():
 
 
 def test_a_rank_that_proves_the_secret_is_heard_in_order(job: Job) -> None:
-    ch = mpirank.Channel(job.channels.address, 1, SECRET)
-    ch.send(mpirank.record(1, mpirank.START, json.dumps({"pid": 4242, "host": "h"}).encode()))
-    long = b"y" * (3 * mpirank.MAX_PAYLOAD)
+    ch = wire.Channel(job.channels.address, 1, SECRET)
+    ch.send(wire.record(1, wire.START, json.dumps({"pid": 4242, "host": "h"}).encode()))
+    long = b"y" * (3 * wire.MAX_PAYLOAD)
     for i in range(200):
-        ch.send(mpirank.record(1, mpirank.STDOUT_LINE, b"line %d" % i))
-    ch.send(mpirank.record(1, mpirank.STDOUT_PART, long[:5000]) + mpirank.record(1, mpirank.STDOUT_LINE, long[5000:]))
-    ch.send(mpirank.record(1, mpirank.STDERR_LINE, b"oops"))
-    ch.send(mpirank.record(1, mpirank.EXIT, b"3"))
+        ch.send(wire.record(1, wire.STDOUT_LINE, b"line %d" % i))
+    ch.send(wire.record(1, wire.STDOUT_PART, long[:5000]) + wire.record(1, wire.STDOUT_LINE, long[5000:]))
+    ch.send(wire.record(1, wire.STDERR_LINE, b"oops"))
+    ch.send(wire.record(1, wire.EXIT, b"3"))
     ch.close()
     rank = job.job.ranks[1]
     wait_for(lambda: rank.channel == "closed", 5, what="the connection to end")
@@ -76,35 +83,35 @@ def test_a_rank_that_proves_the_secret_is_heard_in_order(job: Job) -> None:
 
 def test_a_wrong_secret_is_refused_and_never_served(job: Job, caplog) -> None:
     with pytest.raises(ConnectionError):
-        mpirank.Channel(job.channels.address, 0, "0" * 64)
+        wire.Channel(job.channels.address, 0, "0" * 64)
     assert job.job.ranks[0].channel == "none"
     assert "does not hold the job's secret" in caplog.text
     # Records without a handshake are not records of anyone.
     with socket.create_connection(job.channels.address, timeout=5) as s:
-        s.sendall(b"0 " + b"00" * 16 + b" " + b"ab" * 32 + b"\n" + mpirank.record(0, mpirank.EXIT, b"0"))
-        assert s.recv(4096).startswith(mpirank.CHANNEL_HELLO)
+        s.sendall(b"0 " + b"00" * 16 + b" " + b"ab" * 32 + b"\n" + wire.record(0, wire.EXIT, b"0"))
+        assert s.recv(4096).startswith(wire.HELLO)
         assert s.recv(4096) == b""  # refused: closed without an answer
     assert job.job.ranks[0].reported is None
     assert SECRET not in caplog.text
 
 
 def test_each_rank_connects_once_and_only_with_its_own_records(job: Job) -> None:
-    ch = mpirank.Channel(job.channels.address, 0, SECRET)
+    ch = wire.Channel(job.channels.address, 0, SECRET)
     with pytest.raises(ConnectionError):
-        mpirank.Channel(job.channels.address, 0, SECRET)  # rank 0 is taken
+        wire.Channel(job.channels.address, 0, SECRET)  # rank 0 is taken
     with pytest.raises(ConnectionError):
-        mpirank.Channel(job.channels.address, 7, SECRET)  # no such rank
-    ch.send(mpirank.record(2, mpirank.EXIT, b"9"))  # rank 0 speaking for rank 2
-    ch.send(mpirank.record(0, mpirank.EXIT, b"0"))
+        wire.Channel(job.channels.address, 7, SECRET)  # no such rank
+    ch.send(wire.record(2, wire.EXIT, b"9"))  # rank 0 speaking for rank 2
+    ch.send(wire.record(0, wire.EXIT, b"0"))
     ch.close()
     wait_for(lambda: job.job.ranks[0].channel == "closed", 5, what="the connection to end")
     assert job.job.ranks[0].reported == 0 and job.job.ranks[2].reported is None
 
 
 def test_a_connection_that_never_finishes_the_handshake_is_dropped(job: Job, monkeypatch) -> None:
-    monkeypatch.setattr(mpi, "CHANNEL_HANDSHAKE_WAIT", 0.5)
+    monkeypatch.setattr(hub_module, "HANDSHAKE_WAIT", 0.5)
     with socket.create_connection(job.channels.address, timeout=10) as s:
-        assert s.recv(4096).startswith(mpirank.CHANNEL_HELLO)
+        assert s.recv(4096).startswith(wire.HELLO)
         assert s.recv(4096) == b""  # closed by the launcher, within seconds
     wait_for(lambda: not job.channels.pending, 5, what="the connection to be forgotten")
 
@@ -115,7 +122,7 @@ def test_the_wrapper_refuses_a_listener_that_cannot_prove_the_secret() -> None:
     def impostor() -> None:
         conn, _ = srv.accept()
         with conn:
-            conn.sendall(mpirank.CHANNEL_HELLO + b"00" * 16 + b"\n")
+            conn.sendall(wire.HELLO + b"00" * 16 + b"\n")
             conn.recv(4096)
             conn.sendall(b"ok " + b"ab" * 32 + b"\n")
             conn.recv(4096)
@@ -123,7 +130,7 @@ def test_the_wrapper_refuses_a_listener_that_cannot_prove_the_secret() -> None:
     t = threading.Thread(target=impostor, daemon=True)
     t.start()
     with pytest.raises(ConnectionError, match="did not prove"):
-        mpirank.Channel(srv.getsockname(), 0, SECRET)
+        wire.Channel(srv.getsockname(), 0, SECRET)
     t.join(5)
     srv.close()
 
@@ -131,15 +138,15 @@ def test_the_wrapper_refuses_a_listener_that_cannot_prove_the_secret() -> None:
 def _run_wrapper(table: dict, tmp_path, *command: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3",
            "PSLAUNCH_SECRET": SECRET, "DMLC_PS_ROOT_URI": "127.0.0.1",
-           "PSLAUNCH_MPI_TABLE": mpirank.encode_table(table)}
-    return subprocess.run([sys.executable, os.path.join(REPO, "launcher", "mpirank.py"), "--", *command],
+           "PSLAUNCH_MPI_TABLE": mpi_wire.encode_table(table)}
+    return subprocess.run([*node.command("mpirank"), "--", *command],
                           capture_output=True, timeout=60, env=env, cwd=tmp_path)
 
 
 def _table(job: Job, output) -> dict:
     procs = [ProcSpec(Role.WORKER, i, i, None, ("x",), {"DMLC_ROLE": "worker", "DMLC_NODE_HOST": "127.0.0.1"})
              for i in range(3)]
-    return mpi.rank_table(procs, mpi.rank_layout(procs), grace=1.0, output=output)[1]
+    return mc.rank_table(procs, mc.rank_layout(procs), grace=1.0, hub=output)[1]
 
 
 PRINTER = ("import sys\n"
@@ -167,11 +174,98 @@ def test_a_wrapper_that_cannot_connect_falls_back_to_mpiruns_output(tmp_path) ->
         dead = s.getsockname()
     r = _run_wrapper(_table(None, dead), tmp_path, sys.executable, "-c", PRINTER)  # type: ignore[arg-type]
     assert r.returncode == 5
-    out = [mpirank.parse_record(line) for line in r.stdout.splitlines()]
+    out = [wire.parse_record(line) for line in r.stdout.splitlines()]
     assert all(p is not None and p[0] == 1 for p in out)
-    assert [p[1] for p in out][0] == mpirank.START and [p[1] for p in out][-1] == mpirank.EXIT
-    err = [mpirank.parse_record(line) for line in r.stderr.splitlines()]
+    assert [p[1] for p in out][0] == wire.START and [p[1] for p in out][-1] == wire.EXIT
+    err = [wire.parse_record(line) for line in r.stderr.splitlines()]
     warning = err[0][2].decode()
     assert "cannot send this rank's output to the launcher at 127.0.0.1:" in warning
     assert "goes through mpirun's output" in warning
-    assert err[1][2] == b"bye" and err[-1][1] == mpirank.EXIT
+    assert err[1][2] == b"bye" and err[-1][1] == wire.EXIT
+
+
+# --- the launcher's commands, and the agent on its own ----------------------------------------------
+
+
+def _start_wrapper(table: dict, tmp_path, *command: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3",
+           "PSLAUNCH_SECRET": SECRET, "DMLC_PS_ROOT_URI": "127.0.0.1", "PYTHONFAULTHANDLER": "1",
+           "PSLAUNCH_MPI_TABLE": mpi_wire.encode_table(table)}
+    return subprocess.Popen([*node.command("mpirank"), "--", *command], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+
+
+SLEEPER = ("import signal, sys, time\n"
+           "def term(*a): print('got TERM', flush=True); sys.exit(3)\n"
+           "signal.signal(signal.SIGTERM, term)\n"
+           "print('ready', flush=True)\n"
+           "time.sleep(60)\n")
+
+
+def _ready(job: Job) -> None:
+    wait_for(lambda: "[worker 1] ready" in job.stdout(), 20, what="the command to start")
+
+
+@pytest.mark.timeout(60)
+def test_term_from_the_launcher_reaches_the_command(job: Job, tmp_path) -> None:
+    p = _start_wrapper(_table(job, job.channels.address), tmp_path, sys.executable, "-c", SLEEPER)
+    try:
+        _ready(job)
+        assert job.channels.send(1, "TERM")
+        assert p.wait(timeout=20) == 3
+        wait_for(lambda: job.job.ranks[1].reported == 3, 5, what="the exit record")
+        assert "[worker 1] got TERM" in job.stdout()
+    finally:
+        p.kill()
+
+
+@pytest.mark.timeout(60)
+def test_abrt_from_the_launcher_dumps_the_python_stacks(job: Job, tmp_path) -> None:
+    p = _start_wrapper(_table(job, job.channels.address), tmp_path, sys.executable, "-c",
+                       "print('ready', flush=True); import time; time.sleep(60)")
+    try:
+        _ready(job)
+        assert job.channels.send(1, "ABRT")
+        assert p.wait(timeout=20) == 128 + 6
+        wait_for(lambda: "Fatal Python error: Aborted" in job.err.getvalue().decode(), 5, what="the dump")
+        assert "[worker 1] Current thread" in job.err.getvalue().decode()
+    finally:
+        p.kill()
+
+
+@pytest.mark.timeout(60)
+def test_the_agent_stops_its_command_when_the_launcher_is_gone(job: Job, tmp_path) -> None:
+    p = _start_wrapper(_table(job, job.channels.address), tmp_path, sys.executable, "-c", SLEEPER)
+    try:
+        _ready(job)
+        job.channels.stop()  # the connection ends while the command runs
+        assert p.wait(timeout=20) == 3  # the command got SIGTERM, and the wrapper its code
+    finally:
+        p.kill()
+
+
+@pytest.mark.timeout(60)
+def test_a_command_that_cannot_start_is_one_failure_record(job: Job, tmp_path) -> None:
+    r = _run_wrapper(_table(job, job.channels.address), tmp_path, "no-such-program-xyz")
+    assert r.returncode == 127 and r.stdout == b"" and r.stderr == b""
+    rank = job.job.ranks[1]
+    wait_for(lambda: rank.reported == 127, 5, what="the failure record")
+    assert rank.failure.startswith("cannot run 'no-such-program-xyz': no such program or directory")
+    assert rank.node.get("host")
+
+
+@pytest.mark.timeout(60)
+def test_a_descendant_that_left_the_process_group_is_stopped_with_the_command(job: Job, tmp_path) -> None:
+    """The agent is a child subreaper: a grandchild that called setsid() is still found and stopped."""
+    escape = ("import os, subprocess, sys\n"
+              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True)\n"
+              "print(p.pid, flush=True)\n")
+    r = _run_wrapper(_table(job, job.channels.address), tmp_path, sys.executable, "-c", escape)
+    assert r.returncode == 0
+    wait_for(lambda: job.job.ranks[1].reported == 0, 5, what="the exit record")
+    pid = int(job.stdout().split()[-1])
+    try:
+        wait_for(lambda: not pid_alive(pid), 10, what="the escaped grandchild to be stopped")
+    finally:
+        if pid_alive(pid):
+            os.kill(pid, 9)

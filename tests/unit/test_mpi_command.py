@@ -9,28 +9,34 @@ import signal
 import stat
 import subprocess
 import sys
+import types
 
 import pytest
 from click.testing import CliRunner
 from support.helpers import REPO, pid_alive, wait_for
 
-from launcher import cli, envvars, mpirank
+from launcher import backends, cli, node  # noqa: F401 - cli: the entry point some tests call
 from launcher.backends import mpi
-from launcher.backends.mpi import MPIImpl, build_mpirun_argv, rank_layout, rank_table
+from launcher.backends.mpi import command as mc
+from launcher.backends.mpi import job as mj
+from launcher.backends.mpi.command import MPIImpl, build_mpirun_argv, rank_layout, rank_table
+from launcher.cli import run
 from launcher.errors import BackendUnavailableError, ConfigError
-from launcher.netif import Iface
-from launcher.plan import ProcSpec, build_plan
-from launcher.spec import Host, JobSpec, Role
+from launcher.node import agent, mpi_wire, wire
+from launcher.spec.job import Host, JobSpec, Role
+from launcher.spec.plan import ProcSpec, build_plan
+from pscontract import netif
+from pscontract.netif import Iface
 
 A, B, C = Host("A"), Host("B"), Host("C")
-PY, WRAP = "/venv/bin/python", "/repo/launcher/mpirank.py"
+WRAP = ["/venv/bin/python", "-c", "<the rank wrapper>"]
 NAMES = ["DMLC_NUM_WORKER", "PSLAUNCH_SECRET", "PSLAUNCH_MPI_TABLE"]
 
 
 def _procs(n: int, s: int, hosts=()) -> list[ProcSpec]:
     spec = JobSpec(command=("python", "train.py"), num_workers=n, num_servers=s, launcher="mpi", hosts=tuple(hosts))
     plan = build_plan(spec, root_uri="10.0.0.1", root_port=9091, secret="s" * 64, job_id="j",
-                      node_hosts={h: None for h in hosts} or {None: "127.0.0.1"}, inherit_environ=False)
+                      here=None if hosts else "127.0.0.1", inherit_environ=False)
     return list(plan.procs)
 
 
@@ -40,57 +46,57 @@ def _procs(n: int, s: int, hosts=()) -> list[ProcSpec]:
 def test_golden_openmpi_on_this_machine() -> None:
     layout = rank_layout(_procs(2, 1))
     argv = build_mpirun_argv(MPIImpl.OPENMPI, "/usr/bin/mpirun.openmpi", nprocs=3, layout=layout,
-                             env_names=NAMES, command=["python", "train.py", "--lr", "0.1"], python=PY,
+                             env_names=NAMES, command=["python", "train.py", "--lr", "0.1"],
                              wrapper=WRAP, is_root=True, cores=2)
     assert argv == [
         "/usr/bin/mpirun.openmpi", "--allow-run-as-root", "-n", "3", "--oversubscribe", "--bind-to", "none",
         "-x", "DMLC_NUM_WORKER", "-x", "PSLAUNCH_MPI_TABLE", "-x", "PSLAUNCH_SECRET",
-        PY, WRAP, "--", "python", "train.py", "--lr", "0.1"]
+        *WRAP, "--", "python", "train.py", "--lr", "0.1"]
 
 
 def test_golden_openmpi_not_root_enough_cores_no_oversubscribe() -> None:
     argv = build_mpirun_argv(MPIImpl.OPENMPI, "mpirun", nprocs=3, layout=rank_layout(_procs(2, 1)),
-                             env_names=["X"], command=["prog"], python=PY, wrapper=WRAP, is_root=False, cores=8)
-    assert argv == ["mpirun", "-n", "3", "--bind-to", "none", "-x", "X", PY, WRAP, "--", "prog"]
+                             env_names=["X"], command=["prog"], wrapper=WRAP, is_root=False, cores=8)
+    assert argv == ["mpirun", "-n", "3", "--bind-to", "none", "-x", "X", *WRAP, "--", "prog"]
 
 
 def test_golden_openmpi_hosts_and_interface() -> None:
     layout = rank_layout(_procs(3, 2, [A, B, C]))
     argv = build_mpirun_argv(MPIImpl.OPENMPI, "mpirun", nprocs=5, layout=layout, env_names=NAMES,
-                             command=["python", "train.py"], python=PY, wrapper=WRAP, hostfile="/tmp/j/hostfile",
+                             command=["python", "train.py"], wrapper=WRAP, hostfile="/tmp/j/hostfile",
                              interface="10.200.0.0/16", is_root=True, cores=1, extra_args=["--mca", "x", "y"])
     assert argv == [
         "mpirun", "--allow-run-as-root", "-n", "5", "--hostfile", "/tmp/j/hostfile", "--map-by", "seq",
         "--bind-to", "none",
         "--mca", "btl_tcp_if_include", "10.200.0.0/16", "--mca", "oob_tcp_if_include", "10.200.0.0/16",
         "-x", "DMLC_NUM_WORKER", "-x", "PSLAUNCH_MPI_TABLE", "-x", "PSLAUNCH_SECRET",
-        "--mca", "x", "y", PY, WRAP, "--", "python", "train.py"]
-    assert mpi.openmpi_hostfile(layout) == "A\nA\nB\nB\nC\n"
+        "--mca", "x", "y", *WRAP, "--", "python", "train.py"]
+    assert mc.openmpi_hostfile(layout) == "A\nA\nB\nB\nC\n"
 
 
 def test_golden_mpich_on_this_machine() -> None:
     argv = build_mpirun_argv(MPIImpl.MPICH, "/usr/bin/mpirun.mpich", nprocs=3, layout=rank_layout(_procs(2, 1)),
-                             env_names=NAMES, command=["python", "train.py"], python=PY, wrapper=WRAP,
+                             env_names=NAMES, command=["python", "train.py"], wrapper=WRAP,
                              is_root=True, cores=1)
     assert argv == [
         "/usr/bin/mpirun.mpich", "-n", "3", "-genvlist", "DMLC_NUM_WORKER,PSLAUNCH_MPI_TABLE,PSLAUNCH_SECRET",
-        PY, WRAP, "--", "python", "train.py"]
+        *WRAP, "--", "python", "train.py"]
 
 
 def test_golden_mpich_hosts_and_interface() -> None:
     layout = rank_layout(_procs(3, 2, [A, B, C]))
     argv = build_mpirun_argv(MPIImpl.MPICH, "mpiexec", nprocs=5, layout=layout, env_names=NAMES,
-                             command=["python", "train.py"], python=PY, wrapper=WRAP, interface="eth1")
+                             command=["python", "train.py"], wrapper=WRAP, interface="eth1")
     assert argv == [
         "mpiexec", "-n", "5", "-hosts", "A:2,B:2,C:1", "-iface", "eth1",
         "-genvlist", "DMLC_NUM_WORKER,PSLAUNCH_MPI_TABLE,PSLAUNCH_SECRET",
-        PY, WRAP, "--", "python", "train.py"]
+        *WRAP, "--", "python", "train.py"]
 
 
 def test_openmpi_with_hosts_needs_a_hostfile() -> None:
     with pytest.raises(ValueError):
         build_mpirun_argv(MPIImpl.OPENMPI, "mpirun", nprocs=2, layout=rank_layout(_procs(1, 1, [A, B])),
-                          env_names=[], command=["x"], python=PY)
+                          env_names=[], command=["x"], wrapper=WRAP)
 
 
 # --- placement ---------------------------------------------------------------------------------
@@ -121,7 +127,7 @@ def test_layout_respects_slots() -> None:
 
 def test_openmpi_hostfile_names_this_machine_by_its_hostname() -> None:
     layout = rank_layout(_procs(1, 2, [Host("localhost"), Host("10.0.0.7")]))
-    text = mpi.openmpi_hostfile(layout, frozenset({"localhost"}), "box")
+    text = mc.openmpi_hostfile(layout, frozenset({"localhost"}), "box")
     assert text == "box\nbox\n10.0.0.7\n"
 
 
@@ -132,7 +138,7 @@ def test_rank_table_splits_common_role_and_rank_variables() -> None:
     spec = JobSpec(command=("p",), num_workers=2, num_servers=1, launcher="mpi", hosts=(A, B),
                    env=(("FOO", "bar"),), env_server=(("OMP_NUM_THREADS", "3"),), env_worker=(("WHO", "w"),))
     plan = build_plan(spec, root_uri="10.0.0.1", root_port=9091, secret="s" * 64, job_id="j",
-                      node_hosts={A: None, B: None}, inherit_environ=False)
+                      here=None, inherit_environ=False)
     procs = list(plan.procs)
     layout = rank_layout(procs)
     common, table = rank_table(procs, layout, 2.5)
@@ -144,7 +150,7 @@ def test_rank_table_splits_common_role_and_rank_variables() -> None:
     assert table["roles"]["worker"]["WHO"] == "w"
     # every rank's environment rebuilt from the table equals the plan's, key by key
     for r, i in enumerate(layout.order):
-        role, role_rank, env = mpirank.rank_entry(table, r, len(procs))
+        role, role_rank, env = mpi_wire.rank_entry(table, r, len(procs))
         assert (role, role_rank) == (str(procs[i].role), procs[i].rank)
         assert {**common, **env} == dict(procs[i].env)
 
@@ -152,15 +158,15 @@ def test_rank_table_splits_common_role_and_rank_variables() -> None:
 def test_table_round_trip_and_size_check() -> None:
     procs = _procs(3, 2, [A, B])
     common, table = rank_table(procs, rank_layout(procs), 1.0)
-    text = mpirank.encode_table(table)
+    text = mpi_wire.encode_table(table)
     assert text.startswith("z1:") and "PSLAUNCH_SECRET" not in text
-    assert mpirank.decode_table(text) == table
-    with pytest.raises(mpirank.WrapperError, match="mpirun started 4 ranks but the job has 5"):
-        mpirank.rank_entry(table, 0, 4)
-    with pytest.raises(mpirank.WrapperError, match="missing"):
-        mpirank.decode_table("")
-    with pytest.raises(mpirank.WrapperError, match="corrupt"):
-        mpirank.decode_table("z1:!!!")
+    assert mpi_wire.decode_table(text) == table
+    with pytest.raises(mpi_wire.TableError, match="mpirun started 4 ranks but the job has 5"):
+        mpi_wire.rank_entry(table, 0, 4)
+    with pytest.raises(mpi_wire.TableError, match="missing"):
+        mpi_wire.decode_table("")
+    with pytest.raises(mpi_wire.TableError, match="corrupt"):
+        mpi_wire.decode_table("z1:!!!")
 
 
 @pytest.mark.parametrize("environ, rank", [
@@ -171,21 +177,21 @@ def test_table_round_trip_and_size_check() -> None:
     ({"PMI_RANK": "x"}, None),
 ])
 def test_rank_from_environ(environ: dict, rank) -> None:
-    assert mpirank.rank_from_environ(environ) == rank
+    assert mpi_wire.rank_from_environ(environ) == rank
 
 
 def test_child_environ_drops_the_table_and_overlays_the_job() -> None:
-    env = mpirank.child_environ({"PATH": "/bin", envvars.MPI_TABLE: "z1:x", "DMLC_ROLE": "stale"},
+    env = mpi_wire.child_environ({"PATH": "/bin", mpi_wire.TABLE: "z1:x", "DMLC_ROLE": "stale"},
                                 {"DMLC_ROLE": "server"})
     assert env == {"PATH": "/bin", "DMLC_ROLE": "server"}
 
 
 def test_node_address_prefers_given_then_interface_then_route() -> None:
-    assert mpirank.node_address({"DMLC_NODE_HOST": "10.1.1.1", "DMLC_INTERFACE": "nope"}) == "10.1.1.1"
-    assert mpirank.node_address({"DMLC_INTERFACE": "lo"}) == "127.0.0.1"
-    assert mpirank.node_address({"DMLC_PS_ROOT_URI": "127.0.0.1"}).startswith("127.")
-    with pytest.raises(mpirank.WrapperError, match="matches no interface"):
-        mpirank.node_address({"DMLC_INTERFACE": "nosuchif9"})
+    assert netif.node_address("nope", None, "10.1.1.1") == "10.1.1.1"
+    assert netif.node_address("lo", None) == "127.0.0.1"
+    assert netif.node_address(None, "127.0.0.1").startswith("127.")
+    with pytest.raises(netif.NetifError, match="matches no interface"):
+        netif.node_address("nosuchif9", None)
 
 
 # --- records ---------------------------------------------------------------------------------------------
@@ -193,42 +199,48 @@ def test_node_address_prefers_given_then_interface_then_route() -> None:
 
 def test_records_round_trip_and_long_lines_are_split(tmp_path) -> None:
     r, w = os.pipe()
-    relay = mpirank._Relay(7, w, mpirank.STDOUT_LINE, mpirank.STDOUT_PART)
-    long = b"x" * (mpirank.MAX_PAYLOAD * 2 + 10)
-    relay.feed(b"one\ntw")
-    relay.feed(b"o\n" + long + b"\npartial")
-    relay.close()
-    os.close(w)
+    saved = os.dup(1)
+    os.dup2(w, 1)  # the agent without a channel writes its records to its own stdout (mpirun's)
+    try:
+        relay = agent.Agent(7, 1.0, None, fallback="records")
+        long = b"x" * (wire.MAX_PAYLOAD * 2 + 10)
+        relay._output(1, b"one\ntw")
+        relay._output(1, b"o\n" + long + b"\npartial")
+        relay._flush_partial()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(w)
     data = b""
     while chunk := os.read(r, 65536):
         data += chunk
     os.close(r)
     lines = data.split(b"\n")[:-1]
     assert all(len(line) + 1 < 4096 for line in lines)  # one write each, under PIPE_BUF
-    parsed = [mpirank.parse_record(line) for line in lines]
+    parsed = [wire.parse_record(line) for line in lines]
     assert [p[1] for p in parsed] == ["o", "o", "O", "O", "o", "o"]
     assert all(p[0] == 7 for p in parsed)
     assert b"".join(p[2] for p in parsed[2:5]) == long
     assert parsed[0][2] == b"one" and parsed[1][2] == b"two" and parsed[5][2] == b"partial"
-    assert mpirank.parse_record(b"[mpirun] something") is None
+    assert wire.parse_record(b"[mpirun] something") is None
 
 
 def test_wrapper_error_after_the_start_takes_the_command_along(tmp_path) -> None:
     """An unexpected error in the rank wrapper once the command runs must not leave the command
     (its own session, unknown to mpirun) behind when the wrapper exits."""
     procs = [ProcSpec(Role.WORKER, 0, 0, None, ("x",), {"DMLC_ROLE": "worker", "DMLC_NODE_HOST": "127.0.0.1"})]
-    common, table = mpi.rank_table(procs, mpi.rank_layout(procs), grace=1.0)
-    driver = ("import sys, launcher.mpirank as m\n"
-              "def boom(self, child, relays): raise RuntimeError('boom')\n"
-              "m._Runner._pump = boom\n"
+    common, table = mc.rank_table(procs, mc.rank_layout(procs), grace=1.0)
+    driver = ("import sys, launcher.node.agent as a, launcher.node.mpirank as m\n"
+              "def boom(self, child): raise RuntimeError('boom')\n"
+              "a.Agent._pump = boom\n"
               "sys.exit(m.main(sys.argv[1:]))\n")
     env = {**os.environ, **common, "PYTHONPATH": str(REPO), "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1",
-           "PSLAUNCH_MPI_TABLE": mpirank.encode_table(table)}
+           "PSLAUNCH_MPI_TABLE": mpi_wire.encode_table(table)}
     r = subprocess.run([sys.executable, "-c", driver, "--", "sleep", "30"], capture_output=True, timeout=30,
                        env=env, cwd=tmp_path)
     assert r.returncode != 0 and b"boom" in r.stderr
-    starts = [mpirank.parse_record(line) for line in r.stdout.splitlines()]
-    pid = next(json.loads(p[2])["pid"] for p in starts if p and p[1] == mpirank.START)
+    starts = [wire.parse_record(line) for line in r.stdout.splitlines()]
+    pid = next(json.loads(p[2])["pid"] for p in starts if p and p[1] == wire.START)
     try:
         wait_for(lambda: not pid_alive(pid), 5, what="the command to be stopped")
     finally:
@@ -247,12 +259,12 @@ def test_wrapper_error_after_the_start_takes_the_command_along(tmp_path) -> None
     ("Intel(R) MPI Library for Linux* OS, Version 2021.10 Build 20230619\n", MPIImpl.MPICH),
 ])
 def test_detect_implementation(text: str, impl: MPIImpl) -> None:
-    assert mpi.detect_implementation(text) is impl
+    assert mc.detect_implementation(text) is impl
 
 
 def test_unknown_implementation_is_one_line_naming_the_output() -> None:
     with pytest.raises(BackendUnavailableError) as e:
-        mpi.detect_implementation("\nSpectrum Foo MPI 1.0\nmore\n", "/opt/x/mpirun")
+        mc.detect_implementation("\nSpectrum Foo MPI 1.0\nmore\n", "/opt/x/mpirun")
     msg = str(e.value)
     assert "\n" not in msg and "'Spectrum Foo MPI 1.0'" in msg and "/opt/x/mpirun" in msg
 
@@ -266,7 +278,7 @@ def _fake_mpirun(tmp_path, text: str) -> str:
 
 def test_cli_unknown_mpirun_is_a_one_line_error(tmp_path) -> None:
     fake = _fake_mpirun(tmp_path, "Totally Different MPI 9.9")
-    result = CliRunner().invoke(cli.run_command, ["--launcher", "mpi", "--mpirun", fake, "-n", "1", "-s", "0",
+    result = CliRunner().invoke(run.run_command, ["--launcher", "mpi", "--mpirun", fake, "-n", "1", "-s", "0",
                                                   "true"], standalone_mode=False, catch_exceptions=True)
     assert isinstance(result.exception, BackendUnavailableError)
     assert "'Totally Different MPI 9.9'" in str(result.exception) and result.exception.exit_code == 2
@@ -282,16 +294,16 @@ def test_mpirun_that_exists_but_cannot_run_is_not_called_missing(tmp_path) -> No
     plain.write_text("#!/bin/sh\n")
     plain.chmod(0o644)
     with pytest.raises(BackendUnavailableError, match=r"--mpirun .*/mpirun is not executable"):
-        mpi.probe_mpirun(str(plain))
+        mc.probe_mpirun(str(plain))
     with pytest.raises(BackendUnavailableError, match=r"--mpirun .* is a directory"):
-        mpi.probe_mpirun(str(tmp_path))
+        mc.probe_mpirun(str(tmp_path))
     with pytest.raises(BackendUnavailableError, match=r"nope: no such file"):
-        mpi.probe_mpirun(str(tmp_path / "nope"))
+        mc.probe_mpirun(str(tmp_path / "nope"))
 
 
 def test_hostfile_user_or_port_is_refused_by_line() -> None:
     with pytest.raises(ConfigError, match=r"hosts:3: root@A:2222: .*~/.ssh/config"):
-        mpi._check_hosts([Host("A", port=2222, user="root", origin="hosts:3")])
+        mc.check_hosts([Host("A", port=2222, user="root", origin="hosts:3")])
 
 
 # --- DMLC_INTERFACE ----------------------------------------------------------------------------------------
@@ -307,19 +319,19 @@ IFACES = [Iface("lo", "127.0.0.1", 8), Iface("eth0", "10.1.2.3", 24), Iface("ib0
     ("10.200.9.9/16", "10.200.9.9/16", "ib0"),
 ])
 def test_interface_translation(value: str, openmpi, mpich) -> None:
-    assert mpi.mpi_interface(MPIImpl.OPENMPI, value, IFACES) == openmpi
-    assert mpi.mpi_interface(MPIImpl.MPICH, value, IFACES) == mpich
+    assert mc.mpi_interface(MPIImpl.OPENMPI, value, IFACES) == openmpi
+    assert mc.mpi_interface(MPIImpl.MPICH, value, IFACES) == mpich
 
 
 def test_interface_that_matches_nothing_here() -> None:
     with pytest.raises(ConfigError, match="matches no interface"):
-        mpi.mpi_interface(MPIImpl.MPICH, "wlan", IFACES)
+        mc.mpi_interface(MPIImpl.MPICH, "wlan", IFACES)
     with pytest.raises(ConfigError, match="no IPv4 address in 192.168.0.0/16"):
-        mpi.mpi_interface(MPIImpl.MPICH, "192.168.0.0/16", IFACES)
+        mc.mpi_interface(MPIImpl.MPICH, "192.168.0.0/16", IFACES)
     with pytest.raises(ConfigError, match="not a valid IPv4 CIDR"):
-        mpi.mpi_interface(MPIImpl.OPENMPI, "10.0.0.0/99", IFACES)
+        mc.mpi_interface(MPIImpl.OPENMPI, "10.0.0.0/99", IFACES)
     # Open MPI takes any CIDR (hosts may differ from this one)
-    assert mpi.mpi_interface(MPIImpl.OPENMPI, "192.168.0.0/16", IFACES) == "192.168.0.0/16"
+    assert mc.mpi_interface(MPIImpl.OPENMPI, "192.168.0.0/16", IFACES) == "192.168.0.0/16"
 
 
 # --- dry run ---------------------------------------------------------------------------------------------------
@@ -332,7 +344,7 @@ def test_dry_run_shows_the_mpirun_command_without_secret_values(tmp_path, text, 
     hosts = tmp_path / "hosts"
     hosts.write_text("A\nB\nC\n")
     runner = CliRunner()
-    result = runner.invoke(cli.run_command, [
+    result = runner.invoke(run.run_command, [
         "--launcher", "mpi", "--mpirun", fake, "-H", str(hosts), "-n", "3", "-s", "2", "--dry-run",
         "--env", "MY_TOKEN=hunter2", "--env-worker", "DB_PASSWORD=pw", "python", "train.py"],
         standalone_mode=False, env={"DMLC_INTERFACE": "lo"})
@@ -348,13 +360,14 @@ def test_dry_run_shows_the_mpirun_command_without_secret_values(tmp_path, text, 
     else:
         assert "-hosts A:2,B:2,C:1 -iface lo -genvlist " in cmd and "MY_TOKEN" in cmd
     assert "DB_PASSWORD" not in cmd  # a worker-only variable travels in the table
-    assert cmd.endswith(f"{sys.executable} {mpi.WRAPPER} -- python train.py")
+    import shlex
+    assert cmd.endswith(shlex.join([*node.command("mpirank"), "--", "python", "train.py"]))
     assert "rank 0: server 0 @ A (task id 3)" in out and "rank 4: worker 0 @ C (task id 0)" in out
-    assert "rank output: each rank connects back to 127.0.0.1, on a free port of 9091-9998" in out
+    assert "rank wrappers: each connects back to 127.0.0.1, on a free port of 9091-9998" in out
 
 
 def test_dry_run_without_mpi_shows_both_forms(tmp_path) -> None:
-    result = CliRunner().invoke(cli.run_command, ["--launcher", "mpi", "--mpirun", str(tmp_path / "none"),
+    result = CliRunner().invoke(run.run_command, ["--launcher", "mpi", "--mpirun", str(tmp_path / "none"),
                                                   "-n", "2", "-s", "1", "--dry-run", "prog"],
                                 standalone_mode=False)
     assert result.exit_code == 0, result.output
@@ -363,15 +376,14 @@ def test_dry_run_without_mpi_shows_both_forms(tmp_path) -> None:
 
 
 def test_registered() -> None:
-    from launcher import backends
     assert backends.get("mpi") is mpi.MPIBackend
     assert Role.SERVER  # the module imports without MPI installed
 
 
 def test_mpich_listens_on_the_scheduler_address_by_default() -> None:
-    assert mpi.mpich_default_interface("10.200.0.1", IFACES) == "ib0"
-    assert mpi.mpich_default_interface("127.0.0.1", IFACES) is None
-    assert mpi.mpich_default_interface("192.168.9.9", IFACES) is None
+    assert mc.mpich_default_interface("10.200.0.1", IFACES) == "ib0"
+    assert mc.mpich_default_interface("127.0.0.1", IFACES) is None
+    assert mc.mpich_default_interface("192.168.9.9", IFACES) is None
 
 
 # --- the demultiplexer and per-rank exit codes (no MPI needed) -------------------------------------------
@@ -390,13 +402,13 @@ class _FakePopen:
 def _job(n: int = 2, s: int = 1):
     import io
 
-    from launcher.output import Console
+    from launcher.runtime.output import Console
 
     out, err = io.BytesIO(), io.BytesIO()
     console = Console(stdout=out, stderr=err, color=False)
     procs = _procs(n, s)
-    job = mpi.MPIJob([], console.proc("mpirun", "mpirun", "mpirun"), None)
-    ranks = [mpi.MPIRank(p, console.proc(p.name, p.label, str(p.role)), job, r) for r, p in enumerate(procs)]
+    job = mj.MPIJob([], console.proc("mpirun", "mpirun", "mpirun"), None)
+    ranks = [mj.MPIRank(p, console.proc(p.name, p.label, str(p.role)), job, r) for r, p in enumerate(procs)]
     job.attach(ranks)
     job.popen = _FakePopen()
     return job, ranks, out, err
@@ -404,7 +416,7 @@ def _job(n: int = 2, s: int = 1):
 
 def test_demux_routes_records_to_ranks_and_the_rest_to_mpirun() -> None:
     job, ranks, out, err = _job()
-    rec = mpirank.record
+    rec = wire.record
     job.feed(False, rec(1, "s", b'{"pid": 4242, "host": "h"}') + rec(1, "o", "héllo".encode()) + b"mpirun says hi\n")
     split = rec(0, "o", b"x")  # a record cut in two by the pipe
     job.feed(False, rec(2, "O", b"par") + rec(2, "o", b"tial") + split[:3])
@@ -421,13 +433,13 @@ def test_demux_routes_records_to_ranks_and_the_rest_to_mpirun() -> None:
 
 def test_exit_codes_fail_fast_and_wait_for_mpirun_on_zero() -> None:
     job, ranks, _, _ = _job()
-    job.feed(False, mpirank.record(0, "x", b"0") + mpirank.record(2, "x", b"3"))
+    job.feed(False, wire.record(0, "x", b"0") + wire.record(2, "x", b"3"))
     assert ranks[2].poll() == 3  # a failure counts at once
     assert ranks[0].poll() is None  # a zero waits for mpirun
     assert ranks[1].poll() is None
     job.popen.code = 1
     assert ranks[1].poll() is None  # mpirun exited, but its last records may still be in the pipe
-    job.feed(False, mpirank.record(0, "o", b"late line"))
+    job.feed(False, wire.record(0, "o", b"late line"))
     job.close(False)
     assert ranks[0].poll() == 0
     assert ranks[1].poll() == 1 and "before this rank started" in ranks[1].note
@@ -435,7 +447,7 @@ def test_exit_codes_fail_fast_and_wait_for_mpirun_on_zero() -> None:
 
 def test_all_zero_but_mpirun_fails_is_blamed_on_rank_0() -> None:
     job, ranks, _, _ = _job()
-    job.feed(False, b"".join(mpirank.record(r, "x", b"0") for r in range(3)))
+    job.feed(False, b"".join(wire.record(r, "x", b"0") for r in range(3)))
     job.popen.code = 7
     job.close(False)
     assert [r.poll() for r in ranks] == [7, 0, 0]
@@ -444,26 +456,27 @@ def test_all_zero_but_mpirun_fails_is_blamed_on_rank_0() -> None:
 
 def test_started_rank_that_never_reports_was_killed() -> None:
     job, ranks, _, _ = _job()
-    job.feed(False, mpirank.record(1, "s", b'{"pid": 5}'))
+    job.feed(False, wire.record(1, "s", b'{"pid": 5}'))
     job.popen.code = 143
     job.close(False)
     assert ranks[1].poll() == 137 and "without reporting" in ranks[1].note
 
 
-def test_first_failure_time_is_when_the_record_arrived(monkeypatch) -> None:
+def test_first_failure_time_is_when_the_record_arrived() -> None:
     job, ranks, _, _ = _job()
-    job.feed(False, mpirank.record(2, "x", b"3"))
-    job.feed(False, mpirank.record(1, "x", b"143"))
+    job.clock = types.SimpleNamespace(time=iter([10.0, 20.0]).__next__)  # the two records' arrival
+    job.feed(False, wire.record(2, "x", b"3"))
+    job.feed(False, wire.record(1, "x", b"143"))
     ranks[1].poll()  # looked at first, but it ended later
     ranks[2].poll()
-    assert ranks[2].end_time <= ranks[1].end_time
+    assert (ranks[2].end_time, ranks[1].end_time) == (10.0, 20.0)
 
 
 def test_lingering_mpirun_does_not_hold_a_finished_job(monkeypatch) -> None:
     job, ranks, _, _ = _job()
-    job.feed(False, b"".join(mpirank.record(r, "x", b"0") for r in range(3)))
+    job.feed(False, b"".join(wire.record(r, "x", b"0") for r in range(3)))
     assert ranks[0].poll() is None
-    monkeypatch.setattr(mpi, "MPIRUN_EXIT_WAIT", 0.0)
+    monkeypatch.setattr(mj, "MPIRUN_EXIT_WAIT", 0.0)
     assert [r.poll() for r in ranks] == [0, 0, 0]
 
 
@@ -471,7 +484,7 @@ def test_exit_record_read_after_mpirun_exited_still_counts(monkeypatch) -> None:
     job, ranks, _, _ = _job()
     job.popen.code = 0  # mpirun seen gone ...
     assert [r.poll() for r in ranks] == [None, None, None]
-    job.feed(False, b"".join(mpirank.record(r, "x", b"0") for r in range(3)))  # ... its records read after
+    job.feed(False, b"".join(wire.record(r, "x", b"0") for r in range(3)))  # ... its records read after
     job.close(False)
     assert [r.poll() for r in ranks] == [0, 0, 0]
 
@@ -479,15 +492,15 @@ def test_exit_record_read_after_mpirun_exited_still_counts(monkeypatch) -> None:
 def test_a_pipe_held_open_delays_the_verdict_only_briefly(monkeypatch) -> None:
     job, ranks, _, _ = _job()
     job.popen.code = 1
-    monkeypatch.setattr(mpi, "OUTPUT_DRAIN_WAIT", 0.0)
+    monkeypatch.setattr(mj, "OUTPUT_DRAIN_WAIT", 0.0)
     assert ranks[0].poll() == 1 and "before this rank started" in ranks[0].note
 
 
 def test_lost_exit_record_with_mpirun_0_means_0() -> None:
     job, ranks, _, _ = _job()
-    job.feed(False, b"".join(mpirank.record(r, "s", b'{"pid": 7}') for r in range(3)))
-    job.feed(True, mpirank.record(0, "x", b"0") + mpirank.record(1, "x", b"0"))  # rank 2's never came
-    job.feed(False, mpirank.record(0, "x", b"0"))  # the copy on the other stream is ignored
+    job.feed(False, b"".join(wire.record(r, "s", b'{"pid": 7}') for r in range(3)))
+    job.feed(True, wire.record(0, "x", b"0") + wire.record(1, "x", b"0"))  # rank 2's never came
+    job.feed(False, wire.record(0, "x", b"0"))  # the copy on the other stream is ignored
     job.popen.code = 0
     job.close(False)
     assert [r.poll() for r in ranks] == [0, 0, 0]

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from launcher import netif
-from launcher.netif import Iface, NetifError
+from pscontract import netif
+from pscontract.netif import Iface, NetifError
 
 IFACES = [Iface("lo", "127.0.0.1", 8), Iface("eth0", "10.1.2.3", 24), Iface("ib0", "10.200.5.6", 16),
           Iface("eth1", "192.168.7.8", 24)]

@@ -4,7 +4,7 @@ import io
 import os
 import time
 
-from launcher.output import Console, PipePump
+from launcher.runtime.output import Console, PipePump
 
 
 class Sink(io.BytesIO):

@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import pytest
 
-from launcher import envvars
+import pscontract as pc
 from launcher.errors import ConfigError
-from launcher.plan import build_plan, place
-from launcher.spec import Host, JobSpec
+from launcher.spec.job import Host, JobSpec
+from launcher.spec.plan import build_plan, place
 
 A, B, C = Host("A"), Host("B"), Host("C")
 
@@ -64,10 +64,9 @@ def spec(**kw) -> JobSpec:
     return JobSpec(**base)
 
 
-def make(s: JobSpec, inherit: bool = False, node_hosts=None):
+def make(s: JobSpec, inherit: bool = False, addresses=None, here: str | None = "10.0.0.1"):
     return build_plan(s, root_uri="10.0.0.1", root_port=9091, secret="ab" * 32, job_id="j1",
-                      node_hosts=node_hosts if node_hosts is not None else {None: "10.0.0.1"},
-                      inherit_environ=inherit)
+                      addresses=addresses or {}, here=here, inherit_environ=inherit)
 
 
 def test_contract_per_role_key_by_key() -> None:
@@ -132,19 +131,24 @@ def test_precedence_contract_role_env_forwarded() -> None:
 
 def test_node_host_unknown_left_to_wrapper() -> None:
     s = spec(launcher="mpi", hosts=(A, B))
-    plan = make(s, node_hosts={A: None, B: None})
-    assert all(envvars.NODE_HOST not in p.env for p in plan.procs)
+    plan = make(s, here=None)
+    assert all(pc.NODE_HOST not in p.env for p in plan.procs)
     assert {p.env["DMLC_JOB_CLUSTER"] for p in plan.procs} == {"mpi"}
 
 
 def test_local_procs_counts_per_host() -> None:
     s = spec(launcher="ssh", hosts=(A, B, C), num_workers=3, num_servers=2)
-    plan = make(s, node_hosts={A: "1.1.1.1", B: "2.2.2.2", C: "3.3.3.3"})
+    plan = make(s, addresses={A: "1.1.1.1", B: "2.2.2.2", C: "3.3.3.3"}, here=None)
     got = {p.name: (p.host.name, p.env["PSLAUNCH_LOCAL_PROCS"], p.env["DMLC_NODE_HOST"]) for p in plan.procs}
     assert got == {"server-0": ("A", "2", "1.1.1.1"), "server-1": ("B", "2", "2.2.2.2"),
                    "worker-0": ("C", "1", "3.3.3.3"), "worker-1": ("A", "2", "1.1.1.1"),
                    "worker-2": ("B", "2", "2.2.2.2")}
     assert plan.procs[0].label == "server 0 @ A"
+
+
+def test_a_batch_system_places_the_processes_so_nothing_per_host_is_known() -> None:
+    plan = make(spec(launcher="sge"), here=None)
+    assert all(pc.NODE_HOST not in p.env and pc.LOCAL_PROCS not in p.env for p in plan.procs)
 
 
 def test_no_scheduler_with_zero_servers() -> None:

@@ -12,13 +12,14 @@ import sys
 import pytest
 from support.helpers import REPO
 
-from launcher.backends import sge
+from launcher.backends import batch, sge
+from launcher.backends.sge import SGEOptions
 from launcher.errors import BackendUnavailableError, ConfigError
-from launcher.plan import build_plan
-from launcher.spec import JobSpec, SGEOptions
+from launcher.spec.job import JobSpec
+from launcher.spec.plan import build_plan
 
 PY = "/opt/venv/bin/python3"
-WRAPPER = "/opt/pslaunch/launcher/task.py"
+WRAPPER = [PY, "-S", "-c", "<the task wrapper>"]
 
 
 def make_spec(**kw) -> JobSpec:
@@ -28,7 +29,7 @@ def make_spec(**kw) -> JobSpec:
         workdir="/shared/job",
         environ=(("HOME", "/root"), ("PATH", "/opt/venv/bin:/usr/bin"), ("PS_VERBOSE", "1")),
         env=(("XLA_FLAGS", "--a=1 --b=2"),),
-        sge=SGEOptions(native="-l h_rt=3600", log_dir="logs"),
+        options=SGEOptions(native="-l h_rt=3600", log_dir="logs"),
     )
     base.update(kw)
     return JobSpec(**base)
@@ -36,7 +37,7 @@ def make_spec(**kw) -> JobSpec:
 
 def make_plan(spec: JobSpec):
     return build_plan(spec, root_uri="10.1.0.5", root_port=9091, secret="5" * 64, job_id="abc123",
-                      node_hosts={}, inherit_environ=False)
+                      inherit_environ=False)
 
 
 # --- native specification --------------------------------------------------------------
@@ -88,10 +89,10 @@ def test_job_templates_golden() -> None:
     assert log_dir == "/shared/job/logs"
     task_file = sge.task_file_path(log_dir, "abc123")
     assert task_file == "/shared/job/logs/.pslaunch-abc123.task.json"
-    templates = sge.build_job_templates(spec, plan.procs, python=PY, wrapper=WRAPPER, task_file=task_file,
+    templates = sge.build_job_templates(spec, plan.procs, wrapper=WRAPPER, task_file=task_file,
                                         log_dir=log_dir, job_id="abc123")
     assert [(t.role, t.count) for t in templates] == [("server", 1), ("worker", 2)]  # servers first
-    common_args = [WRAPPER, "--task-file", task_file]
+    common_args = ["-S", "-c", "<the task wrapper>", "--task-file", task_file]
     assert templates[0].attributes() == {
         "jobName": "mnist",
         "remoteCommand": PY,
@@ -120,9 +121,9 @@ def test_job_templates_golden() -> None:
 def test_templates_carry_no_secret_no_equals_and_no_dash_V() -> None:
     """The three DRMAA limits: values cut at '=', no environment without -V (and -V would
     copy everything, secrets included), everything in a template shows in qstat -j."""
-    spec = make_spec(sge=SGEOptions(native=None))
+    spec = make_spec(options=SGEOptions(native=None))
     plan = make_plan(spec)
-    for t in sge.build_job_templates(spec, plan.procs, python=PY, wrapper=WRAPPER, task_file="/x/t.json",
+    for t in sge.build_job_templates(spec, plan.procs, wrapper=WRAPPER, task_file="/x/t.json",
                                      log_dir="/x", job_id="abc123"):
         text = repr(t.attributes())
         assert "5" * 64 not in text and "PSLAUNCH_SECRET" not in text
@@ -133,15 +134,15 @@ def test_templates_carry_no_secret_no_equals_and_no_dash_V() -> None:
 
 def test_no_server_job_with_s0() -> None:
     spec = make_spec(num_servers=0)
-    templates = sge.build_job_templates(spec, make_plan(spec).procs, python=PY, wrapper=WRAPPER,
+    templates = sge.build_job_templates(spec, make_plan(spec).procs, wrapper=WRAPPER,
                                         task_file="/x/t.json", log_dir="/x", job_id="j")
     assert [t.role for t in templates] == ["worker"]
 
 
 def test_default_log_dir_is_jobname_log() -> None:
-    assert sge.log_dir_for(make_spec(sge=SGEOptions())) == "/shared/job/mnist.log"
-    assert sge.log_dir_for(make_spec(jobname=None, sge=SGEOptions())) == "/shared/job/pslaunch-python.log"
-    assert sge.log_dir_for(make_spec(sge=SGEOptions(log_dir="/abs/l"))) == "/abs/l"
+    assert sge.log_dir_for(make_spec(options=SGEOptions())) == "/shared/job/mnist.log"
+    assert sge.log_dir_for(make_spec(jobname=None, options=SGEOptions())) == "/shared/job/pslaunch-python.log"
+    assert sge.log_dir_for(make_spec(options=SGEOptions(log_dir="/abs/l"))) == "/abs/l"
 
 
 # --- the task file ---------------------------------------------------------------------------
@@ -150,8 +151,9 @@ def test_default_log_dir_is_jobname_log() -> None:
 def test_task_file() -> None:
     spec = make_spec()
     plan = make_plan(spec)
-    doc = sge.build_task_file(spec, plan.procs)
-    assert doc["version"] == 1
+    doc = batch.build_task_file(spec, plan.procs)
+    assert doc["version"] == 2 and doc["grace"] == 10.0 and "hub" not in doc
+    assert batch.build_task_file(spec, plan.procs, hub=("10.1.0.5", 9092))["hub"] == ["10.1.0.5", 9092]
     assert doc["argv"] == ["python", "train.py", "--kv-store", "dist_sync"]
     assert doc["env"] == {"PATH": "/opt/venv/bin:/usr/bin"}  # the launcher's PATH, not SGE's
     assert sorted(doc["roles"]) == ["server", "worker"]
@@ -176,7 +178,7 @@ def test_task_file_resolves_a_program_in_the_working_directory(tmp_path) -> None
     prog.write_text("#!/bin/sh\n")
     prog.chmod(0o755)
     spec = make_spec(command=("run.sh",), workdir=str(tmp_path), environ=(("PATH", "/nonexistent"),))
-    assert sge.build_task_file(spec, make_plan(spec).procs)["argv"] == ["./run.sh"]
+    assert batch.build_task_file(spec, make_plan(spec).procs)["argv"] == ["./run.sh"]
 
 
 def test_qdel_command() -> None:
@@ -293,11 +295,9 @@ def test_dry_run_needs_no_drmaa(tmp_path) -> None:
 
 
 def test_task_file_mode_is_0600(tmp_path) -> None:
-    backend = sge.SGEBackend.__new__(sge.SGEBackend)
-    backend._task_file = None
     path = tmp_path / "t.json"
     path.write_text("old")  # a stale one is replaced, never reused with its old mode
     path.chmod(0o644)
-    sge.SGEBackend._write_task_file(backend, str(path), {"version": 1})
+    batch.write_private_json(str(path), {"version": 1})
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert path.read_text() == '{"version": 1}'

@@ -9,26 +9,21 @@ import struct
 
 import pytest
 
+from launcher import node
 from launcher.backends.ssh import (
-    BOOTSTRAP,
-    HOST_ID,
-    KEEPALIVE,
-    MAGIC,
-    FrameDecoder,
     SSHBackend,
     hosts_with_processes,
-    interface_spec,
     kill_command,
     netif_command,
-    parse_prepare_dir,
-    prepare_dir_command,
     wrapper_command,
     wrapper_header,
     wrapper_payload,
-    wrapper_source,
 )
-from launcher.plan import ProcSpec, build_plan
-from launcher.spec import Host, JobSpec, Role, SSHOptions
+from launcher.node.ssh_wire import BOOTSTRAP, HOST_ID, KEEPALIVE, MAGIC, FrameDecoder
+from launcher.spec.job import Host, JobSpec, Role
+from launcher.spec.plan import ProcSpec, build_plan
+from launcher.transport.ssh import SSHOptions, Target
+from launcher.transport.sync import Syncer, parse_prepare_dir, prepare_dir_command
 
 
 def test_wrapper_command_is_the_bootstrap_and_nothing_job_specific() -> None:
@@ -38,9 +33,14 @@ def test_wrapper_command_is_the_bootstrap_and_nothing_job_specific() -> None:
     compile(BOOTSTRAP, "bootstrap", "exec")
 
 
-def test_wrapper_source_runs_on_old_pythons() -> None:
-    src = wrapper_source().decode()
-    tree = ast.parse(src)
+#: what a host's python3 runs for the ssh backend: Python 3.5 syntax
+OLD_PYTHON_MODULES = ("ssh_loader", "ssh_wrapper", "ssh_wire", "procgroup", "__init__")
+
+
+@pytest.mark.parametrize("name", OLD_PYTHON_MODULES)
+def test_what_the_ssh_wrapper_runs_is_python_35_syntax(name: str) -> None:
+    with open(node.path(name), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
     newer = (ast.JoinedStr, ast.NamedExpr, ast.AnnAssign)  # f-strings 3.6, := 3.8, annotations 3.6
     assert [type(n).__name__ for n in ast.walk(tree) if isinstance(n, newer)] == []
     assert not any(isinstance(n, ast.ImportFrom) and n.module == "__future__" for n in ast.walk(tree))
@@ -56,10 +56,15 @@ def test_wrapper_payload_layout() -> None:
     assert header == {"procs": [{"id": 4, "argv": ["python", "x.py", "a b", "$(id)"],
                                  "env": {"PSLAUNCH_SECRET": "s3cr3t", "DMLC_ROLE": "worker"}, "cwd": "/work dir"}],
                       "keepalive": 2.0, "lost_after": 8.0, "grace": 3.0}
-    payload = wrapper_payload(header, source=b"print(1)\n")
-    assert payload[:10] == b"0000000009" and payload[10:19] == b"print(1)\n"
-    kind, length = struct.unpack(">cI", payload[19:24])
-    assert kind == b"H" and json.loads(payload[24:24 + length]) == header and len(payload) == 24 + length
+    payload = wrapper_payload(header, bundle=b"ZIP")
+    with open(node.path("ssh_loader"), "rb") as f:
+        loader = f.read()
+    n = len(loader)
+    assert payload[:10] == b"%010d" % n and payload[10:10 + n] == loader  # what BOOTSTRAP runs
+    assert payload[10 + n:20 + n] == b"0000000003" and payload[20 + n:23 + n] == b"ZIP"  # what the loader imports
+    rest = payload[23 + n:]
+    kind, length = struct.unpack(">cI", rest[:5])
+    assert kind == b"H" and json.loads(rest[5:5 + length]) == header and len(rest) == 5 + length
     assert KEEPALIVE == b"k\0\0\0\0"
     # the secret travels on stdin only: the command line is the same for every host and job
     assert "s3cr3t" not in wrapper_command() and "DMLC" not in wrapper_command()
@@ -119,20 +124,20 @@ def test_hosts_with_processes_in_hostfile_order() -> None:
     assert [h.name for h in hosts_with_processes(_spec(num_workers=1, num_servers=1))] == ["A", "B"]
 
 
-def test_interface_spec_env_option_wins_over_the_environment() -> None:
-    assert interface_spec(_spec()) == ""
-    assert interface_spec(_spec(environ=(("DMLC_INTERFACE", "eth0"),))) == "eth0"
-    assert interface_spec(_spec(environ=(("DMLC_INTERFACE", "eth0"),), env=(("DMLC_INTERFACE", "10.1.0.0/16"),))) \
+def test_interface_env_option_wins_over_the_environment() -> None:
+    assert _spec().interface == ""
+    assert _spec(environ=(("DMLC_INTERFACE", "eth0"),)).interface == "eth0"
+    assert _spec(environ=(("DMLC_INTERFACE", "eth0"),), env=(("DMLC_INTERFACE", "10.1.0.0/16"),)).interface \
         == "10.1.0.0/16"
 
 
 def test_dry_run_shows_hosts_commands_and_sync(monkeypatch) -> None:
     monkeypatch.setattr("getpass.getuser", lambda: "me")
     spec = _spec(num_workers=2, num_servers=1, hosts=(Host("A"), Host("B", port=2222, user="bob")),
-                 sync_dst_dir="/tmp/job", ssh=SSHOptions(sync_exclude=(".git", "__pycache__", "*.log"),
-                                                         sync_delete=True))
+                 sync_dst_dir="/tmp/job", options=SSHOptions(sync_exclude=(".git", "__pycache__", "*.log"),
+                                                             sync_delete=True))
     plan = build_plan(spec, root_uri="10.0.0.1", root_port=9091, secret="0" * 64, job_id="x",
-                      node_hosts={Host("A"): "A", Host("B", port=2222, user="bob"): "B"}, inherit_environ=False)
+                      addresses={Host("A"): "A", Host("B", port=2222, user="bob"): "B"}, inherit_environ=False)
     lines = SSHBackend.dry_run(spec, plan)
     text = "\n".join(lines)
     assert "each process's argv, environment and directory from the channel's stdin (never a command line)" \
@@ -161,9 +166,6 @@ def test_rsync_runs_in_its_own_group_known_to_the_watchdog(tmp_path, monkeypatch
     import os
     import types
 
-    from launcher.output import Console
-    from launcher.sshconn import Target
-
     fake = tmp_path / "bin" / "rsync"
     fake.parent.mkdir()
     report = tmp_path / "ids"
@@ -171,16 +173,14 @@ def test_rsync_runs_in_its_own_group_known_to_the_watchdog(tmp_path, monkeypatch
                     'echo "Number of regular files transferred: 2"\necho "Total bytes sent: 10"\n')
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
-    spec = _spec(sync_dst_dir="/tmp/job")
-    import io
-    backend = SSHBackend(spec, Console(stdout=io.BytesIO(), stderr=io.BytesIO()), _Watchdog())
-    host = types.SimpleNamespace(label="A", session=types.SimpleNamespace(
-        target=Target(host=Host("A"), hostname="A", port=22, user="me")))
-    stats = backend._rsync(host, str(tmp_path), "/tmp/job")
+    watchdog = _Watchdog()
+    syncer = Syncer(str(tmp_path), "/tmp/job", SSHOptions(), watchdog)
+    session = types.SimpleNamespace(label="A", target=Target(host=Host("A"), hostname="A", port=22, user="me"))
+    stats = syncer._rsync(session, "/tmp/job")
     assert (stats.files, stats.bytes) == (2, 10)
     pid, pgid = (int(x) for x in report.read_text().split())
     assert pid == pgid  # a group of its own, which the watchdog can kill whole
-    assert backend.watchdog.calls == [("watch", pid), ("forget", pid)]
+    assert watchdog.calls == [("watch", pid), ("forget", pid)]
 
 
 def test_an_interrupt_during_the_sync_stops_rsync_at_once() -> None:
@@ -192,11 +192,12 @@ def test_an_interrupt_during_the_sync_stops_rsync_at_once() -> None:
     import time
     import types
 
-    from launcher.output import Console
+    from launcher.runtime.output import Console
 
     backend = SSHBackend(_spec(sync_dst_dir="/tmp/job"), Console(stdout=io.BytesIO(), stderr=io.BytesIO()), None)
     slow = subprocess.Popen(["sleep", "30"], start_new_session=True)
-    backend._rsyncs.add(slow)
+    backend.syncer = Syncer("/src", "/tmp/job", SSHOptions())
+    backend.syncer._rsyncs.add(slow)
     backend.hosts = {("me", "A", 22): types.SimpleNamespace(label="A")}
 
     class Interrupted(BaseException):

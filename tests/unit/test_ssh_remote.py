@@ -1,4 +1,5 @@
-"""The remote wrapper's wire protocol, run locally through the exact remote command (no ssh)."""
+"""The remote wrapper's wire protocol, run locally through the exact remote command (no ssh):
+the bootstrap, the loader and the node bundle imported from memory, then the frames."""
 
 from __future__ import annotations
 
@@ -13,24 +14,19 @@ import time
 import pytest
 from support.helpers import pid_alive, wait_for
 
-from launcher.backends.ssh import (
-    HOST_ID,
-    KEEPALIVE,
-    FrameDecoder,
-    wrapper_command,
-    wrapper_header,
-    wrapper_payload,
-)
-from launcher.plan import ProcSpec
-from launcher.spec import Role
+from launcher.backends.ssh import wrapper_command, wrapper_header, wrapper_payload
+from launcher.node.ssh_wire import HOST_ID, KEEPALIVE, FrameDecoder
+from launcher.spec.job import Role
+from launcher.spec.plan import ProcSpec
 
 
 class Wrapped:
     """One host's wrapper started as sshd would: ``$SHELL -c COMMAND`` with pipes for stdin/stdout/stderr."""
 
     def __init__(self, *argvs: list[str], env: dict | None = None, cwd: str | None = None,
-                 keepalive: float = 5.0, grace: float = 1.0, lost_after: float | None = None) -> None:
-        self.p = subprocess.Popen(["sh", "-c", wrapper_command(sys.executable)], stdin=subprocess.PIPE,
+                 keepalive: float = 5.0, grace: float = 1.0, lost_after: float | None = None,
+                 python: str = sys.executable) -> None:
+        self.p = subprocess.Popen(["sh", "-c", wrapper_command(python)], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         procs = [(i, ProcSpec(Role.WORKER, i, i, None, tuple(argv), env or {})) for i, argv in enumerate(argvs)]
         header = wrapper_header(procs, cwd, keepalive, grace)
@@ -100,6 +96,23 @@ def test_runs_the_process_and_reports_pid_output_and_exit_code(tmp_path) -> None
         assert w.output(b"e") == b"err\n"
         w.p.stdin.close()  # type: ignore[union-attr]
         assert w.p.wait(timeout=10) == 0
+    finally:
+        w.close()
+
+
+#: an old Python, as a host may have; pyenv's builds where the machine has them
+OLD_PYTHON = next((p for p in ("/root/.pyenv/versions/3.6.15/bin/python3.6", "/usr/bin/python3.6")
+                   if os.access(p, os.X_OK)), None)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(OLD_PYTHON is None, reason="no Python 3.6 on this machine")
+def test_the_wrapper_runs_on_an_old_python() -> None:
+    """The bootstrap, the loader and the bundle's modules it imports run on a host's python3.6."""
+    w = Wrapped(py("import sys; print(sys.argv[1]); sys.exit(4)") + ["ok"], python=str(OLD_PYTHON))
+    try:
+        assert json.loads(w.read_until(b"x")) == {"code": 4}
+        assert w.output(b"o") == b"ok\n"
     finally:
         w.close()
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import paramiko
 import pytest
 
-from launcher.spec import Host, SSHOptions
-from launcher.sshconn import (
+from launcher.spec.job import Host
+from launcher.transport.ssh import (
     HostKeyError,
+    SSHOptions,
     Target,
     _load_known,
     check_host_key,
@@ -50,6 +51,7 @@ def test_config_patterns_hostname_user_port_keys(config, tmp_path) -> None:
 
 
 def test_hostfile_line_beats_options_beat_config(config, tmp_path) -> None:
+    (tmp_path / "explicit").write_text("a key file")  # (the options refuse a key that does not exist)
     opts = SSHOptions(user="opt", port=2300, key=str(tmp_path / "explicit"))
     t = resolve_target(Host("gpu-1"), opts, config, local_user="me", home=str(tmp_path))
     assert (t.hostname, t.user, t.port) == ("gpu-1", "opt", 2300)
@@ -137,7 +139,7 @@ def test_host_key_alias_is_looked_up_as_openssh_writes_it(keys, tmp_path) -> Non
 @pytest.mark.parametrize("line", ["ProxyJump bastion", "ProxyCommand ssh -W %h:%p bastion"])
 def test_a_proxy_in_the_config_is_refused_not_bypassed(line, tmp_path) -> None:
     """Connecting straight to the host would bypass the jump host the user configured."""
-    from launcher.sshconn import SSHConnectError
+    from launcher.transport.ssh import SSHConnectError
 
     config = paramiko.SSHConfig.from_text(f"Host gpu-*\n    {line}\nHost *\n    ProxyCommand none\n")
     with pytest.raises(SSHConnectError) as e:

@@ -8,9 +8,9 @@ import subprocess
 
 import pytest
 
-from launcher.spec import Host
-from launcher.sshconn import Target
-from launcher.sync import (
+from launcher.spec.job import Host
+from launcher.transport.ssh import Target
+from launcher.transport.sync import (
     is_excluded,
     local_tree,
     parse_rsync_stats,

@@ -7,7 +7,7 @@ import sys
 
 from support.helpers import assert_no_orphans, pid_alive
 
-from launcher.process import Watchdog
+from launcher.node.watchdog import Client as Watchdog
 
 
 def sleeper() -> subprocess.Popen:
@@ -23,9 +23,10 @@ def test_eof_without_done_kills_groups_and_runs_commands(tmp_path) -> None:
     wd.on_abandon(["touch", str(marker)])
     wd._proc.stdin.close()  # what a SIGKILLed launcher leaves behind
     wd._proc.wait(timeout=10)
-    a.wait(timeout=5)
-    b.wait(timeout=5)
+    # checked before anything reaps them (a reaped pid is gone whoever stopped it): dead means a
+    # zombie here, and only the watchdog can have killed them
     assert_no_orphans([a.pid, b.pid], timeout=5)
+    assert a.wait(timeout=5) == -15 and b.wait(timeout=5) == -15  # SIGTERM did it, within the grace
     assert marker.exists()
 
 

@@ -1,7 +1,8 @@
-"""The yarn backend, verified at the level of specs and commands (no Hadoop can be installed here):
-golden application specs, validation errors, status parsing on documented examples, the
-missing-dependency errors, the container-side wrapper zip, and the submit/follow/kill logic
-against a stand-in skein client (synthetic)."""
+"""The yarn backend's pure side and its logic: golden application specs, validation errors, status
+parsing on documented examples, the missing-dependency errors, the container-side node bundle,
+and the submit/follow/kill logic against a stand-in skein client (synthetic, its signatures
+checked against skein's own). The real skein client, driver and application master run in
+tests/integration/test_yarn_testbed.py."""
 
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ import zipfile
 import pytest
 from support.helpers import REPO
 
+from launcher import node
 from launcher.backends import yarn
+from launcher.backends.yarn import YarnOptions
 from launcher.errors import BackendUnavailableError, ConfigError, LaunchError
-from launcher.output import Console
-from launcher.plan import build_plan
-from launcher.spec import JobSpec
+from launcher.runtime.output import Console
+from launcher.spec.job import JobSpec
+from launcher.spec.plan import build_plan
 
 pytestmark = pytest.mark.yarn
 
@@ -33,14 +36,17 @@ def make_spec(tmp_path, **kw) -> JobSpec:
     base = dict(command=("python", "train.py", "--data", "data.csv", "--lr", "0.1"), num_workers=2, num_servers=1,
                 launcher="yarn", queue="ml", jobname="mnist", worker_cores=2, worker_memory_mb=4096,
                 server_memory_mb=2048, workdir=str(tmp_path), environ=ENVIRON,
-                env=(("GREETING", 'say "hi" to $USER'),), files=("conf.json",), archives=("env.tar.gz",))
+                env=(("GREETING", 'say "hi" to $USER'),), options=YarnOptions(("conf.json",), ("env.tar.gz",)))
+    files, archives = kw.pop("files", None), kw.pop("archives", None)
+    if files is not None or archives is not None:
+        base["options"] = YarnOptions(files or (), archives or ())
     base.update(kw)
     return JobSpec(**base)
 
 
-def make_procs(spec: JobSpec):
-    return build_plan(spec, root_uri="10.1.0.5", root_port=9091, secret="5" * 64, job_id="abc123",
-                      node_hosts={}, inherit_environ=False).procs
+def make_procs(spec: JobSpec, root_uri: str = "10.1.0.5"):
+    return build_plan(spec, root_uri=root_uri, root_port=9091, secret="5" * 64, job_id="abc123",
+                      inherit_environ=False).procs
 
 
 @pytest.fixture
@@ -92,7 +98,7 @@ def test_app_spec_golden(job_dir) -> None:
         },
     }
     # the secret and the value bash would mangle travel in the 0600 task file instead
-    assert yp.task_file == {"version": 1, "env": {}, "roles": {
+    assert yp.task_file == {"version": 2, "env": {}, "grace": 10.0, "argv": list(spec.command), "roles": {
         "server": {"first_task_id": 2, "count": 1,
                    "env": {"GREETING": 'say "hi" to $USER', "PSLAUNCH_SECRET": "5" * 64}},
         "worker": {"first_task_id": 0, "count": 2,
@@ -353,14 +359,15 @@ def test_dry_run_needs_no_skein(tmp_path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_wrapper_zip_runs_in_a_bare_container_directory(tmp_path) -> None:
-    data = yarn.wrapper_zip_bytes()
-    assert data == yarn.wrapper_zip_bytes()  # deterministic
+def test_the_node_bundle_runs_in_a_bare_container_directory(tmp_path) -> None:
+    data = node.bundle("task")
+    assert data == node.bundle("task")  # deterministic
     names = zipfile.ZipFile(io.BytesIO(data)).namelist()
-    assert names == ["__main__.py", "launcher/__init__.py", "launcher/envvars.py", "launcher/netif.py",
-                     "launcher/task.py"]
+    assert names[0] == "__main__.py" and "launcher/node/task.py" in names and "pscontract/netif.py" in names
+    assert all(n == "__main__.py" or n.startswith(("launcher/node/", "pscontract/")) or n == "launcher/__init__.py"
+               for n in names)  # nothing else of the launcher
     (tmp_path / yarn.WRAPPER_ZIP).write_bytes(data)
-    (tmp_path / yarn.TASK_FILE).write_text(json.dumps({"version": 1, "env": {}, "roles": {
+    (tmp_path / yarn.TASK_FILE).write_text(json.dumps({"version": 2, "env": {}, "roles": {
         "worker": {"first_task_id": 0, "count": 2, "env": {"PSLAUNCH_SECRET": "s3", "Q": "$x"}}}}))
     # what YARN gives a container (synthetic values): skein's id, the service env from the spec
     env = {"PATH": os.environ["PATH"], "SKEIN_CONTAINER_ID": "worker_1", "DMLC_ROLE": "worker",
@@ -451,7 +458,7 @@ def _backend(tmp_path, fake, **kw):
     backend = yarn.YarnBackend(spec, console, FakeWatchdog())
     backend._skein = fake
     backend.prepare()
-    return backend, make_procs(spec)
+    return backend, make_procs(spec, root_uri="127.0.0.1")  # (the hub listens there: loopback only)
 
 
 def _wait(cond, timeout: float = 5.0) -> None:
@@ -463,7 +470,7 @@ def _wait(cond, timeout: float = 5.0) -> None:
 
 @pytest.fixture
 def fast_poll(monkeypatch):
-    monkeypatch.setattr(yarn, "POLL", 0.02)
+    monkeypatch.setattr(yarn.YarnBackend, "poll_every", 0.02)
 
 
 @pytest.mark.timeout(30)
@@ -472,9 +479,9 @@ def test_lifecycle_failure_kills_the_application(tmp_path, fast_poll) -> None:
     backend, procs = _backend(tmp_path, fake)
     fake.app_state = "RUNNING"
     fake.containers = {("server", 0): ("RUNNING", ""), ("worker", 0): ("RUNNING", ""), ("worker", 1): ("RUNNING", "")}
-    handles = backend.start(procs)
+    handles = backend.start(procs).handles
     assert [h.name for h in handles] == [p.name for p in procs]
-    assert backend.watchdog.commands == [["yarn", "application", "-kill", "application_1_0001"]]
+    assert backend.watchdog.commands[-1] == ["yarn", "application", "-kill", "application_1_0001"]
     assert fake.submitted["services"]["worker"]["instances"] == 2
     task_file = fake.submitted["services"]["worker"]["files"]["pslaunch-task.json"]["source"]
     assert os.stat(task_file).st_mode & 0o777 == 0o600 and "PSLAUNCH_SECRET" in open(task_file).read()
@@ -506,7 +513,7 @@ def test_watchdog_gets_the_full_path_of_yarn(tmp_path, fast_poll, monkeypatch) -
     fake.app_state = "RUNNING"
     fake.containers = {("server", 0): ("RUNNING", ""), ("worker", 0): ("RUNNING", ""), ("worker", 1): ("RUNNING", "")}
     backend.start(procs)
-    assert backend.watchdog.commands == [[str(yarn_bin), "application", "-kill", "application_1_0001"]]
+    assert backend.watchdog.commands[-1] == [str(yarn_bin), "application", "-kill", "application_1_0001"]
     backend.close()
 
 
@@ -516,7 +523,7 @@ def test_success_needs_no_kill(tmp_path, fast_poll) -> None:
     backend, procs = _backend(tmp_path, fake)
     fake.app_state = "RUNNING"
     fake.containers = {("server", 0): ("RUNNING", ""), ("worker", 0): ("SUCCEEDED", ""), ("worker", 1): ("RUNNING", "")}
-    handles = backend.start(procs)
+    handles = backend.start(procs).handles
     fake.containers[("worker", 1)] = ("SUCCEEDED", "")
     fake.containers[("server", 0)] = ("SUCCEEDED", "")
     _wait(lambda: all(h.poll() is not None for h in handles))   # the supervisor waits for this
@@ -540,8 +547,24 @@ def test_containers_not_running_after_start_timeout(tmp_path, fast_poll) -> None
     assert "kill application_1_0001" in fake.calls
 
 
-def test_check_reports_missing_dependencies(monkeypatch) -> None:
+def test_check_reports_missing_dependencies(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(yarn.importlib.util, "find_spec", lambda name: None)
-    backend = yarn.YarnBackend.__new__(yarn.YarnBackend)
+    spec = JobSpec(command=("x",), num_workers=1, num_servers=0, launcher="yarn", workdir=str(tmp_path))
+    backend = yarn.YarnBackend(spec, Console(stdout=io.BytesIO(), stderr=io.BytesIO()), None)
     with pytest.raises(BackendUnavailableError, match=r"needs skein: pip install 'pslaunch\[yarn\]'"):
         backend.check()
+
+
+def test_the_stand_in_has_skeins_real_signatures() -> None:
+    """The stand-in is only worth its tests while it takes what skein's client takes."""
+    skein = pytest.importorskip("skein")
+    import inspect
+
+    fake = FakeSkein()
+    for name in ("submit", "application_report", "connect", "kill_application", "close"):
+        real = inspect.signature(getattr(skein.Client, name))
+        ours = inspect.signature(getattr(fake.Client, name))
+        assert list(ours.parameters)[:len(ours.parameters)] == list(real.parameters)[:len(ours.parameters)], name
+    assert "log" in inspect.signature(skein.Client).parameters
+    assert "states" in inspect.signature(skein.ApplicationClient.get_containers).parameters
+    assert "wait" in inspect.signature(skein.Client.connect).parameters

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import zmq
 
-from launcher import envvars as E
-from launcher.envvars import ClusterEnv
+import pscontract as pc
+from pscontract import ClusterEnv
 
 from . import protocol as P
 from .errors import KVAbortError, KVAuthError, KVConfigError, KVStoreError, KVTimeoutError
@@ -238,10 +238,10 @@ class KVClient:
 
     def __init__(self, env: ClusterEnv, secret: bytes, asynchronous: bool = False) -> None:
         if env.num_servers < 1:
-            raise KVConfigError(f"a dist kvstore needs at least one server ({E.NUM_SERVER}=0): "
+            raise KVConfigError(f"a dist kvstore needs at least one server ({pc.NUM_SERVER}=0): "
                                 "start the job with -s 1 or more")
         if env.num_workers < 1:
-            raise KVConfigError(f"{E.NUM_WORKER} must be at least 1")
+            raise KVConfigError(f"{pc.NUM_WORKER} must be at least 1")
         self.env = env
         self.secret = secret
         self.asynchronous = asynchronous
@@ -280,7 +280,7 @@ class KVClient:
             if left <= 0:
                 raise KVTimeoutError(f"no address book from the scheduler at {env.root_uri}:"
                                      f"{env.root_port} within {env.start_timeout:g} s "
-                                     f"({E.START_TIMEOUT}): is it running and reachable?")
+                                     f"({pc.START_TIMEOUT}): is it running and reachable?")
             if self._pipe.poll(min(left, 0.5) * 1000):
                 kind, data = self._pipe.recv_multipart()
                 if kind == b"abort":

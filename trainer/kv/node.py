@@ -8,8 +8,8 @@ import time
 
 import zmq
 
-from launcher import envvars as E
-from launcher.envvars import ClusterEnv
+import pscontract as pc
+from pscontract import ClusterEnv
 
 from . import protocol as P
 from .transport import Link, Verbose, scheduler_address
@@ -78,7 +78,7 @@ class SchedulerSession:
                 self.next_heartbeat = now + env.heartbeat_interval
             if env.heartbeat_timeout > 0 and now - self.last_rx > env.heartbeat_timeout:
                 return (f"{self.name} has not answered for {env.heartbeat_timeout:g} s "
-                        f"({E.HEARTBEAT_TIMEOUT}): it hangs, or its host is unreachable")
+                        f"({pc.HEARTBEAT_TIMEOUT}): it hangs, or its host is unreachable")
         return None
 
     def next_due(self, now: float) -> float:

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from launcher.envvars import ClusterEnv, ClusterEnvError
+from pscontract import ClusterEnv, ClusterEnvError
 
 from .errors import KVStoreError
 from .transport import check_dist_env, setup_logging

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from launcher import envvars as E
-from launcher.envvars import ClusterEnv
+import pscontract as pc
+from pscontract import ClusterEnv
 
 from . import protocol as P
 from .errors import KVAbortError
@@ -141,7 +141,7 @@ class Scheduler:
             self.hub.drops.drop("malformed", peer.label)
             return
         if self.ready or sum(1 for n in self.nodes.values() if n.role == role) >= self.expected[role]:
-            count_var = E.NUM_WORKER if role == "worker" else E.NUM_SERVER
+            count_var = pc.NUM_WORKER if role == "worker" else pc.NUM_SERVER
             reason = (f"one {role} more than {count_var}={self.expected[role]} "
                       f"registered (pid {info.get('pid')} on {info.get('host')}): "
                       "a process of another run, or a wrong count")
@@ -154,7 +154,7 @@ class Scheduler:
                         pid=int(info.get("pid") or 0), order=len(self.nodes))
         for other in self.nodes.values():
             if node.task_id is not None and other.task_id == node.task_id:
-                self.abort(f"{node.name} and {other.name} both have {E.TASK_ID}={node.task_id}: "
+                self.abort(f"{node.name} and {other.name} both have {pc.TASK_ID}={node.task_id}: "
                            "every process of the job needs its own task id")
         self.nodes[peer.rid] = node
         peer.label = node.name
@@ -240,7 +240,7 @@ class Scheduler:
     def _check_timers(self, now: float) -> None:
         env = self.env
         if not self.ready and now - self.started > env.start_timeout:
-            self.abort(f"timed out after {env.start_timeout:g} s ({E.START_TIMEOUT}) waiting for "
+            self.abort(f"timed out after {env.start_timeout:g} s ({pc.START_TIMEOUT}) waiting for "
                        f"{self._missing()} to register with the scheduler at "
                        f"{self.host}:{env.root_port}: check that they started and can reach it")
         timeout = env.heartbeat_timeout
@@ -248,7 +248,7 @@ class Scheduler:
             for n in self.nodes.values():
                 if not n.finalized and now - n.last_seen > timeout:
                     self.abort(f"{n.name} sent no heartbeat for {timeout:g} s "
-                               f"({E.HEARTBEAT_TIMEOUT}): it hangs, or its host is unreachable")
+                               f"({pc.HEARTBEAT_TIMEOUT}): it hangs, or its host is unreachable")
 
     # --- main loop ----------------------------------------------------------------------
     def run(self) -> None:

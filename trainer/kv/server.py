@@ -35,8 +35,8 @@ from typing import Any, Callable
 import numpy as np
 import zmq
 
-from launcher import envvars as E
-from launcher.envvars import ClusterEnv
+import pscontract as pc
+from pscontract import ClusterEnv
 
 from . import protocol as P
 from .errors import KVAbortError, KVTimeoutError
@@ -416,7 +416,7 @@ class Server:
                         raise KVAbortError(reason)
                     if self.rank < 0 and now - started > env.start_timeout + 5:
                         raise KVTimeoutError(f"{self.sched.name} sent no address book within "
-                                             f"{env.start_timeout:g} s ({E.START_TIMEOUT})")
+                                             f"{env.start_timeout:g} s ({pc.START_TIMEOUT})")
                     next_tick = self.sched.next_due(now)
         except KVAbortError:
             self._report_drops()

@@ -29,9 +29,8 @@ from typing import Any
 
 import zmq
 
-from launcher import envvars as E
-from launcher import netif
-from launcher.envvars import ClusterEnv
+import pscontract as pc
+from pscontract import ClusterEnv, netif
 
 from . import protocol as P
 from .errors import KVAuthError, KVConfigError, KVTimeoutError
@@ -92,17 +91,10 @@ def setup_logging(verbose: int, *, force: bool = False) -> None:
 
 
 def node_address(env: ClusterEnv) -> str:
-    """The IPv4 address this node binds and advertises, in ps-lite's order.
-
-    ``DMLC_NODE_HOST`` when set, else the address of ``DMLC_INTERFACE`` (name,
-    prefix or CIDR), else the local address that routes to the scheduler.
-    """
+    """The IPv4 address this node binds and advertises, in ps-lite's order
+    (:func:`pscontract.netif.node_address`: the rule every node of a job follows)."""
     try:
-        if env.node_host:
-            return netif.resolve_ipv4(env.node_host)
-        if env.interface:
-            return netif.interface_address(env.interface)
-        return netif.route_source(netif.resolve_ipv4(env.root_uri))
+        return netif.node_address(env.interface, env.root_uri, env.node_host)
     except netif.NetifError as e:
         raise KVConfigError(f"cannot work out this node's address: {e}") from None
 
@@ -112,7 +104,7 @@ def scheduler_address(env: ClusterEnv) -> str:
     try:
         return netif.resolve_ipv4(env.root_uri)
     except netif.NetifError as e:
-        raise KVConfigError(f"{E.ROOT_URI}: {e}") from None
+        raise KVConfigError(f"{pc.ROOT_URI}: {e}") from None
 
 
 def bind(sock: zmq.Socket, host: str, port: int = 0,
@@ -134,7 +126,7 @@ def bind(sock: zmq.Socket, host: str, port: int = 0,
                 except zmq.ZMQError as e:
                     if e.errno != errno.EADDRINUSE:
                         raise
-            raise KVConfigError(f"no free port in {E.PORT_RANGE}={lo}-{hi} on {host} for {what}; "
+            raise KVConfigError(f"no free port in {pc.PORT_RANGE}={lo}-{hi} on {host} for {what}; "
                                 "widen the range")
         attempt("*")
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -143,8 +135,8 @@ def bind(sock: zmq.Socket, host: str, port: int = 0,
         shown = port or "an ephemeral port"
         hint = ("another process holds the port: pick another one"
                 if e.errno == errno.EADDRINUSE else
-                f"the address must belong to this host (check {E.NODE_HOST}, {E.INTERFACE} "
-                f"and {E.ROOT_URI})")
+                f"the address must belong to this host (check {pc.NODE_HOST}, {pc.INTERFACE} "
+                f"and {pc.ROOT_URI})")
         raise KVConfigError(f"cannot bind {what} to {host}:{shown}: {e.strerror}; {hint}") from None
 
 
@@ -227,11 +219,11 @@ class Link:
                     self.session = session
                     return
             except P.AuthError as e:
-                what = (f"does not know our {E.SECRET}" if e.reason == "bad-proof"
-                        else f"rejected our {E.SECRET}")
+                what = (f"does not know our {pc.SECRET}" if e.reason == "bad-proof"
+                        else f"rejected our {pc.SECRET}")
                 raise KVAuthError(f"cannot authenticate with {self.name}: it {what}; every "
                                   "process of a job needs the secret its launcher made (is "
-                                  f"this the right job, {E.ROOT_URI}/PORT?)") from None
+                                  f"this the right job, {pc.ROOT_URI}/PORT?)") from None
             except P.ProtocolError as e:
                 self.drops.drop(e.reason, self.name)
 
@@ -451,7 +443,7 @@ def check_dist_env(env: ClusterEnv) -> bytes:
         return P.secret_key(env.secret)
     if env.insecure:
         logger.warning("%s is set: the parameter-server traffic is not "
-                       "authenticated; use this only on a trusted host", E.INSECURE)
+                       "authenticated; use this only on a trusted host", pc.INSECURE)
         return b""
-    raise KVConfigError(f"{E.SECRET} is not set: start the job with pslaunch, or set "
-                        f"{E.INSECURE}=1 (or pass --insecure) for a manual run on a trusted host")
+    raise KVConfigError(f"{pc.SECRET} is not set: start the job with pslaunch, or set "
+                        f"{pc.INSECURE}=1 (or pass --insecure) for a manual run on a trusted host")

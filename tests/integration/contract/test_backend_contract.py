@@ -76,7 +76,7 @@ def test_env_contract_per_role(cluster: Cluster, monkeypatch) -> None:
     monkeypatch.setenv("PS_VERBOSE", "1")          # forwarded to every node on every backend
     monkeypatch.setenv("DMLC_NODE_HOST", "1.2.3.4")  # the launcher's own value wins
     r = cluster.run("-n", "3", "-s", "2", "--env", "FOO=bar baz", "--env-server", "OMP_NUM_THREADS:3",
-                    "--env-worker", "WHO=worker", "--kill-grace", "1", *cluster.probe("--listen"))
+                    "--env-worker", "WHO=worker", "--kill-grace", "1", *cluster.probe("--listen", "--child"))
     assert r.returncode == 0, r.stderr
     probes = read_probes(cluster.out)
     assert sorted(probes) == ["scheduler", "server-0", "server-1", "worker-0", "worker-1", "worker-2"]
@@ -104,7 +104,7 @@ def test_env_contract_per_role(cluster: Cluster, monkeypatch) -> None:
         cluster.check_record(name, rec)
     assert "all 6 processes exited 0" in r.stderr
     assert "PSLAUNCH_SECRET=" not in r.stderr and sched["PSLAUNCH_SECRET"] not in r.stderr + r.stdout
-    assert_nothing_left(cluster)
+    assert_nothing_left(cluster)  # the grandchildren (--child) too: they go with their process
 
 
 # --- failures -------------------------------------------------------------------------------------------
@@ -193,9 +193,10 @@ def test_a_second_ctrl_c_kills_at_once(cluster: Cluster) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_kill_9_of_the_launcher_leaves_nothing(cluster: Cluster) -> None:
+@pytest.mark.parametrize("behaviour", ["--child", "--ignore-term"], ids=["grandchildren", "ignoring-SIGTERM"])
+def test_kill_9_of_the_launcher_leaves_nothing(cluster: Cluster, behaviour: str) -> None:
     p, _ = running_job(cluster, "-n", "2", "-s", "1", "--kill-grace", "1",
-                       *cluster.probe("--listen", "--sleep", "60", "--child"), count=4)
+                       *cluster.probe("--listen", "--sleep", "60", behaviour), count=4)
     p.kill()
     p.communicate()
     took = assert_nothing_left(cluster, timeout=30)

@@ -11,7 +11,8 @@
 
 This file depends on the standard library only and runs on its own
 (``python3 netif.py SPEC`` prints JSON), so the ssh backend can send it to a
-host where nothing is installed and resolve the interface there.
+host where nothing is installed and resolve the interface there; ``pslaunch
+doctor`` embeds it in its remote checks.
 """
 
 from __future__ import annotations
@@ -149,12 +150,16 @@ def resolve_ipv4(host: str) -> str:
     return infos[0][4][0]
 
 
-def node_address(interface: str | None, scheduler: str | None) -> str:
-    """A node's bind address, worked out on the node (the ps-lite order).
+def node_address(interface: str | None, scheduler: str | None, given: str | None = None) -> str:
+    """A node's bind address (``DMLC_NODE_HOST``), worked out on the node, in ps-lite's order.
 
-    Its IPv4 address on ``interface`` (name, prefix or CIDR) when given, else
-    the local address that routes to ``scheduler`` (a name or an address).
+    ``given`` (the launcher's value, when it knew the address) as an IPv4 address; else the
+    node's IPv4 address on ``interface`` (``DMLC_INTERFACE``: a name, prefix or CIDR); else the
+    local address that routes to ``scheduler`` (``DMLC_PS_ROOT_URI``, a name or an address).
+    The one rule for the node wrappers and for every process of the KVStore.
     """
+    if given and given.strip():
+        return resolve_ipv4(given.strip())
     if interface and interface.strip():
         return interface_address(interface)
     if not scheduler or not scheduler.strip():

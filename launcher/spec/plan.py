@@ -6,7 +6,8 @@ a server when ``i < S`` and a worker otherwise, on ``hosts[i % len(hosts)]``
 takes at most K processes; full lines are skipped. ``DMLC_TASK_ID`` is dmlc
 local's numbering on every backend: workers ``0..N-1``, servers ``N..N+S-1``.
 
-:func:`build_plan` adds each process's environment (:mod:`launcher.envvars`).
+:func:`build_plan` adds each process's environment (:func:`pscontract.contract` under the
+launcher's policy, :mod:`.env`).
 Nothing here touches the network or the file system.
 """
 
@@ -16,9 +17,11 @@ import collections
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
-from . import envvars
-from .errors import ConfigError
-from .spec import Host, JobSpec, Role
+import pscontract as pc
+
+from ..errors import ConfigError
+from . import env as jobenv
+from .job import Host, JobSpec, Role
 
 
 @dataclass(frozen=True)
@@ -117,50 +120,54 @@ def build_plan(
     root_port: int,
     secret: str,
     job_id: str,
-    node_hosts: Mapping[Optional[Host], Optional[str]],
+    addresses: Mapping[Host, str] = {},
+    here: Optional[str] = None,
     inherit_environ: bool,
     scheduler_inherits: bool = True,
 ) -> Plan:
     """Every process with its full job environment.
 
     Args:
-        node_hosts: ``DMLC_NODE_HOST`` per host (``None`` key = this machine);
-            a ``None`` value means the backend's wrapper works it out on the node.
-        inherit_environ: local backend: processes also get the launcher's whole
-            environment (lowest precedence), as dmlc local does. The scheduler
-            runs here and inherits it unless ``scheduler_inherits`` is false
-            (dry runs show only the job's own variables).
+        addresses: ``DMLC_NODE_HOST`` of the hosts whose address the launcher knows before
+            the start (ssh); the node agent of any other host works it out there.
+        here: when the job's processes all run on this machine, their ``DMLC_NODE_HOST``
+            (the scheduler's address); None when the batch system decides where they run
+            (then ``PSLAUNCH_LOCAL_PROCS`` is not known either).
+        inherit_environ: processes also get the launcher's whole environment (lowest
+            precedence), as dmlc local does. The scheduler runs here and inherits it unless
+            ``scheduler_inherits`` is false (dry runs show only the job's own variables).
     """
     environ = spec.environ_dict()
-    forwarded = envvars.forwarded(environ, extra_names=())
+    forwarded = jobenv.forwarded(environ, extra_names=())
     cli_env = _pairs(spec.env)
     if spec.p3:
-        cli_env = {envvars.PS_VAN_TYPE: "p3", envvars.PS_WATER_MARK: "10", **cli_env}
+        cli_env = {pc.PS_VAN_TYPE: "p3", pc.PS_WATER_MARK: "10", **cli_env}
     common = dict(root_uri=root_uri, root_port=root_port, num_workers=spec.num_workers,
                   num_servers=spec.num_servers, secret=secret, start_timeout=spec.start_timeout,
                   job_id=job_id)
     overridden: set[str] = set()
 
     def env_for(contract: dict[str, str], role_env: Mapping[str, str], inherit: bool) -> dict[str, str]:
-        composed = envvars.compose(contract, role_env=role_env, cli_env=cli_env,
+        composed = jobenv.compose(contract, role_env=role_env, cli_env=cli_env,
                                    forwarded_env=forwarded, inherited=environ if inherit else None)
         overridden.update(composed.overridden)
-        return envvars.launcher_defaults(composed.env)
+        return jobenv.launcher_defaults(composed.env)
 
     slots = place(spec.num_workers, spec.num_servers, spec.hosts)
     per_host = collections.Counter(s.host.name if s.host else None for s in slots)
     procs = []
     for s in slots:
-        contract = envvars.contract(
+        placed = s.host is not None or here is not None
+        contract = pc.contract(
             str(s.role), task_id=s.task_id, cluster=spec.launcher,
-            node_host=node_hosts.get(s.host), local_procs=per_host[s.host.name if s.host else None],
-            **common)
+            node_host=addresses.get(s.host) if s.host is not None else here,
+            local_procs=per_host[s.host.name if s.host else None] if placed else None, **common)
         role_env = _pairs(spec.env_server if s.role is Role.SERVER else spec.env_worker)
         procs.append(ProcSpec(s.role, s.rank, s.task_id, s.host, spec.command,
                               env_for(contract, role_env, inherit_environ)))
     scheduler = None
     if spec.has_scheduler:
-        contract = envvars.contract("scheduler", **common)
+        contract = pc.contract("scheduler", **common)
         scheduler = ProcSpec(Role.SCHEDULER, 0, None, None, spec.command, env_for(contract, {}, scheduler_inherits))
     return Plan(spec=spec, root_uri=root_uri, root_port=root_port, job_id=job_id, scheduler=scheduler,
                 procs=tuple(procs), overridden=tuple(sorted(overridden)))

@@ -1,20 +1,21 @@
-"""Frozen descriptions of a job: :class:`Host`, :class:`JobSpec` and backend options.
+"""Frozen descriptions of a job: :class:`Host` and :class:`JobSpec`.
 
-``cli.py`` builds exactly one :class:`JobSpec` from options and YAML; nothing
-after that mutates it. Every field is validated here, with messages that name
-the option and the fix, so a backend never sees an impossible value.
+The CLI builds exactly one :class:`JobSpec` from options and YAML; nothing after that mutates
+it. Every field is validated here, with messages that name the option and the fix, so a
+backend never sees an impossible value. A backend's own options are its own frozen record
+(``JobSpec.options``), validated by that backend's class.
 """
 
 from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
-from .errors import ConfigError
+import pscontract as pc
 
-BACKENDS = ("local", "ssh", "mpi", "sge", "yarn")
+from ..errors import ConfigError
 
 
 class Role(str, enum.Enum):
@@ -52,42 +53,6 @@ class Host:
 
 
 @dataclass(frozen=True)
-class SSHOptions:
-    """``--ssh-*`` and ``--sync-*`` options (used by the ssh backend)."""
-
-    user: Optional[str] = None
-    port: Optional[int] = None
-    key: Optional[str] = None
-    connect_timeout: float = 10.0
-    accept_new_host_keys: bool = False
-    known_hosts: Optional[str] = None
-    sync_exclude: tuple[str, ...] = (".git", "__pycache__")
-    sync_delete: bool = False
-    keepalive: float = 5.0
-
-
-@dataclass(frozen=True)
-class MPIOptions:
-    """``--mpirun`` and friends (used by the mpi backend)."""
-
-    mpirun: str = "mpirun"
-    extra_args: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class SGEOptions:
-    """``--sge-*`` options (used by the sge backend).
-
-    ``pe`` is the parallel environment that ``--worker-cores``/``--server-cores``
-    above 1 request (``-pe PE N``).
-    """
-
-    native: Optional[str] = None
-    log_dir: Optional[str] = None
-    pe: str = "smp"
-
-
-@dataclass(frozen=True)
 class JobSpec:
     """Everything the launcher needs to run one job. Frozen and validated.
 
@@ -121,8 +86,6 @@ class JobSpec:
     worker_memory_mb: Optional[int] = None
     server_cores: int = 1
     server_memory_mb: Optional[int] = None
-    files: tuple[str, ...] = ()
-    archives: tuple[str, ...] = ()
     dry_run: bool = False
     log_dir: Optional[str] = None
     summary_json: Optional[str] = None
@@ -132,9 +95,8 @@ class JobSpec:
     timeout: Optional[float] = None
     workdir: Optional[str] = None
     p3: bool = False
-    ssh: SSHOptions = field(default_factory=SSHOptions)
-    mpi: MPIOptions = field(default_factory=MPIOptions)
-    sge: SGEOptions = field(default_factory=SGEOptions)
+    #: the backend's own options (its ``Options`` record; None: the backend's defaults)
+    options: Any = None
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -144,10 +106,8 @@ class JobSpec:
             raise ConfigError(f"-n/--num-workers must be at least 1, got {self.num_workers}")
         if self.num_servers < 0:
             raise ConfigError(f"-s/--num-servers must be 0 or more, got {self.num_servers}")
-        if self.launcher not in BACKENDS:
-            raise ConfigError(f"unknown launcher {self.launcher!r}: choose one of {', '.join(BACKENDS)}")
-        if self.launcher == "ssh" and not self.hosts:
-            raise ConfigError("--launcher ssh needs hosts: give -H/--hostfile FILE with one host per line")
+        if not self.launcher:
+            raise ConfigError("no launcher given: choose one with --launcher")
         lo, hi = self.port_range
         if not 1 <= lo <= hi <= 65535:
             raise ConfigError(f"--port-range {lo}-{hi}: need 1 <= LOW <= HIGH <= 65535")
@@ -183,6 +143,11 @@ class JobSpec:
 
     def environ_dict(self) -> dict[str, str]:
         return dict(self.environ)
+
+    @property
+    def interface(self) -> str:
+        """``DMLC_INTERFACE`` as the job's processes get it (``--env`` wins over the environment)."""
+        return (dict(self.env).get(pc.INTERFACE) or self.environ_dict().get(pc.INTERFACE) or "").strip()
 
     @property
     def name(self) -> str:

@@ -1,27 +1,26 @@
-"""The environment contract: the one module that names the job's variables.
+"""The environment contract of a pslaunch job: the one module that names its variables.
 
 Every process of a job learns its place from environment variables, exactly as
 dmlc-core's tracker and ps-lite define them (``DMLC_ROLE``, ``DMLC_PS_ROOT_URI``,
-...), plus a few of our own (``PSLAUNCH_SECRET``, ``PS_START_TIMEOUT``, ...).
-The launcher builds them here, and the KVStore and the trainer read them here
-(:class:`ClusterEnv`), so a name is spelled in exactly one place.
+...), plus a few of pslaunch's own (``PSLAUNCH_SECRET``, ``PS_START_TIMEOUT``, ...).
+Three parties share this contract and all import it from here:
 
-Precedence, highest first, for a server or worker:
+* the launcher writes it (:func:`contract` gives one process's variables);
+* the node-side programs (``launcher/node/``) fill in what only a node knows
+  (``DMLC_TASK_ID`` of a batch task, ``DMLC_NODE_HOST``: :mod:`pscontract.netif`);
+* the trainer's KVStore and any other ps-lite program read it (:class:`ClusterEnv`).
 
-1. the contract (:func:`contract`): never taken from anywhere else;
-2. ``--env-server`` / ``--env-worker`` for that role;
-3. ``--env``;
-4. the forwarded variables of the launcher's environment (:func:`forwarded`);
-5. on the local backend only, the launcher's whole inherited environment.
-
-This module imports nothing heavy: the trainer imports it before torch.
+So a name is spelled in exactly one place. Standard library only, and importing it
+pulls in nothing else of pslaunch (the trainer imports it before torch; node
+programs run it on hosts where only Python is installed). Names private to one
+backend (Grid Engine's, skein's, MPI's) live with the code that uses them.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Mapping
 
 # --- the dmlc / ps-lite contract -------------------------------------------
 ROLE = "DMLC_ROLE"
@@ -67,36 +66,6 @@ PYTHONFAULTHANDLER = "PYTHONFAULTHANDLER"
 SUBMIT_CLUSTER = "DMLC_SUBMIT_CLUSTER"
 PATH = "PATH"
 
-# --- batch systems: what they set in a task, what their client libraries need --
-# Grid Engine: the 1-based array task index, the job number, the granted slots.
-SGE_TASK_ID = "SGE_TASK_ID"
-SGE_JOB_ID = "JOB_ID"
-SGE_ROOT = "SGE_ROOT"
-SGE_CELL = "SGE_CELL"
-DRMAA_LIBRARY_PATH = "DRMAA_LIBRARY_PATH"
-# Debian's libdrmaa links libjemalloc, which needs static TLS that glibc only
-# reserves at process start when this tunable asks for it.
-GLIBC_TUNABLES = "GLIBC_TUNABLES"
-# skein (YARN): "<service>_<instance>" in every container.
-SKEIN_CONTAINER_ID = "SKEIN_CONTAINER_ID"
-JAVA_HOME = "JAVA_HOME"
-HADOOP_HOME = "HADOOP_HOME"
-HADOOP_CONF_DIR = "HADOOP_CONF_DIR"
-
-# --- the mpi backend ----------------------------------------------------------
-# The rank table mpirun carries to every rank wrapper (launcher/mpirank.py).
-MPI_TABLE = "PSLAUNCH_MPI_TABLE"
-# "env" (default) or "mpi4py": where the rank wrapper takes its MPI rank from.
-MPI_RANK_SOURCE = "PSLAUNCH_MPI_RANK_SOURCE"
-# Set by mpirun in every rank: Open MPI, PMIx (Open MPI 5), PMI (MPICH/Hydra).
-MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
-MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-# Placed last in mpirun's environment: MPICH 4.0's mpiexec does not pass the last
-# variable of its environment to remote ranks, even when -genvlist names it.
-MPI_ENV_END = "PSLAUNCH_MPI_ENV_END"
-# mpirun rewrites these on the way (Open MPI prepends its own prefix): the job's values are restored.
-MPI_REWRITTEN = (PATH, "LD_LIBRARY_PATH")
-
 ROLES = ("scheduler", "server", "worker")
 
 #: Variables the launcher owns. An inherited or ``--env`` value is ignored.
@@ -104,61 +73,6 @@ CONTRACT = frozenset(
     {ROLE, ROOT_URI, ROOT_PORT, NUM_WORKER, NUM_SERVER, TASK_ID, JOB_CLUSTER,
      NODE_HOST, SECRET, JOB_ID, LOCAL_PROCS, START_TIMEOUT}
 )
-
-FORWARD_PREFIXES = ("PS_", "DMLC_", "OMP_", "KMP_", "MXNET_", "AWS_")
-FORWARD_NAMES = frozenset({"PYTHONPATH", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES"})
-
-_SECRET_WORDS = ("SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL")
-REDACTED = "<redacted>"
-
-_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-def is_valid_name(name: str) -> bool:
-    """True for a portable environment variable name (``[A-Za-z_][A-Za-z0-9_]*``)."""
-    return bool(_NAME_RE.match(name))
-
-
-def is_secret(name: str) -> bool:
-    """True when a variable's value must never be shown (logs, dry runs, errors)."""
-    upper = name.upper()
-    return any(word in upper for word in _SECRET_WORDS) or upper.endswith("_KEY")
-
-
-def redact(env: Mapping[str, str]) -> dict[str, str]:
-    """A copy of ``env`` with every secret value replaced by ``<redacted>``."""
-    return {k: (REDACTED if is_secret(k) else v) for k, v in env.items()}
-
-
-def redact_text(text: str, env: Mapping[str, str]) -> str:
-    """Replace every secret value of ``env`` that occurs in ``text``."""
-    for k, v in env.items():
-        if v and len(v) >= 4 and is_secret(k):
-            text = text.replace(v, REDACTED)
-    return text
-
-
-def is_forwarded(name: str) -> bool:
-    """True when the launcher carries ``name`` from its own environment to every node."""
-    return name in FORWARD_NAMES or name.startswith(FORWARD_PREFIXES)
-
-
-def forwarded(environ: Mapping[str, str], extra_names: Iterable[str] = ()) -> dict[str, str]:
-    """The variables of ``environ`` that reach every node on every backend.
-
-    ``PS_*``, ``DMLC_*`` (``DMLC_INTERFACE`` included), ``OMP_*``, ``KMP_*``,
-    ``MXNET_*``, ``AWS_*``, ``PYTHONPATH``, ``LD_LIBRARY_PATH`` and
-    ``CUDA_VISIBLE_DEVICES``, plus ``extra_names``. Contract variables are
-    left out: the launcher sets those itself.
-    A name that is not a portable variable name (``PS_A$(id)``, set with
-    ``env``) is never forwarded: YARN writes ``export NAME=...`` lines into a
-    shell script and MPICH joins names with commas.
-    """
-    extra = set(extra_names)
-    return {
-        k: v for k, v in environ.items()
-        if (is_forwarded(k) or k in extra) and k not in CONTRACT and k != SUBMIT_CLUSTER and is_valid_name(k)
-    }
 
 
 def contract(
@@ -212,56 +126,6 @@ def contract(
 
 def _fmt_seconds(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
-
-
-@dataclass(frozen=True)
-class Composed:
-    """A process's final environment and the names whose other values lost to the contract."""
-
-    env: dict[str, str]
-    overridden: tuple[str, ...]
-
-
-def compose(
-    contract_env: Mapping[str, str],
-    *,
-    role_env: Mapping[str, str] = {},
-    cli_env: Mapping[str, str] = {},
-    forwarded_env: Mapping[str, str] = {},
-    inherited: Mapping[str, str] | None = None,
-) -> Composed:
-    """Merge the layers, lowest precedence first, and report overridden contract names.
-
-    ``overridden`` lists contract variables that the inherited environment,
-    the forwarded set, ``--env`` or a per-role ``--env-*`` tried to set to a
-    different value; the caller warns once about them.
-    """
-    env: dict[str, str] = {}
-    overridden: set[str] = set()
-    for layer in (inherited or {}, forwarded_env, cli_env, role_env):
-        for k, v in layer.items():
-            if k in CONTRACT:
-                if k in contract_env and contract_env[k] != v:
-                    overridden.add(k)
-                elif k not in contract_env and k in (ROLE, ROOT_URI, ROOT_PORT, NODE_HOST):
-                    overridden.add(k)
-                continue
-            env[k] = v
-    env.update(contract_env)
-    # Like torchrun: one OpenMP thread per process unless the user says otherwise.
-    env.setdefault(OMP_NUM_THREADS, "1")
-    return Composed(env=env, overridden=tuple(sorted(overridden)))
-
-
-def launcher_defaults(env: dict[str, str]) -> dict[str, str]:
-    """Add the launcher's process defaults that only apply when unset.
-
-    ``PYTHONUNBUFFERED=1`` so Python output reaches the console line by line,
-    ``PYTHONFAULTHANDLER=1`` so ``--timeout`` can dump Python stacks.
-    """
-    env.setdefault(PYTHONUNBUFFERED, "1")
-    env.setdefault(PYTHONFAULTHANDLER, "1")
-    return env
 
 
 # --- the reading side: what a process of a job sees --------------------------

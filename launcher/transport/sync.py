@@ -26,10 +26,16 @@ import logging
 import os
 import re
 import shlex
+import shutil
+import signal
 import stat
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+import subprocess
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
-from .sshconn import Target
+from ..errors import LaunchError
+from .ssh import HostSession, SSHOptions, Target
 
 if TYPE_CHECKING:  # pragma: no cover
     import paramiko
@@ -253,3 +259,129 @@ def sftp_sync(sftp: paramiko.SFTPClient, src: str, dst: str, *, excludes: Sequen
             stats.deleted += 1 + sum(1 for r in remote if r.startswith(rel + "/") and remote[r].kind != "dir")
             remove(rel)
     return stats
+
+
+# --- one sync per host, as a job runs it -------------------------------------------------------------
+
+
+def remote_path(path: str) -> str:
+    """``path`` for a remote shell: quoted, but a leading ``~``/``~/`` is the remote ``$HOME``."""
+    if path == "~":
+        return '"$HOME"'
+    if path.startswith("~/"):
+        rest = path[2:].lstrip("/")
+        return '"$HOME"/' + shlex.quote(rest) if rest else '"$HOME"'
+    return shlex.quote(path)
+
+
+def prepare_dir_command(path: str) -> str:
+    """Create the sync target; print its absolute path and rsync's path (empty without rsync).
+
+    The lines are marked: a login shell's rc files may print to stdout too.
+    A leading ``~`` or ``~/`` (a YAML value, a quoted option) means the remote
+    home, as it does in dmlc's ``rsync ... host:DIR``; anything else is quoted.
+    """
+    q = remote_path(path)
+    return (f"mkdir -p -- {q} && cd -- {q} && echo \"pslaunch-dir=$(pwd)\" && "
+            "echo \"pslaunch-rsync=$(command -v rsync)\"")
+
+
+def parse_prepare_dir(output: str) -> tuple[Optional[str], bool]:
+    """(the absolute directory, whether rsync exists) from :func:`prepare_dir_command`'s output."""
+    found = dict(line.partition("=")[::2] for line in output.splitlines() if line.startswith("pslaunch-"))
+    return found.get("pslaunch-dir") or None, bool(found.get("pslaunch-rsync", "").strip())
+
+
+def size_text(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{int(n)} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+class Syncer:
+    """``--sync-dst-dir`` for one job: syncs a host over its session; stops every rsync on demand.
+
+    Each rsync runs in a process group of its own, registered with the launcher's watchdog
+    (``watchdog``: anything with ``watch``/``forget``), so a killed launcher takes it along.
+    """
+
+    def __init__(self, src: str, dst: str, opts: SSHOptions, watchdog: Any = None) -> None:
+        self.src = src
+        self.dst = dst
+        self.opts = opts
+        self.watchdog = watchdog
+        self._lock = threading.Lock()
+        self._rsyncs: set[subprocess.Popen] = set()
+        self._stopped = False
+
+    def sync(self, session: HostSession) -> tuple[str, SyncStats]:
+        """Sync into ``session``'s host; ``(the absolute remote directory, stats)``."""
+        label, t0 = session.label, time.monotonic()
+        r = session.exec(prepare_dir_command(self.dst))
+        if r.code != 0:
+            raise LaunchError(f"sync to {label}:{self.dst} failed: cannot create the directory: {r.err_line}")
+        found, remote_rsync = parse_prepare_dir(r.stdout.decode(errors="replace"))
+        abs_dst = found or self.dst
+        local_tools = shutil.which("rsync") is not None and shutil.which("ssh") is not None
+        if local_tools and remote_rsync:
+            stats = self._rsync(session, abs_dst)
+        else:
+            log.debug("%s: syncing over SFTP (%s)", label, "no rsync here" if not local_tools else "no rsync on the host")
+            try:
+                sftp = session.sftp()
+                try:
+                    stats = sftp_sync(sftp, self.src, abs_dst, excludes=self.opts.sync_exclude,
+                                      delete=self.opts.sync_delete)
+                finally:
+                    sftp.close()
+            except OSError as e:
+                raise LaunchError(f"sync to {label}:{abs_dst} failed (SFTP): {e}") from None
+        stats.seconds = time.monotonic() - t0
+        log.info("synced %s to %s:%s with %s: %d file%s, %s sent%s in %.1fs", self.src, label, abs_dst,
+                 stats.method, stats.files, "" if stats.files == 1 else "s", size_text(stats.bytes),
+                 f", {stats.deleted} deleted" if stats.deleted else "", stats.seconds)
+        return abs_dst, stats
+
+    def argv(self, target: Target, dst: str) -> list[str]:
+        return rsync_argv(self.src, dst, target, excludes=self.opts.sync_exclude, delete=self.opts.sync_delete,
+                          connect_timeout=self.opts.connect_timeout, config_file=target.config_file)
+
+    def _rsync(self, session: HostSession, dst: str) -> SyncStats:
+        argv = self.argv(session.target, dst)
+        log.debug("%s: %s", session.label, shlex.join(argv))
+        with self._lock:
+            if self._stopped:
+                raise LaunchError(f"sync to {session.label}: the launcher is stopping")
+            # its own group, known to the watchdog: rsync and its ssh go too if the launcher is killed
+            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, errors="replace", start_new_session=True)
+            self._rsyncs.add(p)
+            if self.watchdog is not None:
+                self.watchdog.watch(p.pid)
+        try:
+            out, err = p.communicate()
+        finally:
+            with self._lock:
+                self._rsyncs.discard(p)
+            if self.watchdog is not None:
+                self.watchdog.forget(p.pid)
+        if p.returncode != 0:
+            lines = [x for x in err.splitlines() if x.strip()]
+            reason = lines[0] if lines else f"exit code {p.returncode}"
+            raise LaunchError(f"sync to {session.label}:{dst} failed: rsync exited with code {p.returncode}: "
+                              f"{reason}")
+        files, sent = parse_rsync_stats(out)
+        return SyncStats("rsync", files=files, bytes=sent)
+
+    def stop(self) -> None:
+        """Kill every rsync now (Ctrl-C during the sync), and refuse to start more."""
+        from ..node.procgroup import signal_group
+
+        with self._lock:
+            self._stopped = True
+            rsyncs = list(self._rsyncs)
+        for p in rsyncs:
+            if p.poll() is None:  # the leader still runs: the group is still ours
+                signal_group(p.pid, signal.SIGKILL)

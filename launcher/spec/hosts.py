@@ -19,8 +19,8 @@ from __future__ import annotations
 import re
 from typing import Iterable
 
-from .errors import ConfigError
-from .spec import Host
+from ..errors import ConfigError
+from .job import Host
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
 _USER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")

@@ -2,41 +2,19 @@
 """pslaunch's remote wrapper: runs one host's servers and workers for the launcher over one ssh channel.
 
 The ssh backend never installs anything on a host. Per host it runs
-``exec python3 -S -c BOOTSTRAP`` on its connection (see
-``launcher.backends.ssh.wrapper_command``); the bootstrap reads this file's
-source from the channel's stdin and runs it. Standard library only, and
-Python 3.5 compatible (no f-strings, no annotations), so an old ``python3``
-on a host works. One wrapper per host, not per process: a login shell and a
-Python start once per host, however many processes the host runs.
+``exec python3 -S -c BOOTSTRAP`` on its connection; the bootstrap and :mod:`.ssh_loader` read
+the node bundle from the channel's stdin and run this module from memory (the wire format is
+:mod:`.ssh_wire`). Standard library only, and Python 3.5 syntax (no f-strings, no
+annotations), so an old ``python3`` on a host works. One wrapper per host, not per process: a
+login shell and a Python start once per host, however many processes it runs.
 
-Wire protocol after the source. Launcher -> wrapper (the channel's stdin),
-frames of ``kind (1 byte) + length (4 bytes, big endian) + payload``:
-
-* ``H``: JSON ``{"procs": [{"id", "argv", "env", "cwd"}, ...], "keepalive",
-  "lost_after", "grace"}``. The environment travels here, never on a command
-  line. Sent once, first.
-* ``k``: a keep-alive (empty).
-
-Wrapper -> launcher (the channel's stdout): the marker ``\0pslaunch-frames\0``
-(what the login shell's rc files printed before it is not the wrapper's), then
-frames of ``kind (1 byte) +
-process id (2 bytes) + length (4 bytes) + payload``:
-
-* ``p`` JSON ``{"pid", "pgid"}`` once a process runs; ``f`` JSON
-  ``{"error", "code"}`` if it could not be started;
-* ``o`` / ``e``: the process's stdout / stderr bytes;
-* ``x`` JSON ``{"code"}`` when it exited (negative: killed by that signal);
-* ``h`` (process id 65535): the answer to each keep-alive.
-
-Each process runs in a new session and process group (pgid = its pid), with
-stdin from /dev/null. The wrapper does not reap a process until the end, so
-its pgid cannot be reused while the launcher may still send
-``kill -TERM -pgid``. When the channel reaches EOF (the launcher closed it,
-died, or its connection dropped), when no keep-alive arrived for
-``lost_after`` seconds (the network is down), or on SIGHUP/SIGTERM/SIGINT,
-the wrapper stops every group: SIGTERM to those whose process still runs,
-up to ``grace`` seconds, then SIGKILL to whatever is left of every group.
-Then it exits.
+Each process runs in a new session and process group (pgid = its pid), with stdin from
+/dev/null. The wrapper does not reap a process until the end, so its pgid cannot be reused
+while the launcher may still send ``kill -TERM -pgid``. When the channel reaches EOF (the
+launcher closed it, died, or its connection dropped), when no keep-alive arrived for
+``lost_after`` seconds (the network is down), or on SIGHUP/SIGTERM/SIGINT, the wrapper stops
+every group: SIGTERM to those whose process still runs, up to ``grace`` seconds, then SIGKILL
+to whatever is left of every group. Then it exits.
 """
 
 import errno
@@ -44,15 +22,12 @@ import json
 import os
 import select
 import signal
-import struct
 import subprocess
-import sys
 import time
 
-IN_HEAD = struct.Struct(">cI")
-OUT_HEAD = struct.Struct(">cHI")
-HOST_ID = 0xFFFF
-MAGIC = b"\0pslaunch-frames\0"
+from .procgroup import exit_status, resolve_program, signal_group
+from .ssh_wire import HOST_ID, IN_HEAD, MAGIC, OUT_HEAD
+
 OUT_CAP = 4 * 1024 * 1024  # stop reading the processes' pipes while this much waits for the channel
 
 
@@ -284,40 +259,3 @@ class Wrapper(object):
                 self.send_json(b"x", c.id, {"code": code if c.code is None else c.code})
                 c.reported = True
 
-
-def exit_status(pid):
-    """The exit code (negative: killed by that signal) once ``pid`` ended, else None; does not reap."""
-    try:
-        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return -signal.SIGKILL
-    if info is None or info.si_pid == 0:
-        return None
-    if info.si_code == os.CLD_EXITED:
-        return info.si_status
-    return -info.si_status
-
-
-def signal_group(pgid, sig):
-    if pgid > 1:  # never -1 (every process of the user) or 0 (our own group)
-        try:
-            os.killpg(pgid, sig)
-        except OSError:
-            pass
-
-
-def resolve_program(argv0, environ, cwd):
-    """dmlc's rule: a bare name that is not on PATH but is an executable in ``cwd`` runs as ``./name``."""
-    if "/" in argv0:
-        return argv0
-    for d in environ.get("PATH", os.defpath).split(os.pathsep):
-        if os.access(os.path.join(d or ".", argv0), os.X_OK):
-            return argv0
-    local = os.path.join(cwd or ".", argv0)
-    if os.path.isfile(local) and os.access(local, os.X_OK):
-        return "./" + argv0
-    return argv0
-
-
-if __name__ == "__main__":
-    sys.exit(Wrapper().run())

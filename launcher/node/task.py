@@ -1,31 +1,37 @@
 """The task wrapper: what a batch system runs in each task of a job (sge, yarn).
 
-A batch system starts N identical copies of one command and tells each copy
-its index in its own way: Grid Engine sets ``SGE_TASK_ID`` (1-based), skein
-sets ``SKEIN_CONTAINER_ID`` (``worker_3``, 0-based). This wrapper turns that
-into the launcher's contract and then *execs* the user's command, so the
-command's exit code and signals are the task's own:
+A batch system starts N identical copies of one command and tells each copy its index in its
+own way: Grid Engine sets ``SGE_TASK_ID`` (1-based), skein sets ``SKEIN_CONTAINER_ID``
+(``worker_3``, 0-based). This wrapper turns that into the launcher's contract:
 
-* ``DMLC_TASK_ID``: the role's first task id plus the 0-based index (workers
-  ``0..N-1``, servers ``N..N+S-1``, the same numbering as every backend);
-* ``DMLC_NODE_HOST``: this node's address on ``DMLC_INTERFACE`` (a name, a
-  prefix or a CIDR, resolved here, on the execution host), else the address
-  this node uses to reach the scheduler;
-* the job's variables, from the task file the launcher wrote (mode 0600, so
-  the job secret is never part of the job's description in ``qstat -j`` or
-  YARN's application spec), on top of the task's own environment.
+* ``DMLC_TASK_ID``: the role's first task id plus the 0-based index (workers ``0..N-1``,
+  servers ``N..N+S-1``, the same numbering as every backend);
+* ``DMLC_NODE_HOST``: worked out here, on the execution host
+  (:func:`pscontract.netif.node_address`);
+* the job's variables, from the task file the launcher wrote (mode 0600, so the job secret is
+  never part of the job's description in ``qstat -j`` or YARN's application spec), on top of
+  the task's own environment.
+
+Then it runs the command through the node agent (:mod:`.agent`): connected to the launcher's
+hub (the task file's ``hub``), the task's start, output and exit code reach the launcher at
+once, and the launcher can stop it gracefully or make it dump its stacks, which a batch
+system's own controls cannot do. The output is also written to the task's own stdout and
+stderr (the batch system's files keep it). Without a connection the task still runs, its
+output only in those files. The wrapper exits with the command's exit code (128+N for signal N;
+127 when it does not exist, 126 when it cannot be executed).
 
 Task file (JSON)::
 
-    {"version": 1,
+    {"version": 2,
      "argv": ["python", "train.py"],            # optional (yarn passes argv after --)
-     "env": {"PSLAUNCH_SECRET": "..."},         # for every role
+     "env": {"PATH": "..."},                    # for every role
      "roles": {"server": {"first_task_id": 2, "count": 1, "env": {...}},
-               "worker": {"first_task_id": 0, "count": 2, "env": {...}}}}
+               "worker": {"first_task_id": 0, "count": 2, "env": {...}}},
+     "hub": ["10.0.0.1", 9092],                 # optional: where the agent connects
+     "grace": 10.0}                             # --kill-grace
 
-Run as ``python .../launcher/task.py --task-file F --role worker --index sge``
-(or ``-m launcher.task``). Standard library only, plus ``launcher.envvars``
-and ``launcher.netif``, which are standard library only too.
+Run as ``node.command("task") --task-file F --role worker --index sge`` (or from the node
+bundle: ``python3 pslaunch-node.zip ...``). Standard library only.
 """
 
 from __future__ import annotations
@@ -38,12 +44,18 @@ import sys
 import time
 from typing import Any, Mapping, Sequence
 
-if __package__ in (None, ""):  # run as a file: make the package importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import pscontract as pc
+from pscontract import netif
 
-from launcher import envvars, netif  # noqa: E402
+from . import wire
+from .agent import Agent, catch_signals
 
-TASK_FILE_VERSION = 1
+TASK_FILE_VERSION = 2
+# What the batch systems set in each task: Grid Engine's 1-based array index and job number,
+# skein's "<service>_<instance>".
+SGE_TASK_ID = "SGE_TASK_ID"
+SGE_JOB_ID = "JOB_ID"
+SKEIN_CONTAINER_ID = "SKEIN_CONTAINER_ID"
 INDEX_SOURCES = ("sge", "skein")
 PREFIX = "pslaunch task"
 
@@ -69,16 +81,16 @@ def task_index(source: str, environ: Mapping[str, str]) -> int:
             ``SGE_TASK_ID=undefined`` in a job that is not an array).
     """
     if source == "sge":
-        raw = environ.get(envvars.SGE_TASK_ID, "")
+        raw = environ.get(SGE_TASK_ID, "")
         if not raw.isdigit() or int(raw) < 1:
-            raise TaskError(f"{envvars.SGE_TASK_ID}={raw!r}: not a task of an array job "
+            raise TaskError(f"{SGE_TASK_ID}={raw!r}: not a task of an array job "
                             "(pslaunch submits bulk jobs; is this running outside Grid Engine?)")
         return int(raw) - 1
     if source == "skein":
-        raw = environ.get(envvars.SKEIN_CONTAINER_ID, "")
+        raw = environ.get(SKEIN_CONTAINER_ID, "")
         _, _, instance = raw.rpartition("_")
         if not instance.isdigit():
-            raise TaskError(f"{envvars.SKEIN_CONTAINER_ID}={raw!r}: expected <service>_<instance>")
+            raise TaskError(f"{SKEIN_CONTAINER_ID}={raw!r}: expected <service>_<instance>")
         return int(instance)
     raise TaskError(f"unknown index source {source!r} (expected one of {', '.join(INDEX_SOURCES)})")
 
@@ -100,11 +112,11 @@ def load_task_file(path: str) -> dict[str, Any]:
 
 
 def node_address(environ: Mapping[str, str]) -> str:
-    """``DMLC_NODE_HOST`` for this node: ``DMLC_INTERFACE``'s address, else the route to the scheduler."""
-    if not environ.get(envvars.INTERFACE, "").strip() and not environ.get(envvars.ROOT_URI, "").strip():
-        raise TaskError(f"{envvars.ROOT_URI} is not set in the task file")
+    """``DMLC_NODE_HOST`` for this node (:func:`pscontract.netif.node_address`)."""
+    if not environ.get(pc.INTERFACE, "").strip() and not environ.get(pc.ROOT_URI, "").strip():
+        raise TaskError(f"{pc.ROOT_URI} is not set in the task file")
     try:
-        return netif.node_address(environ.get(envvars.INTERFACE), environ.get(envvars.ROOT_URI))
+        return netif.node_address(environ.get(pc.INTERFACE), environ.get(pc.ROOT_URI))
     except netif.NetifError as e:
         raise TaskError(f"cannot work out this node's address: {e}") from None
 
@@ -132,26 +144,14 @@ def task_environment(doc: Mapping[str, Any], role: str, index: int,
     env = dict(environ)
     env.update(doc.get("env") or {})
     env.update(spec.get("env") or {})
-    env[envvars.ROLE] = role
-    env[envvars.TASK_ID] = str(int(spec["first_task_id"]) + index)
+    env[pc.ROLE] = role
+    env[pc.TASK_ID] = str(int(spec["first_task_id"]) + index)
     return env
-
-
-def _exec(argv: Sequence[str], env: Mapping[str, str]) -> None:
-    try:
-        os.execvpe(argv[0], list(argv), dict(env))
-    except FileNotFoundError:
-        raise TaskError(f"cannot run {argv[0]!r}: no such program (PATH={env.get(envvars.PATH, '')})",
-                        127) from None
-    except PermissionError:
-        raise TaskError(f"cannot run {argv[0]!r}: permission denied", 126) from None
-    except OSError as e:
-        raise TaskError(f"cannot run {argv[0]!r}: {e.strerror or e}", 126) from None
 
 
 def _report(directory: str, role: str, rank: int, env: Mapping[str, str]) -> None:
     """Tell the launcher where this task runs (host, pid), through the shared directory."""
-    record = {"host": socket.gethostname(), "pid": os.getpid(), "node_host": env.get(envvars.NODE_HOST),
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "node_host": env.get(pc.NODE_HOST),
               "time": time.time()}
     path = os.path.join(directory, f"{role}-{rank}.started")
     tmp = f"{path}.{os.getpid()}.tmp"
@@ -163,8 +163,22 @@ def _report(directory: str, role: str, rank: int, env: Mapping[str, str]) -> Non
         pass  # only informational (labels and --summary-json)
 
 
+def _connect(doc: Mapping[str, Any], ident: int, env: Mapping[str, str]) -> Any:
+    """The channel to the launcher's hub, or None (with a note in the task's error file)."""
+    address = doc.get("hub")
+    if not address:
+        return None
+    try:
+        return wire.Channel(address, ident, env.get(pc.SECRET, ""))
+    except (OSError, ValueError) as e:
+        print(f"{PREFIX}: warning: cannot connect to the launcher at {address[0]}:{address[1]} from "
+              f"{socket.gethostname()} ({e}); the output stays in this task's files", file=sys.stderr, flush=True)
+        return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="launcher/task.py", description=__doc__.splitlines()[0])
+    catch_signals()
+    ap = argparse.ArgumentParser(prog="pslaunch task", description=__doc__.splitlines()[0])
     ap.add_argument("--task-file", required=True)
     ap.add_argument("--role", required=True, choices=("server", "worker"))
     ap.add_argument("--index", required=True, choices=INDEX_SOURCES)
@@ -175,19 +189,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc = load_task_file(a.task_file)
         index = task_index(a.index, os.environ)
         env = task_environment(doc, a.role, index, os.environ)
-        env[envvars.NODE_HOST] = node_address(env)
+        env[pc.NODE_HOST] = node_address(env)
         command = list(a.command[1:] if a.command[:1] == ["--"] else a.command) or list(doc.get("argv") or [])
         if not command:
             raise TaskError("no command: neither after -- nor in the task file")
-        if a.report_dir:
-            rank = int(env[envvars.TASK_ID]) - int(doc["roles"][a.role]["first_task_id"])
-            _report(a.report_dir, a.role, rank, env)
-        sys.stdout.flush()
-        _exec(command, env)
     except TaskError as e:
         print(f"{PREFIX}: error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
-    return 0  # not reached: exec replaced us
+    if a.report_dir:
+        _report(a.report_dir, a.role, index, env)
+    ident = int(env[pc.TASK_ID])
+    agent = Agent(ident, float(doc.get("grace", 10.0)), _connect(doc, ident, env), fallback="plain", tee=True,
+                  prefix=PREFIX)
+    return agent.run(command, env, start={"addr": env[pc.NODE_HOST]})
 
 
 if __name__ == "__main__":

@@ -23,22 +23,19 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import os
 import shlex
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import click
-
-from . import envvars, netif
-from .errors import ConfigError, LauncherError
-from .hosts import read_hostfile
-from .spec import Host, JobSpec, SSHOptions
+from .. import backends, node
+from ..errors import ConfigError, LauncherError
+from ..spec import env as jobenv
+from ..spec.job import Host, JobSpec
+from ..transport.ssh import SSHOptions
+from . import addresses
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +110,7 @@ class Row:
 
 def remote_script(args: dict[str, Any]) -> bytes:
     """netif.py's functions, then the checks, with ``args`` embedded (pure)."""
-    source = Path(netif.__file__).read_text(encoding="utf-8")
+    source = node.source("pscontract/netif.py").decode("utf-8")
     source = source.replace('if __name__ == "__main__":', "if False:")
     return (source + f"\nARGS = {json.dumps(json.dumps(args))}\n" + _REMOTE_CHECKS).encode()
 
@@ -121,7 +118,7 @@ def remote_script(args: dict[str, Any]) -> bytes:
 def check_host(host: Host, opts: SSHOptions, python: str, cwd: str, iface: str, env: dict[str, str],
                root: tuple[str, int], timeout: float) -> Row:
     """Run every check on one host; never raises."""
-    from .sshconn import HostSession, connect, resolve_targets
+    from ..transport.ssh import HostSession, connect, key_type_label, resolve_targets
 
     row = Row(host)
     t0 = time.monotonic()
@@ -136,8 +133,6 @@ def check_host(host: Host, opts: SSHOptions, python: str, cwd: str, iface: str, 
     session = HostSession(target, opts, transport)
     try:
         key = transport.get_remote_server_key()
-        from .sshconn import key_type_label
-
         row.cells["ssh"] = f"ok {target.user}, {key_type_label(key)} ({(time.monotonic() - t0) * 1000:.0f} ms)"
         args = {"cwd": cwd, "env": env, "iface": iface, "peer": session.peer_address, "root": root[0],
                 "root_port": root[1], "timeout": min(timeout, 5.0)}
@@ -218,9 +213,7 @@ class _Listener:
     """The launching host's scheduler address, listening while the hosts try to reach it."""
 
     def __init__(self, address: str, lo: int, hi: int) -> None:
-        from .supervisor import first_free_port
-
-        self.port = first_free_port(lo, hi)
+        self.port = addresses.first_free_port(lo, hi)
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -250,20 +243,19 @@ class _Listener:
 def run_doctor(hosts: Sequence[Host], opts: SSHOptions, *, python: str, cwd: str, env: dict[str, str],
                environ: dict[str, str], host_ip: Optional[str], port_range: tuple[int, int]) -> tuple[int, str]:
     """All checks on all hosts; returns (exit code, report)."""
-    from .sshconn import require_paramiko
-    from .supervisor import scheduler_address
+    from ..transport.ssh import require_paramiko
 
     require_paramiko()
-    iface = (env.get(envvars.INTERFACE) or environ.get(envvars.INTERFACE) or "").strip()
     spec = JobSpec(command=("doctor",), num_workers=1, num_servers=0, launcher="ssh", hosts=tuple(hosts),
                    env=tuple(env.items()), environ=tuple(sorted(environ.items())), host_ip=host_ip,
-                   port_range=port_range, ssh=opts)
+                   port_range=port_range, options=opts)
+    iface = spec.interface
     try:
-        root = scheduler_address(spec, {}, remote=True, needs_address=False)
+        root = addresses.scheduler_address(spec, {}, backends.get("ssh"))
     except ConfigError as e:
         raise ConfigError(f"the launching host: {e}") from None
     listener = _Listener(root, *port_range)
-    job_env = {**envvars.forwarded(environ), **env}
+    job_env = {**jobenv.forwarded(environ), **env}
     try:
         unique = list(dict.fromkeys(hosts))
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(unique))),
@@ -276,63 +268,3 @@ def run_doctor(hosts: Sequence[Host], opts: SSHOptions, *, python: str, cwd: str
     return (0 if all(r.ok for r in rows) else 1), report
 
 
-DOCTOR_HELP = """Check every host of a hostfile before a job, in parallel, and print one table.
-
-\b
-Per host: ssh (connection, host key, authentication), python (path, version),
-imports (launcher and trainer in the job's directory), interface (what
-DMLC_INTERFACE selects there), port (a free one on that address), reach
-(a TCP connection back to this host's scheduler address).
-Exit code 0 when every check passes on every host, 1 otherwise.
-
-\b
-Example:
-    pslaunch doctor -H hosts --python /opt/venv/bin/python --env DMLC_INTERFACE=10.1.0.0/16
-"""
-
-
-@click.command(name="pslaunch doctor", help=DOCTOR_HELP,
-               context_settings=dict(help_option_names=["-h", "--help"], max_content_width=100))
-@click.option("-H", "--hostfile", "--host-file", "hostfile", required=True, help="The job's hostfile.")
-@click.option("--ssh-user", default=None, help="User for hosts whose line gives none.")
-@click.option("--ssh-port", type=int, default=None, help="Port for hosts whose line gives none.")
-@click.option("--ssh-key", default=None, metavar="FILE", help="Private key file.")
-@click.option("--ssh-connect-timeout", type=float, default=10.0, show_default=True, metavar="SECONDS")
-@click.option("--accept-new-host-keys", is_flag=True, help="Trust and record host keys not yet known.")
-@click.option("--sync-dst-dir", default=None, metavar="DIR",
-              help="The job's remote working directory (default: this directory's path).")
-@click.option("--python", "python", default="python3", show_default=True,
-              help="The Python the job runs on the hosts (a venv's python, for example).")
-@click.option("--env", "env", multiple=True, metavar="NAME[=VALUE]",
-              help="A variable the job sets (DMLC_INTERFACE, PYTHONPATH, ...). Repeatable.")
-@click.option("--host-ip", default=None, metavar="auto|ip|dns|ADDRESS", help="The scheduler's address.")
-@click.option("--port-range", default="9091-9998", show_default=True, metavar="LOW-HIGH",
-              help="The scheduler's port range (reachability is tested on its first free port).")
-def doctor_command(**kw: Any) -> None:
-    from .cli import parse_env_item, parse_port_range_option
-
-    environ = dict(os.environ)
-    hosts = read_hostfile(kw["hostfile"])
-    env = dict(parse_env_item(e, "--env", environ, True) for e in kw.get("env") or ())
-    if kw.get("ssh_port") is not None and not 1 <= kw["ssh_port"] <= 65535:
-        raise ConfigError(f"--ssh-port {kw['ssh_port']}: must be a port number from 1 to 65535")
-    if kw.get("ssh_key") and not os.path.isfile(os.path.expanduser(kw["ssh_key"])):
-        raise ConfigError(f"--ssh-key {kw['ssh_key']}: no such file")
-    if kw["ssh_connect_timeout"] <= 0:
-        raise ConfigError("--ssh-connect-timeout must be positive")
-    opts = SSHOptions(user=kw.get("ssh_user"), port=kw.get("ssh_port"),
-                      key=os.path.expanduser(kw["ssh_key"]) if kw.get("ssh_key") else None,
-                      connect_timeout=kw["ssh_connect_timeout"], accept_new_host_keys=bool(kw.get("accept_new_host_keys")))
-    code, report = run_doctor(hosts, opts, python=kw["python"], cwd=kw.get("sync_dst_dir") or os.getcwd(), env=env,
-                              environ=environ, host_ip=kw.get("host_ip"),
-                              port_range=parse_port_range_option(kw["port_range"]))
-    click.echo(report)
-    sys.exit(code)
-
-
-def main(args: Sequence[str]) -> int:
-    """``pslaunch doctor ARGS``: returns the exit code."""
-    from .cli import configure_logging, invoke
-
-    configure_logging("WARNING")
-    return invoke(doctor_command, list(args), "pslaunch doctor", "pslaunch doctor --help")

@@ -1,33 +1,40 @@
+"""The environment contract (pscontract) and the launcher's policy around it (launcher.spec.env)."""
+
 from __future__ import annotations
 
-import pytest
+import subprocess
+import sys
 
-from launcher import envvars
-from launcher.envvars import ClusterEnv, ClusterEnvError
+import pytest
+from support.helpers import REPO
+
+import pscontract as pc
+from launcher.spec import env as jobenv
+from pscontract import ClusterEnv, ClusterEnvError
 
 
 @pytest.mark.parametrize("name", ["PSLAUNCH_SECRET", "AWS_SECRET_ACCESS_KEY", "GITHUB_TOKEN", "DB_PASSWORD",
                                   "FTP_PASSWD", "GOOGLE_APPLICATION_CREDENTIALS", "API_KEY", "my_key"])
 def test_secret_names(name: str) -> None:
-    assert envvars.is_secret(name)
+    assert jobenv.is_secret(name)
 
 
 @pytest.mark.parametrize("name", ["PS_VERBOSE", "DMLC_ROLE", "KEYBOARD", "HOME", "MONKEY"])
 def test_not_secret(name: str) -> None:
-    assert not envvars.is_secret(name)
+    assert not jobenv.is_secret(name)
 
 
 def test_redact() -> None:
     env = {"AWS_SECRET_ACCESS_KEY": "abcd1234", "PS_VERBOSE": "1"}
-    assert envvars.redact(env) == {"AWS_SECRET_ACCESS_KEY": "<redacted>", "PS_VERBOSE": "1"}
-    assert envvars.redact_text("key is abcd1234!", env) == "key is <redacted>!"
+    assert jobenv.redact(env) == {"AWS_SECRET_ACCESS_KEY": "<redacted>", "PS_VERBOSE": "1"}
+    assert jobenv.redact_text("key is abcd1234!", env) == "key is <redacted>!"
 
 
 def test_forwarded_allow_list() -> None:
     environ = {"PS_VERBOSE": "1", "PS_X": "2", "DMLC_INTERFACE": "eth0", "DMLC_ROLE": "worker", "OMP_A": "1",
                "KMP_B": "1", "MXNET_C": "1", "AWS_D": "1", "PYTHONPATH": "/p", "LD_LIBRARY_PATH": "/l",
                "CUDA_VISIBLE_DEVICES": "1", "HOME": "/h", "PATH": "/bin", "DMLC_SUBMIT_CLUSTER": "ssh"}
-    got = envvars.forwarded(environ, extra_names=["HOME"])
+    got = jobenv.forwarded(environ, extra_names=["HOME"])
     assert set(got) == {"PS_VERBOSE", "PS_X", "DMLC_INTERFACE", "OMP_A", "KMP_B", "MXNET_C", "AWS_D",
                         "PYTHONPATH", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "HOME"}
 
@@ -36,14 +43,14 @@ def test_names_that_are_not_variable_names_are_never_forwarded() -> None:
     """``env 'PS_A$(touch x)=1' pslaunch ...``: such a name must not reach YARN's launch script
     (export NAME="VALUE") or MPICH's comma-separated -genvlist."""
     environ = {"PS_A$(touch x)": "1", "DMLC_B;id": "1", "OMP_C,D": "1", "PS_OK": "1", "MXNET_E F": "1"}
-    assert envvars.forwarded(environ, extra_names=["X-Y"]) == {"PS_OK": "1"}
+    assert jobenv.forwarded(environ, extra_names=["X-Y"]) == {"PS_OK": "1"}
 
 
 def contract_env(**kw):
     base = dict(root_uri="127.0.0.1", root_port=9091, num_workers=2, num_servers=1, secret="s" * 64,
                 start_timeout=30, job_id="j", task_id=1, cluster="local", node_host="127.0.0.1", local_procs=3)
     base.update(kw)
-    return envvars.contract("worker", **base)
+    return pc.contract("worker", **base)
 
 
 def test_round_trip_contract_to_cluster_env() -> None:
@@ -100,14 +107,24 @@ def test_heartbeat_settings(change, expected) -> None:
 
 def test_compose_reports_only_real_conflicts() -> None:
     c = contract_env()
-    out = envvars.compose(c, inherited={"DMLC_ROLE": "worker", "HOME": "/h"}, cli_env={"DMLC_TASK_ID": "7"})
+    out = jobenv.compose(c, inherited={"DMLC_ROLE": "worker", "HOME": "/h"}, cli_env={"DMLC_TASK_ID": "7"})
     assert out.overridden == ("DMLC_TASK_ID",)
     assert out.env["DMLC_TASK_ID"] == "1" and out.env["HOME"] == "/h"
 
 
 def test_cluster_env_repr_hides_the_secret() -> None:
-    from launcher.envvars import ClusterEnv
+    from pscontract import ClusterEnv
 
     env = ClusterEnv(role="worker", root_uri="127.0.0.1", root_port=9, num_workers=1,
                      num_servers=1, secret="5e" * 32)
     assert "5e5e" not in repr(env) and env.secret == "5e" * 32
+
+
+def test_importing_the_contract_pulls_in_nothing_else_of_pslaunch() -> None:
+    """The trainer and the node programs import it: it must not bring click, yaml, paramiko or the launcher."""
+    code = ("import sys; import pscontract, pscontract.netif; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('launcher', 'trainer', 'click', 'yaml', 'paramiko', 'pscontract')))")
+    r = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "['pscontract', 'pscontract.netif']"

@@ -1,0 +1,407 @@
+"""What every batch-system backend shares (sge, yarn): tasks, the task file, the hub, the follower.
+
+A batch system decides where and when the tasks run. The launcher writes one task file (mode
+0600: the job's variables, the secret among them, never go into the job's description), submits
+the tasks through the system's API, and then learns about them two ways:
+
+* from each task's node agent (``launcher.node.task``), over its connection to the job's hub
+  (``launcher.runtime.hub``): where it runs, its output, its exit code, as soon as each
+  happens; and the launcher can stop a task gracefully or make it dump its stacks, which no
+  batch system's own controls can;
+* from the batch system itself, which a follower thread polls (:meth:`BatchBackend.poll_once`):
+  queued or running, and the end of a task whose agent never connected.
+
+A subclass provides the system's part: :meth:`~BatchBackend.submit`,
+:meth:`~BatchBackend.poll_once`, :meth:`~BatchBackend.cancel`, :meth:`~BatchBackend.release`
+and what its tasks look like (:meth:`~BatchBackend.describe_pending`); the rest (task file,
+hub, records, the wait until every task runs, signals, teardown) is here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any, ClassVar, Mapping, Optional, Sequence
+
+import pscontract as pc
+
+from ..errors import LaunchError
+from ..node import wire
+from ..node.procgroup import resolve_program
+from ..runtime.handle import ProcessHandle, ProcGroup
+from ..runtime.hub import Hub, hub_ports
+from ..runtime.output import PipePump, ProcOutput
+from ..spec.job import JobSpec, Role
+from ..spec.plan import ProcSpec
+from .base import Backend
+
+log = logging.getLogger(__name__)
+
+TASK_FILE_VERSION = 2
+# Set per task by the wrapper, or meaningless on a cluster whose hosts are unknown here.
+_PER_TASK = (pc.TASK_ID, pc.NODE_HOST, pc.LOCAL_PROCS)
+
+
+# --- pure builders --------------------------------------------------------------------------
+
+
+def role_procs(procs: Sequence[ProcSpec], role: Role) -> list[ProcSpec]:
+    return sorted((p for p in procs if p.role is role), key=lambda p: p.rank)
+
+
+def task_roles(procs: Sequence[ProcSpec]) -> dict[str, Any]:
+    """Each role's part of a task file: ``{"first_task_id", "count", "env"}``.
+
+    The per-task variables (``DMLC_TASK_ID``, ``DMLC_NODE_HOST``) are left to the wrapper;
+    ``PSLAUNCH_LOCAL_PROCS`` is dropped because nobody here knows which tasks share a host.
+
+    Raises:
+        LaunchError: the tasks of a role differ in more than their task ids, or their ids are
+            not consecutive (a bulk job cannot express that).
+    """
+    roles: dict[str, Any] = {}
+    for role in (Role.SERVER, Role.WORKER):
+        members = role_procs(procs, role)
+        if not members:
+            continue
+        envs = [{k: v for k, v in p.env.items() if k not in _PER_TASK} for p in members]
+        if any(e != envs[0] for e in envs[1:]):
+            raise LaunchError(f"the {role}s' environments differ beyond their task ids; "
+                              "a bulk job gives every task the same variables")
+        task_ids = [p.task_id for p in members]
+        first = min(t for t in task_ids if t is not None)
+        if task_ids != list(range(first, first + len(members))):
+            raise LaunchError(f"the {role}s' task ids {task_ids} are not consecutive")
+        roles[str(role)] = {"first_task_id": first, "count": len(members), "env": envs[0]}
+    return roles
+
+
+def build_task_file(spec: JobSpec, procs: Sequence[ProcSpec], *, hub: Optional[tuple[str, int]] = None,
+                    roles: Optional[Mapping[str, Any]] = None, with_path: bool = True) -> dict[str, Any]:
+    """The task file (see ``launcher.node.task``): each role's variables, the command, ``PATH``.
+
+    Args:
+        hub: where the task agents connect (None: they do not).
+        roles: each role's part (default :func:`task_roles`; a backend may move some
+            variables elsewhere).
+        with_path: carry the launcher's ``PATH``, so the command resolves as it does here (a
+            task's own ``PATH`` is the batch system's); a program in the working directory
+            becomes ``./prog`` as on the local backend.
+    """
+    environ = spec.environ_dict()
+    common = {pc.PATH: environ[pc.PATH]} if with_path and environ.get(pc.PATH) else {}
+    argv = list(spec.command)
+    argv[0] = resolve_program(argv[0], {pc.PATH: common.get(pc.PATH, os.defpath)}, spec.workdir)
+    doc: dict[str, Any] = {"version": TASK_FILE_VERSION, "argv": argv, "env": common,
+                           "roles": dict(roles) if roles is not None else task_roles(procs),
+                           "grace": spec.kill_grace}
+    if hub is not None:
+        doc["hub"] = [hub[0], hub[1]]
+    return doc
+
+
+def write_private_json(path: str, doc: Mapping[str, Any]) -> None:
+    """Write ``doc`` to a new file of mode 0600 (it holds the job's secret)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(doc, f)
+    except OSError as e:
+        raise LaunchError(f"cannot write the task file {path}: {e.strerror or e}") from None
+
+
+# --- the handle ------------------------------------------------------------------------------
+
+
+class BatchTask(ProcessHandle):
+    """One task of a batch job. Its state is kept by its backend: records from its agent, and the
+    batch system's view from the follower thread.
+
+    Attributes:
+        state: the batch system's word for it (``queued_active``, ``RUNNING``, ...).
+        ran: it has started (its agent said so, or the batch system did).
+        terminated: the launcher asked the batch system to remove it.
+        channel: its agent's connection: ``none`` (not yet, or never), ``open``, ``closed``.
+        reason: why it ended, when the exit code alone does not say.
+    """
+
+    def __init__(self, proc: ProcSpec, output: ProcOutput, backend: BatchBackend, host: str) -> None:
+        super().__init__(proc, output, host)
+        self.backend = backend
+        self.state = "submitted"
+        self.ran = False
+        self.terminated = False
+        self.channel = "none"
+        self.reason = ""
+        self.code: Optional[int] = None
+
+    @property
+    def ident(self) -> int:
+        assert self.proc.task_id is not None
+        return self.proc.task_id
+
+    def _poll(self) -> Optional[int]:
+        return self.code
+
+    def terminate(self) -> None:
+        self.backend.signal_task(self, "TERM")
+
+    def kill(self) -> None:
+        self.backend.signal_task(self, "KILL")
+
+    def dump_stacks(self) -> None:
+        self.backend.signal_task(self, "ABRT")
+
+    def where(self) -> str:
+        """The task in the batch system's words (``SGE task 12.3``)."""
+        return "task"
+
+    def describe(self) -> str:
+        where = self.where() + (f" on {self.host}" if not self.host.startswith("(") else "")
+        if self.pid:
+            where += f", pid {self.pid}"
+        why = f"; {self.reason}" if self.reason else ""
+        return f"{self.label} ({where}{why})"
+
+
+# --- the backend -----------------------------------------------------------------------------
+
+
+class BatchBackend(Backend):
+    """Base class of the batch-system backends (see the module docstring)."""
+
+    remote = True
+    needs_scheduler_address = True
+    #: how the task wrapper learns its index (``launcher.node.task`` ``--index``)
+    index_source: ClassVar[str] = ""
+    #: seconds between two polls of the batch system
+    poll_every: ClassVar[float] = 0.5
+    #: how long :meth:`close` waits for the batch system to drop the tasks it cancelled
+    close_wait: ClassVar[float] = 20.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tasks: list[BatchTask] = []
+        self.lock = threading.RLock()
+        self.hub: Optional[Hub] = None
+        self.pump: Optional[PipePump] = None
+        self.task_file: Optional[str] = None
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self._by_ident: dict[int, BatchTask] = {}
+
+    # -- what a subclass provides ---------------------------------------------------------------
+
+    def submit(self, procs: Sequence[ProcSpec], hub: Optional[tuple[str, int]]) -> list[BatchTask]:
+        """Write the task file (:func:`build_task_file`, with the ``hub`` address the agents
+        connect to) and submit the tasks of ``procs``; one :class:`BatchTask` each, registered
+        with :meth:`add_task` as soon as it exists (a signal during the submission then finds it)."""
+        raise NotImplementedError
+
+    def poll_once(self) -> None:
+        """Ask the batch system about the tasks once (on the follower thread)."""
+
+    def cancel(self, tasks: Sequence[BatchTask]) -> None:
+        """Remove ``tasks`` from the batch system (queued or running); idempotent."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """The job is over: drop sessions and clients, remove files (called once, by :meth:`close`)."""
+
+    def settled(self) -> bool:
+        """True once the batch system holds none of the job's tasks any more (polled by the
+        follower; :meth:`close` waits for it, so nothing is left queued when the launcher exits)."""
+        return all(t.code is not None for t in self.tasks)
+
+    def describe_pending(self, pending: Sequence[BatchTask], timeout: float) -> str:
+        """The one-line error for tasks still not running after ``--start-timeout``."""
+        states = ", ".join(f"{t.label}: {t.state}" for t in pending)
+        return f"{len(pending)} of {len(self.tasks)} tasks not running after --start-timeout {timeout:g}s ({states})"
+
+    # -- starting -----------------------------------------------------------------------------
+
+    def start(self, procs: Sequence[ProcSpec]) -> ProcGroup:
+        if not procs:
+            return ProcGroup()
+        self.pump = PipePump()
+        self.hub = self._listen(procs)
+        self.submit(procs, self.hub.address if self.hub else None)
+        self._thread = threading.Thread(target=self._follow, name=f"pslaunch-{self.name}", daemon=True)
+        self._thread.start()
+        self._wait_started()
+        order = {(p.role, p.rank): i for i, p in enumerate(procs)}
+        return ProcGroup(sorted(self.tasks, key=lambda t: order[(t.proc.role, t.proc.rank)]))
+
+    def add_task(self, task: BatchTask) -> None:
+        with self.lock:
+            self.tasks.append(task)
+            self._by_ident[task.ident] = task
+
+    def _listen(self, procs: Sequence[ProcSpec]) -> Optional[Hub]:
+        """The hub on the scheduler's address (every node reaches it: that is what
+        ``needs_scheduler_address`` asked for), on a free port of ``--port-range``."""
+        env = procs[0].env
+        root, secret = env.get(pc.ROOT_URI, ""), env.get(pc.SECRET, "")
+        if not root or not secret:
+            return None
+        lo, _ = self.spec.port_range
+        ports = hub_ports(self.spec.port_range, int(env.get(pc.ROOT_PORT, lo) or lo))
+        assert self.pump is not None
+        try:
+            hub = Hub(self.pump, secret, root, ports, [p.task_id for p in procs if p.task_id is not None],
+                      on_record=self._record, on_open=self._opened, on_close=self._closed)
+        except OSError as e:
+            log.warning("cannot listen for the tasks on %s (%s): they run without a connection to the launcher "
+                        "(output from their files, no graceful stop, no stack dumps)", root, e)
+            return None
+        log.debug("the task agents connect to %s:%d", *hub.address)
+        return hub
+
+    def _wait_started(self) -> None:
+        """Block until every task has started (or ended); a task still pending after
+        ``--start-timeout`` fails the launch, in the batch system's words."""
+        timeout = max(self.spec.start_timeout, 1.0)
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                pending = [t for t in self.tasks if not t.ran and t.code is None]
+                failed = any(t.code not in (None, 0) for t in self.tasks)
+            if failed or not pending:
+                if not pending:
+                    log.info("all %d tasks started", len(self.tasks))
+                return
+            if time.monotonic() > deadline:
+                raise LaunchError(self.describe_pending(pending, timeout))
+            time.sleep(0.05)
+
+    # -- what the agents say (on the pump's thread) -----------------------------------------------
+
+    def _opened(self, ident: int) -> None:
+        t = self._by_ident.get(ident)
+        if t is not None:
+            t.channel = "open"
+
+    def _closed(self, ident: int) -> None:
+        t = self._by_ident.get(ident)
+        if t is not None:
+            t.channel = "closed"
+            t.output.close()
+
+    def _record(self, ident: int, kind: str, payload: bytes) -> None:
+        t = self._by_ident.get(ident)
+        if t is None:
+            return
+        if kind in (wire.STDOUT_LINE, wire.STDERR_LINE):
+            (t.output.stdout if kind == wire.STDOUT_LINE else t.output.stderr).feed(payload + b"\n")
+        elif kind in (wire.STDOUT_PART, wire.STDERR_PART):
+            (t.output.stdout if kind == wire.STDOUT_PART else t.output.stderr).feed(payload)
+        elif kind == wire.START:
+            try:
+                info = json.loads(payload)
+            except ValueError:
+                info = {}
+            with self.lock:
+                t.ran = True
+                t.host = str(info.get("host") or t.host)
+                t.pid = info.get("pid") if isinstance(info.get("pid"), int) else t.pid
+                t.start_time = time.time()
+            log.debug("%s runs on %s (pid %s, DMLC_NODE_HOST %s)", t.label, t.host, t.pid, info.get("addr"))
+        elif kind == wire.EXIT:
+            try:
+                code = int(payload)
+            except ValueError:
+                code = 1
+            self.set_code(t, code, "", ended_at=time.time())
+        elif kind == wire.FAILED:
+            try:
+                info = json.loads(payload)
+            except ValueError:
+                info = {}
+            t.failure = str(info.get("error") or "could not start")
+            t.host = str(info.get("host") or t.host)
+            self.set_code(t, int(info.get("code") or 1), "", ended_at=time.time())
+
+    # -- the follower ----------------------------------------------------------------------------
+
+    def _follow(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+            except Exception as e:  # noqa: BLE001 - never let the follower die: the job would hang
+                log.error("following the %s tasks: %s", self.name, " ".join(str(e).split()), exc_info=True)
+            if self.settled():
+                return
+            self._stop.wait(self.poll_every)
+
+    def set_code(self, t: BatchTask, code: int, reason: str, ended_at: Optional[float] = None) -> None:
+        """``t`` has ended with ``code`` (the first report wins: an agent's, else the batch system's)."""
+        with self.lock:
+            if t.code is not None:
+                return
+            self.final_output(t)  # the last lines first: the failure report shows them
+            t.state = "done" if code == 0 else ("aborted" if reason else "failed")
+            t.reason = reason
+            t.ended_at = ended_at
+            t.code = code
+        log.debug("%s (%s) ended: exit code %d%s", t.label, t.where(), code, f" ({reason})" if reason else "")
+
+    def final_output(self, t: BatchTask) -> None:
+        """Deliver what is left of ``t``'s output (a backend that reads files reads the rest)."""
+        if t.channel != "open":
+            t.output.close()
+
+    # -- signals -------------------------------------------------------------------------------------
+
+    def signal_task(self, t: BatchTask, command: str) -> None:
+        """``TERM``/``KILL``/``ABRT`` to one task: through its agent, else through the batch system
+        (which can only remove it: there is no graceful stop and no stack dump without an agent)."""
+        if t.code is not None:
+            return
+        sent = self.hub is not None and self.hub.send(t.ident, command)
+        if command == "KILL" or (command == "TERM" and not sent):
+            self.cancel([t])  # a KILL also goes to the batch system: an agent may be stuck
+
+    # -- the end ---------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Cancel every task still queued or running, wait until the batch system has dropped them,
+        release the system's session and remove the task file. Idempotent."""
+        try:
+            left = [t for t in self.tasks if t.code is None]
+            if left:
+                self.cancel(left)
+            deadline = time.monotonic() + self.close_wait
+            while self.tasks and not self.settled() and time.monotonic() < deadline:
+                if self._thread is None or not self._thread.is_alive():
+                    try:
+                        self.poll_once()
+                    except Exception as e:  # noqa: BLE001 - the warning below says what is left
+                        log.debug("polling %s: %s", self.name, e)
+                        break
+                time.sleep(0.1)
+            if self.tasks and not self.settled():
+                left = [t for t in self.tasks if t.code is None] or self.tasks
+                log.warning("%s has not dropped %s yet; check the batch system and remove them by hand",
+                            self.name, ", ".join(t.where() for t in left))
+        finally:
+            self._stop.set()
+            if self._thread is not None:
+                self._thread.join(5)
+                self._thread = None
+            for t in self.tasks:
+                self.final_output(t)
+                t.output.close()
+            if self.hub is not None:
+                self.hub.stop()
+                self.hub = None
+            if self.pump is not None:
+                self.pump.stop()
+                self.pump = None
+            self.release()

@@ -1,0 +1,25 @@
+"""The face of pslaunch: ``pslaunch [OPTIONS] COMMAND...`` (:mod:`.run`) and ``pslaunch doctor``
+(:mod:`.doctor`). Options go in, a validated spec comes out, and an exit code goes back; the
+work is done below (``launcher.run``).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence
+
+
+def main(argv: Optional[Sequence[str]] = None, prog_name: str = "pslaunch") -> int:
+    """Console entry point. With ``argv=None`` it reads ``sys.argv`` and exits with the job's code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "doctor":
+        from .doctor import main as doctor_main
+        code = doctor_main(args[1:])
+    else:
+        from .common import invoke
+        from .run import run_command
+        code = invoke(run_command, args, prog_name, "pslaunch --help")
+    if argv is None:
+        sys.stdout.flush()
+        sys.exit(code)
+    return code

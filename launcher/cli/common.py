@@ -1,0 +1,146 @@
+"""What every pslaunch command shares: value parsers, backend options, logging, exit codes.
+
+Exit codes (mapped only in :func:`invoke`):
+
+* 0: every process exited 0;
+* the first failing process's exit code (128+N for signal N);
+* 130 / 143 / 129: stopped by SIGINT / SIGTERM / SIGHUP;
+* 124: ``--timeout`` expired;
+* 2: a user mistake (bad option, hostfile line, YAML key): one line on stderr;
+* 1: the job could not be started (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Iterable, Mapping, Optional, Sequence
+
+import click
+
+import pscontract as pc
+
+from ..backends.base import BackendOption
+from ..errors import ConfigError, LauncherError
+from ..spec import env as jobenv
+
+# --- value parsers ------------------------------------------------------------------------------
+
+
+def parse_env_item(item: str, option: str, environ: Mapping[str, str], allow_copy: bool) -> tuple[str, str]:
+    """``NAME=VALUE``; ``NAME:VALUE`` for ``--env-server/--env-worker`` (launch.py);
+    a bare ``NAME`` copies the launcher's value (``--env`` only)."""
+    item = str(item)
+    for sep in ("=", ":"):
+        name, found, value = item.partition(sep)
+        if found and jobenv.is_valid_name(name):
+            if sep == ":" and allow_copy:
+                break
+            return name, value
+    if allow_copy and jobenv.is_valid_name(item):
+        if item not in environ:
+            raise ConfigError(f"{option} {item}: {item} is not set in this shell; "
+                              f"export it or write {option} {item}=VALUE")
+        return item, environ[item]
+    form = "NAME or NAME=VALUE" if allow_copy else "NAME=VALUE (or NAME:VALUE)"
+    shown = item
+    for sep in ("=", ":"):
+        name, found, _ = item.partition(sep)
+        if found and jobenv.is_secret(name):  # a malformed name does not make the value printable
+            shown = f"{name}{sep}{jobenv.REDACTED}"
+            break
+    raise ConfigError(f"{option} {shown!r}: expected {form} with NAME like OMP_NUM_THREADS")
+
+
+def parse_port_range_option(text: str) -> tuple[int, int]:
+    try:
+        return pc.parse_port_range(text)
+    except ValueError as e:
+        raise ConfigError(f"--port-range: {e}") from None
+
+
+# --- backend options as click options ------------------------------------------------------------
+
+_KINDS = {"str": str, "int": int, "float": float}
+
+
+def click_option(opt: BackendOption, backend: str) -> click.Option:
+    """The click option for one backend option (its help says which backend it is for)."""
+    help_text = f"{backend}: {opt.help}"
+    if opt.kind == "flag":
+        return click.Option([*opt.flags, opt.param], is_flag=True, default=bool(opt.default), help=help_text)
+    if opt.kind == "multiple":
+        return click.Option([*opt.flags, opt.param], multiple=True, metavar=opt.metavar, help=help_text)
+    return click.Option([*opt.flags, opt.param], type=_KINDS[opt.kind], default=opt.default, metavar=opt.metavar,
+                        show_default=opt.show_default, help=help_text)
+
+
+def add_backend_options(command: click.Command, backends: Iterable[tuple[str, Sequence[BackendOption]]]) -> None:
+    """Append every backend's options to ``command`` (before ``--version`` and the arguments)."""
+    cut = next((i for i, p in enumerate(command.params) if isinstance(p, click.Argument) or p.name == "version"),
+               len(command.params))
+    extra = [click_option(o, name) for name, options in backends for o in options]
+    command.params[cut:cut] = extra
+
+
+# --- logging ----------------------------------------------------------------------------------------
+
+
+class _Formatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        if record.levelno >= logging.ERROR:
+            return f"pslaunch: error: {msg}"
+        if record.levelno >= logging.WARNING:
+            return f"pslaunch: warning: {msg}"
+        if record.levelno <= logging.DEBUG:
+            return f"pslaunch: [{record.name}] {msg}"
+        return f"pslaunch: {msg}"
+
+
+def configure_logging(level: str, log_file: Optional[str] = None) -> None:
+    """The launcher's own messages go to stderr (and ``--log-file``), prefixed ``pslaunch:``."""
+    root = logging.getLogger("launcher")
+    root.handlers.clear()
+    root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    root.propagate = False
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Formatter())
+    root.addHandler(handler)
+    if log_file:
+        try:
+            fh = logging.FileHandler(log_file, encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"cannot open --log-file {log_file}: {e.strerror or e}") from None
+        fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(fh)
+
+
+# --- running a command --------------------------------------------------------------------------------
+
+
+def _fail(message: str, code: int) -> int:
+    click.echo(f"pslaunch: error: {message}", err=True)
+    return code
+
+
+def invoke(command: click.Command, args: list[str], prog_name: str, help_hint: str) -> int:
+    """Run a click command and map every outcome to an exit code and at most one line on stderr."""
+    try:
+        command.main(args=args, prog_name=prog_name, standalone_mode=False)
+        return 0
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.exceptions.Abort:
+        return _fail("aborted", 130)
+    except click.UsageError as e:
+        return _fail(f"{e.format_message()} (see {help_hint})", 2)
+    except click.ClickException as e:
+        return _fail(e.format_message(), e.exit_code)
+    except LauncherError as e:
+        return _fail(str(e), e.exit_code)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+

@@ -1,0 +1,86 @@
+# ruff: noqa: UP031 - Python 3.5 syntax (no annotations, no f-strings): the ssh wrapper imports this package
+"""Everything that runs on a node, and the one place that says where it is.
+
+The programs here run beside the user's command, on the node that runs it:
+
+* :mod:`.ssh_wrapper` runs one host's processes for the ssh backend, over one ssh channel
+  (frames: :mod:`.ssh_wire`);
+* :mod:`.mpirank` is every MPI rank of the mpi backend's single ``mpirun``;
+* :mod:`.task` is every task of a batch system (sge, yarn);
+* both run the command through :mod:`.agent`, which reports to the launcher over an
+  authenticated TCP channel (:mod:`.wire`);
+* :mod:`.watchdog` is the dead-man switch, on the launching host and on the nodes;
+* :mod:`.procgroup` holds the process-group helpers all of them share with the launcher.
+
+Rules (``tests/unit/test_architecture.py`` enforces the first): these modules import only the
+standard library, :mod:`pscontract` and each other; :mod:`.procgroup`, :mod:`.ssh_wire` and
+:mod:`.ssh_wrapper` keep Python 3.5 syntax (the ssh backend runs them with a host's own
+``python3``); the rest need Python 3.7. Nothing here finds a sibling by its own path arithmetic:
+:func:`command` starts a node program from this installation, :func:`bundle` packs the node
+programs for a host that has no installation (a yarn container, an ssh host).
+"""
+
+import os
+import sys
+
+#: The directory that holds the ``launcher`` and ``pscontract`` packages of this installation.
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: The node programs that can be started with :func:`command` (module names in this package).
+PROGRAMS = ("watchdog", "mpirank", "task")
+#: Node programs that need the site packages (the rank wrapper may import mpi4py).
+_SITE = ("mpirank",)
+#: What a bundle holds besides the node package: the contract, and the packages' ``__init__``.
+_BUNDLED = ("launcher/__init__.py", "pscontract/__init__.py", "pscontract/netif.py")
+
+
+def path(name):
+    """The file of node module ``name`` (``"ssh_wrapper"``) in this installation."""
+    return os.path.join(ROOT, "launcher", "node", name + ".py")
+
+
+def command(program, python=""):
+    """The argv that runs node program ``program`` from this installation with ``python``.
+
+    ``python -S -c`` with this installation's root first on ``sys.path``: the program does
+    not depend on the working directory or on ``PYTHONPATH``, and no site packages are
+    imported (they cost start-up time; only the rank wrapper may need one, mpi4py).
+    Arguments go after it.
+    """
+    if program not in PROGRAMS:
+        raise ValueError("unknown node program %r" % program)
+    code = ("import sys; sys.path.insert(0, %r); from launcher.node.%s import main; sys.exit(main())"
+            % (ROOT, program))
+    return [python or sys.executable, *(() if program in _SITE else ("-S",)), "-c", code]
+
+
+def source(rel):
+    """The bytes of a file this installation ships to nodes (``"pscontract/netif.py"``): sent to a
+    host on stdin (the ssh backend resolves ``DMLC_INTERFACE`` there), embedded in doctor's checks."""
+    if rel not in _BUNDLED and not (rel.startswith("launcher/node/") and rel.endswith(".py")):
+        raise ValueError("%r is not a node file" % rel)
+    with open(os.path.join(ROOT, rel), "rb") as f:
+        return f.read()
+
+
+def bundle_files(main):
+    """``{path in the bundle: source bytes}``: the node package, the contract, and a ``__main__.py``
+    that runs node program ``main`` (``python3 bundle.zip ARGS`` or the ssh bootstrap)."""
+    files = {"__main__.py": ("import sys\nfrom launcher.node.%s import main\nsys.exit(main())\n" % main).encode()}
+    names = sorted(n for n in os.listdir(os.path.join(ROOT, "launcher", "node")) if n.endswith(".py"))
+    for rel in [*_BUNDLED, *("launcher/node/" + n for n in names)]:
+        files[rel] = source(rel)
+    return files
+
+
+def bundle(main):
+    """A deterministic runnable zip of the node programs: ``python3 BUNDLE.zip ARGS`` runs ``main``."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, data in sorted(bundle_files(main).items()):
+            info = zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0))
+            info.external_attr = 0o644 << 16
+            z.writestr(info, data, zipfile.ZIP_DEFLATED)
+    return buf.getvalue()

@@ -1,0 +1,122 @@
+"""The mpi backend's rank wrapper: mpirun starts one of these per server and worker.
+
+mpirun runs ``node.command("mpirank") -- COMMAND...`` as every MPI rank. The wrapper
+
+1. reads its MPI rank from ``OMPI_COMM_WORLD_RANK``, ``PMIX_RANK`` or ``PMI_RANK``; if none is
+   set (or ``PSLAUNCH_MPI_RANK_SOURCE=mpi4py``) it asks mpi4py, and then calls
+   ``MPI_Finalize`` itself before it exits, as Open MPI counts a rank that initialised MPI
+   and did not finalise as failed;
+2. looks its rank up in the table the launcher built (:mod:`.mpi_wire`) to learn its role,
+   rank and task id, and builds the command's environment: what mpirun gave this rank, plus
+   the role's and the rank's own variables, plus ``DMLC_NODE_HOST`` worked out here on the
+   node (:func:`pscontract.netif.node_address`);
+3. connects to the launcher's hub (the table's ``hub`` address; :mod:`.wire`), and runs the
+   command through the node agent (:mod:`.agent`), which reports its start, output and exit
+   code as records. If the connection cannot be made, the records go through mpirun's output
+   instead, with a warning (Open MPI's chunks from different ranks may then interleave in
+   the middle of long lines, which is why the connection is the normal way).
+
+mpirun's SIGTERM, SIGINT and SIGHUP (and the death of its daemon, our parent) stop the
+command's group gracefully; SIGUSR1 (which both Open MPI and MPICH forward to every rank)
+makes it dump its Python stacks. Exits with the command's exit code (128+N for signal N).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+from typing import Optional, Sequence
+
+import pscontract as pc
+from pscontract import netif
+
+from . import mpi_wire, wire
+from .agent import Agent, AgentError, catch_signals
+from .procgroup import set_parent_death_signal
+
+PREFIX = "pslaunch rank wrapper"
+
+
+def _rank(environ: dict[str, str]) -> tuple[int, Optional[int], object]:
+    """``(rank, size, the MPI module when mpi4py initialised MPI, else None)``."""
+    rank = None if environ.get(mpi_wire.RANK_SOURCE) == "mpi4py" else mpi_wire.rank_from_environ(environ)
+    if rank is not None:
+        return rank, mpi_wire.size_from_environ(environ), None
+    try:
+        from mpi4py import MPI  # initialises MPI: finalised by main()
+    except ImportError:
+        raise AgentError(f"no MPI rank in the environment ({', '.join(mpi_wire.RANK_VARS)}) "
+                         "and mpi4py is not installed (pip install mpi4py)") from None
+    except Exception as e:  # noqa: BLE001 - mpi4py raises RuntimeError and others
+        raise AgentError(f"mpi4py could not initialise MPI: {str(e).splitlines()[0] if str(e) else e!r}") from None
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(), MPI
+
+
+def _connect(table: dict, rank: int, env: dict[str, str]) -> Optional[wire.Channel]:
+    """The channel to the launcher's hub, or None (with a warning) when it cannot be opened."""
+    address = table.get("hub")
+    if not address:
+        return None
+    try:
+        secret = env.get(pc.SECRET, "")
+        if not secret:
+            raise ValueError(f"{pc.SECRET} is not set")
+        return wire.Channel(address, rank, secret)
+    except (OSError, ValueError) as e:
+        message = (f"{PREFIX}: warning: cannot send this rank's output to the launcher at {address[0]}:{address[1]} "
+                   f"from {socket.gethostname()} ({e}); it goes through mpirun's output instead, where long "
+                   "lines of different ranks may mix").encode("utf-8", "replace")[:wire.MAX_PAYLOAD]
+        os.write(2, wire.record(rank, wire.STDERR_LINE, message))
+        return None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point: ``mpirank [--] COMMAND...``; returns the command's exit code."""
+    catch_signals()
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "--":
+        args = args[1:]
+    parent = os.getppid()
+    set_parent_death_signal(signal.SIGTERM)
+    environ = dict(os.environ)
+    rank: Optional[int] = None
+    mpi = None
+    agent: Optional[Agent] = None
+    try:
+        if not args:
+            raise AgentError("no command given")
+        if os.getppid() != parent:
+            raise AgentError("mpirun's daemon died before the rank started", 143)
+        rank, size, mpi = _rank(environ)
+        try:
+            table = mpi_wire.decode_table(environ.get(mpi_wire.TABLE, ""))
+            _, _, job_env = mpi_wire.rank_entry(table, rank, size)
+        except mpi_wire.TableError as e:
+            raise AgentError(str(e)) from None
+        env = mpi_wire.child_environ(environ, job_env)
+        try:
+            env[pc.NODE_HOST] = netif.node_address(env.get(pc.INTERFACE), env.get(pc.ROOT_URI),
+                                                   env.get(pc.NODE_HOST))
+        except netif.NetifError as e:
+            raise AgentError(f"on {socket.gethostname()}: cannot work out this node's address: {e}") from None
+        agent = Agent(rank, float(table.get("grace", 10.0)), _connect(table, rank, env), fallback="records",
+                      prefix=PREFIX)
+        code = agent.run(args, env, start={"addr": env[pc.NODE_HOST], "source": "mpi4py" if mpi else "env"})
+    except AgentError as e:
+        code = e.code
+        if rank is None:
+            os.write(2, f"{PREFIX}: error: {e}\n".encode("utf-8", "replace"))
+        else:
+            (agent or Agent(rank, 0.0, None, fallback="records", prefix=PREFIX)).error(str(e), code)
+    if mpi is not None:
+        try:
+            mpi.Finalize()  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - the exit code matters more than a finalize problem
+            pass
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

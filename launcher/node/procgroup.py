@@ -1,0 +1,148 @@
+# ruff: noqa: UP004, UP031
+"""Process groups and programs: the one copy that the launcher and every node program share.
+
+Every process a job starts is the leader of its own session and process group, so signalling
+the group reaches whatever it started (unless that called ``setsid()`` itself: see
+:func:`become_subreaper` and :func:`kill_children`). Standard library only, Python 3.5 syntax:
+the ssh wrapper imports this module on hosts with an old ``python3``.
+"""
+
+import ctypes
+import os
+import shutil
+import signal
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def signal_group(pgid, sig):
+    """Send ``sig`` to process group ``pgid``; a group that is gone (or not ours) is no error.
+
+    Never ``pgid`` 0 (the caller's own group) or 1, and never -1 (every process of the user).
+    """
+    if pgid > 1:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def group_alive(pgid):
+    """True while any process of group ``pgid`` exists (zombies included)."""
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def exit_status(pid):
+    """The exit code of child ``pid`` once it has ended (negative: killed by that signal), else None.
+
+    Does not reap it: while the zombie exists its pid, which is also its group's id, cannot be
+    reused, so signalling the group later can never hit a stranger.
+    """
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return -signal.SIGKILL
+    if info is None or info.si_pid == 0:
+        return None
+    if info.si_code == os.CLD_EXITED:
+        return info.si_status
+    return -info.si_status
+
+
+def resolve_program(argv0, environ, cwd=None):
+    """dmlc's rule: a bare name that is not on ``PATH`` but is an executable in ``cwd`` runs as ``./name``."""
+    if "/" in argv0 or shutil.which(argv0, path=environ.get("PATH", os.defpath)):
+        return argv0
+    local = os.path.join(cwd or os.getcwd(), argv0)
+    if os.path.isfile(local) and os.access(local, os.X_OK):
+        return "./" + argv0
+    return argv0
+
+
+def _prctl(option, value):
+    """Linux ``prctl(option, value)``; False where it is not available."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)  # the C library is loaded already
+        return libc.prctl(option, int(value), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def set_parent_death_signal(sig):
+    """Linux: this process gets ``sig`` when its parent dies."""
+    return _prctl(_PR_SET_PDEATHSIG, sig)
+
+
+def become_subreaper():
+    """Linux: orphaned descendants of this process are re-parented to it, not to init.
+
+    A program that calls ``setsid()`` or double-forks leaves its process group; as our
+    child it can still be found (:func:`children`) and stopped.
+    """
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def children(pid=None):
+    """The pids of the live (non-zombie) children of ``pid`` (default: this process)."""
+    pid = os.getpid() if pid is None else pid
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % entry, "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) > 1 and int(fields[1]) == pid and fields[0] not in (b"Z", b"X"):
+            found.append(int(entry))
+    return found
+
+
+def kill_children(sig=signal.SIGKILL, keep=()):
+    """Signal the group of every live child of this process (and the child itself), except ``keep``.
+
+    For a subreaper this reaches every descendant that escaped its group: each is our child
+    now, or a descendant of one. Repeats until no child is left to signal (a dying child's own
+    children are re-parented to us in turn); returns how many processes were signalled.
+    """
+    signalled = set()
+    for _ in range(50):
+        pids = [p for p in children() if p not in keep and p not in signalled]
+        if not pids:
+            break
+        for p in pids:
+            signalled.add(p)
+            try:
+                pgid = os.getpgid(p)
+            except OSError:
+                pgid = 0
+            if pgid > 1 and pgid != os.getpgid(0):
+                signal_group(pgid, sig)
+            try:
+                os.kill(p, sig)
+            except OSError:
+                pass
+        _reap_any()
+    return len(signalled)
+
+
+def _reap_any():
+    """Reap every child that has ended (a subreaper inherits zombies it must collect)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return

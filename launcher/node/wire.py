@@ -1,0 +1,145 @@
+"""The node channel: how a node agent reports to the launcher, and how the launcher controls it.
+
+Each node agent (an MPI rank's wrapper, a batch task's wrapper) opens one TCP connection to
+the launcher's hub (``launcher.runtime.hub``) before it starts its command. Both sides prove
+that they hold the job's secret; the secret itself never crosses the wire. Handshake, one
+line each way, then records and commands::
+
+    launcher: pslaunch-node 1 <server nonce, hex>
+    agent:    <ident> <client nonce, hex> <channel_mac(client)>
+    launcher: ok <channel_mac(server)>
+
+``ident`` is the process's number in the job (the MPI rank; a batch task's place in the
+job's process list). The MACs bind both nonces and the ident, so no proof can be replayed
+or used for another process.
+
+Agent -> launcher: *records*, one line each::
+
+    \\x1e<ident><kind> <payload>\\n
+
+with kind ``o``/``e`` a whole stdout/stderr line, ``O``/``E`` the first part of a longer one
+(no newline yet), ``s`` the start (JSON: pid, host, node address, ...), ``f`` the command
+could not start (JSON: error, code), ``x`` the exit code (128+N for signal N). The mpi
+backend also accepts records in-band, on mpirun's output, from an agent that cannot connect.
+
+Launcher -> agent: *commands*, one word per line: ``TERM``, ``INT`` (stop the command's
+group gracefully, ``KILL`` after the grace period), ``KILL``, ``ABRT`` (dump Python stacks).
+When the connection ends while the command runs, the launcher is gone: the agent stops it.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+import socket
+from typing import Optional, Sequence
+
+RECORD_MARK = b"\x1e"
+# A record must reach a pipe (mpirun's output) in one write: keep it under PIPE_BUF (4096).
+MAX_PAYLOAD = 3072
+STDOUT_LINE, STDOUT_PART, STDERR_LINE, STDERR_PART, START, FAILED, EXIT = "o", "O", "e", "E", "s", "f", "x"
+RECORD_RE = re.compile(rb"\x1e(\d+)([oOeEsfx]) ?(.*)", re.DOTALL)
+COMMANDS = ("TERM", "INT", "KILL", "ABRT")
+
+HELLO = b"pslaunch-node 1 "
+CONNECT_TIMEOUT = 10.0
+SEND_TIMEOUT = 60.0
+LINE_MAX = 512
+
+
+def record(ident: int, kind: str, payload: bytes = b"") -> bytes:
+    return RECORD_MARK + f"{ident}{kind} ".encode() + payload + b"\n"
+
+
+def parse_record(line: bytes) -> Optional[tuple[int, str, bytes]]:
+    """``(ident, kind, payload)`` for a record line (without its newline), else None."""
+    m = RECORD_RE.fullmatch(line)
+    if not m:
+        return None
+    return int(m.group(1)), m.group(2).decode(), m.group(3)
+
+
+def channel_mac(secret: str, side: str, server_nonce: bytes, client_nonce: bytes, ident: int) -> str:
+    """The proof that ``side`` (``client``: the agent, ``server``: the launcher) holds the job
+    secret, bound to both nonces and the ident."""
+    msg = b"\0".join((b"pslaunch-node", side.encode(), server_nonce, client_nonce, str(ident).encode()))
+    return hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()
+
+
+def _read_line(sock: socket.socket) -> bytes:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = sock.recv(LINE_MAX)
+        if not chunk:
+            raise ConnectionError("the launcher closed the connection")
+        data += chunk
+        if len(data) > LINE_MAX:
+            raise ConnectionError("the launcher's greeting is too long")
+    return data[:-1]
+
+
+class Channel:
+    """The agent's side of the connection (see the module docstring)."""
+
+    def __init__(self, address: Sequence[object], ident: int, secret: str) -> None:
+        host, port = str(address[0]), int(address[1])  # type: ignore[call-overload]
+        sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT)
+        try:
+            hello = _read_line(sock)
+            if not hello.startswith(HELLO):
+                raise ConnectionError(f"{host}:{port} is not a pslaunch launcher")
+            server_nonce = bytes.fromhex(hello[len(HELLO):].decode("ascii"))
+            client_nonce = os.urandom(16)
+            mac = channel_mac(secret, "client", server_nonce, client_nonce, ident)
+            sock.sendall(f"{ident} {client_nonce.hex()} {mac}\n".encode())
+            answer = _read_line(sock).decode("ascii", "replace")
+            expected = "ok " + channel_mac(secret, "server", server_nonce, client_nonce, ident)
+            if not hmac.compare_digest(answer, expected):
+                raise ConnectionError(f"{host}:{port} did not prove it holds the job's secret")
+        except (OSError, ValueError):
+            sock.close()
+            raise
+        sock.settimeout(SEND_TIMEOUT)
+        self.sock = sock
+        self._inbox = b""
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def commands(self) -> list[str]:
+        """The commands that arrived (call when :meth:`fileno` is readable).
+
+        Raises:
+            EOFError: the launcher closed the connection (or it broke).
+        """
+        try:
+            self.sock.setblocking(False)
+            try:
+                data = self.sock.recv(LINE_MAX)
+            finally:
+                self.sock.settimeout(SEND_TIMEOUT)
+        except (BlockingIOError, InterruptedError):
+            return []
+        except OSError:
+            data = b""
+        if not data:
+            raise EOFError
+        self._inbox += data
+        *lines, self._inbox = self._inbox.split(b"\n")
+        if len(self._inbox) > LINE_MAX:
+            self._inbox = b""
+        return [w for w in (line.decode("ascii", "replace").strip() for line in lines) if w in COMMANDS]
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_WR)  # the launcher reads everything, then EOF
+        except OSError:
+            pass
+        self.sock.close()

@@ -1,0 +1,160 @@
+"""The scheduler's address and port, as the nodes will see them; used by the supervisor and doctor.
+
+``DMLC_PS_ROOT_URI`` is, in order: this host's address on ``DMLC_INTERFACE``; ``--host-ip``
+(an address, or dmlc's guesses ``ip``/``dns``); 127.0.0.1 when everything runs on this
+machine; else the address that routes to the first host. The port is the first free one of
+``--port-range``; whether the scheduler really listens on it is checked against ``/proc``
+(someone else may take the port between the check and the scheduler's bind).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import TYPE_CHECKING, Mapping, Optional
+
+from pscontract import netif
+
+from ..errors import ConfigError, LaunchError
+from ..runtime.handle import group_members
+from ..spec.job import Host, JobSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..backends.base import Backend
+
+log = logging.getLogger(__name__)
+
+
+def is_literal_host_ip(value: Optional[str]) -> bool:
+    return bool(value) and value not in ("auto", "ip", "dns")
+
+
+def interface_address_or_none(iface: str, host_ip: Optional[str]) -> Optional[str]:
+    """This host's address on ``iface``; None if it has none there and a literal ``--host-ip`` stands in."""
+    try:
+        return netif.interface_address(iface)
+    except netif.NetifError as e:
+        if not is_literal_host_ip(host_ip):
+            raise
+        log.info("DMLC_INTERFACE=%s selects no address on this host (%s); the scheduler listens on "
+                 "--host-ip %s", iface, e, host_ip)
+        return None
+
+
+def scheduler_address(spec: JobSpec, addresses: Mapping[Host, str], backend: type[Backend]) -> str:
+    """``DMLC_PS_ROOT_URI``: the launching host's address the nodes can reach (see the module docstring).
+
+    A ``DMLC_INTERFACE`` that this host does not have is an error, unless ``--host-ip`` gives
+    an address (launching from a machine whose interfaces differ from the nodes', such as a
+    login node).
+    """
+    iface = spec.interface
+    try:
+        if iface:
+            address = interface_address_or_none(iface, spec.host_ip)
+            if address is not None:
+                return address
+        if is_literal_host_ip(spec.host_ip):
+            return netif.resolve_ipv4(spec.host_ip or "")
+        if spec.host_ip in ("ip", "dns"):
+            return netif.resolve_ipv4(netif.guess_host_ip(spec.host_ip))
+        if backend.needs_scheduler_address:
+            raise ConfigError(
+                f"--launcher {spec.launcher} cannot tell which address of this host its nodes reach: "
+                "set DMLC_INTERFACE (a name or a CIDR such as 10.1.0.0/16) or --host-ip ADDRESS")
+        if backend.all_here(spec) or not spec.hosts:
+            return "127.0.0.1"
+        first = spec.hosts[0]
+        return netif.route_source(addresses.get(first) or netif.resolve_ipv4(first.name))
+    except netif.NetifError as e:
+        raise ConfigError(str(e)) from None
+
+
+def dry_run_address(spec: JobSpec, backend: type[Backend]) -> str:
+    """The scheduler's address as a dry run shows it: real where it needs no network, else a placeholder."""
+    iface = spec.interface
+    try:
+        address = interface_address_or_none(iface, spec.host_ip) if iface else None
+    except netif.NetifError as e:
+        raise ConfigError(str(e)) from None
+    if address is not None:
+        return address
+    if is_literal_host_ip(spec.host_ip):
+        return spec.host_ip or ""
+    if backend.needs_scheduler_address:
+        return "<DMLC_INTERFACE or --host-ip>"
+    if backend.all_here(spec) or not spec.hosts:
+        return "127.0.0.1"
+    return "<this host's address toward the hosts>"
+
+
+def port_is_free(port: int) -> bool:
+    """True when nothing holds ``port`` on any address (a plain bind succeeds)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind(("", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def first_free_port(lo: int, hi: int, after: int = 0) -> int:
+    for port in range(max(lo, after + 1), hi + 1):
+        if port_is_free(port):
+            return port
+    raise LaunchError(f"no free port in --port-range {lo}-{hi} for the scheduler; "
+                      "free one or give another range")
+
+
+def is_listening(host: str, port: int, timeout: float = 0.2) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _listen_inodes(port: int) -> Optional[set[str]]:
+    """Socket inodes listening on TCP ``port`` (from /proc/net), or None without /proc."""
+    inodes: set[str] = set()
+    found_table = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as f:
+                next(f, None)
+                found_table = True
+                for line in f:
+                    fields = line.split()
+                    # local_address is HEXIP:HEXPORT, st 0A is LISTEN, inode is field 9
+                    if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(fields[9])
+        except OSError:
+            continue
+    return inodes if found_table else None
+
+
+def listener_is_in_group(pgid: int, port: int) -> bool:
+    """True when a process of group ``pgid`` holds the socket listening on ``port``.
+
+    Someone else may hold the port (it was taken between our probe and the
+    scheduler's bind); a successful connect alone would not tell us.
+    """
+    inodes = _listen_inodes(port)
+    if inodes is None:
+        return True  # no /proc: trust the connect
+    targets = {f"socket:[{i}]" for i in inodes}
+    for pid in group_members(pgid):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in targets:
+                    return True
+            except OSError:
+                continue
+    return False

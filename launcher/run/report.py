@@ -1,0 +1,131 @@
+"""What the launcher tells the user about a job: the result, the failure report, ``--summary-json``,
+and the dry run's plan. Pure functions of data, except the two that write (log and file).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+from pscontract import NODE_HOST
+
+from ..runtime.handle import ProcessHandle, ProcRecord, describe_exit
+from ..spec import env as jobenv
+from ..spec.job import JobSpec
+from ..spec.plan import Plan
+
+log = logging.getLogger(__name__)
+
+#: Why a job ended.
+REASONS = ("success", "failure", "signal", "timeout")
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """The outcome: ``exit_code`` is what the launcher exits with."""
+
+    exit_code: int
+    reason: str  # one of REASONS
+    first_failure: Optional[ProcRecord]
+    records: tuple[ProcRecord, ...]
+    start_time: float
+    end_time: float
+    message: str = ""
+
+
+def secret_env(plan: Optional[Plan]) -> dict[str, str]:
+    """Every variable of every process of ``plan``: what :func:`jobenv.redact_text` must hide."""
+    env: dict[str, str] = {}
+    if plan is not None:
+        for p in plan.all:
+            env.update(p.env)
+    return env
+
+
+def failure_report(h: ProcessHandle, others: int, env: Mapping[str, str]) -> str:
+    """Log who failed first, how, and the last lines of its output; returns the first line.
+
+    A process that could not start at all (``h.failure``) is one line: the reason says it all.
+    """
+    if h.failure is not None:
+        head = f"{h.describe()}: {h.failure}"
+        log.error("%s", jobenv.redact_text(head, env))
+        return head
+    head = f"{h.describe()} {describe_exit(h.exit_code or 0)} first"
+    if others:
+        head += "; stopped the other processes"
+    log.error("%s", jobenv.redact_text(head, env))
+    lines = h.output.lines()
+    if lines:
+        log.error("last %d line%s of %s:", len(lines), "" if len(lines) == 1 else "s", h.label)
+        for line in lines:
+            log.error("  | %s", jobenv.redact_text(line, env))
+    return head
+
+
+def write_summary(path: str, spec: JobSpec, plan: Optional[Plan], result: JobResult) -> None:
+    """``--summary-json``: one record per process, written atomically; a write error is logged."""
+    doc = {
+        "job_id": plan.job_id if plan else None,
+        "launcher": spec.launcher,
+        "command": list(spec.command),
+        "exit_code": result.exit_code,
+        "reason": result.reason,
+        "first_failure": result.first_failure.name if result.first_failure else None,
+        "scheduler": f"{plan.root_uri}:{plan.root_port}" if plan and plan.scheduler else None,
+        "start_time": result.start_time,
+        "end_time": result.end_time,
+        "processes": [r.to_dict() for r in result.records],
+    }
+    text = jobenv.redact_text(json.dumps(doc, indent=2), secret_env(plan))
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        log.error("cannot write --summary-json %s: %s", path, e.strerror or e)
+
+
+def format_dry_run(spec: JobSpec, plan: Plan, extra: Sequence[str] = (), inherits: bool = False) -> str:
+    """The plan as text: a table of processes, the command, each process's variables.
+
+    ``inherits``: the processes also get the launcher's own environment beneath these.
+    """
+    lo, hi = spec.port_range
+    out = [f"pslaunch dry run ({spec.launcher}): 1 scheduler, {spec.num_servers} server(s), "
+           f"{spec.num_workers} worker(s); nothing is started" if plan.scheduler else
+           f"pslaunch dry run ({spec.launcher}): {spec.num_workers} worker(s), no servers and no "
+           "scheduler (-s 0); nothing is started"]
+    if plan.scheduler:
+        out.append(f"scheduler address {plan.root_uri}, port: the first free one of {lo}-{hi} "
+                   f"(shown as {plan.root_port})")
+    out.append("")
+    rows = [("ROLE", "RANK", "TASK_ID", "HOST", "DMLC_NODE_HOST")]
+    for p in plan.all:
+        rows.append((str(p.role), str(p.rank) if p.task_id is not None else "-",
+                     str(p.task_id) if p.task_id is not None else "-",
+                     p.host.display if p.host else "localhost",
+                     p.env.get(NODE_HOST, "(found on the node)" if p.task_id is not None else "-")))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        out.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    out.append("")
+    out.append("command (every role): " + shlex.join(spec.command))
+    if spec.workdir:
+        out.append(f"working directory: {spec.workdir}")
+    envs = [jobenv.redact(p.env) for p in plan.all]
+    common = {k: v for k, v in envs[0].items() if all(e.get(k) == v for e in envs[1:])}
+    out.append("environment, all processes" + (" (on top of the launcher's own environment):" if inherits else ":"))
+    out.extend(f"  {k}={shlex.quote(v)}" for k, v in sorted(common.items()))
+    for p, env in zip(plan.all, envs):
+        own = {k: v for k, v in env.items() if k not in common}
+        out.append(f"  {p.label}: " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(own.items())))
+    if extra:
+        out.append("")
+        out.extend(extra)
+    return "\n".join(out)

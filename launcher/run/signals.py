@@ -1,0 +1,78 @@
+"""Signals while a job runs: the first SIGINT/SIGTERM/SIGHUP stops it gracefully, the second kills.
+
+:class:`Signals` turns a signal into :class:`Interrupted`, raised on the main thread, so
+cleanup is plain ``try``/``finally`` (torch elastic's pattern). A signal that arrives while a
+child is being spawned and registered is raised only once that is done (:meth:`Signals.check`),
+so no child is ever started without the launcher knowing about it.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Optional
+
+from ..runtime.handle import spawning
+
+log = logging.getLogger(__name__)
+
+#: The launcher's exit code per signal (the shell's 128+N).
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
+
+
+class Interrupted(Exception):
+    """A signal arrived while the job was starting."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Signals:
+    """First SIGINT/SIGTERM/SIGHUP: stop gracefully. Second: kill at once."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first: Optional[int] = None
+        self.raise_now = True
+        self.deferred: Optional[int] = None
+        self._old: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            log.debug("not on the main thread: signals are not handled")
+            return
+        for sig in EXIT_CODES:
+            self._old[sig] = signal.signal(sig, self.handle)
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)  # type: ignore[arg-type]
+        self._old.clear()
+
+    def handle(self, signum: int, frame: object = None) -> None:
+        self.count += 1
+        if self.first is None:
+            self.first = signum
+        if self.count == 1:
+            log.warning("%s received: stopping every process (again to kill at once)",
+                        signal.Signals(signum).name)
+        elif self.count == 2:
+            log.warning("%s received again: killing every process", signal.Signals(signum).name)
+        if self.raise_now:
+            if spawning():
+                self.deferred = signum  # raised by check() once the child is registered
+                return
+            self.raise_now = False
+            raise Interrupted(signum)
+
+    def check(self) -> None:
+        """Raise a signal that arrived while a child was being spawned."""
+        if self.deferred is not None and self.raise_now:
+            self.raise_now = False
+            raise Interrupted(self.deferred)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES.get(self.first or signal.SIGINT, 130)

@@ -1,0 +1,219 @@
+"""Process handles and groups: the one interface the supervisor uses for every backend.
+
+A backend starts the servers and workers and returns a :class:`ProcGroup`: one
+:class:`ProcessHandle` per process, and the way to signal them all at once (one ``mpirun``,
+one YARN application, one kill command per ssh host: each backend knows its own). The
+supervisor polls the handles (:meth:`ProcessHandle.poll`), signals the groups
+(:meth:`ProcGroup.terminate`, :meth:`~ProcGroup.kill`, :meth:`~ProcGroup.dump_stacks`) and
+reads each handle's :meth:`~ProcessHandle.record` for the report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass
+from typing import Iterable, Iterator, Mapping, Optional
+
+from ..node.procgroup import group_alive
+from ..spec.plan import ProcSpec
+from .output import ProcOutput
+
+_spawning = 0
+
+
+def spawning() -> bool:
+    """True while a child is being created and registered (signal handlers must not raise then)."""
+    return _spawning > 0
+
+
+@contextlib.contextmanager
+def spawn_guard() -> Iterator[None]:
+    global _spawning
+    _spawning += 1
+    try:
+        yield
+    finally:
+        _spawning -= 1
+
+
+def normalize_exitcode(code: int) -> int:
+    """Popen's ``-N`` (killed by signal N) becomes the shell's ``128+N``."""
+    return 128 - code if code < 0 else code
+
+
+def signal_name(code: int | None) -> str | None:
+    """``137`` -> ``"SIGKILL"``; ``None`` for a normal exit code."""
+    if code is None or code <= 128 or code > 128 + 64:
+        return None
+    try:
+        return signal.Signals(code - 128).name
+    except ValueError:
+        return None
+
+
+def describe_exit(code: int) -> str:
+    sig = signal_name(code)
+    return f"was killed by {sig} (exit code {code})" if sig else f"exited with code {code}"
+
+
+@dataclass
+class ProcRecord:
+    """What ``--summary-json`` says about one process."""
+
+    name: str
+    role: str
+    rank: int
+    task_id: Optional[int]
+    host: str
+    pid: Optional[int]
+    start_time: Optional[float]
+    end_time: Optional[float]
+    exit_code: Optional[int]
+    signal: Optional[str]
+    stopped_by_launcher: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class ProcessHandle:
+    """A started server or worker (or the scheduler), wherever it runs.
+
+    Subclasses implement :meth:`_poll`, :meth:`terminate`, :meth:`kill`; the base class keeps
+    times, the exit code and the output. A subclass that learns when the process ended (a
+    node's exit record) sets :attr:`ended_at` before :meth:`_poll` returns the code, so the
+    first failure is the first to have happened, not the first to be seen.
+    """
+
+    def __init__(self, proc: ProcSpec, output: ProcOutput, host: str, clock: object = time) -> None:
+        self.proc = proc
+        self.output = output
+        self.host = host
+        self.clock = clock
+        self.pid: int | None = None
+        self.start_time = clock.time()  # type: ignore[attr-defined]
+        self.end_time: float | None = None
+        self.ended_at: float | None = None
+        self.exit_code: int | None = None
+        #: why the process could not start at all (one line), set with its exit code
+        self.failure: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.proc.name
+
+    @property
+    def label(self) -> str:
+        return self.proc.label
+
+    def _poll(self) -> int | None:
+        raise NotImplementedError
+
+    def poll(self) -> int | None:
+        """The exit code (128+N for signal N) once the process has ended, else ``None``."""
+        if self.exit_code is None:
+            code = self._poll()
+            if code is not None:
+                self.exit_code = normalize_exitcode(code)
+                self.end_time = self.ended_at or self.clock.time()  # type: ignore[attr-defined]
+        return self.exit_code
+
+    def terminate(self) -> None:
+        """Ask the process (and everything it started) to stop: SIGTERM."""
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        """Force the process and everything it started to stop: SIGKILL."""
+        raise NotImplementedError
+
+    def dump_stacks(self) -> None:
+        """Make Python processes print their stacks (faulthandler on SIGABRT)."""
+
+    def cleanup(self, groups: Mapping[int, list[int]] | None = None) -> None:
+        """Kill anything the process left behind after it exited.
+
+        ``groups`` is a :func:`scan_groups` snapshot shared by all handles.
+        """
+
+    def describe(self) -> str:
+        where = f"on {self.host}" + (f", pid {self.pid}" if self.pid else "")
+        return f"{self.label} ({where})"
+
+    def record(self, stopped_by_launcher: bool = False) -> ProcRecord:
+        return ProcRecord(
+            name=self.name, role=str(self.proc.role), rank=self.proc.rank, task_id=self.proc.task_id,
+            host=self.host, pid=self.pid, start_time=self.start_time, end_time=self.end_time,
+            exit_code=self.exit_code, signal=signal_name(self.exit_code),
+            stopped_by_launcher=stopped_by_launcher,
+        )
+
+
+def scan_groups() -> dict[int, list[int]] | None:
+    """Live (non-zombie) pids by process group, from one pass over ``/proc``; None without /proc."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    groups: dict[int, list[int]] = {}
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # "pid (comm) state ppid pgrp ..." - comm may contain spaces and parens
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) > 2 and fields[0] not in (b"Z", b"X"):
+            groups.setdefault(int(fields[2]), []).append(int(entry))
+    return groups
+
+
+def group_members(pgid: int, groups: Mapping[int, list[int]] | None = None) -> list[int]:
+    """Live (non-zombie) pids in process group ``pgid`` (from ``groups`` if given, else ``/proc``)."""
+    if groups is None:
+        groups = scan_groups()
+        if groups is None:
+            return [pgid] if group_alive(pgid) else []
+    return list(groups.get(pgid, ()))
+
+
+
+
+class ProcGroup:
+    """The processes one backend started, and how to signal all of them at once.
+
+    The default signals each handle; a backend whose processes share one controller (one
+    ``mpirun``, one YARN application, one connection per ssh host) overrides these methods to
+    signal it once. Every method is idempotent and never raises for a process that has ended.
+    """
+
+    def __init__(self, handles: Iterable[ProcessHandle] = ()) -> None:
+        self.handles = list(handles)
+
+    def running(self) -> list[ProcessHandle]:
+        return [h for h in self.handles if h.poll() is None]
+
+    def terminate(self) -> None:
+        """Ask every running process to stop (SIGTERM, or what stands for it)."""
+        for h in self.running():
+            h.terminate()
+
+    def kill(self) -> None:
+        """Stop every running process now (SIGKILL)."""
+        for h in self.running():
+            h.kill()
+
+    def dump_stacks(self) -> None:
+        """Make every running Python process print its stacks (faulthandler on SIGABRT)."""
+        for h in self.running():
+            h.dump_stacks()
+
+    def cleanup(self, groups: Optional[Mapping[int, list[int]]] = None) -> None:
+        """The job is over: remove whatever the processes left behind (see :meth:`ProcessHandle.cleanup`)."""
+        for h in self.handles:
+            h.cleanup(groups)

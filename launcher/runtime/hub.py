@@ -1,0 +1,261 @@
+"""The hub: where node agents connect to report their process, and receive commands.
+
+A backend whose processes run under a node agent (``launcher.node.agent``: the mpi rank
+wrapper, the batch task wrapper) opens one hub per job, on an address every node reaches and
+a free port of ``--port-range``, and tells the agents where it is. Each agent opens one TCP
+connection, and both sides prove they hold the job's secret (``launcher.node.wire``). A
+connection is served only after that, only for a process of this job, and only once per
+process; unauthenticated connections are bounded in number and in time, and what they send
+before proving anything is bounded in size.
+
+Records are read on the backend's pump thread (:class:`~launcher.runtime.output.PipePump`)
+and handed to the backend's callbacks; commands (``TERM``, ``KILL``, ``ABRT``, ``INT``) go
+back on the same connection.
+"""
+
+from __future__ import annotations
+
+import errno
+import hmac
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Callable, Iterable, Optional, Sequence
+
+from ..node import wire
+from .output import PipePump
+
+log = logging.getLogger(__name__)
+
+# Connections that have not proven the job secret: how many may wait, and how long.
+PENDING_MAX = 64
+HANDSHAKE_WAIT = 15.0
+# A longer run of bytes without a newline cannot be a record (those are short): cut there.
+MAX_UNTERMINATED = 64 * 1024
+
+
+class _Conn:
+    """One accepted connection: the handshake, then the records of the process it proved to be."""
+
+    def __init__(self, hub: Hub, sock: socket.socket, peer: str) -> None:
+        self.hub = hub
+        self.sock = sock
+        self.peer = peer
+        self.nonce = os.urandom(16)
+        self.since = time.monotonic()
+        self.ident: Optional[int] = None
+        self.rejected = False
+        self.buf = b""
+
+    def feed(self, data: bytes) -> None:
+        if self.rejected:
+            return
+        self.buf += data
+        if self.ident is None:
+            line, newline, rest = self.buf.partition(b"\n")
+            if not newline:
+                if len(self.buf) > wire.LINE_MAX:
+                    self.reject("its greeting is too long")
+                return
+            self.buf = b""
+            if not self._handshake(line):
+                return
+            self.buf = rest
+        *lines, self.buf = self.buf.split(b"\n")
+        if len(self.buf) > MAX_UNTERMINATED:
+            lines.append(self.buf)
+            self.buf = b""
+        for line in lines:
+            self._record(line)
+
+    def _record(self, line: bytes) -> None:
+        parsed = wire.parse_record(line)
+        if parsed is None or parsed[0] != self.ident:
+            log.debug("process %s's connection sent a line that is not one of its records: %r", self.ident, line[:80])
+            return
+        self.hub.on_record(parsed[0], parsed[1], parsed[2])
+
+    def _handshake(self, line: bytes) -> bool:
+        hub = self.hub
+        try:
+            ident_text, client_hex, mac = line.decode("ascii").split(" ")
+            ident, client_nonce = int(ident_text), bytes.fromhex(client_hex)
+        except ValueError:
+            self.reject("it does not speak the node agents' protocol")
+            return False
+        expected = wire.channel_mac(hub.secret, "client", self.nonce, client_nonce, ident)
+        if not hmac.compare_digest(mac, expected):
+            self.reject("it does not hold the job's secret")
+            return False
+        with hub.lock:
+            taken = ident not in hub.idents or ident in hub.conns
+            if not taken:
+                hub.conns[ident] = self
+                hub.pending.discard(self)
+        if taken:
+            self.reject(f"process {ident} is not in the job or already connected")
+            return False
+        self.ident = ident
+        hub.on_open(ident)  # before the agent hears "ok" and starts its command
+        try:
+            proof = wire.channel_mac(hub.secret, "server", self.nonce, client_nonce, ident)
+            self.sock.send(f"ok {proof}\n".encode())  # a few bytes into an empty buffer
+        except OSError:
+            pass  # the agent sees the connection fail and falls back
+        return True
+
+    def send(self, command: str) -> bool:
+        try:
+            self.sock.sendall(command.encode() + b"\n")
+            return True
+        except OSError:
+            return False
+
+    def reject(self, why: str) -> None:
+        if not self.rejected:
+            self.rejected = True
+            self.hub.rejected(self.peer, why)
+        with self.hub.lock:
+            self.hub.pending.discard(self)  # no longer waited for (the sweep skips it)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # the pump reads EOF and lets go of it
+        except OSError:
+            pass
+
+    def closed(self) -> None:
+        """The pump read EOF (and closed its copy of the descriptor)."""
+        self.sock.close()
+        with self.hub.lock:
+            self.hub.pending.discard(self)
+            if self.ident is not None and self.hub.conns.get(self.ident) is self:
+                del self.hub.conns[self.ident]
+        if self.ident is not None:
+            if self.buf:
+                self._record(self.buf)
+                self.buf = b""
+            self.hub.on_close(self.ident)
+
+
+class Hub:
+    """One job's hub (see the module docstring).
+
+    Args:
+        pump: reads the connections (the backend's pump: records and its other pipes are
+            handled on one thread).
+        secret: the job's secret.
+        address: where to listen (an address of this host that every node reaches).
+        ports: ports to try first, in order (a free one of ``--port-range``); else any port.
+        idents: the processes that may connect.
+        on_record: ``(ident, kind, payload)`` for every record.
+        on_open / on_close: a process's connection was accepted / ended.
+    """
+
+    def __init__(self, pump: PipePump, secret: str, address: str, ports: Sequence[int], idents: Iterable[int],
+                 on_record: Callable[[int, str, bytes], None], on_open: Callable[[int], None] = lambda i: None,
+                 on_close: Callable[[int], None] = lambda i: None) -> None:
+        self.pump = pump
+        self.secret = secret
+        self.idents = frozenset(idents)
+        self.on_record = on_record
+        self.on_open = on_open
+        self.on_close = on_close
+        self.lock = threading.Lock()
+        self.conns: dict[int, _Conn] = {}
+        self.pending: set[_Conn] = set()
+        self._warned = False
+        self.sock = bind_first(address, ports)
+        self.address = (address, self.sock.getsockname()[1])
+        self.sock.listen(128)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="pslaunch-hub", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        self.sock.settimeout(0.25)
+        while not self._stop.is_set():
+            self._sweep()
+            try:
+                sock, peer = self.sock.accept()
+            except OSError:
+                continue
+            conn = _Conn(self, sock, f"{peer[0]}:{peer[1]}")
+            with self.lock:
+                full = len(self.pending) >= PENDING_MAX
+                if not full:
+                    self.pending.add(conn)
+            if full:
+                sock.close()
+                continue
+            try:
+                sock.settimeout(5.0)
+                sock.sendall(wire.HELLO + conn.nonce.hex().encode() + b"\n")
+                fd = os.dup(sock.fileno())
+            except OSError:
+                with self.lock:
+                    self.pending.discard(conn)
+                sock.close()
+                continue
+            self.pump.add(fd, conn.feed, conn.closed)
+
+    def _sweep(self) -> None:
+        """Connections that have not proven the secret in time are dropped."""
+        now = time.monotonic()
+        with self.lock:
+            stale = [c for c in self.pending if now - c.since > HANDSHAKE_WAIT]
+        for c in stale:
+            c.reject("it did not finish the handshake in time")
+
+    def rejected(self, peer: str, why: str) -> None:
+        (log.debug if self._warned else log.warning)(
+            "refused a connection to the node agents' port from %s: %s", peer, why)
+        self._warned = True
+
+    def connected(self, ident: int) -> bool:
+        with self.lock:
+            return ident in self.conns
+
+    def send(self, ident: int, command: str) -> bool:
+        """Send ``command`` to process ``ident``'s agent; False if it has no connection."""
+        if command not in wire.COMMANDS:
+            raise ValueError(f"unknown command {command!r}")
+        with self.lock:
+            conn = self.conns.get(ident)
+        return conn is not None and conn.send(command)
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() at once (Linux)
+        except OSError:
+            pass
+        self._thread.join(2.0)
+        self.sock.close()
+        with self.lock:
+            conns = list(self.conns.values())
+        for c in conns:
+            try:
+                c.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def bind_first(address: str, ports: Sequence[int]) -> socket.socket:
+    """A TCP socket bound to ``address`` on the first free of ``ports``, else any port."""
+    for port in [*ports, 0]:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind((address, port))
+            return sock
+        except OSError as e:
+            sock.close()
+            if port == 0 or e.errno == errno.EADDRNOTAVAIL:  # (no other port will do better)
+                raise
+    raise AssertionError("unreachable")
+
+
+def hub_ports(port_range: tuple[int, int], after: int) -> list[int]:
+    """The ports a hub tries: the first 64 of ``--port-range`` after the scheduler's, then 16 below."""
+    lo, hi = port_range
+    return [*range(after + 1, hi + 1)][:64] + [*range(lo, after)][:16]

@@ -1,0 +1,129 @@
+"""The launcher's side of the environment: what reaches a process, and what is never shown.
+
+The contract itself (its names, and each role's variables) is :mod:`pscontract`. This module is
+the launcher's policy around it. Precedence, highest first, for a server or worker:
+
+1. the contract (:func:`pscontract.contract`): never taken from anywhere else;
+2. ``--env-server`` / ``--env-worker`` for that role;
+3. ``--env``;
+4. the forwarded variables of the launcher's environment (:func:`forwarded`);
+5. on a backend whose processes all run here, the launcher's whole inherited environment.
+
+Values of variables with secret-looking names (:func:`is_secret`) never appear in logs, dry
+runs, error reports or the summary.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import pscontract as pc
+
+FORWARD_PREFIXES = ("PS_", "DMLC_", "OMP_", "KMP_", "MXNET_", "AWS_")
+FORWARD_NAMES = frozenset({"PYTHONPATH", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES"})
+
+_SECRET_WORDS = ("SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL")
+REDACTED = "<redacted>"
+
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def is_valid_name(name: str) -> bool:
+    """True for a portable environment variable name (``[A-Za-z_][A-Za-z0-9_]*``)."""
+    return bool(_NAME_RE.match(name))
+
+
+def is_secret(name: str) -> bool:
+    """True when a variable's value must never be shown (logs, dry runs, errors)."""
+    upper = name.upper()
+    return any(word in upper for word in _SECRET_WORDS) or upper.endswith("_KEY")
+
+
+def redact(env: Mapping[str, str]) -> dict[str, str]:
+    """A copy of ``env`` with every secret value replaced by ``<redacted>``."""
+    return {k: (REDACTED if is_secret(k) else v) for k, v in env.items()}
+
+
+def redact_text(text: str, env: Mapping[str, str]) -> str:
+    """Replace every secret value of ``env`` that occurs in ``text``."""
+    for k, v in env.items():
+        if v and len(v) >= 4 and is_secret(k):
+            text = text.replace(v, REDACTED)
+    return text
+
+
+def is_forwarded(name: str) -> bool:
+    """True when the launcher carries ``name`` from its own environment to every node."""
+    return name in FORWARD_NAMES or name.startswith(FORWARD_PREFIXES)
+
+
+def forwarded(environ: Mapping[str, str], extra_names: Iterable[str] = ()) -> dict[str, str]:
+    """The variables of ``environ`` that reach every node on every backend.
+
+    ``PS_*``, ``DMLC_*`` (``DMLC_INTERFACE`` included), ``OMP_*``, ``KMP_*``,
+    ``MXNET_*``, ``AWS_*``, ``PYTHONPATH``, ``LD_LIBRARY_PATH`` and
+    ``CUDA_VISIBLE_DEVICES``, plus ``extra_names``. Contract variables are
+    left out: the launcher sets those itself.
+    A name that is not a portable variable name (``PS_A$(id)``, set with
+    ``env``) is never forwarded: YARN writes ``export NAME=...`` lines into a
+    shell script and MPICH joins names with commas.
+    """
+    extra = set(extra_names)
+    return {
+        k: v for k, v in environ.items()
+        if (is_forwarded(k) or k in extra) and k not in pc.CONTRACT and k != pc.SUBMIT_CLUSTER and is_valid_name(k)
+    }
+
+
+@dataclass(frozen=True)
+class Composed:
+    """A process's final environment and the names whose other values lost to the contract."""
+
+    env: dict[str, str]
+    overridden: tuple[str, ...]
+
+
+def compose(
+    contract_env: Mapping[str, str],
+    *,
+    role_env: Mapping[str, str] = {},
+    cli_env: Mapping[str, str] = {},
+    forwarded_env: Mapping[str, str] = {},
+    inherited: Mapping[str, str] | None = None,
+) -> Composed:
+    """Merge the layers, lowest precedence first, and report overridden contract names.
+
+    ``overridden`` lists contract variables that the inherited environment,
+    the forwarded set, ``--env`` or a per-role ``--env-*`` tried to set to a
+    different value; the caller warns once about them.
+    """
+    env: dict[str, str] = {}
+    overridden: set[str] = set()
+    for layer in (inherited or {}, forwarded_env, cli_env, role_env):
+        for k, v in layer.items():
+            if k in pc.CONTRACT:
+                if k in contract_env and contract_env[k] != v:
+                    overridden.add(k)
+                elif k not in contract_env and k in (pc.ROLE, pc.ROOT_URI, pc.ROOT_PORT, pc.NODE_HOST):
+                    overridden.add(k)
+                continue
+            env[k] = v
+    env.update(contract_env)
+    # Like torchrun: one OpenMP thread per process unless the user says otherwise.
+    env.setdefault(pc.OMP_NUM_THREADS, "1")
+    return Composed(env=env, overridden=tuple(sorted(overridden)))
+
+
+def launcher_defaults(env: dict[str, str]) -> dict[str, str]:
+    """Add the launcher's process defaults that only apply when unset.
+
+    ``PYTHONUNBUFFERED=1`` so Python output reaches the console line by line,
+    ``PYTHONFAULTHANDLER=1`` so ``--timeout`` can dump Python stacks.
+    """
+    env.setdefault(pc.PYTHONUNBUFFERED, "1")
+    env.setdefault(pc.PYTHONFAULTHANDLER, "1")
+    return env
+
+

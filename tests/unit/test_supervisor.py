@@ -1,0 +1,186 @@
+"""The supervisor against a fake backend and a scripted clock: fail-fast order, staged shutdown,
+the second signal, --timeout, and the summary, with every moment chosen by the test.
+
+The fake processes are scripts over virtual time: each knows when it exits and with which code,
+whether it ignores SIGTERM, and what it does when killed. Virtual time advances only when the
+supervisor sleeps, so the order of events is exact, never a race with the machine's clock.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import pytest
+
+from launcher.backends.base import Backend
+from launcher.run.supervisor import Supervisor
+from launcher.runtime.handle import ProcessHandle, ProcGroup
+from launcher.runtime.output import Console
+from launcher.spec.job import JobSpec
+from launcher.spec.plan import ProcSpec
+
+
+class Clock:
+    """Virtual time: ``sleep`` moves it forward; nothing else does."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.on_sleep: list = []
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        for hook in list(self.on_sleep):
+            hook(self.now)
+
+
+@dataclass
+class Script:
+    """What one fake process does: exit with ``code`` at time ``exit_at`` (None: never by itself)."""
+
+    exit_at: Optional[float] = None
+    code: int = 0
+    ignores_term: bool = False
+    events: list[tuple[float, str]] = field(default_factory=list)
+
+
+class FakeHandle(ProcessHandle):
+    def __init__(self, proc: ProcSpec, output: Any, clock: Clock, script: Script, t0: float) -> None:
+        super().__init__(proc, output, "fakehost", clock=clock)
+        self.script, self.clock_, self.t0 = script, clock, t0
+        self.pid = 100 + proc.task_id if proc.task_id is not None else 99
+        self._code: Optional[int] = None
+
+    def _poll(self) -> Optional[int]:
+        s = self.script
+        if self._code is None and s.exit_at is not None and self.clock_.now - self.t0 >= s.exit_at:
+            self._end(s.code, self.t0 + s.exit_at)
+        return self._code
+
+    def _end(self, code: int, at: float) -> None:
+        self._code, self.ended_at = code, at
+        self.output.close()
+
+    def terminate(self) -> None:
+        self.script.events.append((self.clock_.now - self.t0, "TERM"))
+        if not self.script.ignores_term and self._poll() is None:
+            self._end(143, self.clock_.now)
+
+    def kill(self) -> None:
+        self.script.events.append((self.clock_.now - self.t0, "KILL"))
+        if self._poll() is None:
+            self._end(137, self.clock_.now)
+
+    def dump_stacks(self) -> None:
+        self.script.events.append((self.clock_.now - self.t0, "ABRT"))
+
+
+def fake_backend(scripts: dict[str, Script], clock: Clock, groups: list) -> type[Backend]:
+    class FakeBackend(Backend):
+        name = "fake"
+        remote = True
+
+        def start(self, procs: Sequence[ProcSpec]) -> ProcGroup:
+            t0 = clock.now
+            group = ProcGroup(FakeHandle(p, self.console.proc(p.name, p.label, str(p.role)), clock, scripts[p.name],
+                                         t0) for p in procs)
+            groups.append(group)
+            return group
+
+    return FakeBackend
+
+
+def run(scripts: dict[str, Script], tmp_path, workers: int, clock: Optional[Clock] = None, **kw: Any):
+    clock = clock or Clock()
+    spec = JobSpec(command=("prog",), num_workers=workers, num_servers=0, launcher="fake", kill_grace=10.0,
+                   summary_json=str(tmp_path / "summary.json"), **kw)
+    err = io.BytesIO()
+    groups: list = []
+    sup = Supervisor(spec, Console(stdout=io.BytesIO(), stderr=err, color=False),
+                     backend=fake_backend(scripts, clock, groups), clock=clock, watchdog=False)
+    result = sup.run()
+    return result, sup, clock, json.loads((tmp_path / "summary.json").read_text())
+
+
+def test_the_first_failure_by_time_is_reported_not_the_first_seen(tmp_path) -> None:
+    # worker-2 fails at 5.0 s, worker-0 at 5.01 s; worker-0 is polled first: the report names worker-2
+    scripts = {"worker-0": Script(exit_at=5.01, code=4), "worker-1": Script(), "worker-2": Script(exit_at=5.0, code=3)}
+    result, sup, clock, doc = run(scripts, tmp_path, 3)
+    assert result.exit_code == 3 and result.reason == "failure"
+    assert result.first_failure is not None and result.first_failure.name == "worker-2"
+    assert doc["first_failure"] == "worker-2" and doc["exit_code"] == 3
+
+
+def test_staged_shutdown_term_then_kill_after_the_grace(tmp_path) -> None:
+    scripts = {"worker-0": Script(exit_at=1.0, code=7), "worker-1": Script(), "worker-2": Script(ignores_term=True)}
+    result, sup, clock, doc = run(scripts, tmp_path, 3)
+    assert result.exit_code == 7
+    w1, w2 = scripts["worker-1"].events, scripts["worker-2"].events
+    assert [e for _, e in w1] == ["TERM"]                     # it stopped on SIGTERM
+    assert [e for _, e in w2] == ["TERM", "KILL"]             # it ignored it: SIGKILL after the grace
+    (t_term, _), (t_kill, _) = w2
+    assert t_term == pytest.approx(1.0, abs=0.05) and t_kill - t_term == pytest.approx(10.0, abs=0.05)
+    procs = {p["name"]: p for p in doc["processes"]}
+    assert not procs["worker-0"]["stopped_by_launcher"] and procs["worker-0"]["exit_code"] == 7
+    assert procs["worker-1"]["stopped_by_launcher"] and procs["worker-1"]["signal"] == "SIGTERM"
+    assert procs["worker-2"]["stopped_by_launcher"] and procs["worker-2"]["signal"] == "SIGKILL"
+
+
+def test_a_second_signal_kills_at_once(tmp_path) -> None:
+    scripts = {"worker-0": Script(ignores_term=True), "worker-1": Script(ignores_term=True)}
+    clock = Clock()
+    sent = []
+
+    def signals(now: float) -> None:  # Ctrl-C at 2 s, again at 4 s (during the 10 s grace)
+        sup_ = holder[0]
+        for at in (2.0, 4.0):
+            if now - 1000.0 >= at and at not in sent:
+                sent.append(at)
+                sup_.signals.handle(signal.SIGINT)
+
+    holder: list = []
+    spec = JobSpec(command=("prog",), num_workers=2, num_servers=0, launcher="fake", kill_grace=10.0)
+    groups: list = []
+    sup = Supervisor(spec, Console(stdout=io.BytesIO(), stderr=io.BytesIO(), color=False),
+                     backend=fake_backend(scripts, clock, groups), clock=clock, watchdog=False)
+    holder.append(sup)
+    clock.on_sleep.append(signals)
+    result = sup.run()
+    assert result.exit_code == 130 and result.reason == "signal"
+    for s in scripts.values():
+        assert [e for _, e in s.events] == ["TERM", "KILL"]
+        (t_term, _), (t_kill, _) = s.events
+        assert t_term == pytest.approx(2.0, abs=0.05)   # the first Ctrl-C: SIGTERM
+        assert t_kill == pytest.approx(4.0, abs=0.05)   # the second: SIGKILL then, not after the grace
+
+
+def test_timeout_dumps_stacks_then_stops_and_exits_124(tmp_path) -> None:
+    scripts = {"worker-0": Script(), "worker-1": Script(exit_at=3.0, code=0)}
+    result, sup, clock, doc = run(scripts, tmp_path, 2, timeout=20.0)
+    assert result.exit_code == 124 and result.reason == "timeout"
+    events = scripts["worker-0"].events
+    assert [e for _, e in events] == ["ABRT", "TERM"]
+    assert events[0][0] == pytest.approx(20.0, abs=0.05)           # at the timeout
+    assert events[1][0] - events[0][0] == pytest.approx(3.0, abs=0.05)  # after the dumps had time to print
+    assert scripts["worker-1"].events == []                       # it had already ended: left alone
+    assert doc["reason"] == "timeout" and doc["exit_code"] == 124
+
+
+def test_success_summary_records_every_process(tmp_path) -> None:
+    scripts = {"worker-0": Script(exit_at=1.0), "worker-1": Script(exit_at=2.5)}
+    result, sup, clock, doc = run(scripts, tmp_path, 2)
+    assert result.exit_code == 0 and result.reason == "success" and result.first_failure is None
+    procs = {p["name"]: p for p in doc["processes"]}
+    assert procs["worker-1"]["end_time"] - procs["worker-1"]["start_time"] == pytest.approx(2.5, abs=0.05)
+    assert all(not p["stopped_by_launcher"] and p["exit_code"] == 0 and p["host"] == "fakehost"
+               for p in procs.values())
+    assert all(s.events == [] for s in scripts.values())  # nothing was signalled
