@@ -26,8 +26,9 @@
 # Settings (environment): PSLAUNCH_SLURM_NODES (4, at most 8),
 # PSLAUNCH_SLURM_CPUS (4 CPUs declared per node, overcommitted on purpose),
 # PSLAUNCH_SLURM_PARTITION (debug), PSLAUNCH_SLURM_PROCTRACK (linuxproc or pgid),
-# PSLAUNCH_SLURM_WAIT (60 s per wait), PSLAUNCH_SLURM_SMOKE_TEST (1: run
-# `srun -N<all> hostname` at the end).
+# PSLAUNCH_SLURM_SLURMD_TIMEOUT (10 s: a node that does not answer for that long
+# is DOWN and its jobs fail, ~15 s after its slurmd stopped), PSLAUNCH_SLURM_WAIT
+# (60 s per wait), PSLAUNCH_SLURM_SMOKE_TEST (1: `srun -N<all> hostname` at the end).
 #
 # Layout (see docs/slurm.md, "The test cluster"):
 #   root namespace (the launching host and submit host)
@@ -83,6 +84,7 @@ CPUS=${PSLAUNCH_SLURM_CPUS:-4}
 PARTITION=${PSLAUNCH_SLURM_PARTITION:-debug}
 PROCTRACK=${PSLAUNCH_SLURM_PROCTRACK:-linuxproc}
 WAIT=${PSLAUNCH_SLURM_WAIT:-60}
+SLURMD_TIMEOUT=${PSLAUNCH_SLURM_SLURMD_TIMEOUT:-10}
 SMOKE=${PSLAUNCH_SLURM_SMOKE_TEST:-1}
 
 PACKAGES=(munge slurm-client slurmctld slurmd)
@@ -331,7 +333,6 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 MpiDefault=none
-PropagateResourceLimits=NONE
 SwitchType=switch/none
 SchedulerType=sched/builtin
 SelectType=select/cons_tres
@@ -341,7 +342,7 @@ DefMemPerCPU=100
 SlurmdParameters=config_overrides
 ReturnToService=2
 # short timeouts: a test cluster should fail in seconds, not minutes
-SlurmdTimeout=10
+SlurmdTimeout=$SLURMD_TIMEOUT
 SlurmctldTimeout=10
 MessageTimeout=5
 TCPTimeout=2
@@ -516,6 +517,8 @@ check_settings() {
     [[ $PARTITION =~ ^[A-Za-z0-9_-]+$ ]] || fail "PSLAUNCH_SLURM_PARTITION must be a plain name"
     [[ $PROCTRACK =~ ^(linuxproc|pgid)$ ]] || fail "PSLAUNCH_SLURM_PROCTRACK must be linuxproc or pgid"
     [[ $WAIT =~ ^[1-9][0-9]*$ ]] || fail "PSLAUNCH_SLURM_WAIT must be a positive number of seconds"
+    [[ $SLURMD_TIMEOUT =~ ^[1-9][0-9]*$ ]] && [ "$SLURMD_TIMEOUT" -ge 3 ] \
+        || fail "PSLAUNCH_SLURM_SLURMD_TIMEOUT must be a number of seconds, at least 3"
 }
 
 do_start() {
