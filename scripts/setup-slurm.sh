@@ -296,7 +296,7 @@ start_munge() {
     install -d -o munge -g munge -m 0755 /run/munge
     install -d -o munge -g munge -m 0700 /var/lib/munge /var/log/munge
     note "starting munged"
-    (cd / && exec runuser -u munge -- /usr/sbin/munged </dev/null >>"$SETUP_LOG" 2>&1) \
+    (cd / && exec runuser -u munge -- /usr/sbin/munged </dev/null >>"$SETUP_LOG" 2>&1 8>&-) \
         || { log_tail /var/log/munge/munged.log "$SETUP_LOG"; fail "munged did not start"; }
     poll "$WAIT" munge_ok || { log_tail /var/log/munge/munged.log; fail "munged does not answer on $MUNGE_SOCKET"; }
     note "munged up (pid $(munged_pid || echo '?'))"
@@ -417,7 +417,7 @@ start_ctld() {
     # a changed node list does not match the saved state: start clean
     [ $CONFIG_CHANGED = 0 ] || args=(-c)
     note "starting slurmctld ${args[*]}"
-    (cd / && exec /usr/sbin/slurmctld "${args[@]}" </dev/null >>"$SETUP_LOG" 2>&1) \
+    (cd / && exec /usr/sbin/slurmctld "${args[@]}" </dev/null >>"$SETUP_LOG" 2>&1 8>&-) \
         || { log_tail "$LOGS/slurmctld.log" "$SETUP_LOG"; fail "slurmctld did not start"; }
     started=$(date +%s)
     until ctld_answers; do
@@ -436,7 +436,7 @@ launch_slurmd() {  # launch_slurmd N: start node N's slurmd in its namespaces (i
     # ip netns exec: the node's network (and a private /sys); unshare --uts: hostname sN.
     # The mount namespace stays shared with this host, as a cluster file system would.
     (cd / && exec ip netns exec "$(node_ns "$i")" unshare --uts -- \
-        sh -c "hostname $name && exec /usr/sbin/slurmd -N $name" </dev/null >>"$SETUP_LOG" 2>&1) \
+        sh -c "hostname $name && exec /usr/sbin/slurmd -N $name" </dev/null >>"$SETUP_LOG" 2>&1 8>&-) \
         || { log_tail "$(slurmd_log "$i")" "$SETUP_LOG"; fail "slurmd of $name did not start"; }
 }
 
@@ -611,6 +611,16 @@ do_node() {  # do_node VERB NAME
     esac
 }
 
+# one invocation at a time (a CI step and a test's node-start, say)
+lock() {
+    mkdir -p "$RUN"
+    exec 8>"$RUN/setup.lock"
+    flock -w 300 8 || fail "another scripts/setup-slurm.sh holds $RUN/setup.lock"
+}
+
+case ${1:-start} in
+    start|stop|reset|node-stop|node-kill|node-start) lock ;;
+esac
 case ${1:-start} in
     start) do_start ;;
     env) print_env ;;
