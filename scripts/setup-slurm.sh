@@ -334,7 +334,9 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 MpiDefault=none
 SwitchType=switch/none
-SchedulerType=sched/builtin
+# backfill, Slurm's default (heterogeneous jobs need it); every second, not every 30 s
+SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU_Memory
 DefMemPerCPU=100
