@@ -507,7 +507,7 @@ smoke() {
     fi
     want=$(for ((i = 0; i < NODES; i++)); do node_name "$i"; done | sort)
     got=$(sort <<<"$out")
-    [ "$got" = "$want" ] || fail "the smoke step ran on '$(echo $got)', not on '$(echo $want)'"
+    [ "$got" = "$want" ] || fail "the smoke step ran on '$(tr '\n' ' ' <<<"$got")', not on '$(tr '\n' ' ' <<<"$want")'"
     note "smoke step (srun -N$NODES hostname) ran in $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}')s"
 }
 
@@ -550,6 +550,7 @@ do_stop() {
     if ctld_pid >/dev/null && ctld_answers; then
         if [ -n "$(timeout 10 squeue -h -o %i 2>/dev/null)" ]; then
             note "cancelling every job"
+            # shellcheck disable=SC2046  # one word per job id
             timeout 20 scancel --full --quiet $(timeout 10 squeue -h -o %i) 2>/dev/null || true
             poll 15 test -z "$(timeout 10 squeue -h -o %i 2>/dev/null)" || true
         fi
