@@ -137,6 +137,11 @@ class SlurmCluster:
             out.append(pid)
         return out
 
+    def step_daemons(self, node: SlurmNode, job: str) -> list[int]:
+        """``job``'s slurmstepd processes on ``node`` (their title is ``slurmstepd: [JOB.STEP]``)."""
+        return [pid for pid in self.pids(node)
+                if _comm(pid) == "slurmstepd" and f"[{job}.".encode() in _cmdline(pid)]
+
     def stop_slurmd(self, node: SlurmNode) -> None:
         """Stop ``node``'s slurmd only (SIGTERM); the job steps it started keep running."""
         _run(["bash", self.script, "node-stop", node.name], timeout=60)
@@ -151,6 +156,13 @@ def _comm(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return ""
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _alive(pid: int) -> bool:

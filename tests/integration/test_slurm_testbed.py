@@ -288,5 +288,7 @@ def test_stopped_slurmd_fails_the_job_naming_the_node(slurm: SlurmCluster, job: 
             slurm.start_slurmd(victim)  # waits until the node is idle again (ReturnToService=2)
     # ... until slurmd is back: slurmctld then has it killed
     wait_for(lambda: not slurm.job_pids(victim, jid), 60, interval=0.25, what=f"the orphan task on {victim.name}")
+    wait_for(lambda: not slurm.step_daemons(victim, jid), 60, interval=0.25,
+             what=f"job {jid}'s slurmstepd on {victim.name}")
     assert slurm.node_states()[victim.name] == "idle"
     assert_no_jobs_left(slurm, job["name"])
