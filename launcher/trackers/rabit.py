@@ -380,6 +380,7 @@ class RabitTracker:
         self._started_s: Optional[float] = None
         self._finished_s: Optional[float] = None
         self._drain_until: Optional[float] = None
+        self._accept_paused_until: Optional[float] = None
         self._conns: dict[int, _Conn] = {}  # fileno -> conn
         self._seq = 0
         self._pending: list[_Conn] = []  # "start" with no rank yet, in arrival order
@@ -387,7 +388,7 @@ class RabitTracker:
         self._active: Optional[_Conn] = None  # the one dialog in progress
         self._waiting: dict[int, _Waiting] = {}
         self._job_map: dict[str, int] = {}  # task id -> rank
-        self._assigned: dict[int, _Conn | None] = {}  # ranks given out (None once served)
+        self._assigned: dict[int, _Conn] = {}  # rank -> the connection it was last given to
         self._sel: Optional[selectors.BaseSelector] = None
 
     # -- public API ----------------------------------------------------------
@@ -480,6 +481,10 @@ class RabitTracker:
                 now = time.monotonic()
                 if self._drain_until is not None and (now >= self._drain_until or not self._header_conns()):
                     break
+                if self._accept_paused_until is not None and now >= self._accept_paused_until:
+                    self._accept_paused_until = None
+                    if self._drain_until is None:
+                        sel.register(self._listener, selectors.EVENT_READ, "listen")
                 events = sel.select(self._next_timeout(now))
                 ready = []
                 for key, mask in events:
@@ -518,8 +523,9 @@ class RabitTracker:
         for c in self._conns.values():
             if c.deadline is not None:
                 t = min(t, max(0.0, c.deadline - now))
-        if self._drain_until is not None:
-            t = min(t, max(0.0, self._drain_until - now))
+        for until in (self._drain_until, self._accept_paused_until):
+            if until is not None:
+                t = min(t, max(0.0, until - now))
         return t
 
     def _accept(self) -> None:
@@ -528,8 +534,11 @@ class RabitTracker:
                 sock, peer = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as e:  # EMFILE and friends: count it, keep serving
+            except OSError as e:  # EMFILE and friends: count it, keep serving the others
                 self._reject("accept_error", f"accept failed: {e.strerror}")
+                # the listener stays readable: stop watching it for a moment rather than spin
+                self._sel.unregister(self._listener)
+                self._accept_paused_until = time.monotonic() + 0.2
                 return
             if self._header_conns() >= self.max_header_conns:
                 self._reject("busy", f"too many connections in progress; closed one from {peer[0]}")
@@ -555,7 +564,8 @@ class RabitTracker:
                 except OSError:
                     data = b""
                 if data:
-                    self._drop(conn, _Drop("protocol", f"{conn.who()} sent data while waiting for its rank"))
+                    self._drop(conn, _Drop("protocol", f"{conn.who()} sent data while waiting for its rank",
+                                           fatal=True))
                 else:
                     self._left(conn)
                 return

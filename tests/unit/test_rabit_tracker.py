@@ -8,6 +8,7 @@ the tracker hands out is checked by building it.
 
 from __future__ import annotations
 
+import json
 import random
 import socket
 import struct
@@ -479,6 +480,51 @@ def test_silent_connections_time_out_and_pending_ones_are_bounded(make_tracker) 
     run_workers([w])
     w.shutdown()
     assert t.wait(DEADLINE).state == "done"
+
+
+_LOW_FD_TRACKER = """
+import json, os, resource, sys
+sys.path.insert(0, sys.argv[1])
+from launcher.trackers.rabit import RabitTracker
+t = RabitTracker(1, "127.0.0.1", (19091, 19999), handshake_timeout=60).start()
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
+print(t.port, flush=True)
+sys.stdin.readline()
+print(json.dumps(t.status().rejected), flush=True)
+sys.stdin.readline()
+print(json.dumps(t.wait(20).state), flush=True)
+"""
+
+
+def test_out_of_file_descriptors_the_tracker_pauses_instead_of_spinning() -> None:
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    p = subprocess.Popen([sys.executable, "-c", _LOW_FD_TRACKER, str(REPO)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(p.stdout.readline())
+        idle = [raw_connect(port) for _ in range(20)]  # the kernel queues them; accept() gets EMFILE
+        time.sleep(1.0)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        rejected = json.loads(p.stdout.readline())
+        # a spinning loop would fail accept() thousands of times a second
+        assert 1 <= rejected["accept_error"] <= 15, rejected
+        for s in idle:
+            s.close()
+        w = FakeWorker(port, "0")  # once the fds are back, the tracker serves again
+        run_workers([w])
+        w.shutdown()
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert json.loads(p.stdout.readline()) == "done"
+    finally:
+        p.kill()
+        p.wait(10)
 
 
 def test_a_new_xgboost_worker_is_told_to_use_the_xgboost_tracker(make_tracker) -> None:
