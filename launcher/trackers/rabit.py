@@ -242,6 +242,10 @@ class TrackerStatus:
             parts.append("dropped connections: " + ", ".join(f"{k} {v}" for k, v in sorted(self.rejected.items())))
         if self.error:
             parts.append(self.error)
+        if self.asked == 0 and self.state in ("waiting", "closed"):
+            # XGBoost 2.0 without collective.init() trains alone and never calls
+            parts.append("no worker asked for a rank: does the program start rabit "
+                         "(xgboost.collective.init() or CommunicatorContext())?")
         return "; ".join(parts)
 
 

@@ -13,8 +13,14 @@ the range it can bind, then writes JSON lines on its stdout, one object each:
   passes to ``xgboost.collective.CommunicatorContext(**worker_args)``
   (``dmlc_tracker_uri``, ``dmlc_tracker_port``); ``env`` is the same as the
   variables ``DMLC_TRACKER_URI`` and ``DMLC_TRACKER_PORT``. XGBoost 2.1+ reads
-  no variable itself: a script builds the arguments from them (and passes
-  ``dmlc_task_id`` from ``DMLC_TASK_ID``).
+  no variable itself: a script builds the arguments from them, with the port
+  as an int and the task id as a str (XGBoost rejects other types)::
+
+      args = {"dmlc_tracker_uri": os.environ["DMLC_TRACKER_URI"],
+              "dmlc_tracker_port": int(os.environ["DMLC_TRACKER_PORT"]),
+              "dmlc_task_id": os.environ["DMLC_TASK_ID"]}
+      with xgboost.collective.CommunicatorContext(**args):
+          rank = xgboost.collective.get_rank()  # shard the data by this
 * ``{"event": "done"}`` when every worker has finished (exit code 0), or
   ``{"event": "failed", "error": "..."}`` (exit code 1; 2 when it could not
   start: no xgboost, an xgboost too old, no free port).

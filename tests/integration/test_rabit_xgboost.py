@@ -202,7 +202,9 @@ def test_a_program_that_never_talks_to_the_tracker_does_not_hang_it(xgb20: str, 
         assert time.monotonic() - t0 < 5
         assert st.state == "waiting" and st.asked == 0
         st = tracker.close()
-        assert st.state == "closed" and st.summary().startswith("closed: 0 of 2 workers joined")
+        assert st.state == "closed" and st.summary() == (
+            "closed: 0 of 2 workers joined; 0 shut down; no worker asked for a rank: does the program start "
+            "rabit (xgboost.collective.init() or CommunicatorContext())?")
     finally:
         tracker.close()
 

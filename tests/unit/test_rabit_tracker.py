@@ -428,6 +428,9 @@ def test_garbage_is_dropped_and_counted_and_the_job_goes_on(make_tracker, rec: R
     half.close()
     wait_for(lambda: sum(t.status().rejected.values()) == 4, DEADLINE, what="4 dropped connections")
     assert t.status().rejected == {"bad_magic": 2, "bad_command": 1, "closed_early": 1}
+    assert t.status().summary() == ("waiting: 0 of 1 workers joined; 0 shut down; dropped connections: "
+                                    "bad_command 1, bad_magic 2, closed_early 1; no worker asked for a rank: "
+                                    "does the program start rabit (xgboost.collective.init() or CommunicatorContext())?")
     assert any("0x20544547" in x and "not a rabit worker" in x for x in rec.logs)  # "GET " as an int
     w = FakeWorker(t.port, "0")
     run_workers([w])
@@ -545,6 +548,8 @@ def test_a_world_size_that_differs_from_the_job_fails_it(make_tracker) -> None:
     assert closed_by_peer(s)
     st = t.wait(DEADLINE)
     assert st.state == "failed" and "world of 3 workers but this job has 2" in st.error
+    # a failure names its own cause, without the hint about programs that never start rabit
+    assert st.summary() == f"failed: 0 of 2 workers joined; 0 shut down; dropped connections: unexpected 1; {st.error}"
 
 
 def test_a_worker_that_dies_while_waiting_fails_the_job_at_once(make_tracker) -> None:
