@@ -622,6 +622,18 @@ def test_close_while_workers_are_connected_or_half_connected(make_tracker) -> No
     assert t.wait(None).state == "closed"
 
 
+def test_close_releases_a_wait_without_timeout(make_tracker) -> None:
+    t = make_tracker(2)
+    box: dict = {}
+    th = threading.Thread(target=lambda: box.setdefault("status", t.wait()), daemon=True)
+    th.start()
+    time.sleep(0.2)
+    assert th.is_alive()
+    t.close()
+    th.join(DEADLINE)
+    assert not th.is_alive() and box["status"].state == "closed"
+
+
 def test_close_during_link_setup(make_tracker) -> None:
     t = make_tracker(2)
     s0 = FakeWorker(t.port, "0").header("start")
