@@ -73,11 +73,22 @@ Nothing read from the network is unpickled, evaluated or trusted: a wrong
 magic number, an unknown command, a negative or oversized length, or a
 handshake slower than ``handshake_timeout`` drops that connection and is
 counted; the tracker goes on serving. Strings are bounded (task id
-``max_task_id`` bytes, print messages kept up to ``max_print`` bytes, the rest
-read and discarded), and so is the number of connections still in their
-header (``n_workers + 64``: more are closed as soon as they are accepted).
-Control characters in relayed messages are replaced, so a stray client cannot
-drive the launcher's terminal.
+``max_task_id`` bytes; print messages kept up to ``max_print`` bytes, the rest
+read and discarded, and dropped beyond 64 times that), and so is the number of
+connections still in their header (``n_workers + 64``: more are closed as soon
+as they are accepted). Control characters in relayed messages are replaced, so
+a stray client cannot drive the launcher's terminal.
+
+Failures
+--------
+Some events mean the job cannot complete, and turn the state to ``failed``
+(``wait()`` returns at once, ``error`` says why): a worker that closes its
+tracker connection after asking for a rank (rabit in XGBoost 2.0 never does:
+its process died), a world size other than N, an XGBoost 2.1+ worker (its JSON
+handshake is recognised and named), a worker whose link set-up fails
+``MAX_LINK_ROUNDS`` times or stalls for ``link_timeout``. A worker that dies
+before it ever connects is invisible here: its exit code is the launcher's to
+see; ``status()`` then tells how many asked.
 
 Lifecycle: ``RabitTracker(...)`` binds (the port is known at once for
 :meth:`RabitTracker.worker_env`), :meth:`~RabitTracker.start` serves in a
@@ -104,7 +115,6 @@ from typing import Callable, Generator, Iterable, Optional
 MAGIC = 0xFF99
 _INT = struct.Struct("=i")  # native byte order, exactly 4 bytes
 NO_TASK_ID = "NULL"  # what rabit sends when DMLC_TASK_ID is unset
-COMMANDS = ("start", "recover", "print", "shutdown")
 MAX_COMMAND = 16
 #: how many times one worker may report failed connections before the tracker gives up
 MAX_LINK_ROUNDS = 30
