@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Real XGBoost for the tracker tests (marker xgboost), each in its own venv so
+# that neither the project's .venv nor the launcher ever imports xgboost:
+#   .venv-xgb20  xgboost 2.0.3: the last release whose rabit engine speaks dmlc's
+#                tracker protocol and reads DMLC_TRACKER_URI/PORT itself
+#                (launcher/trackers/rabit.py serves it);
+#   .venv-xgb30  xgboost 3.0.x: the new tracker protocol, served by its own
+#                xgboost.tracker.RabitTracker (launcher/trackers/xgboost_child.py).
+# 3.0 is installed as the xgboost-cpu wheel: the same `xgboost` package without
+# the CUDA build and its nvidia-nccl-cu12 dependency (hundreds of MB for nothing
+# on a CPU machine). numpy<2 for 2.0.3: its wheel was built against numpy 1.x.
+source "$(dirname "$0")/lib.sh"
+cd "$(dirname "$0")/../.."
+PIP=(-m pip install -q --disable-pip-version-check)
+
+if ! .venv-xgb20/bin/python -c 'import sys, xgboost; sys.exit(xgboost.__version__ != "2.0.3")' 2>/dev/null; then
+    log "creating .venv-xgb20 with xgboost==2.0.3"
+    python3 -m venv .venv-xgb20
+    .venv-xgb20/bin/python "${PIP[@]}" xgboost==2.0.3 "numpy<2" >&2
+fi
+if ! .venv-xgb30/bin/python -c 'import sys, xgboost; sys.exit(not xgboost.__version__.startswith("3.0."))' 2>/dev/null; then
+    log "creating .venv-xgb30 with xgboost-cpu==3.0.*"
+    python3 -m venv .venv-xgb30
+    .venv-xgb30/bin/python "${PIP[@]}" "xgboost-cpu==3.0.*" >&2
+fi
+echo "export PSLAUNCH_XGB20_PYTHON=$PWD/.venv-xgb20/bin/python"
+echo "export PSLAUNCH_XGB30_PYTHON=$PWD/.venv-xgb30/bin/python"
