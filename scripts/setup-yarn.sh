@@ -185,7 +185,7 @@ testbed_pid() {  # the running testbed's pid, if any
     local pid
     pid=$(cat "$RUN/testbed.pid" 2>/dev/null) || return 1
     [[ $pid =~ ^[0-9]+$ ]] && [ -r "/proc/$pid/cmdline" ] || return 1
-    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q 'pslaunch.yarntestbed.YarnTestbed' || return 1
+    grep -qa 'pslaunch.yarntestbed.YarnTestbed' "/proc/$pid/cmdline" || return 1
     echo "$pid"
 }
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
@@ -201,6 +201,10 @@ stop_testbed() {
         sleep 0.1
     done
     if testbed_pid >/dev/null; then kill -KILL "$pid" 2>/dev/null || true; fi
+    for i in $(seq 1 50); do   # the ports close with the process
+        port_open "$RM_PORT" || port_open "$SCHEDULER_PORT" || port_open "$NM_PORT" || break
+        sleep 0.1
+    done
     rm -f "$RUN/testbed.pid" "$RUN/testbed.build"
 }
 

@@ -542,6 +542,7 @@ public final class YarnTestbed {
     app.diagnostics = diagnostics;
     app.finishTime = System.currentTimeMillis();
     LOG.info("{}: {} / {}: {}", app.id, state, status, diagnostics);
+    cleanUp(app);
     for (Ctr c : app.containers) {
       if (c.master && state == YarnApplicationState.FINISHED) {
         timer.schedule(() -> {
@@ -780,11 +781,24 @@ public final class YarnTestbed {
     }
     c.completed = ContainerStatus.newInstance(c.id, ContainerState.COMPLETE, diagnostics, exitStatus);
     LOG.info("{}: complete, exit status {}", c.id, exitStatus);
+    cleanUp(c.app);
     if (!c.master) {
       c.app.toReport.add(c.completed);
     } else if (!c.app.ended()) {
       end(c.app, YarnApplicationState.FAILED, FinalApplicationStatus.FAILED, "AM Container for " + c.app.attempt
           + " exited with  exitCode: " + exitStatus + "\n" + diagnostics + "Failing this attempt. Failing the application.");
+    }
+  }
+
+  /**
+   * Once the application has ended and its containers are gone, its containers' directories are
+   * deleted (yarn.nodemanager.delete.debug-delay-sec later, default at once); logs stay.
+   */
+  private void cleanUp(App app) {
+    if (app.ended() && app.containers.stream().allMatch(c -> c.completed != null)) {
+      File dir = new File(localDir, "usercache/" + app.user + "/appcache/" + app.id);
+      timer.schedule(() -> FileUtil.fullyDelete(dir),
+          conf.getInt(YarnConfiguration.DEBUG_NM_DELETE_DELAY_SEC, 0), TimeUnit.SECONDS);
     }
   }
 
