@@ -109,9 +109,13 @@ def job(tmp_path: Path) -> dict:
     probes = tmp_path / "probes"
     probes.mkdir()
     yield {"name": name, "probes": probes}
-    for line in yarn("application", "-list").splitlines():
-        if f"\t{name}\t" in line:
-            yarn("application", "-kill", line.split("\t")[0])
+    apps = {rec["env"]["SKEIN_APPLICATION_ID"] for rec in read_probes(probes).values()
+            if "SKEIN_APPLICATION_ID" in rec["env"]}
+    if not apps:  # none started: ask the ResourceManager (one JVM start) only then
+        apps = {line.split("\t")[0] for line in yarn("application", "-list").splitlines() if f"\t{name}\t" in line}
+    for app_id in apps:
+        if container_pids(app_id):
+            yarn("application", "-kill", app_id)
 
 
 def yarn_args(job: dict, *extra: str) -> list[str]:
@@ -212,6 +216,16 @@ def test_files_archives_and_the_secret_are_staged(job, tmp_path) -> None:
     assert app_status(app_id) == ("FINISHED", "SUCCEEDED")
     wait_for(lambda: not cwd.exists(), 15, what="the NodeManager to delete the container's directory")
     assert_nothing_left(app_id)
+
+
+@pytest.mark.timeout(60)
+def test_unknown_queue_is_refused_in_one_line(job) -> None:
+    r = run_pslaunch("-n", "1", "-s", "1", *yarn_args(job, "--queue", "no-such-queue"), *probe(job), timeout=50)
+    assert r.returncode == 1, r.stderr
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("pslaunch: error:")]
+    assert "YARN refused the application" in line and "to unknown queue: no-such-queue" in line
+    assert "Traceback" not in r.stderr
+    assert sorted(read_probes(job["probes"])) == ["scheduler"]   # the local scheduler only: no container ran
 
 
 # --- failure, Ctrl-C, kill -9 ------------------------------------------------------------------------
