@@ -225,9 +225,10 @@ start_testbed() {
     done
     mkdir -p "$RUN"
     note "starting the testbed (log: $LOG)"
-    # its own session, streams detached, so `$(setup-yarn.sh)` does not wait on it; the
-    # containers inherit this environment as a NodeManager's do
-    (cd "$RUN" && exec env JAVA_HOME=$JAVA_HOME_17 HADOOP_HOME="$HADOOP" HADOOP_CONF_DIR="$CONF" \
+    # Its own session, streams detached, so `$(setup-yarn.sh)` does not wait on it. Containers
+    # inherit the NodeManager's environment, as on YARN: a service's clean one, whoever starts it.
+    (cd "$RUN" && exec env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+        LANG=C.UTF-8 HOME="$RUN" JAVA_HOME=$JAVA_HOME_17 HADOOP_HOME="$HADOOP" HADOOP_CONF_DIR="$CONF" \
         setsid "$JAVA_HOME_17/bin/java" -Xmx256m -cp "$CONF:$LIB/*:$TESTBED_JAR" \
         pslaunch.yarntestbed.YarnTestbed </dev/null >>"$LOG" 2>&1) &
     echo $! >"$RUN/testbed.pid"   # setsid does not fork here: this is the JVM's pid
