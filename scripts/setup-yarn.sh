@@ -84,6 +84,10 @@ install_packages() {
             note "installing skein==$SKEIN_VERSION (the [yarn] extra) into $PY"
             "$PY" -m pip install -q --disable-pip-version-check "skein==$SKEIN_VERSION" >&2
         fi
+        # skein's TLS credentials in ~/.skein, minted once here rather than (with a warning) by
+        # the first client
+        "$PY" -W ignore -c 'import skein; skein.Security.from_default()' \
+            || fail "skein could not write its credentials (~/.skein)"
     else
         note "no $PY (run scripts/setup.sh first): skein is not installed"
     fi
