@@ -161,6 +161,8 @@ rootLogger.level = info
 rootLogger.appenderRef.console.ref = console
 logger.hadoop.name = org.apache.hadoop
 logger.hadoop.level = warn
+logger.native.name = org.apache.hadoop.util.NativeCodeLoader
+logger.native.level = error
 EOF
 }
 
