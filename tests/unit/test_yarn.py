@@ -474,7 +474,9 @@ def fast_poll(monkeypatch):
 
 
 @pytest.mark.timeout(30)
-def test_lifecycle_failure_kills_the_application(tmp_path, fast_poll) -> None:
+def test_lifecycle_failure_kills_the_application(tmp_path, fast_poll, monkeypatch) -> None:
+    monkeypatch.delenv("HADOOP_HOME", raising=False)   # no Hadoop here, even where a testbed's is exported
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
     fake = FakeSkein()
     backend, procs = _backend(tmp_path, fake)
     fake.app_state = "RUNNING"
