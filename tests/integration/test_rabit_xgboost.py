@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, REPO, wait_for
+from support.helpers import BIN, REPO, wait_for
 
 from launcher.trackers.rabit import RabitTracker
 

@@ -22,8 +22,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
-from slurm_testbed import SlurmCluster, slurm  # noqa: F401  (slurm is a fixture)
+from support.helpers import wait_for
+from support.slurm_testbed import SlurmCluster, slurm  # noqa: F401  (slurm is a fixture)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slurm]
 

@@ -10,9 +10,7 @@ ended.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import re
 import signal
 import stat
@@ -24,7 +22,16 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import BIN, pid_alive, pslaunch_argv, read_probes, run_pslaunch, wait_for
+from support import trainer as H
+from support.helpers import BIN, pid_alive, pslaunch_argv, read_probes, run_pslaunch, wait_for
+from support.yarn_testbed import (
+    app_status,
+    apps_named,
+    assert_nothing_left,
+    container_pids,
+    yarn,
+    yarn_problem,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.yarn]
 
@@ -32,67 +39,9 @@ PROBE = [sys.executable, str(BIN / "probe.py")]
 APP_ID = re.compile(r"submitted YARN application (application_\d+_\d+)")
 
 
-def _testbed_missing() -> str | None:
-    for name in ("JAVA_HOME", "HADOOP_HOME", "HADOOP_CONF_DIR"):
-        if not os.environ.get(name):
-            return f"{name} is not set (eval \"$(scripts/setup-yarn.sh)\")"
-    if importlib.util.find_spec("skein") is None:
-        return "skein is not installed (scripts/setup-yarn.sh installs it into .venv)"
-    if not yarn_program().exists():
-        return f"{yarn_program()} is missing (scripts/setup-yarn.sh builds it)"
-    r = subprocess.run([str(yarn_program()), "application", "-list"], capture_output=True, text=True, timeout=60)
-    if r.returncode != 0:
-        return f"'yarn application -list' fails (start the testbed: scripts/setup-yarn.sh): {r.stderr[-300:]}"
-    return None
-
-
-def yarn_program() -> Path:
-    return Path(os.environ["HADOOP_HOME"]) / "bin" / "yarn"
-
-
-def yarn(*args: str) -> str:
-    r = subprocess.run([str(yarn_program()), *args], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, f"yarn {' '.join(args)}: {r.stdout}{r.stderr}"
-    return r.stdout
-
-
-def app_status(app_id: str) -> tuple[str, str]:
-    """``(state, final status)`` as the ResourceManager reports them."""
-    out = yarn("application", "-status", app_id)
-    fields = dict(re.findall(r"^\t([\w-]+(?: [\w-]+)*) : (.*)$", out, re.M))
-    return fields["State"], fields["Final-State"]
-
-
-def container_pids(app_id: str) -> list[int]:
-    """Live processes of the application's containers (their environment names the container)."""
-    marker = b"CONTAINER_ID=container_" + app_id.removeprefix("application_").encode() + b"_"
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-        except OSError:
-            continue
-        if any(v.startswith(marker) for v in environ) and pid_alive(int(entry)):
-            pids.append(int(entry))
-    return pids
-
-
-def assert_nothing_left(app_id: str, timeout: float = 20.0) -> float:
-    """Waits until no process of the application runs; returns how long that took."""
-    t0 = time.monotonic()
-    try:
-        wait_for(lambda: not container_pids(app_id), timeout, interval=0.1, what=f"{app_id}'s containers to end")
-    except AssertionError:
-        raise AssertionError(f"processes of {app_id} still running after {timeout}s: {container_pids(app_id)}") from None
-    return time.monotonic() - t0
-
-
 @pytest.fixture(scope="module", autouse=True)
 def testbed() -> None:
-    problem = _testbed_missing()
+    problem = yarn_problem()
     if problem:
         pytest.skip(f"no YARN testbed: {problem}")
 
@@ -112,7 +61,7 @@ def job(tmp_path: Path) -> dict:
     apps = {rec["env"]["SKEIN_APPLICATION_ID"] for rec in read_probes(probes).values()
             if "SKEIN_APPLICATION_ID" in rec["env"]}
     if not apps:  # none started: ask the ResourceManager (one JVM start) only then
-        apps = {line.split("\t")[0] for line in yarn("application", "-list").splitlines() if f"\t{name}\t" in line}
+        apps = set(apps_named(name))
     for app_id in apps:
         if container_pids(app_id):
             yarn("application", "-kill", app_id)
@@ -249,10 +198,6 @@ def test_failing_worker_stops_every_container(job) -> None:
     print(f"\nyarn timing: worker failure to launcher exit {exited_at - failed_at:.1f}s; whole run {took:.1f}s")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "yarn backend bug (issue 17): skein's master ends the application at the first failed container "
-    "and reports a positive exit code only as 'Container failed during execution'; pslaunch then gives "
-    "every container still open code 1 and names server 0, not worker 1 and its code 3"))
 @pytest.mark.timeout(120)
 def test_failing_worker_exit_code_is_reported(job) -> None:
     r = run_pslaunch("-n", "2", "-s", "1", *yarn_args(job),
@@ -279,7 +224,9 @@ def test_ctrl_c_kills_the_application(job) -> None:
             proc.kill()
     assert proc.returncode == 130, err
     left = assert_nothing_left(app_id)
-    assert app_status(app_id) == ("KILLED", "KILLED")
+    # each container's agent stopped its command (SIGTERM: exit 143), so skein's master ended the
+    # application as failed; a container that had to be killed makes it KILLED
+    assert app_status(app_id) in (("FINISHED", "FAILED"), ("KILLED", "KILLED"))
     print(f"\nyarn timing: Ctrl-C to launcher exit {took:.1f}s, then {left:.1f}s until no container process")
 
 
@@ -298,7 +245,8 @@ def test_kill_9_of_the_launcher_kills_the_application(job) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert app_status(app_id) == ("KILLED", "KILLED")
+    # the agents saw their connections end and stopped their commands; the watchdog's kill came after
+    assert app_status(app_id) in (("FINISHED", "FAILED"), ("KILLED", "KILLED"))
     wait_for(lambda: not pid_alive(probes["scheduler"]["pid"]), 15, what="the local scheduler to end")
     print(f"\nyarn timing: kill -9 of the launcher to no container process: {took:.1f}s")
 
@@ -309,10 +257,6 @@ def test_kill_9_of_the_launcher_kills_the_application(job) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_trainer_dist_sync_on_yarn(job) -> None:
-    helpers = BIN / "train_helpers.py"
-    sys.path.insert(0, str(helpers.parent))
-    import train_helpers as H
-
     data = H.mnist_dir()
     t0 = time.monotonic()
     r = subprocess.run(
@@ -324,8 +268,9 @@ def test_trainer_dist_sync_on_yarn(job) -> None:
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "all 4 processes exited 0" in r.stderr
     app_id = app_of(r.stderr)
-    # YARN keeps the containers' output on the node: the summaries are in their logs
-    s0, s1 = H.summaries(yarn("logs", "-applicationId", app_id))
+    # the containers' output reached the console as it was printed; YARN's logs keep a copy
+    s0, s1 = H.summaries(r.stdout)
+    assert H.summaries(yarn("logs", "-applicationId", app_id)) == [s0, s1]
     assert s0["batches_per_epoch"] == s1["batches_per_epoch"] == 5
     assert s0["validation_accuracy"] == s1["validation_accuracy"]  # one set of weights on the servers
     assert app_status(app_id) == ("FINISHED", "SUCCEEDED")

@@ -200,6 +200,36 @@ class SGECluster(Cluster):
         super().close()
 
 
+class YarnCluster(Cluster):
+    """``--launcher yarn`` on the YARN testbed (scripts/setup-yarn.sh): the real skein client, driver
+    and application master; containers are local processes."""
+
+    launcher = "yarn"
+    start_timeout = 90.0
+    timeout = 20.0
+
+    def __init__(self, out: Path) -> None:
+        super().__init__(out)
+        from support.yarn_testbed import yarn_problem
+
+        problem = yarn_problem()
+        if problem:
+            pytest.skip(f"no YARN testbed: {problem}")
+        self.name = f"pslt-{self.mark[:8]}"
+
+    def options(self) -> list[str]:
+        return [*super().options(), "--host-ip", "127.0.0.1", "--jobname", self.name]
+
+    def check_record(self, name: str, rec: dict) -> None:
+        assert rec["env"]["SKEIN_CONTAINER_ID"].startswith(name.split("-")[0] + "_")  # a skein container
+
+    def backend_leftovers(self) -> list[str]:
+        from support.yarn_testbed import apps_named
+
+        apps = apps_named(self.name)
+        return [f"YARN applications named {self.name} still running: {', '.join(apps)}"] if apps else []
+
+
 def sge_problem() -> Optional[str]:
     """Why no Grid Engine job can run here, or None."""
     for name in ("SGE_ROOT", "DRMAA_LIBRARY_PATH", "GLIBC_TUNABLES"):
@@ -228,6 +258,7 @@ CLUSTERS = {
     "mpi-openmpi": (pytest.mark.mpi,),
     "mpi-mpich": (pytest.mark.mpi,),
     "sge": (pytest.mark.sge,),
+    "yarn": (pytest.mark.yarn,),
 }
 
 
@@ -252,6 +283,10 @@ def make_cluster(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> C
         out = tmp_path / "probes"
         out.mkdir()
         return SGECluster(out, tmp_path / "logs")
+    if kind == "yarn":
+        out = tmp_path / "probes"
+        out.mkdir()
+        return YarnCluster(out)
     raise ValueError(f"unknown cluster {kind!r}")
 
 

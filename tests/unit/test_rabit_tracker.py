@@ -17,7 +17,7 @@ import time
 from typing import Optional
 
 import pytest
-from conftest import wait_for
+from support.helpers import wait_for
 
 from launcher.trackers.rabit import (
     MAGIC,
@@ -504,7 +504,7 @@ def test_out_of_file_descriptors_the_tracker_pauses_instead_of_spinning() -> Non
     import subprocess
     import sys
 
-    from conftest import REPO
+    from support.helpers import REPO
 
     p = subprocess.Popen([sys.executable, "-c", _LOW_FD_TRACKER, str(REPO)], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True)
