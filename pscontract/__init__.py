@@ -128,6 +128,36 @@ def _fmt_seconds(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
+# --- the cause of a stop: from a process of the job to the launcher's report ----------------------
+
+#: A process that stops the job (a scheduler that saw a worker die or hang, a node that cannot reach
+#: the scheduler) says why in one line of its stderr that starts with this. The launcher finds it in
+#: the output and names the culprit in its report, instead of whoever happened to exit first.
+CAUSE_PREFIX = "pslaunch-cause: "
+_CAUSE_RE = re.compile(r"pslaunch-cause: (?:(scheduler|server|worker)(?: (\d+))?|-): (.+)")
+
+
+def cause_line(reason: str, role: str | None = None, rank: int | None = None) -> str:
+    """``pslaunch-cause: worker 1: no heartbeat for 10.0s``: the line that names why the job stops.
+
+    ``role``/``rank`` name the process at fault (a scheduler has no rank); ``None``: no process
+    of the job is at fault (the reason says what is).
+    """
+    if role is not None and role not in ROLES:
+        raise ValueError(f"unknown role {role!r}")
+    who = "-" if role is None else (role if rank is None or role == "scheduler" else f"{role} {rank}")
+    return CAUSE_PREFIX + who + ": " + " ".join(reason.split())
+
+
+def parse_cause(line: str) -> tuple[str | None, int | None, str] | None:
+    """``(role, rank, reason)`` of a :func:`cause_line` (``(None, None, reason)`` for ``-``); None for
+    any other line."""
+    m = _CAUSE_RE.fullmatch(line.strip())
+    if not m:
+        return None
+    return m.group(1), (int(m.group(2)) if m.group(2) else None), m.group(3)
+
+
 # --- the reading side: what a process of a job sees --------------------------
 
 
