@@ -13,8 +13,9 @@ Exit codes (mapped only in :func:`invoke`):
 from __future__ import annotations
 
 import logging
+import math
 import sys
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import click
 
@@ -53,15 +54,50 @@ def parse_env_item(item: str, option: str, environ: Mapping[str, str], allow_cop
 
 
 def parse_port_range_option(text: str) -> tuple[int, int]:
+    if not str(text).strip():
+        raise ConfigError("--port-range is empty: give LOW-HIGH, for example 9091-9998")
+    if len(str(text)) > 40:
+        raise ConfigError(f"--port-range {str(text)[:40]!r}...: give LOW-HIGH, for example 9091-9998")
     try:
         return pc.parse_port_range(text)
     except ValueError as e:
         raise ConfigError(f"--port-range: {e}") from None
 
 
+class FiniteFloat(click.ParamType):
+    """A float that is a real number of seconds: ``nan`` and ``inf`` are refused (a ``nan``
+    deadline never passes, and ``inf`` waits for ever)."""
+
+    name = "float"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{str(value)[:40]!r} is not a number", param, ctx)
+        if not math.isfinite(number):
+            shown = repr(str(value)) if len(str(value)) <= 40 else f"a {len(str(value)):,}-character value"
+            self.fail(f"{shown} is not a finite number", param, ctx)
+        return number
+
+
+class BoundedInt(click.types.IntParamType):
+    """An int of at most 9 digits: a huge number can only be a mistake, and C libraries (protobuf,
+    DRMAA) overflow on it."""
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> int:
+        text = str(value).strip()
+        if len(text.lstrip("+-")) > 9 and text.lstrip("+-").isdigit():
+            self.fail(f"a number of {len(text.lstrip('+-'))} digits is far too large", param, ctx)
+        return int(super().convert(value, param, ctx))
+
+
+FINITE_FLOAT = FiniteFloat()
+BOUNDED_INT = BoundedInt()
+
 # --- backend options as click options ------------------------------------------------------------
 
-_KINDS = {"str": str, "int": int, "float": float}
+_KINDS = {"str": str, "int": BOUNDED_INT, "float": FINITE_FLOAT}
 
 
 def click_option(opt: BackendOption, backend: str) -> click.Option:
@@ -119,7 +155,13 @@ def configure_logging(level: str, log_file: Optional[str] = None) -> None:
 # --- running a command --------------------------------------------------------------------------------
 
 
+MAX_MESSAGE = 2000  # characters: an error about a huge argument must not repeat it whole
+
+
 def _fail(message: str, code: int) -> int:
+    message = " ".join(message.splitlines())
+    if len(message) > MAX_MESSAGE:
+        message = message[:MAX_MESSAGE] + f"... ({len(message) - MAX_MESSAGE:,} more characters)"
     click.echo(f"pslaunch: error: {message}", err=True)
     return code
 

@@ -248,3 +248,23 @@ def test_dry_run_puts_the_interface_before_host_ip(capsys, monkeypatch) -> None:
     out = capsys.readouterr().out
     assert code == 0
     assert "scheduler address 127.0.0.1," in out and "10.9.9.9" not in out
+
+
+def test_yaml_aliases_are_measured_expanded(tmp_path) -> None:
+    from launcher.cli.config import MAX_NODES, parse_yaml
+
+    ok = "env: &e {A: 1}\nenv-server: *e\n"
+    assert parse_yaml(ok, "j.yaml") == {"env": {"A": 1}, "env-server": {"A": 1}}
+    levels = ["a: &a0 [x, x, x, x]"] + [f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}]" for i in range(1, 8)]
+    assert 4 ** 8 > MAX_NODES
+    with pytest.raises(ConfigError, match="once its aliases"):
+        parse_yaml("\n".join(levels) + "\n", "j.yaml")
+
+
+def test_yaml_env_forms(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FROM_SHELL", "s")
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("num-workers: 1\nenv: {A: 1, B: x, FROM_SHELL: null, C: 0.5}\ncommand: [echo, 1, 2.5]\n")
+    s = spec_of(["--config", str(cfg)])
+    assert dict(s.env) == {"A": "1", "B": "x", "FROM_SHELL": "s", "C": "0.5"}
+    assert s.command == ("echo", "1", "2.5")
