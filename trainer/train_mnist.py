@@ -71,10 +71,21 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds ``(default: X)`` once: not when the help already says its default in words, and not
+    ``(default: None)`` for an option that is simply off unless given."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default is None or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action) or text
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (MXNet's flags and defaults first, then ours)."""
     p = _Parser(prog=PROG, description="Train LeNet or an MLP on MNIST, data parallel through a kvstore.",
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                formatter_class=_DefaultsFormatter)
     g = p.add_argument_group("MXNet's train_mnist options")
     g.add_argument("--network", choices=("mlp", "lenet"), default="mlp", help="the network")
     g.add_argument("--gpus", default=None, help="GPUs to use on this worker, e.g. 0,2 (default: the CPU)")

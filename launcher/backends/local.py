@@ -31,6 +31,7 @@ def local_processes(spec: JobSpec) -> int:
 
 class LocalBackend(Backend):
     name = "local"
+    node_address_from_launcher = True
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]

@@ -462,6 +462,7 @@ class SSHBackend(Backend):
     uses_hostfile = True
     requires_hostfile = True
     supports_sync = True
+    node_address_from_launcher = True
     Options = SSHOptions
     #: the options that say how to connect (``pslaunch doctor`` takes these too)
     connection_options = (

@@ -29,21 +29,20 @@ from ..spec import env as jobenv
 
 
 def parse_env_item(item: str, option: str, environ: Mapping[str, str], allow_copy: bool) -> tuple[str, str]:
-    """``NAME=VALUE``; ``NAME:VALUE`` for ``--env-server/--env-worker`` (launch.py);
-    a bare ``NAME`` copies the launcher's value (``--env`` only)."""
+    """``NAME=VALUE``, or launch.py's ``NAME:VALUE`` (a name never holds ``:``, so the forms cannot be
+    confused; ``=`` is tried first: ``A=x:y`` sets A to ``x:y``); a bare ``NAME`` copies the launcher's
+    value (``--env`` only)."""
     item = str(item)
     for sep in ("=", ":"):
         name, found, value = item.partition(sep)
         if found and jobenv.is_valid_name(name):
-            if sep == ":" and allow_copy:
-                break
             return name, value
     if allow_copy and jobenv.is_valid_name(item):
         if item not in environ:
             raise ConfigError(f"{option} {item}: {item} is not set in this shell; "
                               f"export it or write {option} {item}=VALUE")
         return item, environ[item]
-    form = "NAME or NAME=VALUE" if allow_copy else "NAME=VALUE (or NAME:VALUE)"
+    form = "NAME, NAME=VALUE or NAME:VALUE" if allow_copy else "NAME=VALUE (or NAME:VALUE)"
     shown = item
     for sep in ("=", ":"):
         name, found, _ = item.partition(sep)

@@ -98,7 +98,9 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
               help="Copy the working directory to DIR on every host first (ssh); DIR becomes "
                    "the remote working directory.")
 @click.option("--env", "env", multiple=True, metavar="NAME[=VALUE]",
-              help="Set a variable for every process; a bare NAME copies this shell's value. Repeatable.")
+              help="Set a variable for every process (NAME=VALUE, or launch.py's NAME:VALUE); a bare "
+                   "NAME copies this shell's value (best for secrets: the value stays off the command "
+                   "line). Repeatable.")
 @click.option("--env-server", multiple=True, metavar="NAME=VALUE",
               help="Set a variable for servers only (NAME:VALUE works too). Repeatable.")
 @click.option("--env-worker", multiple=True, metavar="NAME=VALUE",
@@ -109,7 +111,10 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
 @click.option("--port-range", default="9091-9998", show_default=True, metavar="LOW-HIGH",
               help="The scheduler takes the first free port in this range.")
 @click.option("--start-timeout", type=FINITE_FLOAT, default=60.0, show_default=True, metavar="SECONDS",
-              help="Longest wait for the scheduler to listen and for nodes to register.")
+              help="Longest wait for the scheduler to listen, and for the backend to start the other "
+                   "processes (remote wrappers, batch tasks leaving the queue). Also exported as "
+                   "PS_START_TIMEOUT: how long pslaunch's own KVStore waits for every node to register "
+                   "(MXNet's ps-lite reads no such variable and waits without limit).")
 @click.option("--kill-grace", type=FINITE_FLOAT, default=10.0, show_default=True, metavar="SECONDS",
               help="After SIGTERM, wait this long before SIGKILL.")
 @click.option("--timeout", type=FINITE_FLOAT, default=None, metavar="SECONDS",
@@ -139,6 +144,9 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
 def run_command(**kw: Any) -> None:
     spec = build_spec(kw, dict(os.environ))
     configure_logging(spec.log_level, spec.log_file)
+    if not spec.dry_run:  # (the dry run lists them with the plan)
+        for note in backends.get(spec.launcher).notes(spec):
+            log.warning("%s", note)
     sys.exit(execute(spec))
 
 
@@ -241,7 +249,8 @@ def execute(spec: JobSpec) -> int:
     if spec.dry_run:
         backend = backends.get(spec.launcher)
         plan = dry_run_plan(spec, backend)
-        click.echo(format_dry_run(spec, plan, backend.dry_run(spec, plan), inherits=not backend.remote))
+        extra = [f"warning: {note}" for note in backend.notes(spec)] + backend.dry_run(spec, plan)
+        click.echo(format_dry_run(spec, plan, extra, inherits=not backend.remote))
         return 0
     return run_job(spec).exit_code
 

@@ -263,8 +263,8 @@ class Supervisor:
             message = f"the job ran longer than --timeout {self.spec.timeout:g}s and was stopped"
             log.error("%s", message)
         elif reason == "signal":
-            message = "stopped by a signal"
-            log.error("stopped by a signal after %.1fs; every process was terminated", elapsed)
+            message = f"stopped by {self.signals.describe()}"
+            log.error("%s after %.1fs; every process was terminated", message, elapsed)
         result = report.JobResult(
             exit_code=code, reason=reason, first_failure=self.first.record() if self.first else None,
             records=tuple(h.record(h.name in self.stopped) for h in self.handles),

@@ -77,11 +77,11 @@ def run_err(args: list[str], capsys) -> tuple[int, str]:
     (["-n", "1", "-s", "-1", "true"], "-s/--num-servers must be 0 or more"),
     (["-n", "x", "true"], "Invalid value for '-n' / '--num-workers'"),
     (["true"], "Missing option '-n' / '--num-workers'"),
-    (["-n", "1", "--env", "1BAD=x", "true"], "--env '1BAD=x': expected NAME or NAME=VALUE"),
+    (["-n", "1", "--env", "1BAD=x", "true"], "--env '1BAD=x': expected NAME, NAME=VALUE or NAME:VALUE"),
     (["-n", "1", "--env", "NOT_SET_ANYWHERE_123", "true"], "--env NOT_SET_ANYWHERE_123: NOT_SET_ANYWHERE_123 is not set"),
     (["-n", "1", "--env-worker", "JUSTNAME", "true"], "--env-worker 'JUSTNAME': expected NAME=VALUE"),
     # a malformed name that looks secret: its value is not echoed
-    (["-n", "1", "--env", "MY-TOKEN=hunter2", "true"], "--env 'MY-TOKEN=<redacted>': expected NAME or NAME=VALUE"),
+    (["-n", "1", "--env", "MY-TOKEN=hunter2", "true"], "--env 'MY-TOKEN=<redacted>': expected NAME, NAME=VALUE or NAME:VALUE"),
     (["-n", "1", "--env-worker", "DB PASSWORD:hunter2", "true"],
      "--env-worker 'DB PASSWORD:<redacted>': expected NAME=VALUE"),
     (["-n", "1", "-H", "/nonexistent/hosts", "true"], "cannot read hostfile /nonexistent/hosts"),
@@ -211,8 +211,9 @@ def test_help_teaches(capsys) -> None:
 def test_parse_env_item_rules() -> None:
     assert common.parse_env_item("A=b", "--env", {}, True) == ("A", "b")
     assert common.parse_env_item("A:b", "--env-server", {}, False) == ("A", "b")
-    with pytest.raises(ConfigError):
-        common.parse_env_item("A:b", "--env", {}, True)
+    assert common.parse_env_item("A:b", "--env", {}, True) == ("A", "b")  # launch.py's form
+    with pytest.raises(ConfigError, match="expected NAME, NAME=VALUE or NAME:VALUE"):
+        common.parse_env_item("1A:b", "--env", {}, True)
     assert isinstance(run.run_command, click.Command)
 
 
@@ -268,3 +269,17 @@ def test_yaml_env_forms(tmp_path, monkeypatch) -> None:
     s = spec_of(["--config", str(cfg)])
     assert dict(s.env) == {"A": "1", "B": "x", "FROM_SHELL": "s", "C": "0.5"}
     assert s.command == ("echo", "1", "2.5")
+
+
+def test_per_role_interface_on_local_is_a_warning(capsys) -> None:
+    code = cli.main(["-n", "1", "--env-worker", "DMLC_INTERFACE=eth0", "--dry-run", "true"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "warning: --env-worker DMLC_INTERFACE=eth0 is ignored on --launcher local" in out
+    code = cli.main(["-n", "1", "--env", "DMLC_INTERFACE=lo", "--dry-run", "true"])
+    assert "is ignored" not in capsys.readouterr().out
+
+
+def test_env_takes_launch_py_name_colon_value(monkeypatch) -> None:
+    s = spec_of(["-n", "1", "--env", "A:1", "--env", "B=x:y", "--env", "C:d=e", "true"])
+    assert dict(s.env) == {"A": "1", "B": "x:y", "C": "d=e"}
