@@ -541,6 +541,76 @@ def test_sync_dst_dir(testbed: Testbed, tmp_path: Path, method: str) -> None:
     assert testbed.run(hosts[0], ["cat", f"{dst}/a.txt"]).stdout == "alpha, longer now\n"
 
 
+def _git_project(tmp_path: Path) -> Path:
+    """A git work tree with what a job must not ship: a virtual environment, ignored build output."""
+    src = tmp_path / "gitproj"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "train.py").write_text("print('train')\n")
+    (src / ".gitignore").write_text("build/\n*.log\n")
+    (src / "build").mkdir()
+    (src / "build" / "out.bin").write_bytes(os.urandom(1000))
+    (src / "debug.log").write_text("log\n")
+    (src / "venv" / "lib").mkdir(parents=True)  # not in .gitignore: found by its pyvenv.cfg
+    (src / "venv" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (src / "venv" / "lib" / "big.so").write_bytes(os.urandom(1000))
+    (src / "run.sh").write_text("#!/bin/sh\nls -A\n")
+    (src / "run.sh").chmod(0o755)
+    subprocess.run(["git", "init", "-q", str(src)], check=True)
+    subprocess.run(["git", "-C", str(src), "add", ".gitignore", "pkg", "run.sh"], check=True)
+    return src
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["rsync", "sftp"])
+def test_sync_honours_gitignore_and_skips_virtual_environments(testbed: Testbed, tmp_path: Path, method: str) -> None:
+    src = _git_project(tmp_path)
+    dst = f"{testbed.sync_root}/git-{method}-{uuid.uuid4().hex[:6]}"
+    env = testbed.env()
+    if method == "sftp":
+        (tmp_path / "no-tools").mkdir()
+        os.symlink(shutil.which("git"), tmp_path / "no-tools" / "git")  # git, but no rsync or ssh here
+        env["PATH"] = str(tmp_path / "no-tools")
+    host = testbed.hosts[0]
+    args = ("-n", "1", "-s", "0", "-H", host.addr_a, "--sync-dst-dir", dst)
+    r = run_ssh(testbed, *args, "./run.sh", env=env, cwd=src)
+    assert r.returncode == 0, r.stderr
+    assert _remote_files(testbed, host, dst) == {".gitignore", "pkg", "pkg/train.py", "run.sh"}
+    assert f"with {method}: 3 files" in r.stderr
+    # --sync-no-gitignore: the ignored files go too, the virtual environment still does not
+    # (and the skipped paths are protected from --sync-delete, as excluded ones are)
+    r = run_ssh(testbed, *args, "--sync-no-gitignore", "--sync-delete", "./run.sh", env=env, cwd=src)
+    assert r.returncode == 0, r.stderr
+    assert _remote_files(testbed, host, dst) == {".gitignore", "pkg", "pkg/train.py", "run.sh", "build",
+                                                 "build/out.bin", "debug.log"}
+
+
+@pytest.mark.timeout(120)
+def test_the_dry_run_shows_the_rsync_that_runs(testbed: Testbed, tmp_path: Path) -> None:
+    """The dry run's rsync command is, argument for argument, the one the job runs (the job's key,
+    known_hosts and ~/.ssh/config), and a large tree is a warning with its largest directories."""
+    src = _git_project(tmp_path)
+    with open(src / "pkg" / "weights.bin", "wb") as f:
+        f.truncate(300 << 20)  # sparse: 300 MiB to the walk, nothing on disk
+    dst = f"{testbed.sync_root}/dry-{uuid.uuid4().hex[:6]}"
+    hosts = [h.alias for h in testbed.hosts[:2]]  # names that only ~/.ssh/config resolves
+    args = ("-n", "2", "-s", "0", "-H", ",".join(hosts), "--sync-dst-dir", dst, "--sync-exclude", "weights.bin")
+    dry = run_ssh(testbed, *args, "--dry-run", "./run.sh", cwd=src)
+    assert dry.returncode == 0, dry.stderr
+    shown = [x.strip() for x in dry.stdout.splitlines() if x.strip().startswith("rsync ")]
+    assert len(shown) == 2 and all(f"-F {testbed.ssh_config}" in x and str(testbed.key) in x for x in shown), shown
+    assert "skipped by .gitignore: build/, debug.log" in dry.stdout and "virtual environments: venv/" in dry.stdout
+    r = run_ssh(testbed, *args, "--log-level", "DEBUG", "./run.sh", cwd=src)
+    assert r.returncode == 0, r.stderr
+    ran = sorted(re.sub(r"^pslaunch: \[launcher\.transport\.sync\] [^:]+: ", "", x)
+                 for x in r.stderr.splitlines() if "[launcher.transport.sync]" in x and ": rsync " in x)
+    assert ran == sorted(shown), (ran, shown)
+    # without the exclude, the sparse file makes it large: a warning, in the dry run and before a sync
+    big = run_ssh(testbed, *args[:-2], "--dry-run", "./run.sh", cwd=src)
+    warning = next(x for x in big.stdout.splitlines() if "warning: --sync-dst-dir will copy" in x)
+    assert "300.0 MiB in 4 files" in warning and "to each of 2 hosts; largest: pkg/ 300.0 MiB" in warning
+    print(warning.strip())
+
+
 @pytest.mark.timeout(90)
 def test_sync_failure_on_one_host_stops_the_launch(testbed: Testbed, out: Path, tmp_path: Path) -> None:
     src = _project(tmp_path)

@@ -131,8 +131,9 @@ def test_interface_env_option_wins_over_the_environment() -> None:
         == "10.1.0.0/16"
 
 
-def test_dry_run_shows_hosts_commands_and_sync(monkeypatch) -> None:
+def test_dry_run_shows_hosts_commands_and_sync(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr("getpass.getuser", lambda: "me")
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ssh/config: the job's defaults, as a run resolves them
     spec = _spec(num_workers=2, num_servers=1, hosts=(Host("A"), Host("B", port=2222, user="bob")),
                  sync_dst_dir="/tmp/job", options=SSHOptions(sync_exclude=(".git", "__pycache__", "*.log"),
                                                              sync_delete=True))
@@ -145,8 +146,9 @@ def test_dry_run_shows_hosts_commands_and_sync(monkeypatch) -> None:
     assert "  A: me@A:22, cwd /tmp/job: server 0, worker 1" in lines
     assert "  bob@B:2222: bob@B:2222, cwd /tmp/job: worker 0" in lines
     assert ("  rsync -az -s --stats --timeout=60 --delete --exclude=.git --exclude=__pycache__ '--exclude=*.log' -e "
-            "'ssh -F /dev/null -p 2222 -l bob -o BatchMode=yes -o StrictHostKeyChecking=yes -o ConnectTimeout=10' "
-            "/home/me/job/ B:/tmp/job/") in lines
+            "'ssh -F /dev/null -p 2222 -l bob -o BatchMode=yes -o StrictHostKeyChecking=yes -o ConnectTimeout=10 "
+            f"-o '\"'\"'UserKnownHostsFile={tmp_path}/.ssh/known_hosts {tmp_path}/.ssh/known_hosts2'\"'\"''"
+            " /home/me/job/ B:/tmp/job/") in lines
     assert "0" * 64 not in text
 
 
