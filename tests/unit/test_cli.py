@@ -283,3 +283,17 @@ def test_per_role_interface_on_local_is_a_warning(capsys) -> None:
 def test_env_takes_launch_py_name_colon_value(monkeypatch) -> None:
     s = spec_of(["-n", "1", "--env", "A:1", "--env", "B=x:y", "--env", "C:d=e", "true"])
     assert dict(s.env) == {"A": "1", "B": "x:y", "C": "d=e"}
+
+
+def test_hosts_inline_in_the_dry_run(capsys, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["-n", "3", "-s", "0", "-H", "h1,h2:2222,alice@h3 slots=1", "--dry-run", "true"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "hosts (3, from the -H list): h1, h2:2222, alice@h3 slots=1" in out
+    assert "worker  0     0        h1" in out and "worker  2     2        alice@h3" in out
+    (tmp_path / "h1,h2").write_text("fromfile\n")  # an existing file of that name stays a file
+    assert cli.main(["-n", "1", "-s", "0", "-H", "h1,h2", "--dry-run", "true"]) == 0
+    assert "hosts (1, from hostfile h1,h2): fromfile" in capsys.readouterr().out
+    assert cli.main(["--help"]) == 0
+    assert "-H h1,h2:2222,alice@h3" in " ".join(capsys.readouterr().out.split())
