@@ -758,15 +758,47 @@ def run_doctor(testbed: Testbed, *args: str, env: dict | None = None) -> subproc
 @pytest.mark.timeout(120)
 def test_doctor_all_hosts_ready(testbed: Testbed, tmp_path: Path) -> None:
     hosts = hostfile(testbed, tmp_path, 3)
-    r = run_doctor(testbed, "-H", hosts, "--python", PY, "--env", f"DMLC_INTERFACE={testbed.subnet_b}")
+    r = run_doctor(testbed, "-H", hosts, "--env", f"DMLC_INTERFACE={testbed.subnet_b}", "--check-import", "trainer",
+                   PY, str(REPO / "tests" / "bin" / "probe.py"), "--out", "x")
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0].split() == ["HOST", "SSH", "PYTHON", "IMPORTS", "INTERFACE", "PORT", "REACH"]
+    assert lines[0].split() == ["HOST", "SSH", "PYTHON3", "CWD", "PROGRAM", "IMPORTS", "INTERFACE", "PORT", "REACH"]
+    here = ".".join(map(str, sys.version_info[:3]))
     for h in testbed.hosts[:3]:
         row = next(x for x in lines if x.startswith(h.addr_a + " "))
         assert "FAIL" not in row
-        assert f"ok {h.iface_b} {h.addr_b}" in row and "ok launcher trainer" in row and f"3.{sys.version_info[1]}" in row
+        assert f"ok {h.iface_b} {h.addr_b}" in row and "ok trainer" in row and f"ok {PY} python {here}" in row
     assert f"3 of 3 hosts ready; scheduler address {testbed.root_b}:" in r.stdout
+    print(r.stdout)
+
+
+@pytest.mark.timeout(180)
+def test_doctor_passes_the_hosts_a_job_just_ran_on(testbed: Testbed, tmp_path: Path, out: Path) -> None:
+    """The issue's case: a job runs fine on two hosts from a directory that holds no pslaunch, and
+    doctor, given the same options and command, finds both hosts ready (the bundled packages are
+    not required there; ``--check-import trainer`` is the way to ask for them)."""
+    src = tmp_path / "job"
+    src.mkdir()
+    shutil.copy(REPO / "tests" / "bin" / "probe.py", src / "probe.py")
+    dst = f"{testbed.sync_root}/doctor-job-{uuid.uuid4().hex[:6]}"
+    hosts = ",".join(h.addr_a for h in testbed.hosts[:2])
+    env = testbed.env()
+    env["PYTHONPATH"] = str(REPO / "tests" / "netguard")  # the network guard, but not pslaunch's packages
+    job = ("-H", hosts, "--sync-dst-dir", dst, "--env", f"DMLC_INTERFACE={testbed.subnet_b}")
+    command = ("python3", "probe.py", "--out", str(out))
+    r = run_ssh(testbed, "-n", "2", "-s", "0", *job, *command, env=env, cwd=src)
+    assert r.returncode == 0, r.stderr
+    d = run_pslaunch("doctor", *job, *command, env=env, cwd=src, timeout=90)
+    assert d.returncode == 0, d.stdout + d.stderr
+    assert "2 of 2 hosts ready" in d.stdout and "FAIL" not in d.stdout
+    assert d.stdout.count("ok python3 python 3.") == 2, d.stdout
+    # asked for, the trainer is checked, and it is not there
+    d = run_pslaunch("doctor", *job, "--check-import", "trainer", *command, env=env, cwd=src, timeout=90)
+    assert d.returncode == 1 and "0 of 2 hosts ready" in d.stdout, d.stdout
+    assert "imports: import trainer in" in d.stdout and "No module named 'trainer'" in d.stdout
+    # a program the hosts do not have: 127, as the job would exit
+    d = run_pslaunch("doctor", *job, "no-such-program-xyz", env=env, cwd=src, timeout=90)
+    assert d.returncode == 1 and "FAIL no-such-program-xyz not found" in d.stdout, d.stdout
 
 
 @pytest.mark.timeout(120)
@@ -779,12 +811,12 @@ def test_doctor_reports_every_problem_and_fails(testbed: Testbed, tmp_path: Path
         testbed.run(h, ["mkdir", "-p", str(empty)], check=True)
     r = run_doctor(testbed, "-H", str(tmp_path / "hosts"), "--ssh-connect-timeout", "3", "--sync-dst-dir", str(empty),
                    "--env", "PYTHONPATH=/nonexistent", "--env", f"DMLC_INTERFACE={testbed.hosts[0].iface_b}",
-                   "--host-ip", "127.0.0.1")
+                   "--host-ip", "127.0.0.1", "--check-import", "launcher", PY, "train.py")
     assert r.returncode == 1, r.stdout + r.stderr
-    problems = r.stdout.split("problems:\n", 1)[1].splitlines()
+    problems = r.stdout.split("problems:\n", 1)[1].split("information:\n", 1)[0].splitlines()
     h0, h1, h2 = testbed.hosts[:3]
     expect = [
-        f"{h0.addr_a}: imports: import launcher in {empty}: ModuleNotFoundError: No module named 'launcher'",
+        f"{h0.addr_a}: program: train.py: no such file in {empty}",
         f"{h0.addr_a}: reach: cannot connect to the launching host at 127.0.0.1:",
         f"{h1.addr_a}: interface: DMLC_INTERFACE={h0.iface_b} matches no interface",
         f"{h2.addr_a}: ssh: ssh authentication as nosuchuser on {h2.addr_a}:22 failed",
