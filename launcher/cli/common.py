@@ -133,13 +133,22 @@ class _Formatter(logging.Formatter):
         return f"pslaunch: {msg}"
 
 
+class _StderrHandler(logging.StreamHandler):
+    """stderr, around the live status line when one is shown (it must not end up inside a message)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from ..runtime.output import around_status
+
+        around_status(lambda: super(_StderrHandler, self).emit(record))
+
+
 def configure_logging(level: str, log_file: Optional[str] = None) -> None:
     """The launcher's own messages go to stderr (and ``--log-file``), prefixed ``pslaunch:``."""
     root = logging.getLogger("launcher")
     root.handlers.clear()
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
     root.propagate = False
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler(sys.stderr)
     handler.setFormatter(_Formatter())
     root.addHandler(handler)
     if log_file:

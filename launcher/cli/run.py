@@ -129,6 +129,9 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
               help="The launcher's own messages.")
 @click.option("--log-file", default=None, metavar="FILE", help="Also write the launcher's messages to FILE.")
+@click.option("--no-progress", is_flag=True, help="No live status line (processes running per role and host, "
+              "elapsed time, worker 0's latest Epoch/Batch and speed); it is shown only when stdout is a "
+              "terminal.")
 @click.option("--p3", is_flag=True, help="Priority-based parameter propagation (sets DMLC_PS_VAN_TYPE=p3 "
               "and DMLC_PS_WATER_MARK=10 for every process, as launch.py --p3).")
 # cluster schedulers (dmlc-submit's options)
@@ -181,7 +184,7 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
         dry_run=bool(kw.get("dry_run")), log_dir=kw.get("log_dir"), summary_json=kw.get("summary_json"),
         port_range=parse_port_range_option("9091-9998" if kw.get("port_range") is None else kw["port_range"]),
         start_timeout=kw.get("start_timeout", 60.0), kill_grace=kw.get("kill_grace", 10.0),
-        timeout=kw.get("timeout"), workdir=os.getcwd(), p3=bool(kw.get("p3")),
+        timeout=kw.get("timeout"), workdir=os.getcwd(), p3=bool(kw.get("p3")), progress=not kw.get("no_progress"),
         options=backend.make_options(kw),
     )
     backend.check_spec(spec)

@@ -35,6 +35,7 @@ from ..spec.job import Host, JobSpec
 from ..spec.plan import Plan, ProcSpec, build_plan
 from . import addresses as addr
 from . import report
+from .progress import Progress
 from .signals import Interrupted, Signals
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,9 @@ class Supervisor:
         self.start_time = clock.time()
         self.stopped: set[str] = set()  # processes the launcher stopped (names)
         self.first: Optional[ProcessHandle] = None
+        self.progress = Progress.create(  # the live status line (a terminal only; --no-progress)
+            self.console, spec.progress, {"scheduler": int(spec.has_scheduler), "server": spec.num_servers,
+                                          "worker": spec.num_workers}, self.start_time)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -103,6 +107,8 @@ class Supervisor:
                     self.signals.raise_now = False
                     self._shutdown(dump=outcome is not None and outcome[0] == "timeout")
         finally:
+            if self.progress is not None:
+                self.progress.close()
             if self.pump is not None:
                 self.pump.stop()
             if self.watchdog is not None:
@@ -210,6 +216,8 @@ class Supervisor:
                 return "success", 0
             if deadline is not None and self.clock.time() > deadline:
                 return "timeout", EXIT_TIMEOUT
+            if self.progress is not None:
+                self.progress.tick(self.handles, self.clock.time())
             self.clock.sleep(POLL_INTERVAL)
 
     # -- teardown --------------------------------------------------------------------------
@@ -224,6 +232,8 @@ class Supervisor:
 
     def _shutdown(self, dump: bool = False) -> None:
         """Stop whatever still runs: stack dumps (timeout), SIGTERM, ``--kill-grace``, SIGKILL, sweep groups."""
+        if self.progress is not None:
+            self.progress.close()
         running = [h for h in self.handles if h.poll() is None]
         if dump and running:
             log.warning("dumping the Python stacks of %d running process%s",

@@ -103,6 +103,8 @@ class JobSpec:
     timeout: Optional[float] = None
     workdir: Optional[str] = None
     p3: bool = False
+    #: the live status line on a terminal (``--no-progress`` turns it off)
+    progress: bool = True
     #: the backend's own options (its ``Options`` record; None: the backend's defaults)
     options: Any = None
 
