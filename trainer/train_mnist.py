@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--threads", type=_positive_int, default=None,
                    help="torch threads per process (default: the cores divided by this job's processes on the host)")
     o.add_argument("--plot", default=None, metavar="FILE.png",
-                   help="draw loss and accuracy per epoch into this image (rank 0)")
+                   help="draw loss and accuracy per epoch and per --disp-batches interval into this image "
+                        "(rank 0; any format matplotlib writes: png, svg, pdf, ...)")
     return p
 
 
@@ -244,6 +245,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     handler = _setup_logging()
+    if args.plot:
+        try:
+            _check_plot(args.plot)
+        except UsageError as e:
+            return _fail(f"{e} (see --help)", 2)
     threads = args.threads or default_threads()
     if threads > 1:
         # libgomp's threads spin between parallel regions by default; when other processes want
@@ -258,8 +264,6 @@ def _worker(args: argparse.Namespace) -> int:
 
     try:
         devices = _devices(args, torch)
-        if args.plot:
-            _check_plot(args.plot)
         cfg = TrainConfig(
             network=args.network, batch_size=args.batch_size, num_epochs=args.num_epochs, lr=args.lr,
             lr_factor=args.lr_factor, lr_step_epochs=tuple(args.lr_step_list), optimizer=args.optimizer,
@@ -301,13 +305,25 @@ def _devices(args: argparse.Namespace, torch: object) -> list[str]:
 
 
 def _check_plot(path: str) -> None:
+    """``--plot``: matplotlib is there, writes this format, and the directory takes the file
+    (checked before training: finding out after it would waste the run)."""
     try:
-        import matplotlib  # noqa: F401
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
+        raise UsageError("--plot needs matplotlib: pip install matplotlib (or pip install 'pslaunch[trainer]')") from None
+    formats = FigureCanvasAgg(Figure()).get_supported_filetypes()
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    if ext and ext not in formats:
+        raise UsageError(f"--plot {path}: matplotlib cannot write .{ext} files; name a file ending in one of "
+                         f"{', '.join('.' + f for f in sorted(formats))} (e.g. curve.png)")
+    if os.path.isdir(path):
+        raise UsageError(f"--plot {path} is a directory; name the image file, e.g. {os.path.join(path, 'curve.png')}")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise UsageError(f"--plot {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--plot {path}: the directory {parent} is not writable")
 
 
 def _namespace_text(args: argparse.Namespace) -> str:
