@@ -223,8 +223,21 @@ def _fail(message: str, code: int = 1) -> int:
     return code
 
 
+#: what the trainer imports beyond the standard library: (module, the package pip installs)
+DEPENDENCIES = (("torch", "torch"), ("numpy", "numpy"), ("zmq", "pyzmq"))
+INSTALL_HINT = ("pip install 'pslaunch[trainer]' (on a GPU machine, install the CUDA build of torch you want "
+                "first; the README's Installing says how)")
+
+
+def missing_dependencies() -> list[str]:
+    """The packages of :data:`DEPENDENCIES` this Python cannot find (nothing is imported)."""
+    import importlib.util
+
+    return [package for module, package in DEPENDENCIES if importlib.util.find_spec(module) is None]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one process of the job; returns the exit code."""
+    """Run one process of the job; returns the exit code (also the ``pslaunch-train-mnist`` command)."""
     try:
         args = parse_args(argv)
         role = _role()
@@ -232,6 +245,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"{e} (see --help)", 2)
     except pc.ClusterEnvError as e:
         return _fail(str(e), 2)
+    missing = missing_dependencies()
+    if missing:
+        return _fail(f"the trainer needs {', '.join(missing)}, which {sys.executable} lacks: {INSTALL_HINT}")
+    try:
+        return _run(args, role)
+    except ImportError as e:  # found but broken (a torch built for another CUDA, a half-removed package)
+        return _fail(f"cannot import {e.name or 'a dependency'}: {' '.join(str(e).split())[:300]}; reinstall it: "
+                     f"{INSTALL_HINT}")
+
+
+def _run(args: argparse.Namespace, role: str) -> int:
     if role in ("scheduler", "server"):
         if not args.kv_store.startswith("dist"):
             print(f"{PROG}: this {role} exits: --kv-store {args.kv_store} trains without parameter servers "
