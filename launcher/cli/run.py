@@ -55,9 +55,12 @@ Examples:
 
 \b
 Exit code: the first failing process's code (128+N if killed by signal N),
-0 if all succeed, 2 for a usage error, 124 after --timeout, 130 on Ctrl-C.
-Hostfile lines: host, host:port, user@host:port, [ipv6]:port, host slots=N.
-Before a multi-host job: pslaunch doctor -H hosts (checks ssh, python, ports).
+0 if all succeed, 2 for a usage error, 127 if the program is not found,
+126 if it is not executable, 124 after --timeout, 130 on Ctrl-C.
+Hosts: -H FILE (lines: host, host:port, user@host:port, [ipv6]:port,
+host slots=N) or inline: -H h1,h2:2222,alice@h3.
+Before a multi-host job: pslaunch doctor -H hosts COMMAND (ssh, python3,
+the command's program, interface, ports, reachability).
 """
 
 

@@ -792,6 +792,7 @@ def test_doctor_passes_the_hosts_a_job_just_ran_on(testbed: Testbed, tmp_path: P
     assert d.returncode == 0, d.stdout + d.stderr
     assert "2 of 2 hosts ready" in d.stdout and "FAIL" not in d.stdout
     assert d.stdout.count("ok python3 python 3.") == 2, d.stdout
+    print(f"$ pslaunch doctor {' '.join(job + command)}\n{d.stdout}")
     # asked for, the trainer is checked, and it is not there
     d = run_pslaunch("doctor", *job, "--check-import", "trainer", *command, env=env, cwd=src, timeout=90)
     assert d.returncode == 1 and "0 of 2 hosts ready" in d.stdout, d.stdout
