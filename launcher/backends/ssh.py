@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 from pscontract import netif
 
 from .. import node
-from ..errors import ConfigError, LaunchError
+from ..errors import ConfigError, LauncherError, LaunchError
 from ..node.ssh_wire import BOOTSTRAP, KEEPALIVE, FrameDecoder, blob, frame
 from ..runtime.handle import ProcessHandle, ProcGroup
 from ..runtime.output import ProcOutput
@@ -519,8 +519,8 @@ class SSHBackend(Backend):
         try:
             require_paramiko()
             return resolve_targets(hosts, opts), ""
-        except (ConfigError, LaunchError) as e:
-            note = f" ({e})" if "paramiko" not in str(e) else " (paramiko is not installed)"
+        except LauncherError as e:  # no paramiko; a config the job itself would refuse (ProxyJump, ...)
+            note = " (paramiko is not installed)" if "paramiko" in str(e) else f": {e}"
             return [_basic_target(h, opts) for h in hosts], f"~/.ssh/config not applied{note}"
 
     @classmethod

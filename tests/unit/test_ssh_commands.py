@@ -221,3 +221,17 @@ def test_an_interrupt_during_the_sync_stops_rsync_at_once() -> None:
             slow.kill()
     assert slow.wait(timeout=5) == -signal.SIGKILL
     assert time.monotonic() - t0 < 5
+
+
+def test_dry_run_without_paramiko_says_the_config_was_not_applied(tmp_path) -> None:
+    """Without paramiko (None in sys.modules: Python's own way to make an import fail) the dry run
+    still shows the plan, and says that ~/.ssh/config was not applied to it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['paramiko'] = None; from launcher.cli import main; "
+            "main(['-n', '1', '-s', '0', '-H', 'A', '--sync-dst-dir', '/tmp/j', '--dry-run', 'true'])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "  note: ~/.ssh/config not applied (paramiko is not installed)" in r.stdout
+    assert "rsync -az" in r.stdout
