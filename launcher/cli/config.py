@@ -24,6 +24,7 @@ from typing import Any
 import click
 
 from ..errors import ConfigError
+from .common import FiniteFloat
 
 MAX_BYTES = 1024 * 1024
 MAX_DEPTH = 50
@@ -253,7 +254,7 @@ def convert(key: str, value: Any, param: click.Parameter, path: str) -> Any:
         if isinstance(value, float) or (isinstance(value, str) and not value.strip().lstrip("+-").isdigit()):
             raise ConfigError(f"{where} is {str(value)[:40]!r}; expected a whole number")
         return value
-    if isinstance(ptype, click.types.FloatParamType):
+    if isinstance(ptype, (click.types.FloatParamType, FiniteFloat)):
         if isinstance(value, str):
             try:
                 value = float(value)
