@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, ClassVar, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Sequence
 
 import pscontract as pc
 
@@ -32,17 +32,19 @@ from ..errors import LaunchError
 from ..node import wire
 from ..node.procgroup import resolve_program
 from ..runtime.handle import ProcessHandle, ProcGroup
-from ..runtime.hub import Hub, hub_ports
 from ..runtime.output import PipePump, ProcOutput
 from ..spec.job import JobSpec, Role
 from ..spec.plan import ProcSpec
 from .base import Backend
 
+if TYPE_CHECKING:  # pragma: no cover
+    from ..runtime.hub import Hub
+
 log = logging.getLogger(__name__)
 
 TASK_FILE_VERSION = 2
 # Set per task by the wrapper, or meaningless on a cluster whose hosts are unknown here.
-_PER_TASK = (pc.TASK_ID, pc.NODE_HOST, pc.LOCAL_PROCS)
+_PER_TASK = (pc.TASK_ID, pc.NODE_HOST, pc.LOCAL_PROCS, pc.PROCESS)
 
 
 # --- pure builders --------------------------------------------------------------------------
@@ -251,6 +253,8 @@ class BatchBackend(Backend):
         root, secret = env.get(pc.ROOT_URI, ""), env.get(pc.SECRET, "")
         if not root or not secret:
             return None
+        from ..runtime.hub import Hub, hub_ports  # (here: a job without a hub never loads it)
+
         lo, _ = self.spec.port_range
         ports = hub_ports(self.spec.port_range, int(env.get(pc.ROOT_PORT, lo) or lo))
         assert self.pump is not None

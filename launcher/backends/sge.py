@@ -43,8 +43,6 @@ agent is not connected.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import logging
 import math
@@ -294,6 +292,8 @@ def environment_problem(environ: Mapping[str, str], exists: Callable[[str], bool
 
 def load_drmaa(environ: Mapping[str, str] = os.environ) -> Any:
     """Import the ``drmaa`` package, or raise a one-line :class:`BackendUnavailableError`."""
+    import importlib.util
+
     if importlib.util.find_spec("drmaa") is None:
         raise BackendUnavailableError("the sge backend needs the drmaa package: "
                                       "pip install 'pslaunch[sge]' (drmaa==0.7.9)")

@@ -37,7 +37,6 @@ with every argument ``shlex``-quoted.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import getpass
 import json
@@ -59,19 +58,17 @@ from ..runtime.handle import ProcessHandle, ProcGroup
 from ..runtime.output import ProcOutput
 from ..spec.job import Host, JobSpec
 from ..spec.plan import Plan, ProcSpec, place
-from ..transport.ssh import (
-    HostSession,
-    SSHOptions,
-    Target,
-    connect_all,
-    require_paramiko,
-    resolve_targets,
-)
-from ..transport.sync import Syncer, SyncStats
+from ..transport.options import SSHOptions
 from .base import Backend, BackendOption
 
 if TYPE_CHECKING:  # pragma: no cover
     import paramiko
+
+    from ..transport.ssh import HostSession, Target
+    from ..transport.sync import Syncer, SyncStats
+
+# launcher.transport (paramiko, thread pools) is imported where a job uses it: the command line
+# imports every backend for its options.
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +114,10 @@ def kill_command(signame: str, pgids: Sequence[int]) -> str:
     groups = sorted({int(p) for p in pgids if int(p) > 1})
     if not groups:
         raise ValueError("no process group to signal")
-    return f"kill -s {signame} -- {' '.join(f'-{g}' for g in groups)} 2>/dev/null; exit 0"
+    targets = " ".join(f"-{g}" for g in groups)
+    if signame in ("TERM", "INT"):  # and SIGCONT: a stopped process gets it now, not when resumed
+        return f"kill -s {signame} -- {targets} 2>/dev/null; kill -s CONT -- {targets} 2>/dev/null; exit 0"
+    return f"kill -s {signame} -- {targets} 2>/dev/null; exit 0"
 
 
 def netif_command(iface: str, python: str = REMOTE_PYTHON) -> str:
@@ -133,6 +133,8 @@ def hosts_with_processes(spec: JobSpec) -> list[Host]:
 
 def _basic_target(host: Host, opts: SSHOptions) -> Target:
     """A target without ``~/.ssh/config`` (dry runs must not need paramiko)."""
+    from ..transport.ssh import Target
+
     return Target(host=host, hostname=host.name, port=host.port or opts.port or 22,
                   user=host.user or opts.user or getpass.getuser(),
                   key_files=(opts.key,) if opts.key else ())
@@ -522,6 +524,8 @@ class SSHBackend(Backend):
             t = _basic_target(host, opts)
             lines.append(f"  {host.display}: {t.address}, cwd {cwd}: {', '.join(labels)}")
         if spec.sync_dst_dir:
+            from ..transport.sync import Syncer
+
             lines.append("sync (rsync when both ends have it, else SFTP):")
             syncer = Syncer(spec.workdir or ".", spec.sync_dst_dir, opts)
             for host in per_host:
@@ -535,9 +539,14 @@ class SSHBackend(Backend):
     # -- prepare ------------------------------------------------------------------------------
 
     def check(self) -> None:
+        from ..transport.ssh import require_paramiko
+
         require_paramiko()
 
     def prepare(self) -> Mapping[Host, str]:
+        from ..transport.ssh import connect_all, resolve_targets
+        from ..transport.sync import Syncer
+
         spec = self.spec
         lines = hosts_with_processes(spec)
         targets = resolve_targets(lines, self.opts)
@@ -573,6 +582,8 @@ class SSHBackend(Backend):
 
     def _per_host(self, fn: object, what: str) -> None:
         """Run ``fn(host)`` for every host in parallel; raise the first error in hostfile order."""
+        import concurrent.futures
+
         hosts = list(self.hosts.values())
         errors: dict[int, BaseException] = {}
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(hosts))),
@@ -664,6 +675,8 @@ class SSHBackend(Backend):
 
     @staticmethod
     def _run_parallel(fn: object, items: list) -> None:
+        import concurrent.futures
+
         errors: list[BaseException] = []
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(items))),
                                                    thread_name_prefix="pslaunch-start") as pool:

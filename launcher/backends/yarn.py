@@ -52,13 +52,11 @@ ID``, printed at the end).
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
 import os
 import re
 import shlex
 import shutil
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -398,6 +396,8 @@ class YarnBackend(BatchBackend):
     # -- set-up -----------------------------------------------------------------------------
 
     def check(self) -> None:
+        import importlib.util
+
         problem = dependency_problem(os.environ, has_skein=importlib.util.find_spec("skein") is not None)
         if problem:
             raise BackendUnavailableError(problem)
@@ -421,6 +421,8 @@ class YarnBackend(BatchBackend):
     # -- submitting -------------------------------------------------------------------------------
 
     def submit(self, procs: Sequence[ProcSpec], hub: Optional[tuple[str, int]]) -> list[BatchTask]:
+        import tempfile
+
         self._tmp = tempfile.mkdtemp(prefix="pslaunch-yarn-")  # mode 0700
         wrapper = os.path.join(self._tmp, WRAPPER_ZIP)
         task_file = os.path.join(self._tmp, TASK_FILE)
