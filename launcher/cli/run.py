@@ -242,7 +242,7 @@ def execute(spec: JobSpec) -> int:
         plan = dry_run_plan(spec, backend)
         click.echo(format_dry_run(spec, plan, backend.dry_run(spec, plan), inherits=not backend.remote))
         return 0
-    return run_job(spec).exit_code
+    return run_job(spec, adopt_orphans=True).exit_code
 
 
 add_backend_options(run_command, ((cls.name, cls.options) for cls in backends.classes()))

@@ -146,6 +146,7 @@ def task_environment(doc: Mapping[str, Any], role: str, index: int,
     env.update(spec.get("env") or {})
     env[pc.ROLE] = role
     env[pc.TASK_ID] = str(int(spec["first_task_id"]) + index)
+    env[pc.PROCESS] = pc.process_marker(env.get(pc.JOB_ID, "job"), f"{role}-{index}")
     return env
 
 

@@ -136,25 +136,38 @@ def _listen_inodes(port: int) -> Optional[set[str]]:
     return inodes if found_table else None
 
 
-def listener_is_in_group(pgid: int, port: int) -> bool:
-    """True when a process of group ``pgid`` holds the socket listening on ``port``.
+def listener(pgid: int, host: str, port: int) -> str:
+    """Who listens on TCP ``port``: ``"ours"`` (a process of group ``pgid``, the scheduler's),
+    ``"foreign"`` (someone else: the port was taken between our probe and the scheduler's bind;
+    a successful connect alone would not tell us), or ``"none"``.
 
-    Someone else may hold the port (it was taken between our probe and the
-    scheduler's bind); a successful connect alone would not tell us.
+    Reads ``/proc/net/tcp*`` and, only when something listens, the group leader's descriptors
+    (then its group's): cheap enough to ask every few milliseconds while a job starts. Without
+    ``/proc``, a connect decides between ``"ours"`` and ``"none"``.
     """
     inodes = _listen_inodes(port)
     if inodes is None:
-        return True  # no /proc: trust the connect
+        return "ours" if is_listening(host, port) else "none"
+    if not inodes:
+        return "none"
     targets = {f"socket:[{i}]" for i in inodes}
-    for pid in group_members(pgid):
+    if _holds(pgid, targets):  # the leader first: usually the one that listens
+        return "ours"
+    if any(_holds(pid, targets) for pid in group_members(pgid) if pid != pgid):
+        return "ours"
+    return "foreign"
+
+
+def _holds(pid: int, targets: set[str]) -> bool:
+    """True when process ``pid`` has one of ``targets`` (``socket:[inode]``) open."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
         try:
-            fds = os.listdir(f"/proc/{pid}/fd")
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in targets:
+                return True
         except OSError:
             continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}") in targets:
-                    return True
-            except OSError:
-                continue
     return False

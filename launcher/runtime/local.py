@@ -15,7 +15,7 @@ import subprocess
 from typing import Mapping, Optional
 
 from ..errors import LaunchError
-from ..node.procgroup import resolve_program, signal_group
+from ..node.procgroup import resolve_program, signal_group, stop_group
 from ..node.watchdog import Client as Watchdog
 from ..spec.plan import ProcSpec
 from .handle import ProcessHandle, group_members, spawn_guard
@@ -66,7 +66,7 @@ class LocalProcess(ProcessHandle):
         return self._popen.poll()
 
     def terminate(self) -> None:
-        signal_group(self.pgid, signal.SIGTERM)
+        stop_group(self.pgid, signal.SIGTERM)
 
     def kill(self) -> None:
         signal_group(self.pgid, signal.SIGKILL)

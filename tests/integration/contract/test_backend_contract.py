@@ -76,7 +76,8 @@ def test_env_contract_per_role(cluster: Cluster, monkeypatch) -> None:
     monkeypatch.setenv("PS_VERBOSE", "1")          # forwarded to every node on every backend
     monkeypatch.setenv("DMLC_NODE_HOST", "1.2.3.4")  # the launcher's own value wins
     r = cluster.run("-n", "3", "-s", "2", "--env", "FOO=bar baz", "--env-server", "OMP_NUM_THREADS:3",
-                    "--env-worker", "WHO=worker", "--kill-grace", "1", *cluster.probe("--listen", "--child"))
+                    "--env-worker", "WHO=worker", "--kill-grace", "1",
+                    *cluster.probe("--listen", "--child", "--escape"))
     assert r.returncode == 0, r.stderr
     probes = read_probes(cluster.out)
     assert sorted(probes) == ["scheduler", "server-0", "server-1", "worker-0", "worker-1", "worker-2"]
@@ -104,7 +105,9 @@ def test_env_contract_per_role(cluster: Cluster, monkeypatch) -> None:
         cluster.check_record(name, rec)
     assert "all 6 processes exited 0" in r.stderr
     assert "PSLAUNCH_SECRET=" not in r.stderr and sched["PSLAUNCH_SECRET"] not in r.stderr + r.stdout
-    assert_nothing_left(cluster)  # the grandchildren (--child) too: they go with their process
+    # the grandchildren too: in the process's group (--child), or gone from it with setsid() or a
+    # double fork (--escape): they go with their process
+    assert_nothing_left(cluster)
 
 
 # --- failures -------------------------------------------------------------------------------------------
@@ -114,7 +117,7 @@ def test_env_contract_per_role(cluster: Cluster, monkeypatch) -> None:
 def test_a_failure_stops_the_rest_with_its_exit_code(cluster: Cluster, tmp_path: Path) -> None:
     summary = tmp_path / "summary.json"
     r = cluster.run("-n", "3", "-s", "1", "--kill-grace", "1", "--summary-json", str(summary),
-                    *cluster.probe("--listen", "--sleep", "60", "--child", "--fail", "worker-1:3:1.0"))
+                    *cluster.probe("--listen", "--sleep", "60", "--child", "--escape", "--fail", "worker-1:3:1.0"))
     assert r.returncode == 3, r.stderr
     assert re.search(r"error: worker 1\b.* exited with code 3 first; stopped the other processes", r.stderr), r.stderr
     assert "worker-1 failing with code 3" in r.stderr  # the tail of its output is in the report
@@ -127,6 +130,19 @@ def test_a_failure_stops_the_rest_with_its_exit_code(cluster: Cluster, tmp_path:
     for name in ("scheduler", "server-0", "worker-0", "worker-2"):
         assert procs[name]["stopped_by_launcher"], procs[name]
         assert procs[name]["exit_code"] not in (None, 0), procs[name]
+
+
+@pytest.mark.timeout(150)
+def test_a_stopped_process_does_not_hold_up_the_teardown(cluster: Cluster) -> None:
+    """A process stopped with SIGSTOP (hung, or in a debugger) gets SIGCONT with its SIGTERM: the
+    job ends at once, not after --kill-grace."""
+    t0 = time.monotonic()
+    r = cluster.run("-n", "3", "-s", "1", "--kill-grace", "60",
+                    *cluster.probe("--listen", "--sleep", "90", "--stop-self", "worker-2", "--fail", "worker-1:3:2.0"))
+    took = time.monotonic() - t0
+    assert r.returncode == 3, r.stderr
+    assert took < 45, f"the job took {took:.0f}s to end: the stopped worker waited out the 60 s grace"
+    assert_nothing_left(cluster)
 
 
 @pytest.mark.timeout(150)
@@ -166,7 +182,7 @@ def test_missing_program_is_one_line(cluster: Cluster, servers: str) -> None:
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["INT", "TERM"])
 def test_a_signal_stops_everything(cluster: Cluster, sig: int, code: int) -> None:
     p, probes = running_job(cluster, "-n", "2", "-s", "1", "--kill-grace", "2",
-                            *cluster.probe("--listen", "--sleep", "60", "--child"), count=4)
+                            *cluster.probe("--listen", "--sleep", "60", "--child", "--escape"), count=4)
     p.send_signal(sig)
     _, err = p.communicate(timeout=60)
     assert p.returncode == code, err
@@ -193,7 +209,8 @@ def test_a_second_ctrl_c_kills_at_once(cluster: Cluster) -> None:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("behaviour", ["--child", "--ignore-term"], ids=["grandchildren", "ignoring-SIGTERM"])
+@pytest.mark.parametrize("behaviour", ["--child", "--escape", "--ignore-term"],
+                         ids=["grandchildren", "escaped-grandchildren", "ignoring-SIGTERM"])
 def test_kill_9_of_the_launcher_leaves_nothing(cluster: Cluster, behaviour: str) -> None:
     p, _ = running_job(cluster, "-n", "2", "-s", "1", "--kill-grace", "1",
                        *cluster.probe("--listen", "--sleep", "60", behaviour), count=4)
