@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Sequence
 import pscontract as pc
 
 from ..errors import LaunchError
-from ..node import wire
 from ..node.procgroup import resolve_program
 from ..runtime.handle import ProcessHandle, ProcGroup
 from ..runtime.output import PipePump, ProcOutput
@@ -302,6 +301,8 @@ class BatchBackend(Backend):
         t = self._by_ident.get(ident)
         if t is None:
             return
+        from ..node import wire  # (here: wire's hmac and hashlib are for jobs that have tasks)
+
         if kind in (wire.STDOUT_LINE, wire.STDERR_LINE):
             (t.output.stdout if kind == wire.STDOUT_LINE else t.output.stderr).feed(payload + b"\n")
         elif kind in (wire.STDOUT_PART, wire.STDERR_PART):

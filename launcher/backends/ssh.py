@@ -38,11 +38,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import getpass
 import json
 import logging
 import os
-import queue
 import shlex
 import socket
 import threading
@@ -136,8 +134,14 @@ def _basic_target(host: Host, opts: SSHOptions) -> Target:
     from ..transport.ssh import Target
 
     return Target(host=host, hostname=host.name, port=host.port or opts.port or 22,
-                  user=host.user or opts.user or getpass.getuser(),
+                  user=host.user or opts.user or _local_user(),
                   key_files=(opts.key,) if opts.key else ())
+
+
+def _local_user() -> str:
+    import getpass
+
+    return getpass.getuser()
 
 
 # --- one host at run time --------------------------------------------------------------------
@@ -161,6 +165,8 @@ class RemoteHost:
         self.interval = max(0.1, spec.options.keepalive)
         self.lost_after = LOST_FACTOR * self.interval
         self._stop = threading.Event()
+        import queue
+
         self._signals: queue.Queue[Optional[tuple[str, SSHProcess]]] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()

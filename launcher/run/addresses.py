@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from typing import TYPE_CHECKING, Mapping, Optional
 
 from pscontract import netif
@@ -171,3 +172,58 @@ def _holds(pid: int, targets: set[str]) -> bool:
         except OSError:
             continue
     return False
+
+
+class SchedulerWatch:
+    """While a job starts, who gets the scheduler's port: ``verdict`` becomes ``"up"`` (the
+    scheduler listens on it, or ended with 0 without needing to), ``"lost"`` (another process
+    holds it: taken between our probe and the scheduler's bind) or ``"died"`` (the scheduler
+    ended with an error, and the port is free: not a race).
+
+    A thread looks every ``interval`` seconds, whatever the launcher is busy with (a backend's
+    ``start`` may take seconds), so a scheduler that died of a lost race is judged while the
+    port's new holder still has it. It peeks at the scheduler's exit with ``waitid(WNOWAIT)``,
+    leaving the exit status to whoever polls the process.
+    """
+
+    def __init__(self, pid: int, host: str, port: int, interval: float = 0.01) -> None:
+        self.pid, self.host, self.port, self.interval = pid, host, port, interval
+        self.verdict: Optional[str] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pslaunch-port-watch", daemon=True)
+
+    def start(self) -> SchedulerWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.ident is not None:
+            self._thread.join(1.0)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            verdict = self.check()
+            if verdict is not None:
+                self.verdict = verdict
+                return
+            self._stop.wait(self.interval)
+
+    def check(self) -> Optional[str]:
+        """One look: the verdict, or None while the scheduler runs and nobody listens yet."""
+        try:
+            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped already: someone polled it; judge by the port alone
+            info = None
+            ended, code = True, None
+        else:
+            ended = info is not None and info.si_pid == self.pid
+            code = (info.si_status if info.si_code == os.CLD_EXITED else -info.si_status) if ended else None
+        if ended and code == 0:
+            return "up"
+        who = listener(self.pid, self.host, self.port)
+        if who == "ours" and not ended:
+            return "up"
+        if who == "foreign" or (ended and not port_is_free(self.port)):
+            return "lost"
+        return "died" if ended else None

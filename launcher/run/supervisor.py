@@ -88,6 +88,7 @@ class Supervisor:
         self.stopped: set[str] = set()  # processes the launcher stopped (names)
         self.first: Optional[ProcessHandle] = None
         self._ids = (os.urandom(32).hex(), os.urandom(6).hex())  # (secret, job id): secrets.token_hex's way
+        self._watch: Optional[addr.SchedulerWatch] = None  # while the job starts: who gets the port
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -134,6 +135,7 @@ class Supervisor:
                 if plan.scheduler is not None:
                     self.scheduler = self._spawn_local(plan.scheduler)
                     self._add(ProcGroup([self.scheduler]))
+                    self._watch = addr.SchedulerWatch(self.scheduler.pid, plan.root_uri, plan.root_port).start()
                     self._timing("scheduler started")
                 self.signals.check()
                 if plan.procs:
@@ -145,6 +147,9 @@ class Supervisor:
                 outcome = ("timeout", EXIT_TIMEOUT) if e.signum == signal.SIGALRM else \
                     ("signal", self.signals.exit_code)
             finally:
+                if self._watch is not None:
+                    self._watch.stop()
+                    self._watch = None
                 lost = outcome is not None and outcome[0] == PORT_LOST and attempt < MAX_PORT_ATTEMPTS
                 if not lost:
                     self.signals.raise_now = False
@@ -225,29 +230,15 @@ class Supervisor:
         out = self.console.proc(proc.name, proc.label, str(proc.role))
         return LocalProcess(proc, out, self.pump, self.watchdog, proc.env, self.spec.workdir)
 
-    def _scheduler_up(self) -> Optional[bool]:
-        """While the job starts: True once the scheduler listens on its port (or ended with 0),
-        None while it may still, False when it lost the port to someone else."""
-        sched, plan = self.scheduler, self.plan
-        assert sched is not None and plan is not None
-        code = sched.poll()
-        if code == 0:
-            return True
-        who = addr.listener(sched.pgid, plan.root_uri, plan.root_port) if sched.pgid else "none"
-        if who == "ours":
-            return True
-        if who == "foreign" or (code is not None and not addr.port_is_free(plan.root_port)):
-            return False
-        return None
-
     def _monitor(self) -> tuple[str, int]:
         """Watch until the job ends: ``(reason, exit code)``; the first failure is :attr:`first`.
 
-        Until the scheduler listens, each round also asks :meth:`_scheduler_up`; a lost port race
-        is ``(PORT_LOST, 0)``, before any failure it caused is counted, so that the job starts again.
+        Until the scheduler listens, :class:`~.addresses.SchedulerWatch` says whether it lost its
+        port: then ``(PORT_LOST, 0)``, before any failure the race caused is counted, so that the
+        job starts again.
         """
         deadline = self.start_time + self.spec.timeout if self.spec.timeout else None
-        starting = self.scheduler is not None
+        starting = self._watch is not None
         listen_by = self.clock.monotonic() + max(self.spec.start_timeout, 1.0)
         while True:
             if self.signals.count:
@@ -261,12 +252,15 @@ class Supervisor:
                 elif code != 0:
                     failed.append(h)
             if starting:
-                up = self._scheduler_up()
-                if up is False:
+                assert self._watch is not None
+                if self.scheduler in failed:  # the watch's verdict on its death comes at once
+                    self._wait_verdict()
+                verdict = self._watch.verdict
+                if verdict == "lost":
                     return PORT_LOST, 0
-                if up:
+                if verdict is not None:
                     starting = False
-                    self._timing("scheduler listening")
+                    self._timing(f"scheduler {'listening' if verdict == 'up' else 'ended'}")
                 elif not failed and self.clock.monotonic() > listen_by:
                     assert self.plan is not None
                     raise LaunchError(
@@ -281,6 +275,11 @@ class Supervisor:
             if deadline is not None and self.clock.time() > deadline:
                 return "timeout", EXIT_TIMEOUT
             self.clock.sleep(POLL_INTERVAL)
+
+    def _wait_verdict(self, seconds: float = 1.0) -> None:
+        end = time.monotonic() + seconds
+        while self._watch is not None and self._watch.verdict is None and time.monotonic() < end:
+            time.sleep(0.005)
 
     # -- teardown --------------------------------------------------------------------------
 

@@ -18,7 +18,6 @@ import dataclasses
 import logging
 import os
 import shlex
-import shutil
 import subprocess
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
@@ -243,6 +242,8 @@ class MPIBackend(Backend):
             self.pump.stop()
             self.pump = None
         if self.tmpdir is not None:
+            import shutil
+
             shutil.rmtree(self.tmpdir, ignore_errors=True)
             self.tmpdir = None
 

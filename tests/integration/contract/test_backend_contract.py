@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 from support.clusters import CLUSTERS, Cluster, make_cluster
-from support.helpers import pid_alive, read_probes, wait_for, wait_probes
+from support.helpers import free_port, pid_alive, read_probes, wait_for, wait_probes
 
 pytestmark = pytest.mark.integration
 
@@ -155,11 +155,38 @@ def test_killed_by_signal_n_reports_128_plus_n(cluster: Cluster) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_scheduler_failure_stops_the_job(cluster: Cluster) -> None:
-    r = cluster.run("-n", "2", "-s", "1", *cluster.probe("--fail", "scheduler:5"))
+def test_scheduler_failure_stops_the_job(cluster: Cluster, tmp_path: Path) -> None:
+    # everything starts at once; the scheduler fails once the others run: they are all stopped
+    summary = tmp_path / "summary.json"
+    r = cluster.run("-n", "2", "-s", "1", "--kill-grace", "1", "--summary-json", str(summary),
+                    *cluster.probe("--listen", "--sleep", "60", "--fail", "scheduler:5:1.0"))
     assert r.returncode == 5, r.stderr
     assert "error: scheduler (on localhost, pid" in r.stderr and "exited with code 5 first" in r.stderr
-    assert sorted(read_probes(cluster.out)) == ["scheduler"]  # nothing else was started
+    procs = {p["name"]: p for p in json.loads(summary.read_text())["processes"]}
+    assert sorted(procs) == ["scheduler", "server-0", "worker-0", "worker-1"]
+    assert procs["scheduler"]["exit_code"] == 5
+    for name in ("server-0", "worker-0", "worker-1"):
+        assert procs[name]["stopped_by_launcher"] and procs[name]["exit_code"] not in (None, 0), procs[name]
+    assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(200)
+def test_a_lost_port_race_starts_the_whole_job_again(cluster: Cluster, tmp_path: Path) -> None:
+    """Everything starts at once; another process takes the scheduler's port before it binds: every
+    process of that attempt is stopped and the job starts again on the next port (nothing of the
+    lost attempt is reported or left running)."""
+    port, flag, summary = free_port(), tmp_path / "took-port", tmp_path / "summary.json"
+    r = cluster.run("-n", "2", "-s", "1", "--kill-grace", "1", "--port-range", f"{port}-{port + 40}",
+                    "--summary-json", str(summary),
+                    *cluster.probe("--listen", "--sleep", "1", "--take-port-once", str(flag)))
+    assert r.returncode == 0, r.stderr
+    assert flag.exists() and f"port {port} was taken before the scheduler could bind it" in r.stderr
+    probes = read_probes(cluster.out)
+    assert sorted(probes) == ["scheduler", "server-0", "worker-0", "worker-1"]
+    ports = {rec["env"]["DMLC_PS_ROOT_PORT"] for rec in probes.values()}
+    assert len(ports) == 1 and int(ports.pop()) > port, probes
+    doc = json.loads(summary.read_text())
+    assert doc["reason"] == "success" and sorted(p["name"] for p in doc["processes"]) == sorted(probes)
     assert_nothing_left(cluster)
 
 
