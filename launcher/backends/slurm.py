@@ -261,38 +261,30 @@ def parse_job(text: str, job_id: str) -> Allocation:
     """The allocation ``job_id`` in the text of ``scontrol show job -d JOB``.
 
     Reads ``JobState``, ``Reason``, ``NodeList``, ``CPUs/Task`` and the detail lines
-    ``Nodes=sn[0-1] CPU_IDs=0-1 Mem=200`` (the CPUs on each node). A heterogeneous job's
-    components are merged (nodes in order of appearance).
+    ``Nodes=sn[0-1] CPU_IDs=0-1 Mem=200`` (the CPUs on each node). Of a heterogeneous job,
+    only the component whose id is ``job_id`` (its first): srun runs steps there unless told
+    ``--het-group``.
 
     Raises:
         LaunchError: the text holds no record of that job.
     """
     records = [r for r in re.split(r"\n\s*\n", text) if r.strip()]
-    found = [r for r in records if re.search(rf"\bJobId={re.escape(job_id)}\b", r)
-             or re.search(rf"\bHetJobId={re.escape(job_id)}\b", r)]
+    found = [r for r in records if re.search(rf"(?:^|\s)JobId={re.escape(job_id)}(?:\s|$)", r)]
     if not found:
         raise LaunchError(f"scontrol show job {job_id} printed no record of job {job_id}: {' '.join(text.split())[:200]}")
-    state = reason = ""
-    nodes: list[str] = []
+    rec = found[0]
+    fields = dict(re.findall(r"(?:^|\s)([A-Za-z/:_]+)=(\S*)", rec))
+    nodelist = fields.get("NodeList", "")
+    nodes = expand_hostlist(nodelist) if nodelist and nodelist != "(null)" else []
     cpus: dict[str, int] = {}
-    per_task = 1
-    for rec in found:
-        fields = dict(re.findall(r"(?:^|\s)([A-Za-z/:_]+)=(\S*)", rec))
-        state = state or fields.get("JobState", "")
-        reason = reason or fields.get("Reason", "")
-        if fields.get("CPUs/Task", "").isdigit():
-            per_task = max(per_task, int(fields["CPUs/Task"]))
-        nodelist = fields.get("NodeList", "")
-        if nodelist and nodelist != "(null)":
-            for n in expand_hostlist(nodelist):
-                if n not in nodes:
-                    nodes.append(n)
-        for m in re.finditer(r"(?:^|\s)Nodes=(\S+) CPU_IDs=(\S+)", rec):
-            for n in expand_hostlist(m.group(1)):
-                cpus[n] = cpus.get(n, 0) + count_ids(m.group(2))
-    per_node = tuple(cpus.get(n, 0) for n in nodes) if cpus and all(n in cpus for n in nodes) else ()
-    return Allocation(job_id=job_id, state=state, reason="" if reason == "None" else reason, nodes=tuple(nodes),
-                      cpus=per_node, cpus_per_task=per_task)
+    for m in re.finditer(r"(?:^|\s)Nodes=(\S+) CPU_IDs=(\S+)", rec):
+        for n in expand_hostlist(m.group(1)):
+            cpus[n] = cpus.get(n, 0) + count_ids(m.group(2))
+    per_node = tuple(cpus[n] for n in nodes) if nodes and all(n in cpus for n in nodes) else ()
+    per_task = fields.get("CPUs/Task", "")
+    reason = fields.get("Reason", "")
+    return Allocation(job_id=job_id, state=fields.get("JobState", ""), reason="" if reason == "None" else reason,
+                      nodes=tuple(nodes), cpus=per_node, cpus_per_task=int(per_task) if per_task.isdigit() else 1)
 
 
 def task_cores(spec: JobSpec) -> int:
@@ -603,6 +595,7 @@ class SlurmBackend(BatchBackend):
         self._salloc: Optional[subprocess.Popen] = None
         self._salloc_lines: deque = deque(maxlen=20)
         self._salloc_job = ""
+        self._salloc_pending = False
         self._scancel = shutil.which("scancel") or "scancel"
         self._held: dict[int, tuple[int, float]] = {}
         self._node_failures: dict[str, float] = {}
@@ -736,10 +729,9 @@ class SlurmBackend(BatchBackend):
                 raise LaunchError(f"Slurm has not granted the allocation{' ' + self._salloc_job if self._salloc_job else ''}"
                                   f" within --start-timeout {timeout:g}s{why}; raise --start-timeout, or ask for "
                                   "less (-n, --*-cores, --*-memory, --queue)")
-            if self._salloc_job and not told:
+            if self._salloc_pending and not told:
                 told = True
-                log.info("waiting for Slurm to grant allocation %s (%s)", self._salloc_job, self._pending_reason()[2:]
-                         or "pending")
+                log.info("waiting for Slurm to grant allocation %s%s", self._salloc_job, self._pending_reason())
             time.sleep(0.02)
         reader.join(2.0)
         code = self._salloc.returncode
@@ -758,6 +750,8 @@ class SlurmBackend(BatchBackend):
         for raw in proc.stdout:
             line = raw.decode("utf-8", "replace").rstrip()
             log.debug("%s", line)
+            if _PENDING.search(line):
+                self._salloc_pending = True
             m = _PENDING.search(line) or _GRANTED.search(line)
             if m and not self._salloc_job:
                 self._salloc_job = m.group(1)
