@@ -364,12 +364,23 @@ def place_on(spec: JobSpec, hosts: Sequence[Host]) -> dict[tuple[Role, int], str
     return {(s.role, s.rank): s.host.name for s in slots if s.host is not None}
 
 
+def parse_version(text: str) -> Optional[tuple[int, int]]:
+    """``srun --version`` (``slurm 22.05.8``, ``slurm-wlm 22.05.8``) -> ``(22, 5)``; None if unreadable."""
+    m = re.search(r"(\d+)\.(\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+#: ``--overlap`` exists from Slurm 20.11, which made steps exclusive by default; before, steps shared CPUs.
+OVERLAP_SINCE = (20, 11)
+
+
 def build_srun(spec: JobSpec, role: Role, nodes: Sequence[str], *, job_id: str, wrapper: Sequence[str],
-               in_allocation: bool, srun: str = "srun") -> list[str]:
+               in_allocation: bool, srun: str = "srun", overlap: bool = True) -> list[str]:
     """One role's step: ``len(nodes)`` tasks, task i on ``nodes[i]``.
 
     ``--cpus-per-task`` is the role's cores in an allocation made here; inside the user's
     it is passed only when more than 1 was asked for (else the allocation's own applies).
+    ``overlap``: pass ``--overlap`` (Slurm 20.11 and later; older ones share without it).
 
     Example:
         >>> build_srun(JobSpec(command=("python", "t.py"), num_workers=2, num_servers=0, launcher="slurm",
@@ -383,8 +394,8 @@ def build_srun(spec: JobSpec, role: Role, nodes: Sequence[str], *, job_id: str, 
     opts: SlurmOptions = spec.options or SlurmOptions()
     cores = spec.server_cores if role is Role.SERVER else spec.worker_cores
     argv = [srun, f"--jobid={job_id}", f"--job-name={spec.name}.{role}", f"--ntasks={len(nodes)}",
-            "--distribution=arbitrary", f"--nodelist={','.join(nodes)}", "--overlap", "--overcommit",
-            "--kill-on-bad-exit=0", "--label", "--export=ALL", "--input=none"]
+            "--distribution=arbitrary", f"--nodelist={','.join(nodes)}", *(("--overlap",) if overlap else ()),
+            "--overcommit", "--kill-on-bad-exit=0", "--label", "--export=ALL", "--input=none"]
     if not in_allocation or cores > 1:
         argv.append(f"--cpus-per-task={cores}")
     return [*argv, *opts.srun_extra, *wrapper, "--task-env", TASK_ENV, "--role", str(role), "--index", "slurm",
@@ -603,6 +614,7 @@ class SlurmBackend(BatchBackend):
         self._cause_at: Optional[float] = None
         self._released = False
         self._abandon_steps: set[str] = set()
+        self.version: Optional[tuple[int, int]] = None
 
     # -- what the rest of the launcher asks of the class ----------------------------------------
 
@@ -679,6 +691,10 @@ class SlurmBackend(BatchBackend):
         """Find or make the allocation; its nodes become the placement's hosts. Node addresses
         are worked out by the wrapper on each node."""
         opts: SlurmOptions = self.spec.options or SlurmOptions()
+        try:
+            self.version = parse_version(_run([shutil.which("srun") or "srun", "--version"], timeout=20).stdout)
+        except (OSError, subprocess.TimeoutExpired):
+            self.version = None
         job = os.environ.get(SLURM_JOB_ID, "").strip()
         if job:
             alloc = self._show_job(job)
@@ -812,7 +828,8 @@ class SlurmBackend(BatchBackend):
                 continue
             nodes = [where[(role, p.rank)] for p in members]
             argv = build_srun(spec, role, nodes, job_id=alloc.job_id, wrapper=wrapper,
-                              in_allocation=not alloc.made_here, srun=srun)
+                              in_allocation=not alloc.made_here, srun=srun,
+                              overlap=self.version is None or self.version >= OVERLAP_SINCE)
             step = Step(role=role, job_id=alloc.job_id, argv=argv)
             with spawn_guard():  # a Ctrl-C now is raised only once every task has a handle
                 for i, (p, n) in enumerate(zip(members, nodes)):

@@ -175,6 +175,13 @@ def test_build_srun_golden() -> None:
                     "--", "python", "train.py"]
 
 
+def test_overlap_only_where_srun_knows_it() -> None:
+    assert S.parse_version("slurm-wlm 22.05.8") == (22, 5) and S.parse_version("slurm 20.11.9") == (20, 11)
+    assert S.parse_version("?") is None
+    argv = S.build_srun(spec(), Role.SERVER, ["a"], job_id="1", wrapper=["W"], in_allocation=True, overlap=False)
+    assert "--overlap" not in argv and "--overcommit" in argv
+
+
 def test_cores_in_the_users_allocation_only_when_asked() -> None:
     argv = S.build_srun(spec(), Role.SERVER, ["a"], job_id="1", wrapper=["W"], in_allocation=True)
     assert not any(a.startswith("--cpus-per-task") for a in argv)  # the allocation's own applies
