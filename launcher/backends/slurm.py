@@ -551,10 +551,9 @@ class Step:
     messages: deque = field(default_factory=lambda: deque(maxlen=8))
 
     def last_message(self) -> str:
-        for m in reversed(self.messages):
-            if "error" in m:
-                return m
-        return self.messages[-1] if self.messages else ""
+        """srun's last error (else its last message), without its ``srun: error:`` prefix."""
+        found = next((m for m in reversed(self.messages) if "error" in m), self.messages[-1] if self.messages else "")
+        return re.sub(r"^srun: (?:error: )?", "", found)
 
 
 class _StepStream:
