@@ -610,7 +610,6 @@ class SlurmBackend(BatchBackend):
         self._held: dict[int, tuple[int, float]] = {}
         self._node_failures: dict[str, float] = {}
         self._cause = ""                   # why Slurm cancelled steps (NODE FAILURE, TIME LIMIT, ...)
-        self._cause_at: Optional[float] = None
         self._released = False
         self._abandon_steps: set[str] = set()
         self.version: Optional[tuple[int, int]] = None
@@ -677,8 +676,9 @@ class SlurmBackend(BatchBackend):
     # -- set-up ---------------------------------------------------------------------------------
 
     def check(self) -> None:
-        path = os.environ.get(pc.PATH)
-        inside = bool(os.environ.get(SLURM_JOB_ID))
+        environ = self.spec.environ_dict()
+        path = environ.get(pc.PATH)
+        inside = bool(environ.get(SLURM_JOB_ID, "").strip())
         for tool in (*COMMANDS, *(() if inside else ("salloc",))):
             if shutil.which(tool, path=path) is None:
                 raise BackendUnavailableError(
@@ -694,7 +694,7 @@ class SlurmBackend(BatchBackend):
             self.version = parse_version(_run([shutil.which("srun") or "srun", "--version"], timeout=20).stdout)
         except (OSError, subprocess.TimeoutExpired):
             self.version = None
-        job = os.environ.get(SLURM_JOB_ID, "").strip()
+        job = self.spec.environ_dict().get(SLURM_JOB_ID, "").strip()
         if job:
             alloc = self._show_job(job)
             if alloc.state not in ("RUNNING", "CONFIGURING"):
@@ -912,11 +912,8 @@ class SlurmBackend(BatchBackend):
 
     def _slurm_cancelled(self, step: Step, said: SrunLine, line: str) -> None:
         with self.lock:
-            if said.text and not self._cause:
-                self._cause = said.text
-                self._cause_at = time.time()
-            elif self._cause_at is None:
-                self._cause_at = time.time()
+            if not self._cause or self._cause == "CANCELLED":
+                self._cause = said.text or "CANCELLED"  # (scancel by someone: no "DUE TO")
         log.debug("%ss' step: %s", step.role, line.strip())
 
     def _stream_closed(self, step: Step) -> None:
