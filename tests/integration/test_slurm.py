@@ -213,8 +213,11 @@ def test_a_node_whose_slurmd_stops_fails_the_job_naming_it(job: Probes, slurm: S
 
 
 def bring_back(slurm: SlurmCluster, name: str) -> None:  # noqa: F811
-    """Start the node's slurmd again; wait until Slurm sees it answer (other jobs may keep it busy)."""
-    subprocess.run(["bash", slurm.script, "node-start", name], capture_output=True, timeout=120)
+    """Start the node's slurmd again; wait until Slurm sees it answer. (node-start also waits until
+    the node is idle, 60 s at most: other jobs on the shared cluster may keep it busy longer.)"""
+    r = subprocess.run(["bash", slurm.script, "node-start", name], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PSLAUNCH_SLURM_WAIT": "15"})
+    print(f"node-start {name}: {r.stderr.strip().splitlines()[-1:] if r.returncode else 'idle'}")
     wait_for(lambda: (lambda s: bool(s) and "*" not in s and not s.startswith(("down", "unk")))(
         slurm.node_states().get(name, "")), 60, interval=0.5, what=f"{name} to answer again")
 
