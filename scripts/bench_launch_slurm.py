@@ -19,7 +19,7 @@ and until the launcher has exited (including, for a new allocation, its release)
 ``-r`` runs. With ``--failure``: worker 0 exits 3 as soon as it runs, the rest sleep; the
 seconds from its exit to the launcher's exit (all processes stopped, allocation released).
 
-    .venv/bin/python scripts/bench_launch_slurm.py            # H = 2, 4; P = 2, 8; 5 runs each
+    .venv/bin/python scripts/bench_launch_slurm.py            # H = 2, 4; P = 2, 4; 5 runs each
     .venv/bin/python scripts/bench_launch_slurm.py -H 4 -P 2 -r 3 --failure
 
 Needs root and the running test cluster (``eval "$(scripts/setup-slurm.sh)"``).
@@ -138,10 +138,11 @@ def one_run(argv: list[str], env: dict[str, str], root: Path, expected: int, fai
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-H", "--nodes", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("-P", "--per-node", type=int, nargs="+", default=[2, 8])
+    ap.add_argument("-P", "--per-node", type=int, nargs="+", default=[2, 4])
     ap.add_argument("-r", "--repeats", type=int, default=5)
     ap.add_argument("--failure", action="store_true", help="time from a worker's failure to the launcher's exit")
     a = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (the finally blocks stop the sshds)
     why = slurm_testbed.problem()
     if why:
         print(f"no Slurm test cluster: {why}", file=sys.stderr)
@@ -160,35 +161,44 @@ def main() -> int:
             nodes = cluster.nodes[:h]
             hostfile = root / f"hosts{h}"
             hostfile.write_text("".join(f"{n.addr_a}\n" for n in nodes))
-            alloc = cluster.salloc(h, f"bench-{os.getpid()}", f"--nodelist={','.join(n.name for n in nodes)}")
-            try:
-                for p in a.per_node:
-                    n = max(1, h * p // 2)
-                    common = ["-n", str(n), "-s", str(n), "--kill-grace", "1", "--env", f"DMLC_INTERFACE={cluster.subnet_a}",
-                              *[x for v in ("BENCH_OUT", "BENCH_DIR", "BENCH_EXPECTED", "BENCH_PYTHON", "BENCH_FAIL")
-                                for x in ("--env", v)]]
-                    base_env = dict(os.environ, BENCH_DIR=str(root), BENCH_PYTHON=sys.executable)
-                    base_env.pop("SLURM_JOB_ID", None)
-                    runs = {
-                        "ssh": ([sys.executable, "-m", "launcher", "--launcher", "ssh", "-H", str(hostfile), *common,
-                                 str(job)], dict(base_env, HOME=str(ssh.home))),
-                        "slurm, in allocation": ([sys.executable, "-m", "launcher", "--launcher", "slurm", *common,
-                                                  str(job)], dict(base_env, SLURM_JOB_ID=alloc)),
-                        "slurm, new allocation": ([sys.executable, "-m", "launcher", "--launcher", "slurm",
-                                                   "--jobname", f"bench-{os.getpid()}", "--slurm-nodes", str(h),
-                                                   "--slurm-args", f"--nodelist={','.join(x.name for x in nodes)}",
-                                                   *common, str(job)], base_env),
-                    }
-                    times: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
-                    for _ in range(a.repeats):  # interleaved, so that load changes hit every mode alike
-                        for mode in MODES:
-                            argv, env = runs[mode]
-                            times[mode].append(one_run(argv, env, root, 2 * n, a.failure))
-                    rows.append((h, p, 2 * n + 1, {m: (statistics.median(t[0] for t in times[m]),
-                                                       statistics.median(t[1] for t in times[m])) for m in MODES}))
-                    print(json.dumps({"nodes": h, "per_node": p, "runs": times}), file=sys.stderr)
-            finally:
-                cluster.scancel(alloc)
+            names = ",".join(n.name for n in nodes)
+            for p in a.per_node:
+                n = max(1, h * p // 2)
+                common = ["-n", str(n), "-s", str(n), "--kill-grace", "1", "--start-timeout", "120",
+                          "--env", f"DMLC_INTERFACE={cluster.subnet_a}",
+                          *[x for v in ("BENCH_OUT", "BENCH_DIR", "BENCH_EXPECTED", "BENCH_PYTHON", "BENCH_FAIL")
+                            for x in ("--env", v)]]
+                base_env = dict(os.environ, BENCH_DIR=str(root), BENCH_PYTHON=sys.executable)
+                base_env.pop("SLURM_JOB_ID", None)
+                name = f"bench-{os.getpid()}"
+                runs = {
+                    "ssh": [sys.executable, "-m", "launcher", "--launcher", "ssh", "-H", str(hostfile), *common,
+                            str(job)],
+                    "slurm, in allocation": [sys.executable, "-m", "launcher", "--launcher", "slurm", *common,
+                                             str(job)],
+                    "slurm, new allocation": [sys.executable, "-m", "launcher", "--launcher", "slurm", "--jobname",
+                                              name, "--slurm-nodes", str(h), "--slurm-args", f"--nodelist={names}",
+                                              *common, str(job)],
+                }
+                times: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
+                for _ in range(a.repeats):  # interleaved, so that load changes hit every mode alike
+                    for mode in MODES:
+                        env = dict(base_env)
+                        alloc = ""
+                        if mode == "ssh":
+                            env["HOME"] = str(ssh.home)
+                        elif mode == "slurm, in allocation":  # made before the clock starts, gone after
+                            alloc = env["SLURM_JOB_ID"] = cluster.salloc(h, name, f"--nodelist={names}")
+                        try:
+                            times[mode].append(one_run(runs[mode], env, root, 2 * n, a.failure))
+                        finally:
+                            if alloc:
+                                cluster.scancel(alloc)
+                                while cluster.job_state(alloc):
+                                    time.sleep(0.1)
+                rows.append((h, p, 2 * n + 1, {m: (statistics.median(t[0] for t in times[m]),
+                                                   statistics.median(t[1] for t in times[m])) for m in MODES}))
+                print(json.dumps({"nodes": h, "per_node": p, "runs": times}), file=sys.stderr)
     finally:
         ssh.close()
         shutil.rmtree(root, ignore_errors=True)

@@ -345,13 +345,17 @@ def build_salloc(spec: JobSpec, salloc: str = "salloc") -> list[str]:
     return argv + opts.salloc_extra
 
 
-def placement_hosts(alloc: Allocation, nodes: Optional[int] = None) -> tuple[Host, ...]:
+def placement_hosts(alloc: Allocation, nodes: Optional[int] = None, procs: int = 0) -> tuple[Host, ...]:
     """The allocation's nodes as hostfile lines: with ``slots=`` (the tasks Slurm allocated
-    on each) for an allocation made here, without (dmlc's round-robin) for the user's."""
+    on each: its CPUs over ``--cpus-per-task``) for an allocation made here, without (dmlc's
+    round-robin) for the user's, or when those slots cannot hold ``procs`` processes (an
+    allocation made with ``--overcommit`` has one CPU per node, whatever its task count)."""
     names = list(alloc.nodes[:nodes] if nodes else alloc.nodes)
     if alloc.made_here and alloc.cpus:
         per = max(alloc.cpus_per_task, 1)
-        return tuple(Host(n, slots=max(c // per, 1)) for n, c in zip(names, alloc.cpus))
+        slots = [max(c // per, 1) for c in alloc.cpus[:len(names)]]
+        if sum(slots) >= procs:
+            return tuple(Host(n, slots=k) for n, k in zip(names, slots))
     return tuple(Host(n) for n in names)
 
 
@@ -708,7 +712,7 @@ class SlurmBackend(BatchBackend):
         if not alloc.nodes:
             raise LaunchError(f"Slurm allocation {alloc.job_id} has no nodes (scontrol show job {alloc.job_id})")
         self.alloc = alloc
-        self.hosts = placement_hosts(alloc, opts.nodes)
+        self.hosts = placement_hosts(alloc, opts.nodes, self.spec.num_procs)
         return {}
 
     def _show_job(self, job: str) -> Allocation:

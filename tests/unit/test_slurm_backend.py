@@ -143,6 +143,9 @@ def test_placement_in_an_allocation_made_here_respects_its_slots() -> None:
     where = S.place_on(spec(), hosts)
     assert where == {(Role.SERVER, 0): "sn0", (Role.SERVER, 1): "sn1", (Role.WORKER, 0): "sn0",
                      (Role.WORKER, 1): "sn0", (Role.WORKER, 2): "sn0"}
+    # --overcommit: one CPU per node whatever the task count; slots that cannot hold the job are dropped
+    over = S.Allocation("9", "RUNNING", nodes=("a", "b"), cpus=(1, 1), made_here=True)
+    assert S.placement_hosts(over, procs=16) == (Host("a"), Host("b"))
     # 2 CPUs per task: 4 CPUs are 2 slots
     two = S.Allocation("1", "RUNNING", nodes=("a", "b"), cpus=(4, 2), cpus_per_task=2, made_here=True)
     assert [h.slots for h in S.placement_hosts(two)] == [2, 1]
