@@ -45,7 +45,11 @@ def redactor(plan: Optional[Plan]) -> jobenv.Redactor:
     ``AWS_SECRET_ACCESS_KEY``, ...)."""
     if plan is None:
         return jobenv.Redactor(())
-    return jobenv.Redactor(v for p in plan.all for k, v in p.env.items() if jobenv.is_secret(k))
+    names: set[str] = set()
+    for p in plan.all:
+        names.update(p.env)  # (the processes share most names: each is judged once)
+    secret = [k for k in names if jobenv.is_secret(k)]
+    return jobenv.Redactor(p.env[k] for p in plan.all for k in secret if k in p.env)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from typing import Any, Mapping, Optional
 
@@ -35,7 +36,7 @@ from ..backends.base import Backend
 from ..errors import LaunchError
 from ..node.procgroup import become_subreaper, has_children, kill_children, kill_marked
 from ..node.watchdog import Client as Watchdog
-from ..runtime.handle import ProcessHandle, ProcGroup, scan_groups
+from ..runtime.handle import ProcessHandle, ProcGroup
 from ..runtime.local import LocalProcess
 from ..runtime.output import Console, PipePump
 from ..spec.job import Host, JobSpec
@@ -89,6 +90,8 @@ class Supervisor:
         self.first: Optional[ProcessHandle] = None
         self._ids = (os.urandom(32).hex(), os.urandom(6).hex())  # (secret, job id): secrets.token_hex's way
         self._watch: Optional[addr.SchedulerWatch] = None  # while the job starts: who gets the port
+        self._wake = threading.Event()  # set when a process's output ends: look now, not at the next tick
+        self.console.on_stream_end = self._wake.set
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -274,6 +277,14 @@ class Supervisor:
                 return "success", 0
             if deadline is not None and self.clock.time() > deadline:
                 return "timeout", EXIT_TIMEOUT
+            self._pause()
+
+    def _pause(self) -> None:
+        """Until the next look at the processes: :data:`POLL_INTERVAL`, or less when one's output ends."""
+        if self.clock is time:
+            self._wake.wait(POLL_INTERVAL)
+            self._wake.clear()
+        else:
             self.clock.sleep(POLL_INTERVAL)
 
     def _wait_verdict(self, seconds: float = 1.0) -> None:
@@ -289,7 +300,7 @@ class Supervisor:
         while any(h.poll() is None for h in self.handles):
             if self.clock.monotonic() > deadline or (stop_on_second_signal and self.signals.count >= 2):
                 return
-            self.clock.sleep(POLL_INTERVAL)
+            self._pause()
 
     def _shutdown(self, dump: bool = False, quiet: bool = False) -> None:
         """Stop whatever still runs: stack dumps (timeout), SIGTERM, ``--kill-grace``, SIGKILL, sweep groups.
@@ -310,11 +321,10 @@ class Supervisor:
         for g in self.groups:
             g.kill()
         self._wait(KILL_WAIT)
-        groups = scan_groups()
-        for g in self.groups:
-            g.cleanup(groups)
+        for g in self.groups:  # (one killpg(0) per group: no scan of /proc)
+            g.cleanup()
         for h in self.discarded:
-            h.cleanup(groups)
+            h.cleanup()
         # give the output pumps a moment to deliver the last lines
         end = self.clock.monotonic() + OUTPUT_WAIT
         for h in self.handles:

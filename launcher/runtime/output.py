@@ -47,6 +47,9 @@ class Console:
         #: applied to every line of every process before it is shown, logged or kept for the
         #: failure report (the job's secret values: see ``launcher.spec.env.Redactor``)
         self.redact: Callable[[str], str] | None = None
+        #: called when any process's stdout or stderr ends (the supervisor looks at once: the
+        #: process has most likely exited)
+        self.on_stream_end: Callable[[], None] | None = None
         self.color = _use_color(self.stdout) if color is None else color
         self._lock = threading.Lock()
         if log_dir:
@@ -154,6 +157,9 @@ class LineStream:
         if rest:
             self.owner.emit(rest, self.err)
         self.done.set()
+        hook = self.owner.console.on_stream_end
+        if hook is not None:
+            hook()
 
 
 class PipePump:
