@@ -161,7 +161,8 @@ def build_plan(
         contract = pc.contract(
             str(s.role), task_id=s.task_id, cluster=spec.launcher,
             node_host=addresses.get(s.host) if s.host is not None else here,
-            local_procs=per_host[s.host.name if s.host else None] if placed else None, **common)
+            local_procs=per_host[s.host.name if s.host else None] if placed else None,
+            process=f"{s.role}-{s.rank}", **common)
         role_env = _pairs(spec.env_server if s.role is Role.SERVER else spec.env_worker)
         procs.append(ProcSpec(s.role, s.rank, s.task_id, s.host, spec.command,
                               env_for(contract, role_env, inherit_environ)))
