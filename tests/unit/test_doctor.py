@@ -112,3 +112,14 @@ def test_the_table_shows_imports_only_when_checked(tmp_path, with_imports: bool)
     assert head == ["HOST", "SSH", "PYTHON3", "CWD", "PROGRAM"] + (["IMPORTS"] if with_imports else []) + [
         "INTERFACE", "PORT", "REACH"]
     assert "information:\n  no command given: ..." in text
+
+
+def test_launcher_is_taken_from_the_options_not_from_the_command() -> None:
+    from launcher.cli.doctor import _launcher_of
+
+    assert _launcher_of(["--launcher", "slurm", "--queue", "q"]) == ("slurm", ["--queue", "q"])
+    assert _launcher_of(["--env", "A=1", "--launcher=slurm"]) == ("slurm", ["--env", "A=1"])
+    # the job's own --launcher option stays in its command
+    args = ["-H", "h1,h2", "--check-import", "trainer", "python", "x.py", "--launcher", "slurm"]
+    assert _launcher_of(args) == (None, args)
+    assert _launcher_of(["-H", "h", "--", "prog", "--launcher", "x"])[0] is None
