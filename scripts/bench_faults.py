@@ -14,9 +14,12 @@ trains, then injects one fault:
 It reports the seconds from the fault until the launcher exited (for the launcher's own
 ``kill -9``: until the last process of the job was gone), the exit code, the first line of
 the launcher's report, and how many processes of the job were still alive afterwards (found
-by their ``PSLAUNCH_PROCESS`` marker, which every process of a job and all it starts carry).
+by the job's ``PSLAUNCH_JOB_ID``, which every process of a job and all it starts inherit).
 
-    python scripts/bench_faults.py [--rows all|NAME,...]
+    python scripts/bench_faults.py [--rows 'NAME;NAME'] [--repo DIR]
+
+``--repo`` runs another checkout's launcher and trainer (this script's checkout by default), for
+a before/after table.
 """
 
 from __future__ import annotations
@@ -30,14 +33,16 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MARK = b"PSLAUNCH_PROCESS="
+JOB = b"PSLAUNCH_JOB_ID="
+ROLE = b"DMLC_ROLE="
+TASK = b"DMLC_TASK_ID="
 TRAIN = [sys.executable, "trainer/train_mnist.py", "--network", "mlp", "--kv-store", "dist_sync",
          "--num-epochs", "1000", "--num-examples", "6400", "--disp-batches", "5"]
-PROBE = [sys.executable, "tests/bin/probe.py", "--out", "{out}", "--listen", "--sleep", "300", "--escape"]
+PROBE = [sys.executable, os.path.join(REPO, "tests", "bin", "probe.py"), "--out", "{out}", "--listen", "--sleep", "300", "--escape"]
 
 
-def marked() -> dict[int, str]:
-    """Every live process that carries a job marker: pid -> ``<job id>/<process>``."""
+def job_envs() -> dict[int, dict[bytes, bytes]]:
+    """Every live process with a job id: pid -> its job variables (and its parent and start time)."""
     found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -46,41 +51,36 @@ def marked() -> dict[int, str]:
             with open(f"/proc/{entry}/environ", "rb") as f:
                 env = f.read().split(b"\0")
             with open(f"/proc/{entry}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
+                fields = f.read().rsplit(b")", 1)[1].split()
         except OSError:
             continue
-        if state in (b"Z", b"X"):
+        if fields[0] in (b"Z", b"X"):
             continue
-        for var in env:
-            if var.startswith(MARK):
-                found[int(entry)] = var[len(MARK):].decode()
+        mine = {k: v.split(b"=", 1)[1] for v in env for k in (JOB, ROLE, TASK) if v.startswith(k)}
+        if JOB in mine:
+            mine[b"ppid"], mine[b"start"] = fields[1], fields[19]
+            found[int(entry)] = mine
     return found
 
 
-def stat(pid: int) -> tuple[int, int]:
-    """(parent pid, start time in clock ticks)."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        fields = f.read().rsplit(b")", 1)[1].split()
-    return int(fields[1]), int(fields[19])
-
-
-def job_processes(launcher: int) -> dict[str, int]:
-    """The launcher's job processes by name (``worker-1``): the marked children of ``launcher``
-    (the earliest of each name: a subreaper launcher also adopts what a process detached)."""
+def job_processes(launcher: int, workers: int = 2) -> dict[str, int]:
+    """The launcher's job processes by name (``worker-1``): its children with a job id (the
+    earliest of each name: a subreaper launcher also adopts what a process detached)."""
     out: dict[str, tuple[int, int]] = {}
-    for pid, mark in marked().items():
-        try:
-            parent, started = stat(pid)
-            name = mark.split("/", 1)[1]
-        except (OSError, IndexError):
+    for pid, env in job_envs().items():
+        if int(env[b"ppid"]) != launcher or ROLE not in env:
             continue
-        if parent == launcher and (name not in out or started < out[name][1]):
+        role = env[ROLE].decode()
+        task = int(env.get(TASK) or 0)
+        name = "scheduler" if role == "scheduler" else f"{role}-{task if role == 'worker' else task - workers}"
+        started = int(env[b"start"])
+        if name not in out or started < out[name][1]:
             out[name] = (pid, started)
     return {name: pid for name, (pid, _) in out.items()}
 
 
-def left_of(job: str) -> int:
-    return sum(1 for mark in marked().values() if mark.startswith(job + "/"))
+def left_of(job: bytes) -> int:
+    return sum(1 for env in job_envs().values() if env[JOB] == job)
 
 
 def wait_for(cond, timeout: float, interval: float = 0.05):
@@ -93,19 +93,19 @@ def wait_for(cond, timeout: float, interval: float = 0.05):
     return None
 
 
-def run_row(name: str, argv: list[str], target: str, fault: str, log: str) -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def run_row(name: str, argv: list[str], target: str, fault: str, log: str, repo: str) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=repo)
     probes = tempfile.mkdtemp(prefix="probes-")
     argv = [a.replace("{out}", probes) for a in argv]
     training = "trainer/train_mnist.py" in argv
     out = open(log, "w+b")
     launcher = subprocess.Popen([sys.executable, "-m", "launcher", "-n", "2", "-s", "1", "--kill-grace", "10",
-                                 *argv], cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
+                                 *argv], cwd=repo, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         procs = wait_for(lambda: (lambda p: p if len(p) == 4 else None)(job_processes(launcher.pid)), 120)
         if not procs:
             raise RuntimeError(f"{name}: the job did not start (see {log})")
-        job = marked()[procs["scheduler"]].split("/")[0]
+        job = job_envs()[procs["scheduler"]][JOB]
         # training: a worker has printed its first progress line (the probe: all started)
         if training:
             ok = wait_for(lambda: b"] Batch [" in open(log, "rb").read(), 180)
@@ -149,6 +149,7 @@ ROWS = {
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="all", help="row names separated by semicolons (default: all)")
+    ap.add_argument("--repo", default=REPO, help="the checkout whose launcher and trainer run (default: this one)")
     a = ap.parse_args()
     names = list(ROWS) if a.rows == "all" else [r.strip() for r in a.rows.split(";")]
     tmp = tempfile.mkdtemp(prefix="bench-faults-")
@@ -156,7 +157,7 @@ def main() -> int:
     print("|---|---:|---:|---:|---|")
     for i, name in enumerate(names):
         argv, target, fault = ROWS[name]
-        r = run_row(name, argv, target, fault, os.path.join(tmp, f"row{i}.log"))
+        r = run_row(name, argv, target, fault, os.path.join(tmp, f"row{i}.log"), a.repo)
         code = "(killed)" if target == "launcher" else str(r["code"])
         report = r["report"][:110] + ("..." if len(r["report"]) > 110 else "")
         print(f"| {name} | {r['seconds']:.2f} | {code} | {r['left']} | {report} |", flush=True)
