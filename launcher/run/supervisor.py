@@ -55,6 +55,7 @@ PORT_LOST = "port-lost"  # (an attempt's outcome: the scheduler lost its port; t
 EXIT_TIMEOUT = 124
 DUMP_WAIT = 3.0      # after asking for stack dumps, how long to let them print
 KILL_WAIT = 5.0      # after SIGKILL, how long to wait for every process to be gone
+ESCAPE_CHECK_WAIT = 0.2  # output open this long after the end: someone that left its group holds it
 OUTPUT_WAIT = 2.0    # how long the output pumps may take to deliver the last lines
 
 
@@ -188,15 +189,22 @@ class Supervisor:
         parents have ended): nothing to do when we have no child at all, else they are stopped.
         Otherwise they are found by their ``PSLAUNCH_PROCESS`` (a scan of every process here).
         """
+        if self.adopt_orphans and not has_children():
+            return
+        self._stop_escapees()
+
+    def _stop_escapees(self) -> None:
+        """Stop every process of the job here that left its group: as a subreaper, each is our
+        child (the watchdog excepted); otherwise each is found by its ``PSLAUNCH_PROCESS``."""
         if self.adopt_orphans:
-            if has_children():
-                n = kill_children()
-                if n:
-                    log.debug("stopped %d process%s that had left their groups", n, "" if n == 1 else "es")
+            keep = {self.watchdog.pid} if self.watchdog is not None and self.watchdog.pid else set()
+            n = kill_children(keep=keep)
         elif self.plan is not None:
             n = kill_marked(f"{self.plan.job_id}/")
-            if n:
-                log.debug("stopped %d process%s that had left their groups", n, "" if n == 1 else "es")
+        else:
+            return
+        if n:
+            log.debug("stopped %d process%s that had left their groups", n, "" if n == 1 else "es")
 
     def _add(self, group: ProcGroup) -> None:
         self.groups.append(group)
@@ -335,11 +343,22 @@ class Supervisor:
             g.cleanup()
         for h in self.discarded:
             h.cleanup()
-        # give the output pumps a moment to deliver the last lines
+        # give the output pumps a moment to deliver the last lines; output still open a moment
+        # after every process has ended is held by one that left its group: stop those first
+        if not self._output_done(ESCAPE_CHECK_WAIT):
+            self._stop_escapees()
         end = self.clock.monotonic() + OUTPUT_WAIT
         for h in self.handles:
             for stream in (h.output.stdout, h.output.stderr):
                 stream.done.wait(max(0.0, end - self.clock.monotonic()))
+
+    def _output_done(self, seconds: float) -> bool:
+        end = self.clock.monotonic() + seconds
+        for h in self.handles:
+            for stream in (h.output.stdout, h.output.stderr):
+                if not stream.done.wait(max(0.0, end - self.clock.monotonic())):
+                    return False
+        return True
 
     def _finish(self, reason: str, code: int) -> report.JobResult:
         end_time = self.clock.time()
