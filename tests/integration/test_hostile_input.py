@@ -2,7 +2,8 @@
 
 Every case runs the real ``pslaunch`` in a child process, with its address space capped (so a
 regression cannot take this machine down with it) and its peak memory read from the kernel
-(``wait4``'s ``ru_maxrss``). A case passes when pslaunch:
+(``wait4``'s ``ru_maxrss``, taken by a small program in between: see ``_MEASURE``). A case passes
+when pslaunch:
 
 * exits with the expected non-zero code (2 for a usage error) within :data:`DEADLINE` seconds;
 * writes exactly one line to stderr, ``pslaunch: error: ...``, with no traceback, and nothing
@@ -17,7 +18,6 @@ that cannot be written, ...) and more of the same kinds.
 from __future__ import annotations
 
 import os
-import resource
 import subprocess
 import sys
 import threading
@@ -257,21 +257,39 @@ CASES: dict[str, Case] = {
 }
 
 
+# A small Python between the test and pslaunch, for honest numbers: a child forked from the test
+# process starts with the test's resident memory (torch, if other tests loaded it) and the kernel
+# keeps that high-water mark across exec. Forked from this small program instead, pslaunch's peak
+# is its own. It caps pslaunch's address space, waits for it and writes its status and peak.
+_MEASURE = r"""
+import json, os, resource, sys
+limit, result, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+pid = os.fork()
+if pid == 0:
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    os.execv(argv[0], argv)
+_, status, usage = os.wait4(pid, 0)
+with open(result, "w") as f:
+    json.dump({"code": os.waitstatus_to_exitcode(status), "maxrss_kb": usage.ru_maxrss}, f)
+"""
+
+
 def run_case(case: Case, tmp: Path) -> tuple[int, str, str, float, float]:
     """(exit code, stdout, stderr, seconds, peak RSS in MB) of pslaunch on ``case``."""
+    import json
+    import signal
+
     if case.files:
         case.files(tmp)
     args = [a.replace("{tmp}", str(tmp)) for a in case.args]
     env = {**os.environ, **case.env}
-
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
-
+    result = tmp / ".measure.json"
     stdin = open(case.stdin, "rb") if case.stdin else subprocess.DEVNULL
     t0 = time.monotonic()
     try:
-        p = subprocess.Popen([sys.executable, "-m", "launcher", *args], stdin=stdin, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, cwd=tmp, env=env, preexec_fn=limit)
+        p = subprocess.Popen([sys.executable, "-S", "-c", _MEASURE, str(ADDRESS_SPACE), str(result),
+                              sys.executable, "-m", "launcher", *args], stdin=stdin, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, cwd=tmp, env=env, start_new_session=True)
     finally:
         if case.stdin:
             stdin.close()
@@ -281,18 +299,19 @@ def run_case(case: Case, tmp: Path) -> tuple[int, str, str, float, float]:
                for s, b in ((p.stdout, out), (p.stderr, err))]
     for r in readers:
         r.start()
-    timer = threading.Timer(DEADLINE, p.kill)
+    timer = threading.Timer(DEADLINE, lambda: os.killpg(p.pid, signal.SIGKILL))  # pslaunch and all
     timer.start()
     try:
-        _, status, usage = os.wait4(p.pid, 0)
+        p.wait()
     finally:
         timer.cancel()
     seconds = time.monotonic() - t0
-    p.returncode = os.waitstatus_to_exitcode(status)
     for r in readers:
         r.join(5)
-    return (p.returncode, b"".join(out).decode(errors="replace"), b"".join(err).decode(errors="replace"), seconds,
-            usage.ru_maxrss / 1024)
+    measured = json.loads(result.read_text()) if result.exists() else {"code": p.returncode, "maxrss_kb": 0}
+    result.unlink(missing_ok=True)
+    return (measured["code"], b"".join(out).decode(errors="replace"), b"".join(err).decode(errors="replace"),
+            seconds, measured["maxrss_kb"] / 1024)
 
 
 @pytest.mark.timeout(90)
