@@ -677,3 +677,41 @@ def split_batch(batch_size: int, work_load: Sequence[float]) -> list[slice]:
                              f"without samples ({'/'.join(map(str, sizes))}); use a bigger batch or fewer devices")
         slices.append(slice(begin, end))
     return slices
+
+
+# --- the IDX files for other programs --------------------------------------------------------
+
+
+def export_idx(directory: str | os.PathLike[str], data_dir: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Write the four MNIST files, gzipped IDX under their canonical names, into ``directory``:
+    what MXNet's ``example/image-classification/train_mnist.py`` reads from ``./data`` (it
+    downloads only files that are missing). The data comes from :func:`load_mnist` (the cache,
+    the IDX files, a download or the offline CSVs); decompressed, each file is byte for byte
+    the canonical one."""
+    mnist = load_mnist(data_dir)
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    return [write_idx(out / FILES[key].gz_name, array) for key, array in mnist.arrays().items()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m trainer.data --export-idx DIR [--data-dir D]``."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m trainer.data", description="MNIST for other programs.")
+    p.add_argument("--export-idx", metavar="DIR", required=True,
+                   help="write the four gzipped IDX files into DIR (e.g. data/ beside MXNet's train_mnist.py)")
+    p.add_argument("--data-dir", default=None, help="where the trainer keeps MNIST (default: ~/.cache/pslaunch/mnist)")
+    args = p.parse_args(argv)
+    try:
+        for path in export_idx(args.export_idx, args.data_dir):
+            print(path)
+    except (DataError, OSError) as e:
+        print(f"python -m trainer.data: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

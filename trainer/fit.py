@@ -302,27 +302,51 @@ def _logging_around_bar(enabled: bool) -> Iterator[None]:
         yield
 
 
-def plot_history(path: str | os.PathLike[str], history: Sequence[dict[str, Any]], title: str) -> None:
-    """Loss and accuracy per epoch, drawn with matplotlib (Agg) into ``path``."""
+#: the plot's colours: what ``tests`` count the points of (see ``plot_history``)
+PLOT_INTERVAL_COLOR = "#1f77b4"    # train loss / accuracy every --disp-batches batches
+PLOT_EPOCH_TRAIN_COLOR = "#ff7f0e"  # train loss / accuracy per epoch
+PLOT_VALIDATION_COLOR = "#2ca02c"   # validation accuracy per epoch
+
+
+def plot_history(path: str | os.PathLike[str], history: Sequence[dict[str, Any]], title: str,
+                 intervals: Sequence[dict[str, Any]] = ()) -> None:
+    """Loss and accuracy per epoch and per ``--disp-batches`` interval, drawn with matplotlib (Agg).
+
+    The x axis counts epochs: an epoch's points sit at its end (1, 2, ...), an interval's at the
+    fraction of its epoch done (0.25 after a quarter of the first epoch). Interval points are
+    small dots joined by a faint line (blue, drawn on top), epoch points larger (train: orange
+    squares, validation: green diamonds), each series in a colour of its own.
+    """
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
     epochs = [h["epoch"] + 1 for h in history]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
-    ax_loss.plot(epochs, [h["train_loss"] for h in history], marker="o", label="train loss")
-    ax_loss.set_xlabel("epoch")
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4.2))
+    if intervals:
+        xs = [p["x"] for p in intervals]
+        for ax, key in ((ax_loss, "loss"), (ax_acc, "accuracy")):
+            ax.plot(xs, [p[key] for p in intervals], color=PLOT_INTERVAL_COLOR, alpha=0.35, linewidth=1)
+            # on top (zorder 3): an epoch's larger marker must not hide an interval's point
+            ax.plot(xs, [p[key] for p in intervals], linestyle="none", marker="o", markersize=4,
+                    color=PLOT_INTERVAL_COLOR, zorder=3, label=f"train, every {intervals[0]['batches']} batches")
+    ax_loss.plot(epochs, [h["train_loss"] for h in history], marker="s", markersize=7,
+                 color=PLOT_EPOCH_TRAIN_COLOR, label="train, per epoch")
+    ax_acc.plot(epochs, [h["train_accuracy"] for h in history], marker="s", markersize=7,
+                color=PLOT_EPOCH_TRAIN_COLOR, label="train, per epoch")
+    ax_acc.plot(epochs, [h["validation_accuracy"] for h in history], marker="D", markersize=7,
+                color=PLOT_VALIDATION_COLOR, label="validation, per epoch")
     ax_loss.set_ylabel("cross-entropy per sample")
-    ax_loss.legend()
-    ax_acc.plot(epochs, [h["train_accuracy"] for h in history], marker="o", label="train")
-    ax_acc.plot(epochs, [h["validation_accuracy"] for h in history], marker="o", label="validation")
-    ax_acc.set_xlabel("epoch")
     ax_acc.set_ylabel("accuracy")
-    ax_acc.legend()
+    last = max(epochs + [p["x"] for p in intervals], default=1)
     for ax in (ax_loss, ax_acc):
+        ax.set_xlabel("epoch")
+        ax.set_xlim(0, last + 0.05 * max(last, 1))
         ax.grid(True, alpha=0.3)
-        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend(loc="best", fontsize=8)
+        if not intervals:
+            ax.xaxis.get_major_locator().set_params(integer=True)
     fig.suptitle(title)
     fig.tight_layout()
     out = Path(path)
@@ -369,6 +393,7 @@ def fit(cfg: TrainConfig, kv: Any, data: MNIST, *, plot: str | None = None) -> d
     torch.manual_seed(cfg.seed)
     replicas = Replicas(cfg.network, devices, cfg.seed, cfg.channels_last)
     history: list[dict[str, Any]] = []
+    intervals: list[dict[str, Any]] = []  # one point per --disp-batches line, for the plot
     checkpoint = None
     if cfg.load_epoch:
         if not cfg.model_prefix:
@@ -381,6 +406,7 @@ def fit(cfg: TrainConfig, kv: Any, data: MNIST, *, plot: str | None = None) -> d
             except RuntimeError as e:
                 raise FitError(f"checkpoint {path} does not fit {cfg.network}: {str(e).splitlines()[0]}") from None
             history = list(checkpoint.get("history", []))
+            intervals = list(checkpoint.get("intervals", []))
             log.info('Loaded checkpoint from "%s" (epoch %d)', path, cfg.load_epoch)
 
     keys = list(range(len(replicas.names)))
@@ -403,7 +429,8 @@ def fit(cfg: TrainConfig, kv: Any, data: MNIST, *, plot: str | None = None) -> d
                                                epoch=epoch, seed=cfg.seed, rank=rank,
                                                num_workers=num_workers, batch_size=cfg.batch_size))
         tic = time.time()
-        correct, loss, kv_time = _train_epoch(cfg, kv, replicas, keys, slices, train_x, train_y, order, epoch)
+        correct, loss, kv_time = _train_epoch(cfg, kv, replicas, keys, slices, train_x, train_y, order, epoch,
+                                              intervals)
         toc = time.time()
         samples = epoch_size * cfg.batch_size
         log.info("Epoch[%d] Train-accuracy=%f", epoch, correct / samples)
@@ -429,13 +456,18 @@ def fit(cfg: TrainConfig, kv: Any, data: MNIST, *, plot: str | None = None) -> d
                 "model": replicas.state_dict(),
                 "optimizer": kv.get_optimizer_states(),
                 "history": history,
+                "intervals": intervals,
                 "config": _jsonable(asdict(cfg)),
             })
             log.info('Saved checkpoint to "%s"', path)
         log.info("Epoch[%d] Validation-accuracy=%f", epoch, val_acc)
 
     if plot and rank == 0:
-        plot_history(plot, history, f"{cfg.network}, kv-store {kv_type}, {num_workers} worker(s), batch {cfg.batch_size}")
+        title = f"{cfg.network}, kv-store {kv_type}, {num_workers} worker(s), batch {cfg.batch_size}"
+        try:
+            plot_history(plot, history, title, intervals)
+        except (OSError, ValueError) as e:  # (the format and directory were checked before training)
+            raise FitError(f"--plot {plot}: cannot write it: {' '.join(str(e).split())}") from None
         log.info('Saved the plot to "%s"', plot)
     total_time = sum(e["time"] for e in summary_epochs)
     total_samples = len(summary_epochs) * epoch_size * cfg.batch_size
@@ -458,8 +490,9 @@ def fit(cfg: TrainConfig, kv: Any, data: MNIST, *, plot: str | None = None) -> d
 
 def _train_epoch(cfg: TrainConfig, kv: Any, replicas: Replicas, keys: list[int], slices: list[slice],
                  train_x: torch.Tensor, train_y: torch.Tensor, order: torch.Tensor,
-                 epoch: int) -> tuple[int, float, float]:
-    """One epoch of this worker's batches; logs MXNet's Speedometer lines.
+                 epoch: int, intervals: list[dict[str, Any]] | None = None) -> tuple[int, float, float]:
+    """One epoch of this worker's batches; logs MXNet's Speedometer lines (and appends each
+    line's window to ``intervals``: ``x`` in epochs, ``accuracy``, ``loss`` per sample).
 
     Returns:
         the number of correct predictions, the summed loss, and the seconds spent in
@@ -470,6 +503,7 @@ def _train_epoch(cfg: TrainConfig, kv: Any, replicas: Replicas, keys: list[int],
     correct_acc = [torch.zeros((), dtype=torch.int64, device=d) for d in replicas.devices]
     loss_acc = [torch.zeros((), dtype=torch.float64, device=d) for d in replicas.devices]
     shown_correct = 0
+    shown_loss = 0.0
     window_samples = 0
     kv_time = 0.0
     bar = _Bar(cfg.progress, len(order), epoch)
@@ -501,6 +535,12 @@ def _train_epoch(cfg: TrainConfig, kv: Any, replicas: Replicas, keys: list[int],
                     log.info("Epoch[%d] Batch [%d-%d]\tSpeed: %.2f samples/sec\taccuracy=%f",
                              epoch, nbatch - cfg.disp_batches, nbatch, speed, accuracy)
                     bar.postfix(speed=f"{speed:.0f}/s", acc=f"{accuracy:.4f}")
+                    if intervals is not None:
+                        total_loss = sum(float(v) for v in loss_acc)
+                        intervals.append({"x": epoch + (nbatch + 1) / len(order), "accuracy": accuracy,
+                                          "loss": (total_loss - shown_loss) / window_samples,
+                                          "batches": cfg.disp_batches})
+                        shown_loss = total_loss
                     shown_correct, window_samples = total, 0
                 window_tic = now
     bar.close()

@@ -71,10 +71,21 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds ``(default: X)`` once: not when the help already says its default in words, and not
+    ``(default: None)`` for an option that is simply off unless given."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default is None or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action) or text
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (MXNet's flags and defaults first, then ours)."""
     p = _Parser(prog=PROG, description="Train LeNet or an MLP on MNIST, data parallel through a kvstore.",
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                formatter_class=_DefaultsFormatter)
     g = p.add_argument_group("MXNet's train_mnist options")
     g.add_argument("--network", choices=("mlp", "lenet"), default="mlp", help="the network")
     g.add_argument("--gpus", default=None, help="GPUs to use on this worker, e.g. 0,2 (default: the CPU)")
@@ -108,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--threads", type=_positive_int, default=None,
                    help="torch threads per process (default: the cores divided by this job's processes on the host)")
     o.add_argument("--plot", default=None, metavar="FILE.png",
-                   help="draw loss and accuracy per epoch into this image (rank 0)")
+                   help="draw loss and accuracy per epoch and per --disp-batches interval into this image "
+                        "(rank 0; any format matplotlib writes: png, svg, pdf, ...)")
     return p
 
 
@@ -211,8 +223,21 @@ def _fail(message: str, code: int = 1) -> int:
     return code
 
 
+#: what the trainer imports beyond the standard library: (module, the package pip installs)
+DEPENDENCIES = (("torch", "torch"), ("numpy", "numpy"), ("zmq", "pyzmq"))
+INSTALL_HINT = ("pip install 'pslaunch[trainer]' (on a GPU machine, install the CUDA build of torch you want "
+                "first; the README's Installing says how)")
+
+
+def missing_dependencies() -> list[str]:
+    """The packages of :data:`DEPENDENCIES` this Python cannot find (nothing is imported)."""
+    import importlib.util
+
+    return [package for module, package in DEPENDENCIES if importlib.util.find_spec(module) is None]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one process of the job; returns the exit code."""
+    """Run one process of the job; returns the exit code (also the ``pslaunch-train-mnist`` command)."""
     try:
         args = parse_args(argv)
         role = _role()
@@ -220,6 +245,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"{e} (see --help)", 2)
     except pc.ClusterEnvError as e:
         return _fail(str(e), 2)
+    missing = missing_dependencies()
+    if missing:
+        return _fail(f"the trainer needs {', '.join(missing)}, which {sys.executable} lacks: {INSTALL_HINT}")
+    try:
+        return _run(args, role)
+    except ImportError as e:  # found but broken (a torch built for another CUDA, a half-removed package)
+        return _fail(f"cannot import {e.name or 'a dependency'}: {' '.join(str(e).split())[:300]}; reinstall it: "
+                     f"{INSTALL_HINT}")
+
+
+def _run(args: argparse.Namespace, role: str) -> int:
     if role in ("scheduler", "server"):
         if not args.kv_store.startswith("dist"):
             print(f"{PROG}: this {role} exits: --kv-store {args.kv_store} trains without parameter servers "
@@ -233,6 +269,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     handler = _setup_logging()
+    if args.plot:
+        try:
+            _check_plot(args.plot)
+        except UsageError as e:
+            return _fail(f"{e} (see --help)", 2)
     threads = args.threads or default_threads()
     if threads > 1:
         # libgomp's threads spin between parallel regions by default; when other processes want
@@ -247,8 +288,6 @@ def _worker(args: argparse.Namespace) -> int:
 
     try:
         devices = _devices(args, torch)
-        if args.plot:
-            _check_plot(args.plot)
         cfg = TrainConfig(
             network=args.network, batch_size=args.batch_size, num_epochs=args.num_epochs, lr=args.lr,
             lr_factor=args.lr_factor, lr_step_epochs=tuple(args.lr_step_list), optimizer=args.optimizer,
@@ -290,13 +329,25 @@ def _devices(args: argparse.Namespace, torch: object) -> list[str]:
 
 
 def _check_plot(path: str) -> None:
+    """``--plot``: matplotlib is there, writes this format, and the directory takes the file
+    (checked before training: finding out after it would waste the run)."""
     try:
-        import matplotlib  # noqa: F401
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
+        raise UsageError("--plot needs matplotlib: pip install matplotlib (or pip install 'pslaunch[trainer]')") from None
+    formats = FigureCanvasAgg(Figure()).get_supported_filetypes()
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    if ext and ext not in formats:
+        raise UsageError(f"--plot {path}: matplotlib cannot write .{ext} files; name a file ending in one of "
+                         f"{', '.join('.' + f for f in sorted(formats))} (e.g. curve.png)")
+    if os.path.isdir(path):
+        raise UsageError(f"--plot {path} is a directory; name the image file, e.g. {os.path.join(path, 'curve.png')}")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise UsageError(f"--plot {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--plot {path}: the directory {parent} is not writable")
 
 
 def _namespace_text(args: argparse.Namespace) -> str:

@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Optional, Sequence
 
+import pscontract as pc
+
 from ..errors import ConfigError
 from ..node.watchdog import Client as Watchdog
 from ..runtime.handle import ProcGroup
@@ -80,6 +82,10 @@ class Backend:
         needs_scheduler_address: the nodes are unknown before the job runs (a batch system
             places them), so ``DMLC_INTERFACE`` or ``--host-ip`` must say which address of
             this host they can reach.
+        node_address_from_launcher: ``DMLC_NODE_HOST`` is decided by the launcher for every
+            process of a host alike (this machine's address; each ssh host's address), not on
+            the node from the process's own variables: a per-role ``DMLC_INTERFACE``
+            (``--env-worker``) cannot change it, and :meth:`notes` says so.
         Options: the frozen record of the backend's own options (validated in its
             ``__post_init__``); ``JobSpec.options`` holds one.
         options: the CLI options that fill :attr:`Options`.
@@ -91,6 +97,7 @@ class Backend:
     requires_hostfile: ClassVar[bool] = False
     supports_sync: ClassVar[bool] = False
     needs_scheduler_address: ClassVar[bool] = False
+    node_address_from_launcher: ClassVar[bool] = False
     Options: ClassVar[type] = NoOptions
     options: ClassVar[tuple[BackendOption, ...]] = ()
 
@@ -128,6 +135,21 @@ class Backend:
         if spec.sync_dst_dir and not cls.supports_sync:
             raise ConfigError(f"--sync-dst-dir copies the working directory to remote hosts over ssh; "
                               f"--launcher {cls.name} has none (drop --sync-dst-dir)")
+
+    @classmethod
+    def notes(cls, spec: JobSpec) -> list[str]:
+        """Warnings about options this backend accepts but cannot honour (shown before the job
+        starts and in the dry run)."""
+        out = []
+        if cls.node_address_from_launcher:
+            for option, pairs in (("--env-server", spec.env_server), ("--env-worker", spec.env_worker)):
+                value = dict(pairs).get(pc.INTERFACE)
+                if value is not None:
+                    where = ("this machine's" if cls.all_here(spec) else "each host's")
+                    out.append(f"{option} {pc.INTERFACE}={value} is ignored on --launcher {cls.name}: "
+                               f"{where} address is chosen once for every role (from {pc.INTERFACE} in --env "
+                               "or this shell, else the default); the processes still see the variable")
+        return out
 
     @classmethod
     def all_here(cls, spec: JobSpec) -> bool:

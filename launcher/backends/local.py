@@ -4,25 +4,52 @@ Each process is a :class:`~launcher.runtime.local.LocalProcess`: argv passed as 
 shell), stdin from ``/dev/null``, its own session and process group, the launcher's whole
 environment beneath the job's variables. ``DMLC_NODE_HOST`` is the scheduler's address, so
 every node binds the same interface.
+
+A job must fit this machine: :meth:`LocalBackend.check_spec` refuses more processes than its
+process and open-file limits allow (:mod:`launcher.runtime.limits`), in one line, before anything
+starts.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+from ..errors import ConfigError
+from ..runtime import limits
 from ..runtime.handle import ProcessHandle, ProcGroup
 from ..runtime.local import LocalProcess
 from ..runtime.output import PipePump
+from ..spec.job import JobSpec
 from ..spec.plan import ProcSpec
 from .base import Backend
 
 
+def local_processes(spec: JobSpec) -> int:
+    """The processes a local job runs here: servers, workers and the scheduler."""
+    return spec.num_procs + (1 if spec.has_scheduler else 0)
+
+
 class LocalBackend(Backend):
     name = "local"
+    node_address_from_launcher = True
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.pump: PipePump | None = None
+
+    @classmethod
+    def check_spec(cls, spec: JobSpec) -> None:
+        super().check_spec(spec)
+        need = local_processes(spec)
+        cap = limits.local_capacity()
+        if need > cap.processes:
+            raise ConfigError(f"--launcher local: {need:,} processes (scheduler, {spec.num_servers:,} servers, "
+                              f"{spec.num_workers:,} workers) do not fit this machine: {cap.limit} allows "
+                              f"{cap.processes:,} more; lower -n/-s, raise the limit, or spread the job over "
+                              "hosts (-H)")
+
+    def check(self) -> None:
+        limits.raise_open_files(local_processes(self.spec))
 
     def start(self, procs: Sequence[ProcSpec]) -> ProcGroup:
         if self.pump is None:

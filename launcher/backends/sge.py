@@ -516,6 +516,8 @@ class SGEBackend(BatchBackend):
         """Feed what the task's output files gained since the last call (kept open once they exist)."""
         for path, stream in ((t.out_path, t.output.stdout), (t.err_path, t.output.stderr)):
             f = t.files.get(path)
+            if f is not None and f.closed:
+                continue  # the final call was made (the supervisor's and the poller's may race)
             if f is None:
                 try:
                     f = t.files[path] = open(path, "rb")  # closed by the final call
@@ -528,7 +530,7 @@ class SGEBackend(BatchBackend):
                         if not chunk:
                             break
                         stream.feed(chunk)
-                except OSError as e:
+                except (OSError, ValueError) as e:  # ValueError: closed by a final call meanwhile
                     log.debug("reading %s: %s", path, e)
                 if final:
                     f.close()

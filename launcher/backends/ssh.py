@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 from pscontract import netif
 
 from .. import node
-from ..errors import ConfigError, LaunchError
+from ..errors import ConfigError, LauncherError, LaunchError
 from ..node.ssh_wire import BOOTSTRAP, KEEPALIVE, FrameDecoder, blob, frame
 from ..runtime.handle import ProcessHandle, ProcGroup
 from ..runtime.output import ProcOutput
@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import paramiko
 
     from ..transport.ssh import HostSession, Target
-    from ..transport.sync import Syncer, SyncStats
+    from ..transport.sync import Syncer, SyncPlan, SyncStats
 
 # launcher.transport (paramiko, thread pools) is imported where a job uses it: the command line
 # imports every backend for its options.
@@ -470,6 +470,7 @@ class SSHBackend(Backend):
     uses_hostfile = True
     requires_hostfile = True
     supports_sync = True
+    node_address_from_launcher = True
     Options = SSHOptions
     #: the options that say how to connect (``pslaunch doctor`` takes these too)
     connection_options = (
@@ -490,6 +491,9 @@ class SSHBackend(Backend):
                       "__pycache__ always). Repeatable.", kind="multiple", metavar="PATTERN"),
         BackendOption(("--sync-delete",), "sync_delete", "--sync-dst-dir deletes remote files that are gone here.",
                       kind="flag"),
+        BackendOption(("--sync-no-gitignore",), "sync_no_gitignore", "--sync-dst-dir sends what .gitignore "
+                      "ignores too (by default, in a git work tree, it does not; virtual environments are "
+                      "always skipped).", kind="flag"),
     )
 
     @classmethod
@@ -516,6 +520,20 @@ class SSHBackend(Backend):
     # -- dry run ---------------------------------------------------------------------------
 
     @classmethod
+    def dry_targets(cls, spec: JobSpec, hosts: Sequence[Host]) -> tuple[list[Target], str]:
+        """The hosts' connection settings as a job resolves them (``~/.ssh/config`` included), and a
+        note when that cannot be done here (no paramiko: the config is not read)."""
+        opts = spec.options or SSHOptions()
+        from ..transport.ssh import require_paramiko, resolve_targets
+
+        try:
+            require_paramiko()
+            return resolve_targets(hosts, opts), ""
+        except LauncherError as e:  # no paramiko; a config the job itself would refuse (ProxyJump, ...)
+            note = " (paramiko is not installed)" if "paramiko" in str(e) else f": {e}"
+            return [_basic_target(h, opts) for h in hosts], f"~/.ssh/config not applied{note}"
+
+    @classmethod
     def dry_run(cls, spec: JobSpec, plan: Plan) -> list[str]:
         lines = [f"ssh: one connection per host; on each, one channel runs \"exec {REMOTE_PYTHON} -S -c "
                  "'<bootstrap>'\", which reads pslaunch's remote wrapper, then each process's argv, environment "
@@ -526,21 +544,41 @@ class SSHBackend(Backend):
                 per_host[p.host].append(p.label.split(" @ ")[0])
         cwd = spec.sync_dst_dir or spec.workdir or "."
         opts = spec.options or SSHOptions()
-        for host, labels in per_host.items():
-            t = _basic_target(host, opts)
+        targets, note = cls.dry_targets(spec, list(per_host))
+        if note:
+            lines.append(f"  note: {note}")
+        for (host, labels), t in zip(per_host.items(), targets):
             lines.append(f"  {host.display}: {t.address}, cwd {cwd}: {', '.join(labels)}")
         if spec.sync_dst_dir:
             from ..transport.sync import Syncer
 
-            lines.append("sync (rsync when both ends have it, else SFTP):")
-            syncer = Syncer(spec.workdir or ".", spec.sync_dst_dir, opts)
-            for host in per_host:
-                target = _basic_target(host, opts)  # (no ~/.ssh/config: a dry run needs no paramiko)
-                lines.append("  " + shlex.join(syncer.argv(target, spec.sync_dst_dir)))
+            src = spec.workdir or "."
+            sync_plan = cls.sync_plan(spec)
+            syncer = Syncer(src, spec.sync_dst_dir, opts, plan=sync_plan)
+            lines.append(f"sync to {spec.sync_dst_dir} on each host (rsync when both ends have it, else SFTP):")
+            lines.extend(f"  {x}" for x in sync_plan.describe())
+            warning = sync_plan.warning(len(per_host))
+            if warning:
+                lines.append(f"  warning: {warning}")
+            if sync_plan.skipped:
+                lines.append(f"  the {len(sync_plan.skipped):,} skipped paths reach rsync on its stdin "
+                             "(--from0 --exclude-from=-)")
+            if not spec.sync_dst_dir.startswith("/"):
+                lines.append(f"  ({spec.sync_dst_dir} is made absolute on each host before rsync runs)")
+            for t in targets:
+                lines.append("  " + shlex.join(syncer.argv(t, spec.sync_dst_dir)))
         iface = spec.interface
         if iface:
             lines.append(f"DMLC_NODE_HOST: each host's address on DMLC_INTERFACE={iface}, resolved there before launch")
         return lines
+
+    @classmethod
+    def sync_plan(cls, spec: JobSpec) -> SyncPlan:
+        """What ``--sync-dst-dir`` sends (one walk of the working directory, here)."""
+        from ..transport.sync import plan_sync
+
+        opts = spec.options or SSHOptions()
+        return plan_sync(spec.workdir or os.getcwd(), opts.sync_exclude, gitignore=not opts.sync_no_gitignore)
 
     # -- prepare ------------------------------------------------------------------------------
 
@@ -570,7 +608,12 @@ class SSHBackend(Backend):
         self.timings["resolve"] = time.monotonic() - t1
         if spec.sync_dst_dir:
             t2 = time.monotonic()
-            self.syncer = Syncer(spec.workdir or os.getcwd(), spec.sync_dst_dir, self.opts, self.watchdog)
+            sync_plan = self.sync_plan(spec)
+            warning = sync_plan.warning(len(self.hosts))
+            if warning:
+                log.warning("%s", warning)
+            log.debug("sync plan: %s", "; ".join(sync_plan.describe()))
+            self.syncer = Syncer(sync_plan.src, spec.sync_dst_dir, self.opts, self.watchdog, plan=sync_plan)
             self._per_host(self._sync, "sync")
             self.timings["sync"] = time.monotonic() - t2
         else:

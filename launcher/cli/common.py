@@ -13,8 +13,9 @@ Exit codes (mapped only in :func:`invoke`):
 from __future__ import annotations
 
 import logging
+import math
 import sys
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import click
 
@@ -28,21 +29,20 @@ from ..spec import env as jobenv
 
 
 def parse_env_item(item: str, option: str, environ: Mapping[str, str], allow_copy: bool) -> tuple[str, str]:
-    """``NAME=VALUE``; ``NAME:VALUE`` for ``--env-server/--env-worker`` (launch.py);
-    a bare ``NAME`` copies the launcher's value (``--env`` only)."""
+    """``NAME=VALUE``, or launch.py's ``NAME:VALUE`` (a name never holds ``:``, so the forms cannot be
+    confused; ``=`` is tried first: ``A=x:y`` sets A to ``x:y``); a bare ``NAME`` copies the launcher's
+    value (``--env`` only)."""
     item = str(item)
     for sep in ("=", ":"):
         name, found, value = item.partition(sep)
         if found and jobenv.is_valid_name(name):
-            if sep == ":" and allow_copy:
-                break
             return name, value
     if allow_copy and jobenv.is_valid_name(item):
         if item not in environ:
             raise ConfigError(f"{option} {item}: {item} is not set in this shell; "
                               f"export it or write {option} {item}=VALUE")
         return item, environ[item]
-    form = "NAME or NAME=VALUE" if allow_copy else "NAME=VALUE (or NAME:VALUE)"
+    form = "NAME, NAME=VALUE or NAME:VALUE" if allow_copy else "NAME=VALUE (or NAME:VALUE)"
     shown = item
     for sep in ("=", ":"):
         name, found, _ = item.partition(sep)
@@ -53,15 +53,50 @@ def parse_env_item(item: str, option: str, environ: Mapping[str, str], allow_cop
 
 
 def parse_port_range_option(text: str) -> tuple[int, int]:
+    if not str(text).strip():
+        raise ConfigError("--port-range is empty: give LOW-HIGH, for example 9091-9998")
+    if len(str(text)) > 40:
+        raise ConfigError(f"--port-range {str(text)[:40]!r}...: give LOW-HIGH, for example 9091-9998")
     try:
         return pc.parse_port_range(text)
     except ValueError as e:
         raise ConfigError(f"--port-range: {e}") from None
 
 
+class FiniteFloat(click.ParamType):
+    """A float that is a real number of seconds: ``nan`` and ``inf`` are refused (a ``nan``
+    deadline never passes, and ``inf`` waits for ever)."""
+
+    name = "float"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{str(value)[:40]!r} is not a number", param, ctx)
+        if not math.isfinite(number):
+            shown = repr(str(value)) if len(str(value)) <= 40 else f"a {len(str(value)):,}-character value"
+            self.fail(f"{shown} is not a finite number", param, ctx)
+        return number
+
+
+class BoundedInt(click.types.IntParamType):
+    """An int of at most 9 digits: a huge number can only be a mistake, and C libraries (protobuf,
+    DRMAA) overflow on it."""
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> int:
+        text = str(value).strip()
+        if len(text.lstrip("+-")) > 9 and text.lstrip("+-").isdigit():
+            self.fail(f"a number of {len(text.lstrip('+-'))} digits is far too large", param, ctx)
+        return int(super().convert(value, param, ctx))
+
+
+FINITE_FLOAT = FiniteFloat()
+BOUNDED_INT = BoundedInt()
+
 # --- backend options as click options ------------------------------------------------------------
 
-_KINDS = {"str": str, "int": int, "float": float}
+_KINDS = {"str": str, "int": BOUNDED_INT, "float": FINITE_FLOAT}
 
 
 def click_option(opt: BackendOption, backend: str) -> click.Option:
@@ -98,13 +133,22 @@ class _Formatter(logging.Formatter):
         return f"pslaunch: {msg}"
 
 
+class _StderrHandler(logging.StreamHandler):
+    """stderr, around the live status line when one is shown (it must not end up inside a message)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from ..runtime.output import around_status
+
+        around_status(lambda: super(_StderrHandler, self).emit(record))
+
+
 def configure_logging(level: str, log_file: Optional[str] = None) -> None:
     """The launcher's own messages go to stderr (and ``--log-file``), prefixed ``pslaunch:``."""
     root = logging.getLogger("launcher")
     root.handlers.clear()
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
     root.propagate = False
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler(sys.stderr)
     handler.setFormatter(_Formatter())
     root.addHandler(handler)
     if log_file:
@@ -119,7 +163,13 @@ def configure_logging(level: str, log_file: Optional[str] = None) -> None:
 # --- running a command --------------------------------------------------------------------------------
 
 
+MAX_MESSAGE = 2000  # characters: an error about a huge argument must not repeat it whole
+
+
 def _fail(message: str, code: int) -> int:
+    message = " ".join(message.splitlines())
+    if len(message) > MAX_MESSAGE:
+        message = message[:MAX_MESSAGE] + f"... ({len(message) - MAX_MESSAGE:,} more characters)"
     click.echo(f"pslaunch: error: {message}", err=True)
     return code
 

@@ -19,9 +19,17 @@ import pscontract as pc
 
 from .. import __version__, backends
 from ..errors import ConfigError
-from ..spec.hosts import read_hostfile
+from ..spec.hosts import read_hosts
 from ..spec.job import JobSpec, parse_memory_mb
-from .common import add_backend_options, configure_logging, parse_env_item, parse_port_range_option
+from .common import (
+    BOUNDED_INT,
+    FINITE_FLOAT,
+    add_backend_options,
+    configure_logging,
+    parse_env_item,
+    parse_port_range_option,
+)
+from .config import load_config
 
 log = logging.getLogger("launcher")
 
@@ -47,75 +55,16 @@ Examples:
 
 \b
 Exit code: the first failing process's code (128+N if killed by signal N),
-0 if all succeed, 2 for a usage error, 124 after --timeout, 130 on Ctrl-C.
-Hostfile lines: host, host:port, user@host:port, [ipv6]:port, host slots=N.
-Before a multi-host job: pslaunch doctor -H hosts (checks ssh, python, ports).
+0 if all succeed, 2 for a usage error, 127 if the program is not found,
+126 if it is not executable, 124 after --timeout, 130 on Ctrl-C.
+Hosts: -H FILE (lines: host, host:port, user@host:port, [ipv6]:port,
+host slots=N) or inline: -H h1,h2:2222,alice@h3.
+Before a multi-host job: pslaunch doctor -H hosts COMMAND (ssh, python3,
+the command's program, interface, ports, reachability).
 """
 
 
-# --- YAML config -----------------------------------------------------------------------
-
-
-def _option_keys(command: click.Command) -> dict[str, click.Parameter]:
-    keys: dict[str, click.Parameter] = {}
-    for p in command.params:
-        if p.name in ("config", "version", "help") or p.name is None:
-            continue
-        keys[p.name] = p
-        for opt in getattr(p, "opts", []):
-            if opt.startswith("--"):
-                keys[opt[2:].replace("-", "_")] = p
-    return keys
-
-
-def load_config(path: str, command: click.Command) -> dict[str, Any]:
-    """YAML mapping of option names (``num-workers`` or ``num_workers``) to values."""
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(f"cannot read --config {path}: {e.strerror or e}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else path
-        problem = getattr(e, "problem", None) or "not valid YAML"
-        raise ConfigError(f"{where}: {problem}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of option names to values, got {type(data).__name__}")
-    keys = _option_keys(command)
-    out: dict[str, Any] = {}
-    for raw_key, value in data.items():
-        key = str(raw_key).replace("-", "_")
-        param = keys.get(key)
-        if param is None:
-            import difflib
-
-            hint = difflib.get_close_matches(key, list(keys), n=1)
-            suggestion = f" (did you mean {hint[0].replace('_', '-')!r}?)" if hint else ""
-            raise ConfigError(f"{path}: unknown key {raw_key!r}{suggestion}; keys are the long option "
-                              "names, e.g. num-workers, hostfile, env")
-        assert param.name is not None
-        if param.name in ("env", "env_server", "env_worker") and isinstance(value, dict):
-            value = [k if v is None else f"{k}={v}" for k, v in value.items()]
-        if param.name == "command" and isinstance(value, str):
-            import shlex
-            value = shlex.split(value)
-        if getattr(param, "multiple", False) or param.name == "command":
-            if isinstance(value, (str, int, float)):
-                value = [value]
-            if not isinstance(value, list):
-                raise ConfigError(f"{path}: {raw_key} must be a list")
-            value = [str(v) for v in value]
-        elif isinstance(value, (list, dict)):
-            raise ConfigError(f"{path}: {raw_key} takes a single value, not a {type(value).__name__}")
-        elif isinstance(value, bool) and not getattr(param, "is_flag", False):
-            raise ConfigError(f"{path}: {raw_key} takes a value, not true/false")
-        out[param.name] = value
-    return out
+# --- YAML config (launcher.cli.config) ---------------------------------------------------
 
 
 def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[str]:
@@ -137,12 +86,14 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
               callback=_load_config_callback, help="YAML file with any of these options as keys "
               "(num-workers: 2, hostfile: hosts, env: {OMP_NUM_THREADS: 2}, command: [python, x.py]); "
               "options on the command line win.")
-@click.option("-n", "--num-workers", type=int, required=True, help="Number of workers.")
-@click.option("-s", "--num-servers", type=int, default=None,
+@click.option("-n", "--num-workers", type=BOUNDED_INT, required=True, help="Number of workers.")
+@click.option("-s", "--num-servers", type=BOUNDED_INT, default=None,
               help="Number of servers (default: the number of workers, as launch.py). "
                    "0: no scheduler and no servers.")
-@click.option("-H", "--hostfile", "--host-file", "hostfile", type=str, default=None,
-              help="Hostfile: one host per line (host, host:port, user@host:port, host slots=N).")
+@click.option("-H", "--hostfile", "--host-file", "hostfile", type=str, default=None, metavar="FILE|HOSTS",
+              help="Hostfile: one host per line (host, host:port, user@host:port, host slots=N); - reads "
+                   "standard input. Or the hosts inline, comma-separated: -H h1,h2:2222,alice@h3 "
+                   "(':N' is a port; slots: -H 'h1 slots=2,h2'). A name that is an existing file is a file.")
 @click.option("--launcher", "--cluster", "launcher", type=click.Choice(backends.available()), default=None,
               envvar=pc.SUBMIT_CLUSTER, show_envvar=True,
               help="Where processes run (default: local without a hostfile, ssh with one).")
@@ -150,7 +101,9 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
               help="Copy the working directory to DIR on every host first (ssh); DIR becomes "
                    "the remote working directory.")
 @click.option("--env", "env", multiple=True, metavar="NAME[=VALUE]",
-              help="Set a variable for every process; a bare NAME copies this shell's value. Repeatable.")
+              help="Set a variable for every process (NAME=VALUE, or launch.py's NAME:VALUE); a bare "
+                   "NAME copies this shell's value (best for secrets: the value stays off the command "
+                   "line). Repeatable.")
 @click.option("--env-server", multiple=True, metavar="NAME=VALUE",
               help="Set a variable for servers only (NAME:VALUE works too). Repeatable.")
 @click.option("--env-worker", multiple=True, metavar="NAME=VALUE",
@@ -160,11 +113,14 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
                    "else 127.0.0.1 for local jobs, else the address that routes to the hosts).")
 @click.option("--port-range", default="9091-9998", show_default=True, metavar="LOW-HIGH",
               help="The scheduler takes the first free port in this range.")
-@click.option("--start-timeout", type=float, default=60.0, show_default=True, metavar="SECONDS",
-              help="Longest wait for the scheduler to listen and for nodes to register.")
-@click.option("--kill-grace", type=float, default=10.0, show_default=True, metavar="SECONDS",
+@click.option("--start-timeout", type=FINITE_FLOAT, default=60.0, show_default=True, metavar="SECONDS",
+              help="Longest wait for the scheduler to listen, and for the backend to start the other "
+                   "processes (remote wrappers, batch tasks leaving the queue). Also exported as "
+                   "PS_START_TIMEOUT: how long pslaunch's own KVStore waits for every node to register "
+                   "(MXNet's ps-lite reads no such variable and waits without limit).")
+@click.option("--kill-grace", type=FINITE_FLOAT, default=10.0, show_default=True, metavar="SECONDS",
               help="After SIGTERM, wait this long before SIGKILL.")
-@click.option("--timeout", type=float, default=None, metavar="SECONDS",
+@click.option("--timeout", type=FINITE_FLOAT, default=None, metavar="SECONDS",
               help="Stop the whole job after this long (dumping Python stacks first); exit 124.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (hosts, roles, command, environment "
               "with secrets redacted) and exit without starting anything.")
@@ -176,21 +132,27 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
               help="The launcher's own messages.")
 @click.option("--log-file", default=None, metavar="FILE", help="Also write the launcher's messages to FILE.")
+@click.option("--no-progress", is_flag=True, help="No live status line (processes running per role and host, "
+              "elapsed time, worker 0's latest Epoch/Batch and speed); it is shown only when stdout is a "
+              "terminal.")
 @click.option("--p3", is_flag=True, help="Priority-based parameter propagation (sets DMLC_PS_VAN_TYPE=p3 "
               "and DMLC_PS_WATER_MARK=10 for every process, as launch.py --p3).")
 # cluster schedulers (dmlc-submit's options)
 @click.option("--queue", default=None, help="sge/yarn/slurm: queue (slurm: partition) to submit to.")
 @click.option("--jobname", default=None, help="sge/yarn/slurm: job name (default: pslaunch-<program>).")
-@click.option("--worker-cores", type=int, default=1, show_default=True, help="sge/yarn/slurm: cores per worker.")
+@click.option("--worker-cores", type=BOUNDED_INT, default=1, show_default=True, help="sge/yarn/slurm: cores per worker.")
 @click.option("--worker-memory", default=None, help="sge/yarn/slurm: memory per worker (e.g. 2g, 512m; "
               "default: 1g on yarn, no limit on sge, the partition's default on slurm).")
-@click.option("--server-cores", type=int, default=1, show_default=True, help="sge/yarn/slurm: cores per server.")
+@click.option("--server-cores", type=BOUNDED_INT, default=1, show_default=True, help="sge/yarn/slurm: cores per server.")
 @click.option("--server-memory", default=None, help="sge/yarn/slurm: memory per server (as --worker-memory).")
 @click.version_option(__version__, "--version", prog_name="pslaunch")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run_command(**kw: Any) -> None:
     spec = build_spec(kw, dict(os.environ))
     configure_logging(spec.log_level, spec.log_file)
+    if not spec.dry_run:  # (the dry run lists them with the plan)
+        for note in backends.get(spec.launcher).notes(spec):
+            log.warning("%s", note)
     sys.exit(execute(spec))
 
 
@@ -202,7 +164,7 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
     n = kw["num_workers"]
     s = kw["num_servers"] if kw.get("num_servers") is not None else n
     hostfile = kw.get("hostfile")
-    hosts = read_hostfile(hostfile) if hostfile else ()
+    hosts = read_hosts(hostfile) if hostfile else ()
     launcher = kw.get("launcher") or ("ssh" if hostfile else "local")
     backend = backends.get(launcher)
     env = tuple(parse_env_item(e, "--env", environ, True) for e in kw.get("env") or ())
@@ -223,13 +185,65 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
         worker_memory_mb=parse_memory_mb(kw["worker_memory"], "--worker-memory") if kw.get("worker_memory") else None,
         server_memory_mb=parse_memory_mb(kw["server_memory"], "--server-memory") if kw.get("server_memory") else None,
         dry_run=bool(kw.get("dry_run")), log_dir=kw.get("log_dir"), summary_json=kw.get("summary_json"),
-        port_range=parse_port_range_option(kw.get("port_range") or "9091-9998"),
+        port_range=parse_port_range_option("9091-9998" if kw.get("port_range") is None else kw["port_range"]),
         start_timeout=kw.get("start_timeout", 60.0), kill_grace=kw.get("kill_grace", 10.0),
-        timeout=kw.get("timeout"), workdir=os.getcwd(), p3=bool(kw.get("p3")),
+        timeout=kw.get("timeout"), workdir=os.getcwd(), p3=bool(kw.get("p3")), progress=not kw.get("no_progress"),
         options=backend.make_options(kw),
     )
     backend.check_spec(spec)
     return spec
+
+
+def _probe_write(path: str) -> Optional[str]:
+    """Create and remove ``path``: None if that worked, else why not."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as e:
+        return e.strerror or str(e)
+    os.close(fd)
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    return None
+
+
+def check_outputs(spec: JobSpec, create: bool) -> None:
+    """``--log-dir`` and ``--summary-json`` can be written, checked before anything starts.
+
+    With ``create`` (a real run) the log directory is created and a file is written in each
+    place and removed again (the only proof that works for root, read-only mounts and /proc);
+    a dry run only looks.
+    """
+    if spec.log_dir:
+        d = spec.log_dir
+        if os.path.exists(d) and not os.path.isdir(d):
+            raise ConfigError(f"--log-dir {d} is a file, not a directory; give a directory (it is created)")
+        if create:
+            try:
+                os.makedirs(d, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(f"--log-dir {d}: cannot create it: {e.strerror or e}") from None
+            why = _probe_write(os.path.join(d, f".pslaunch-probe-{os.getpid()}"))
+            if why:
+                raise ConfigError(f"--log-dir {d}: cannot write there: {why}")
+        else:
+            parent = os.path.abspath(d)
+            while not os.path.exists(parent):
+                parent = os.path.dirname(parent)
+            if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+                raise ConfigError(f"--log-dir {d}: cannot create or write it ({parent} is not a writable directory)")
+    if spec.summary_json:
+        path = spec.summary_json
+        if os.path.isdir(path):
+            raise ConfigError(f"--summary-json {path} is a directory; give a file name")
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise ConfigError(f"--summary-json {path}: the directory {parent} does not exist")
+        why = _probe_write(f"{path}.tmp{os.getpid()}") if create else (
+            None if os.access(parent, os.W_OK | os.X_OK) else "permission denied")
+        if why:
+            raise ConfigError(f"--summary-json {path}: cannot write there: {why}")
 
 
 def execute(spec: JobSpec) -> int:
@@ -237,10 +251,12 @@ def execute(spec: JobSpec) -> int:
     from ..run.report import format_dry_run
     from ..run.supervisor import dry_run_plan, run_job
 
+    check_outputs(spec, create=not spec.dry_run)
     if spec.dry_run:
         backend = backends.get(spec.launcher)
         plan = dry_run_plan(spec, backend)
-        click.echo(format_dry_run(spec, plan, backend.dry_run(spec, plan), inherits=not backend.remote))
+        extra = [f"warning: {note}" for note in backend.notes(spec)] + backend.dry_run(spec, plan)
+        click.echo(format_dry_run(spec, plan, extra, inherits=not backend.remote))
         return 0
     return run_job(spec, adopt_orphans=True).exit_code
 

@@ -1,21 +1,30 @@
-"""``pslaunch doctor -H hosts``: pre-flight checks of every host, in parallel, in one table.
+"""``pslaunch doctor -H hosts [COMMAND...]``: pre-flight checks of every host, in parallel, in one table.
 
-Per host, over the same ssh settings a job would use (``~/.ssh/config``,
-``--ssh-*``, strict host keys):
+It checks what the job needs, per host, over the same ssh settings a job would use
+(``~/.ssh/config``, ``--ssh-*``, strict host keys):
 
 * **ssh**: connection, host key and authentication;
-* **python**: the remote ``python3`` (or ``--python``): path and version;
-* **imports**: ``import launcher`` and ``import trainer`` in the job's
-  working directory (``--sync-dst-dir`` or this directory) with the job's
-  forwarded ``PYTHONPATH``;
-* **interface**: the address ``DMLC_INTERFACE`` selects there (else the
-  address the connection reached), which becomes ``DMLC_NODE_HOST``;
+* **python3**: the ``python3`` that pslaunch's own remote wrapper and interface lookup run
+  (>= 3.7);
+* **cwd**: the job's working directory (``--sync-dst-dir``, else this directory's path) exists
+  there; with ``--sync-dst-dir`` a missing one is information (the sync creates it);
+* **program**: the command's program (``COMMAND``'s first word, found on the job's ``PATH`` or
+  in the working directory, as the job finds it: 127 if missing, 126 if not executable); when
+  it is a Python (``python3``, a venv's ``python``, or a script whose ``#!`` line names one),
+  its version, and the script or ``-m`` module it is given;
+* **imports** (only with ``--check-import MODULE``, e.g. ``trainer``): that Python imports it in
+  the working directory with the job's ``PYTHONPATH``;
+* **interface**: the address ``DMLC_INTERFACE`` selects there (else the address the connection
+  reached), which becomes ``DMLC_NODE_HOST``;
 * **port**: that address can bind a free TCP port (as ps-lite nodes do);
-* **reach**: the host can connect to the launching host's scheduler address
-  (a listener opened here on the first free port of ``--port-range``).
+* **reach**: the host can connect to the launching host's scheduler address (a listener opened
+  here on the first free port of ``--port-range``).
 
-Exit code 0 when every check passes on every host, 1 otherwise, 2 for a
-usage error. Problems are listed below the table, one line each.
+Anything else worth knowing (no command given, a directory the sync will create, no
+``DMLC_INTERFACE``, a program found in the directory rather than on ``PATH``) is listed as
+information, never as a failure; pslaunch's own packages need not be installed on the hosts. Exit code
+0 when every check passes on every host, 1 otherwise, 2 for a usage error. Problems are
+listed below the table, one line each.
 """
 
 from __future__ import annotations
@@ -23,7 +32,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import shlex
 import socket
 import threading
 import time
@@ -39,28 +47,115 @@ from . import addresses
 
 log = logging.getLogger(__name__)
 
-COLUMNS = ("ssh", "python", "imports", "interface", "port", "reach")
-MIN_PYTHON = (3, 7)  # launcher/netif.py; the process wrapper itself needs 3.5
+COLUMNS = ("ssh", "python3", "cwd", "program", "imports", "interface", "port", "reach")
+MIN_PYTHON = (3, 7)  # pscontract/netif.py, run by python3 on the hosts; the process wrapper itself needs 3.5
+WRAPPER_PYTHON = "python3"
 
 # Runs on the host (``python3 -``), after netif.py's source; ARGS is filled in by the launcher.
+# Python 3.5 syntax: it must run far enough on an old python3 to say how old it is.
 _REMOTE_CHECKS = r"""
-import json as _json, os as _os, socket as _socket, subprocess as _sp, sys as _sys, time as _time
+import json as _json, os as _os, re as _re, shutil as _sh, socket as _socket, subprocess as _sp, sys as _sys
+import time as _time
 _A = _json.loads(ARGS)
 _r = {"python": _sys.executable, "version": "%d.%d.%d" % tuple(_sys.version_info[:3])}
 _env = dict(_os.environ)
 _env.update(_A["env"])
-_imports = {}
-try:
-    _os.chdir(_os.path.expanduser(_A["cwd"]))  # a relative one is below the login's home
-except OSError as _e:
-    _imports["cwd"] = "cannot change to %s: %s" % (_A["cwd"], _e.strerror)
-else:
-    for _m in ("launcher", "trainer"):
-        _p = _sp.run([_sys.executable, "-c", "import " + _m], env=_env, stdout=_sp.PIPE, stderr=_sp.PIPE,
-                     timeout=60)
-        _err = [l for l in _p.stderr.decode("utf-8", "replace").splitlines() if l.strip()]
-        _imports[_m] = "ok" if _p.returncode == 0 else (_err[-1] if _err else "exit %d" % _p.returncode)
-_r["imports"] = _imports
+_cwd = _os.path.expanduser(_A["cwd"])  # a relative one is below the login's home
+if not _os.path.isabs(_cwd):
+    _cwd = _os.path.join(_os.path.expanduser("~"), _cwd)
+_r["cwd"] = {"path": _cwd, "exists": _os.path.isdir(_cwd)}
+_run_in = _cwd if _os.path.isdir(_cwd) else None
+_PY = _re.compile(r"^python[0-9.]*$")
+_VERSION = "import sys; print('%d.%d.%d' % tuple(sys.version_info[:3]))"
+
+
+def _last(text):
+    lines = [l for l in text.decode("utf-8", "replace").splitlines() if l.strip()]
+    return lines[-1] if lines else ""
+
+
+def _run(argv, timeout=60):
+    try:
+        p = _sp.run(argv, env=_env, cwd=_run_in, stdin=_sp.DEVNULL, stdout=_sp.PIPE, stderr=_sp.PIPE,
+                    timeout=timeout)
+    except (OSError, _sp.TimeoutExpired) as e:
+        return 1, "", str(e)
+    return p.returncode, p.stdout.decode("utf-8", "replace").strip(), _last(p.stderr)
+
+
+def _resolve(name):
+    # the job's rule (launcher/node/procgroup.py): PATH first; a bare name in the directory runs as ./name
+    if "/" in name:
+        path = name if _os.path.isabs(name) else _os.path.join(_cwd, name)
+        return path, False
+    found = _sh.which(name, path=_env.get("PATH", _os.defpath))
+    if found:
+        return found, False
+    local = _os.path.join(_cwd, name)
+    if _os.path.isfile(local) and _os.access(local, _os.X_OK):
+        return local, True
+    return None, False
+
+
+def _interpreter(path):
+    # the Python a script's #! line names: "#!/usr/bin/env python3", "#!/opt/venv/bin/python -u"
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(512).decode("utf-8", "replace")
+    except OSError:
+        return None
+    if not first.startswith("#!"):
+        return None
+    words = first[2:].split()
+    if words and _os.path.basename(words[0]) == "env":
+        words = [w for w in words[1:] if not w.startswith("-")]
+    if words and _PY.match(_os.path.basename(words[0])):
+        return words[0] if "/" in words[0] else _sh.which(words[0], path=_env.get("PATH", _os.defpath))
+    return None
+
+
+_py = None
+_cmd = _A["command"]
+if _cmd:
+    _prog = {"name": _cmd[0]}
+    _path, _local = _resolve(_cmd[0])
+    _prog["path"] = _path
+    _prog["local"] = _local
+    if _path is None or not _os.path.exists(_path):
+        _prog["error"] = "not found"
+        _prog["code"] = 127
+    elif _os.path.isdir(_path) or not _os.access(_path, _os.X_OK):
+        _prog["error"] = "not executable"
+        _prog["code"] = 126
+    elif _PY.match(_os.path.basename(_path)):
+        _py = _path
+        _args = _cmd[1:]
+        while _args and _args[0].startswith("-") and _args[0] not in ("-m", "-c", "-"):
+            _args = _args[1:]
+        if _args[:1] == ["-m"] and len(_args) > 1:
+            _code, _out, _err = _run([_path, "-c", "import importlib.util, sys; "
+                                      "sys.exit(importlib.util.find_spec(sys.argv[1]) is None)", _args[1]])
+            _prog["module"] = {"name": _args[1], "ok": _code == 0, "error": _err}
+        elif _args and not _args[0].startswith("-"):
+            _script = _args[0] if _os.path.isabs(_args[0]) else _os.path.join(_cwd, _args[0])
+            _prog["script"] = {"name": _args[0], "ok": _os.path.isfile(_script)}
+    else:
+        _py = _interpreter(_path)
+if _A["python"]:
+    _py = _A["python"] if "/" in _A["python"] else _sh.which(_A["python"], path=_env.get("PATH", _os.defpath))
+    if _py is None:
+        _r["python_error"] = "%s not found" % _A["python"]
+if _cmd:
+    _r["program"] = _prog
+if _py:
+    _code, _out, _err = _run([_py, "-c", _VERSION])
+    _r["interpreter"] = {"path": _py, "version": _out if _code == 0 else None, "error": _err or "exit %d" % _code}
+    if _code == 0:
+        _imports = {}
+        for _m in _A["imports"]:
+            _code, _out, _err = _run([_py, "-c", "import " + _m])
+            _imports[_m] = "ok" if _code == 0 else (_err or "exit %d" % _code)
+        _r["imports"] = _imports
 _addr = _A["peer"]
 if _A["iface"]:
     try:
@@ -93,19 +188,42 @@ print("PSLAUNCH-DOCTOR " + _json.dumps(_r))
 
 @dataclass
 class Row:
-    """One host's results: a short cell per column, plus one-line problems."""
+    """One host's results: a short cell per column, one-line problems, and information."""
 
     host: Host
     cells: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    info: list[str] = field(default_factory=list)
 
     def fail(self, column: str, cell: str, problem: str) -> None:
         self.cells[column] = f"FAIL {cell}".strip()
         self.problems.append(f"{self.host.name}: {column}: {problem}")
 
+    def note(self, text: str) -> None:
+        self.info.append(f"{self.host.name}: {text}")
+
     @property
     def ok(self) -> bool:
         return not self.problems
+
+
+@dataclass(frozen=True)
+class Checks:
+    """What to check on every host (the same for all)."""
+
+    cwd: str
+    command: tuple[str, ...] = ()
+    python: Optional[str] = None     # --python: the Python to check when the command does not name one
+    imports: tuple[str, ...] = ()    # --check-import
+    sync: bool = False               # --sync-dst-dir given: a missing cwd is created by the sync
+    iface: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+
+    def args(self, peer: str, root: tuple[str, int], timeout: float) -> dict[str, Any]:
+        """The remote script's ARGS (pure)."""
+        return {"cwd": self.cwd, "env": self.env, "iface": self.iface, "peer": peer, "root": root[0],
+                "root_port": root[1], "timeout": timeout, "command": list(self.command),
+                "python": self.python, "imports": list(self.imports)}
 
 
 def remote_script(args: dict[str, Any]) -> bytes:
@@ -115,8 +233,7 @@ def remote_script(args: dict[str, Any]) -> bytes:
     return (source + f"\nARGS = {json.dumps(json.dumps(args))}\n" + _REMOTE_CHECKS).encode()
 
 
-def check_host(host: Host, opts: SSHOptions, python: str, cwd: str, iface: str, env: dict[str, str],
-               root: tuple[str, int], timeout: float) -> Row:
+def check_host(host: Host, opts: SSHOptions, checks: Checks, root: tuple[str, int], timeout: float) -> Row:
     """Run every check on one host; never raises."""
     from ..transport.ssh import HostSession, connect, key_type_label, resolve_targets
 
@@ -134,18 +251,17 @@ def check_host(host: Host, opts: SSHOptions, python: str, cwd: str, iface: str, 
     try:
         key = transport.get_remote_server_key()
         row.cells["ssh"] = f"ok {target.user}, {key_type_label(key)} ({(time.monotonic() - t0) * 1000:.0f} ms)"
-        args = {"cwd": cwd, "env": env, "iface": iface, "peer": session.peer_address, "root": root[0],
-                "root_port": root[1], "timeout": min(timeout, 5.0)}
-        r = session.exec(f"{shlex.quote(python)} -", stdin=remote_script(args), timeout=max(30.0, timeout))
+        args = checks.args(session.peer_address, root, min(timeout, 5.0))
+        r = session.exec(f"{WRAPPER_PYTHON} -", stdin=remote_script(args), timeout=max(60.0, timeout))
         line = next((x for x in r.stdout.decode(errors="replace").splitlines() if x.startswith("PSLAUNCH-DOCTOR ")),
                     None)
         if line is None:
-            row.fail("python", python, f"{python} did not run the checks ({r.err_line}); install python3 >= "
-                     f"{MIN_PYTHON[0]}.{MIN_PYTHON[1]} there or pass --python PATH")
+            row.fail("python3", "", f"{WRAPPER_PYTHON} did not run the checks ({r.err_line}); pslaunch's remote "
+                     f"wrapper needs python3 >= {MIN_PYTHON[0]}.{MIN_PYTHON[1]} on the login PATH there")
             for c in COLUMNS[2:]:
                 row.cells[c] = "-"
             return row
-        _fill(row, json.loads(line.split(" ", 1)[1]), python, cwd)
+        fill(row, json.loads(line.split(" ", 1)[1]), checks)
     except LauncherError as e:
         row.problems.append(f"{host.name}: {e}")
         for c in COLUMNS:
@@ -155,22 +271,38 @@ def check_host(host: Host, opts: SSHOptions, python: str, cwd: str, iface: str, 
     return row
 
 
-def _fill(row: Row, res: dict, python: str, cwd: str) -> None:
-    version = tuple(int(x) for x in res["version"].split("."))
-    if version < MIN_PYTHON:
-        row.fail("python", res["version"], f"{res['python']} is Python {res['version']}; pslaunch needs "
-                 f">= {MIN_PYTHON[0]}.{MIN_PYTHON[1]} on every host (pass --python PATH)")
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(".") if x.isdigit())
+
+
+def fill(row: Row, res: dict, checks: Checks) -> None:
+    """One host's results into its row (pure)."""
+    if _version(res["version"]) < MIN_PYTHON:
+        row.fail("python3", res["version"], f"{res['python']} is Python {res['version']}; pslaunch's remote "
+                 f"wrapper needs python3 >= {MIN_PYTHON[0]}.{MIN_PYTHON[1]} on the login PATH")
     else:
-        row.cells["python"] = f"ok {res['version']} {res['python']}"
-    imports = res["imports"]
-    if "cwd" in imports:
-        row.fail("imports", "cwd", f"{imports['cwd']} (sync first with --sync-dst-dir, or use a shared directory)")
+        row.cells["python3"] = f"ok {res['version']}"
+    cwd = res["cwd"]
+    if cwd["exists"]:
+        row.cells["cwd"] = "ok"
+    elif checks.sync:
+        row.cells["cwd"] = "ok (synced)"
+        row.note(f"{cwd['path']} does not exist yet; --sync-dst-dir creates it")
     else:
-        bad = {m: why for m, why in imports.items() if why != "ok"}
-        if bad:
-            row.fail("imports", " ".join(sorted(bad)), "; ".join(f"import {m} in {cwd}: {why}" for m, why in bad.items()))
+        row.fail("cwd", "missing", f"the job's working directory {cwd['path']} does not exist there (use "
+                 "--sync-dst-dir DIR, or a directory every host shares)")
+    _fill_program(row, res, checks)
+    if checks.imports:
+        imports = res.get("imports")
+        if imports is None:
+            row.cells["imports"] = "-"
         else:
-            row.cells["imports"] = "ok launcher trainer"
+            bad = {m: why for m, why in imports.items() if why != "ok"}
+            if bad:
+                row.fail("imports", " ".join(sorted(bad)), "; ".join(
+                    f"import {m} in {cwd['path']}: {why}" for m, why in bad.items()))
+            else:
+                row.cells["imports"] = "ok " + " ".join(checks.imports)
     iface = res.get("interface")
     if iface is None:
         row.cells["interface"] = "ok (unset)"
@@ -193,12 +325,51 @@ def _fill(row: Row, res: dict, python: str, cwd: str) -> None:
         row.cells["reach"] = f"ok {reach['ms']:.0f} ms"
 
 
-def format_table(rows: Sequence[Row], root: tuple[str, int]) -> str:
-    head = ["HOST"] + [c.upper() for c in COLUMNS]
-    table = [head] + [[r.host.display] + [r.cells.get(c, "-") for c in COLUMNS] for r in rows]
+def _fill_program(row: Row, res: dict, checks: Checks) -> None:
+    prog = res.get("program")
+    interp = res.get("interpreter")
+    if res.get("python_error"):
+        row.fail("program", "python", f"--python {res['python_error']} on the job's PATH")
+    if prog is None and interp is None:
+        row.cells["program"] = "-"
+        return
+    parts = []
+    if prog is not None:
+        name = prog["name"]
+        if "error" in prog:
+            why = ("no such program on the job's PATH or in its directory (exit code 127)" if prog["code"] == 127
+                   else "it is not executable (exit code 126)")
+            row.fail("program", f"{name} {prog['error']}", f"{name}: {why}")
+            return
+        parts.append(name)
+        if prog.get("local"):
+            row.note(f"{name} is not on PATH; it runs as ./{name} from the working directory")
+        script = prog.get("script")
+        if script is not None and not script["ok"]:
+            row.fail("program", f"{script['name']} missing", f"{script['name']}: no such file in {res['cwd']['path']}")
+            return
+        module = prog.get("module")
+        if module is not None and not module["ok"]:
+            row.fail("program", f"-m {module['name']}", f"{prog['path']} -m {module['name']}: no such module there"
+                     + (f" ({module['error']})" if module.get("error") else ""))
+            return
+    if interp is not None:
+        if not interp.get("version"):
+            row.fail("program", f"{interp['path']}", f"{interp['path']} does not run: {interp.get('error')}")
+            return
+        parts.append(f"python {interp['version']}")
+    row.cells["program"] = "ok " + " ".join(parts)
+
+
+def format_table(rows: Sequence[Row], root: tuple[str, int], checks: Optional[Checks] = None,
+                 info: Sequence[str] = ()) -> str:
+    columns = [c for c in COLUMNS if c != "imports" or (checks is not None and checks.imports)]
+    head = ["HOST"] + [c.upper() for c in columns]
+    table = [head] + [[r.host.display] + [r.cells.get(c, "-") for c in columns] for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(head))]
     out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in table]
     problems = [p for r in rows for p in r.problems]
+    notes = list(info) + [n for r in rows for n in r.info]
     ok = sum(1 for r in rows if r.ok)
     out.append("")
     out.append(f"{ok} of {len(rows)} host{'s' if len(rows) != 1 else ''} ready; scheduler address "
@@ -206,6 +377,9 @@ def format_table(rows: Sequence[Row], root: tuple[str, int]) -> str:
     if problems:
         out.append("problems:")
         out.extend(f"  {p}" for p in problems)
+    if notes:
+        out.append("information:")
+        out.extend(f"  {n}" for n in notes)
     return "\n".join(out)
 
 
@@ -240,31 +414,36 @@ class _Listener:
         self.sock.close()
 
 
-def run_doctor(hosts: Sequence[Host], opts: SSHOptions, *, python: str, cwd: str, env: dict[str, str],
-               environ: dict[str, str], host_ip: Optional[str], port_range: tuple[int, int]) -> tuple[int, str]:
+def run_doctor(hosts: Sequence[Host], opts: SSHOptions, *, cwd: str, env: dict[str, str], environ: dict[str, str],
+               host_ip: Optional[str], port_range: tuple[int, int], command: Sequence[str] = (),
+               python: Optional[str] = None, imports: Sequence[str] = (), sync: bool = False) -> tuple[int, str]:
     """All checks on all hosts; returns (exit code, report)."""
     from ..transport.ssh import require_paramiko
 
     require_paramiko()
-    spec = JobSpec(command=("doctor",), num_workers=1, num_servers=0, launcher="ssh", hosts=tuple(hosts),
-                   env=tuple(env.items()), environ=tuple(sorted(environ.items())), host_ip=host_ip,
-                   port_range=port_range, options=opts)
-    iface = spec.interface
+    spec = JobSpec(command=tuple(command) or ("doctor",), num_workers=1, num_servers=0, launcher="ssh",
+                   hosts=tuple(hosts), env=tuple(env.items()), environ=tuple(sorted(environ.items())),
+                   host_ip=host_ip, port_range=port_range, options=opts)
     try:
         root = addresses.scheduler_address(spec, {}, backends.get("ssh"))
     except ConfigError as e:
         raise ConfigError(f"the launching host: {e}") from None
+    checks = Checks(cwd=cwd, command=tuple(command), python=python, imports=tuple(imports), sync=sync,
+                    iface=spec.interface, env={**jobenv.forwarded(environ), **env})
+    info = []
+    if not command and not python:
+        info.append("no command given: its program and Python were not checked (pslaunch doctor -H HOSTS "
+                    "python train.py ...)")
+    if not spec.interface:
+        info.append("DMLC_INTERFACE is not set: each node binds the address its ssh connection reached")
     listener = _Listener(root, *port_range)
-    job_env = {**jobenv.forwarded(environ), **env}
     try:
         unique = list(dict.fromkeys(hosts))
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(unique))),
                                                    thread_name_prefix="pslaunch-doctor") as pool:
-            rows = list(pool.map(lambda h: check_host(h, opts, python, cwd, iface, job_env,
-                                                      (root, listener.port), opts.connect_timeout), unique))
+            rows = list(pool.map(lambda h: check_host(h, opts, checks, (root, listener.port),
+                                                      opts.connect_timeout), unique))
     finally:
         listener.close()
-    report = format_table(rows, (root, listener.port))
+    report = format_table(rows, (root, listener.port), checks, info)
     return (0 if all(r.ok for r in rows) else 1), report
-
-

@@ -148,6 +148,12 @@ def format_dry_run(spec: JobSpec, plan: Plan, extra: Sequence[str] = (), inherit
     if plan.scheduler:
         out.append(f"scheduler address {plan.root_uri}, port: the first free one of {lo}-{hi} "
                    f"(shown as {plan.root_port})")
+    if spec.hosts:
+        inline = bool(spec.hosts[0].origin.startswith("-H item"))
+        source = "the -H list" if inline else f"hostfile {spec.hostfile}"
+        out.append(f"hosts ({len(spec.hosts)}, from {source}): " +
+                   ", ".join(h.display + (f" slots={h.slots}" if h.slots else "") for h in spec.hosts[:20]) +
+                   (f" and {len(spec.hosts) - 20:,} more" if len(spec.hosts) > 20 else ""))
     out.append("")
     rows = [("ROLE", "RANK", "TASK_ID", "HOST", "DMLC_NODE_HOST")]
     for p in plan.all:

@@ -93,6 +93,13 @@ class Signals:
             self.raise_now = False
             raise Interrupted(self.deferred)
 
+    def describe(self) -> str:
+        """The first signal by name: ``SIGINT (Ctrl-C)``, ``SIGTERM``, ``SIGHUP (the terminal closed)``."""
+        sig = self.first or signal.SIGINT
+        name = signal.Signals(sig).name
+        hint = {signal.SIGINT: " (Ctrl-C)", signal.SIGHUP: " (the terminal closed)"}.get(sig, "")
+        return f"{name}{hint}"
+
     @property
     def exit_code(self) -> int:
         return EXIT_CODES.get(self.first or signal.SIGINT, 130)

@@ -43,6 +43,7 @@ from ..spec.job import Host, JobSpec
 from ..spec.plan import Plan, ProcSpec, build_plan
 from . import addresses as addr
 from . import report
+from .progress import Progress
 from .signals import Interrupted, Signals
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,9 @@ class Supervisor:
         self._watch: Optional[addr.SchedulerWatch] = None  # while the job starts: who gets the port
         self._wake = threading.Event()  # set when a process's output ends: look now, not at the next tick
         self.console.on_stream_end = self._wake.set
+        self.progress = Progress.create(  # the live status line (a terminal only; --no-progress)
+            self.console, spec.progress, {"scheduler": int(spec.has_scheduler), "server": spec.num_servers,
+                                          "worker": spec.num_workers}, self.start_time)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -115,6 +119,8 @@ class Supervisor:
                 assert self.plan is not None
                 port = self.plan.root_port
         finally:
+            if self.progress is not None:
+                self.progress.close()
             if self.pump is not None:
                 self.pump.stop()
             if self.watchdog is not None:
@@ -285,6 +291,8 @@ class Supervisor:
                 return "success", 0
             if deadline is not None and self.clock.time() > deadline:
                 return "timeout", EXIT_TIMEOUT
+            if self.progress is not None:
+                self.progress.tick(self.handles, self.clock.time())
             self._pause()
 
     def _pause(self) -> None:
@@ -314,6 +322,8 @@ class Supervisor:
         """Stop whatever still runs: stack dumps (timeout), SIGTERM, ``--kill-grace``, SIGKILL, sweep groups.
 
         ``quiet``: an attempt that lost its port, stopped to start again (a short grace)."""
+        if self.progress is not None:
+            self.progress.close()
         running = [h for h in self.handles if h.poll() is None]
         if dump and running:
             log.warning("dumping the Python stacks of %d running process%s",
@@ -364,8 +374,8 @@ class Supervisor:
             message = f"the job ran longer than --timeout {self.spec.timeout:g}s and was stopped"
             log.error("%s", message)
         elif reason == "signal":
-            message = "stopped by a signal"
-            log.error("stopped by a signal after %.1fs; every process was terminated", elapsed)
+            message = f"stopped by {self.signals.describe()}"
+            log.error("%s after %.1fs; every process was terminated", message, elapsed)
         result = report.JobResult(
             exit_code=code, reason=reason, first_failure=self.first.record() if self.first else None,
             records=tuple(h.record(h.name in self.stopped) for h in self.handles),

@@ -7,6 +7,12 @@ character split across two reads survives), cut lines at ``\\n`` or ``\\r``,
 and write each line once, whole, with a ``[worker 0]`` prefix, to the
 launcher's own stdout or stderr. The last lines are kept for the failure
 report; with ``--log-dir`` every line also goes to the process's own file.
+
+On a terminal the console can also keep one *status line* at the bottom of stdout
+(:meth:`Console.set_status`, drawn by ``launcher.run.progress``): every write first erases
+it (``\\r`` and erase-to-end-of-line), writes its whole lines, then draws it again, all under
+the console's lock, so a status never ends up inside a labelled line. The launcher's own
+log messages go through :func:`around_status` for the same reason.
 """
 
 from __future__ import annotations
@@ -36,6 +42,32 @@ def _use_color(stream: BinaryIO) -> bool:
         return False
 
 
+_ERASE = b"\r\x1b[K"  # back to column 0, erase to the end of the line
+
+#: the console whose status line is on the screen now (for :func:`around_status`)
+_active: Console | None = None
+
+
+def is_terminal(stream: BinaryIO) -> bool:
+    """``stream`` is a terminal that understands ``\\r`` and erase-line (not ``TERM=dumb``)."""
+    if os.environ.get("TERM") == "dumb":
+        return False
+    try:
+        return os.isatty(stream.fileno())
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def around_status(write: Callable[[], None]) -> None:
+    """Run ``write`` (which writes to the launcher's stdout or stderr) with the status line, if
+    one is shown, erased first and drawn again after."""
+    console = _active
+    if console is None:
+        write()
+    else:
+        console.around(write)
+
+
 class Console:
     """The launcher's terminal: serialises whole lines from many threads."""
 
@@ -51,9 +83,49 @@ class Console:
         #: process has most likely exited)
         self.on_stream_end: Callable[[], None] | None = None
         self.color = _use_color(self.stdout) if color is None else color
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._status = b""  # the status line now on the screen (empty: none)
+        self._observers: dict[str, Callable[[str], None]] = {}
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
+
+    # -- the status line ------------------------------------------------------------------
+
+    def set_status(self, text: str) -> None:
+        """Show ``text`` (one line, already cut to the terminal's width) as the status line."""
+        global _active
+        data = text.encode("utf-8", "replace")
+        with self._lock:
+            if data == self._status:
+                return
+            self._status = data
+            _active = self if data else None
+            self._raw(self.stdout, _ERASE + data)
+
+    def clear_status(self) -> None:
+        self.set_status("")
+
+    def around(self, write: Callable[[], None]) -> None:
+        """Erase the status line, ``write``, draw the status line again (one lock)."""
+        with self._lock:
+            if self._status:
+                self._raw(self.stdout, _ERASE)
+            try:
+                write()
+            finally:
+                if self._status:
+                    self._raw(self.stdout, self._status)
+
+    def _raw(self, target: BinaryIO, data: bytes) -> None:
+        try:
+            target.write(data)
+            target.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            pass
+
+    def observe(self, name: str, callback: Callable[[str], None]) -> None:
+        """Call ``callback(line)`` for every line of the process ``name`` (``worker-0``) from now on."""
+        self._observers[name] = callback
 
     def proc(self, name: str, label: str, role: str) -> ProcOutput:
         """The output of one process; ``name`` is its log file's stem (``worker-0``)."""
@@ -63,16 +135,22 @@ class Console:
         log = None
         if self.log_dir:
             log = open(os.path.join(self.log_dir, f"{name}.log"), "ab", buffering=0)
-        return ProcOutput(self, prefix.encode(), log)
+        out = ProcOutput(self, prefix.encode(), log)
+        out.observer = self._observers.get(name)
+        return out
 
     def write(self, err: bool, data: bytes) -> None:
         target = self.stderr if err else self.stdout
         with self._lock:
+            if self._status:
+                self._raw(self.stdout, _ERASE)
             try:
                 target.write(data)
                 target.flush()
             except (BrokenPipeError, ValueError):
                 pass  # our own stdout went away (| head); keep supervising
+            if self._status:
+                self._raw(self.stdout, self._status)
 
 
 class ProcOutput:
@@ -83,6 +161,7 @@ class ProcOutput:
         self.prefix = prefix
         self.log = log
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.observer: Callable[[str], None] | None = None  # Console.observe
         #: ``(role, rank, reason)`` from the first ``pslaunch-cause:`` line the process wrote
         #: (:func:`pscontract.cause_line`): why it stopped the job, and who is at fault
         self.cause: Optional[tuple[Optional[str], Optional[int], str]] = None
@@ -98,6 +177,8 @@ class ProcOutput:
             self.cause = parse_cause(line)
         data = line.encode("utf-8", "replace")
         self.console.write(err, self.prefix + data + b"\n")
+        if self.observer is not None:
+            self.observer(line)
         with self._lock:
             self.tail.append(line)
             if self.log is not None:

@@ -12,15 +12,33 @@ One host per line::
     node5 slots=4              # MPI style: at most 4 of this job's processes here
 
 A bad line raises :class:`ConfigError` as ``FILE:LINE: what is wrong``.
+
+``-H`` also takes the hosts inline, comma-separated, in the same grammar
+(``-H h1,h2:2222,alice@h3``, ``-H 'h1 slots=2,h2'``): a value that names an
+existing file (or contains ``/``, or is ``-`` for stdin) is a hostfile, anything else
+a list (:func:`read_hosts`).
+
+Limits, so that a mistaken or hostile ``-H`` fails at once with one line: a hostfile
+is a regular file (or ``-``) of at most :data:`MAX_HOSTFILE_BYTES`, a line at most
+:data:`MAX_LINE` characters, a host name at most 253 (DNS's limit), ``slots=`` at
+most :data:`~launcher.spec.job.MAX_PROCESSES`.
 """
 
 from __future__ import annotations
 
+import os
 import re
-from typing import Iterable
+import stat
+import sys
+from typing import BinaryIO, Iterable, Optional
 
 from ..errors import ConfigError
-from .job import Host
+from .job import MAX_PROCESSES, Host
+
+MAX_HOSTFILE_BYTES = 1024 * 1024  # 1 MiB: tens of thousands of hosts
+MAX_LINE = 4096
+MAX_NAME = 253  # a DNS name's limit
+MAX_USER = 256
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
 _USER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -28,7 +46,7 @@ _KNOWN_KEYS = ("slots",)
 
 
 def _port(text: str, where: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= 65535:
+    if not text.isdigit() or len(text) > 5 or not 1 <= int(text) <= 65535:
         raise ConfigError(f"{where}: port {text!r} is not a number from 1 to 65535")
     return int(text)
 
@@ -36,8 +54,13 @@ def _port(text: str, where: str) -> int:
 def parse_host(token: str, where: str = "<host>") -> Host:
     """Parse ``[user@]host[:port]`` (IPv6 as ``[addr]:port`` or a bare address)."""
     user = None
+    if len(token) > MAX_USER + MAX_NAME + 8:
+        raise ConfigError(f"{where}: a host of {len(token):,} characters is too long (a host name has at most "
+                          f"{MAX_NAME})")
     if "@" in token:
         user, _, token = token.rpartition("@")
+        if len(user) > MAX_USER:
+            raise ConfigError(f"{where}: a user name of {len(user)} characters is too long (at most {MAX_USER})")
         if not _USER_RE.match(user):
             raise ConfigError(f"{where}: bad user name {user!r} (letters, digits, '.', '_', '-'; not starting with '-')")
     port = None
@@ -59,6 +82,8 @@ def parse_host(token: str, where: str = "<host>") -> Host:
         port = _port(p, where)
     else:
         name = token
+    if len(name) > MAX_NAME:
+        raise ConfigError(f"{where}: a host name of {len(name)} characters is too long (at most {MAX_NAME})")
     if ":" not in name and not _NAME_RE.match(name):
         raise ConfigError(f"{where}: bad host name {name!r} (letters, digits, '.', '-', '_'; not starting with '-')")
     return Host(name=name, port=port, user=user, origin=where)
@@ -88,8 +113,9 @@ def parse_line(line: str, where: str) -> Host | None:
                               f"({', '.join(_KNOWN_KEYS)})")
         if key not in _KNOWN_KEYS:
             raise ConfigError(f"{where}: unknown setting {key!r}; known: {', '.join(_KNOWN_KEYS)}")
-        if not value.isdigit() or int(value) < 1:
-            raise ConfigError(f"{where}: slots={value!r} must be a whole number of at least 1")
+        if not value.isdigit() or len(value) > 6 or not 1 <= int(value) <= MAX_PROCESSES:
+            shown = value if len(value) <= 30 else value[:30] + "..."
+            raise ConfigError(f"{where}: slots={shown!r} must be a whole number from 1 to {MAX_PROCESSES:,}")
         if slots is not None:
             raise ConfigError(f"{where}: slots given twice")
         slots = int(value)
@@ -108,13 +134,95 @@ def parse_lines(lines: Iterable[str], source: str) -> tuple[Host, ...]:
     return tuple(hosts)
 
 
-def read_hostfile(path: str) -> tuple[Host, ...]:
-    """Read and parse a hostfile; unreadable files raise :class:`ConfigError`."""
+def parse_host_list(text: str, source: str = "-H") -> tuple[Host, ...]:
+    """An inline ``-H`` list: hostfile lines separated by commas (``h1,h2:2222,alice@h3 slots=2``).
+
+    Each item is named ``-H item N`` in messages.
+    """
+    items = text.split(",")
+    hosts = []
+    for number, item in enumerate(items, 1):
+        where = f"{source} item {number}"
+        if "#" in item:
+            raise ConfigError(f"{where}: '#' is not allowed in a -H list (comments belong in a hostfile)")
+        if not item.strip():
+            raise ConfigError(f"{where}: empty host in the -H list {_short(text)!r}; separate hosts by single "
+                              "commas, e.g. -H h1,h2:2222,alice@h3")
+        host = parse_line(item, where)
+        assert host is not None
+        hosts.append(host)
+    return tuple(hosts)
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def is_host_list(value: str, exists: Optional[bool] = None) -> bool:
+    """Whether ``-H value`` is an inline list rather than a file.
+
+    A file when it exists, when it is ``-`` (stdin), or when it contains ``/`` (a path that
+    does not exist is then a missing file, not a host); a list otherwise.
+    """
+    if value == "-" or "/" in value:
+        return False
+    return not (os.path.exists(value) if exists is None else exists)
+
+
+def read_hosts(value: str, stdin: Optional[BinaryIO] = None) -> tuple[Host, ...]:
+    """``-H value``: a hostfile (:func:`read_hostfile`) or an inline list (:func:`parse_host_list`)."""
+    if len(value) > MAX_LINE:
+        raise ConfigError(f"-H: a value of {len(value):,} characters is too long (at most {MAX_LINE}); "
+                          "write the hosts into a file")
+    if is_host_list(value):
+        return parse_host_list(value)
+    return read_hostfile(value, stdin)
+
+
+def _read_bounded(f: BinaryIO, source: str) -> bytes:
+    data = f.read(MAX_HOSTFILE_BYTES + 1)
+    if len(data) > MAX_HOSTFILE_BYTES:
+        raise ConfigError(f"hostfile {source} is larger than {MAX_HOSTFILE_BYTES // 1024} KiB; is it really a "
+                          "hostfile? (one host per line)")
+    return data
+
+
+def read_hostfile(path: str, stdin: Optional[BinaryIO] = None) -> tuple[Host, ...]:
+    """Read and parse a hostfile (``-``: standard input); a bad file raises :class:`ConfigError`.
+
+    Only a regular file (or ``-``) is read, at most :data:`MAX_HOSTFILE_BYTES`: a device
+    (``/dev/zero``), a FIFO or a directory is refused before anything is read from it.
+    """
+    if path == "-":
+        source = "<stdin>"
+        data = _read_bounded(stdin if stdin is not None else sys.stdin.buffer, source)
+    else:
+        source = path
+        try:
+            # O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOCTTY: a terminal must not
+            # become ours. Whether it is a regular file is asked of the open file, not the name.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+        except OSError as e:
+            raise ConfigError(f"cannot read hostfile {path}: {e.strerror or e}") from None
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+            raise ConfigError(f"hostfile {path} is {kind}; give a regular file, - for standard input, or "
+                              "hosts inline: -H h1,h2:2222")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb") as f:
+            try:
+                data = _read_bounded(f, source)
+            except OSError as e:
+                raise ConfigError(f"cannot read hostfile {path}: {e.strerror or e}") from None
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise ConfigError(f"cannot read hostfile {path}: {e.strerror or e}") from None
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
-        raise ConfigError(f"hostfile {path} is not UTF-8 text") from None
-    return parse_lines(text.splitlines(), path)
+        raise ConfigError(f"hostfile {source} is not UTF-8 text") from None
+    lines = text.splitlines()
+    for number, line in enumerate(lines, 1):
+        if len(line) > MAX_LINE:
+            raise ConfigError(f"{source}:{number}: a line of {len(line):,} characters is too long (at most "
+                              f"{MAX_LINE}); one host per line")
+    return parse_lines(lines, source)

@@ -9,6 +9,7 @@ backend never sees an impossible value. A backend's own options are its own froz
 from __future__ import annotations
 
 import enum
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -16,6 +17,13 @@ from typing import Any, Optional
 import pscontract as pc
 
 from ..errors import ConfigError
+
+#: The most servers plus workers one job may have, on any backend: a bound that keeps a typo
+#: (``-n 1000000``) from planning or forking without end. A backend may allow fewer (the local
+#: backend: what this machine's process and open-file limits allow).
+MAX_PROCESSES = 20_000
+#: cores per process (--worker-cores, --server-cores)
+MAX_CORES = 4096
 
 
 class Role(str, enum.Enum):
@@ -95,6 +103,8 @@ class JobSpec:
     timeout: Optional[float] = None
     workdir: Optional[str] = None
     p3: bool = False
+    #: the live status line on a terminal (``--no-progress`` turns it off)
+    progress: bool = True
     #: the backend's own options (its ``Options`` record; None: the backend's defaults)
     options: Any = None
 
@@ -102,23 +112,33 @@ class JobSpec:
         if not self.command:
             raise ConfigError("no command given: put the program to run after the options, "
                               "e.g. pslaunch -n 2 python train.py")
+        for name, value in (("-n/--num-workers", self.num_workers), ("-s/--num-servers", self.num_servers)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name} must be a whole number, got {_short(value)}")
         if self.num_workers < 1:
-            raise ConfigError(f"-n/--num-workers must be at least 1, got {self.num_workers}")
+            raise ConfigError(f"-n/--num-workers must be at least 1, got {_short(self.num_workers)}")
         if self.num_servers < 0:
-            raise ConfigError(f"-s/--num-servers must be 0 or more, got {self.num_servers}")
+            raise ConfigError(f"-s/--num-servers must be 0 or more, got {_short(self.num_servers)}")
+        if self.num_workers + self.num_servers > MAX_PROCESSES:
+            raise ConfigError(f"{_short(self.num_workers)} workers and {_short(self.num_servers)} servers: a job has "
+                              f"at most {MAX_PROCESSES:,} servers and workers together")
         if not self.launcher:
             raise ConfigError("no launcher given: choose one with --launcher")
         lo, hi = self.port_range
         if not 1 <= lo <= hi <= 65535:
             raise ConfigError(f"--port-range {lo}-{hi}: need 1 <= LOW <= HIGH <= 65535")
+        for name, value in (("--start-timeout", self.start_timeout), ("--kill-grace", self.kill_grace),
+                            ("--timeout", self.timeout)):
+            if value is not None and not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number of seconds, got {value}")
         for name, value in (("--start-timeout", self.start_timeout), ("--kill-grace", self.kill_grace)):
             if value < 0:
                 raise ConfigError(f"{name} must not be negative, got {value}")
         if self.timeout is not None and self.timeout <= 0:
             raise ConfigError(f"--timeout must be positive, got {self.timeout}")
         for name, value in (("--worker-cores", self.worker_cores), ("--server-cores", self.server_cores)):
-            if value < 1:
-                raise ConfigError(f"{name} must be at least 1, got {value}")
+            if not 1 <= value <= MAX_CORES:
+                raise ConfigError(f"{name} must be from 1 to {MAX_CORES}, got {_short(value)}")
         # (a YAML string can hold "\0"; no argv or environment can: Popen would raise)
         if any("\0" in arg for arg in self.command):
             raise ConfigError("the command contains a NUL byte (\\0), which no program can receive as an argument")
@@ -158,13 +178,27 @@ class JobSpec:
         return f"pslaunch-{prog}"
 
 
+def _short(value: object, limit: int = 30) -> str:
+    """A value for a message, cut short (a 10 MB argument must not become a 10 MB message)."""
+    if isinstance(value, int) and abs(value) >= 10 ** limit:  # (str() of a 5,000-digit int raises)
+        return f"a number of {int(abs(value).bit_length() * 0.30103) + 1} digits"
+    text = str(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+#: the most memory per process (--worker-memory, --server-memory), in MB: 1 PiB
+MAX_MEMORY_MB = 1 << 30
+
+
 def parse_memory_mb(text: str, option: str) -> int:
     """dmlc's memory strings: ``"1g"`` -> 1024, ``"512m"`` -> 512 (also ``"1.5G"``)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([gGmM])[bB]?\s*", str(text))
+    m = re.fullmatch(r"\s*(\d{1,12}(?:\.\d{1,6})?)\s*([gGmM])[bB]?\s*", str(text)[:100])
     if not m:
-        raise ConfigError(f"{option} {text!r}: give a size ending in g or m, for example 2g or 512m")
+        raise ConfigError(f"{option} {_short(text)!r}: give a size ending in g or m, for example 2g or 512m")
     value, unit = float(m.group(1)), m.group(2).lower()
     mb = int(round(value * 1024)) if unit == "g" else int(round(value))
     if mb < 1:
         raise ConfigError(f"{option} {text!r}: must be at least 1m")
+    if mb > MAX_MEMORY_MB:
+        raise ConfigError(f"{option} {text!r}: more than {MAX_MEMORY_MB // 1024:,}g (1 PiB) per process")
     return mb

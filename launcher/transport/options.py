@@ -28,6 +28,7 @@ class SSHOptions:
     known_hosts: Optional[str] = None
     sync_exclude: tuple[str, ...] = (".git", "__pycache__")
     sync_delete: bool = False
+    sync_no_gitignore: bool = False
     keepalive: float = 5.0
 
     def __post_init__(self) -> None:

@@ -16,6 +16,17 @@ matches a file or directory name at any depth, a pattern with a ``/``
 matches the path from the synced root (a leading ``/`` anchors it), a
 trailing ``/`` matches directories only. ``--sync-delete`` removes files on
 the host that are gone here (excluded files are kept, as rsync does).
+
+What is sent is decided once, here, before any host (:func:`plan_sync`, a
+:class:`SyncPlan`): in a git work tree, what ``.gitignore`` (and
+``.git/info/exclude``, and the user's global excludes) ignores, as ``git
+ls-files --others --ignored --exclude-standard --directory`` lists it
+(``--sync-no-gitignore`` turns that off); always, every virtual environment
+(a directory with ``pyvenv.cfg`` or ``conda-meta/``); the rest is counted, and
+above :data:`WARN_BYTES` or :data:`WARN_FILES` the launcher warns with the
+largest directories. These skipped paths reach rsync on its stdin
+(``--from0 --exclude-from=-``, anchored paths), so the command line stays
+the same whatever they are, and the dry run shows both.
 """
 
 from __future__ import annotations
@@ -41,6 +52,15 @@ if TYPE_CHECKING:  # pragma: no cover
     import paramiko
 
 log = logging.getLogger(__name__)
+
+#: above either, the launcher warns before syncing (and the dry run says so)
+WARN_BYTES = 100 * 1024 * 1024
+WARN_FILES = 10_000
+#: how many of the largest directories a warning names
+TOP_DIRS = 5
+#: a directory holding one of these is a virtual environment (venv/virtualenv; conda)
+VENV_MARKERS = ("pyvenv.cfg", "conda-meta")
+GIT_TIMEOUT = 30.0
 
 
 @dataclasses.dataclass
@@ -76,6 +96,164 @@ def is_excluded(rel: str, is_dir: bool, patterns: Iterable[str]) -> bool:
     return False
 
 
+# --- what is sent: .gitignore, virtual environments, size ------------------------------------------
+
+
+def git_ignored(src: str) -> tuple[Optional[tuple[str, ...]], str]:
+    """What git ignores below ``src`` (paths relative to it; directories end in ``/``), and why
+    not when it cannot say: ``(None, reason)`` outside a work tree or without git."""
+    git = shutil.which("git")
+    if git is None:
+        return None, "git is not installed"
+    try:
+        p = subprocess.run([git, "-C", src, "ls-files", "--others", "--ignored", "--exclude-standard",
+                            "--directory", "-z"], stdin=subprocess.DEVNULL, capture_output=True,
+                           timeout=GIT_TIMEOUT)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"git failed: {e}"
+    if p.returncode != 0:
+        err = p.stderr.decode(errors="replace").strip().splitlines()
+        if any("not a git repository" in line for line in err):
+            return None, "not a git work tree"
+        return None, f"git: {err[-1] if err else f'exit code {p.returncode}'}"
+    paths = tuple(sorted(x for x in p.stdout.decode("utf-8", "surrogateescape").split("\0") if x))
+    return paths, "honoured"
+
+
+def is_venv(path: str) -> bool:
+    """A virtual environment: venv/virtualenv's ``pyvenv.cfg``, or conda's ``conda-meta/``."""
+    return any(os.path.exists(os.path.join(path, m)) for m in VENV_MARKERS)
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncPlan:
+    """What ``--sync-dst-dir`` sends from ``src``: everything but ``excludes`` (patterns) and
+    ``skipped`` (anchored paths: what git ignores, and virtual environments).
+
+    ``files``/``bytes`` count what is sent; ``top`` the largest top-level directories (and
+    files) by size.
+    """
+
+    src: str
+    excludes: tuple[str, ...]
+    ignored: tuple[str, ...] = ()   # by .gitignore (dirs end in /)
+    venvs: tuple[str, ...] = ()     # virtual environments (end in /)
+    gitignore: str = "off"          # honoured | off (--sync-no-gitignore) | why not
+    files: int = 0
+    bytes: int = 0
+    top: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def skipped(self) -> tuple[str, ...]:
+        return tuple(sorted(set(self.ignored) | set(self.venvs)))
+
+    def skip_set(self) -> frozenset[str]:
+        """The skipped paths without their trailing ``/`` (what :func:`local_tree` compares)."""
+        return frozenset(p.rstrip("/") for p in self.skipped)
+
+    def exclude_from(self) -> bytes:
+        """rsync's ``--from0 --exclude-from=-`` input: each skipped path anchored at the root,
+        NUL-terminated (a name may hold a newline); wildcards escaped where rsync reads them (a
+        file named ``a*b`` is that file, not a pattern)."""
+        out = []
+        for p in self.skipped:
+            if any(c in p for c in "*?["):
+                p = re.sub(r"([*?\[\\])", r"\\\1", p)
+            out.append(("/" + p).encode("utf-8", "surrogateescape") + b"\0")
+        return b"".join(out)
+
+    @property
+    def large(self) -> bool:
+        return self.bytes > WARN_BYTES or self.files > WARN_FILES
+
+    def summary(self) -> str:
+        return f"{size_text(self.bytes)} in {self.files:,} file{'s' if self.files != 1 else ''}"
+
+    def top_text(self) -> str:
+        return ", ".join(f"{name} {size_text(size)}" for name, size in self.top)
+
+    def warning(self, hosts: int) -> Optional[str]:
+        """The warning for a large sync (None when it is not large)."""
+        if not self.large:
+            return None
+        each = f"each of {hosts} hosts" if hosts != 1 else "the host"
+        return (f"--sync-dst-dir will copy {self.summary()} from {self.src} to {each}; largest: "
+                f"{self.top_text()}; leave out what the job does not need with --sync-exclude PATTERN or "
+                ".gitignore, or run from a smaller directory")
+
+    def describe(self) -> list[str]:
+        """The dry run's account of it, one item a line."""
+        out = [f"sends {self.summary()} from {self.src}" + (f"; largest: {self.top_text()}" if self.top else "")]
+        out.append(f"excluded by pattern (--sync-exclude): {', '.join(self.excludes) or '-'}")
+        if self.gitignore == "honoured":
+            out.append(f"skipped by .gitignore: {_list(self.ignored)}")
+        else:
+            out.append(f".gitignore: {self.gitignore}")
+        out.append(f"skipped virtual environments: {_list(self.venvs)}")
+        return out
+
+
+def _excluded_path(rel: str, is_dir: bool, patterns: Sequence[str]) -> bool:
+    """``rel`` or one of its parent directories matches a pattern."""
+    parts = rel.split("/")
+    return any(is_excluded("/".join(parts[:i]), True, patterns) for i in range(1, len(parts))) or \
+        is_excluded(rel, is_dir, patterns)
+
+
+def _list(paths: Sequence[str], limit: int = 12) -> str:
+    if not paths:
+        return "none"
+    shown = ", ".join(paths[:limit])
+    return shown + (f" and {len(paths) - limit:,} more" if len(paths) > limit else "")
+
+
+def plan_sync(src: str, excludes: Sequence[str], gitignore: bool = True) -> SyncPlan:
+    """Decide what ``src`` sends (see the module docstring); walks the tree once, here."""
+    ignored: tuple[str, ...] = ()
+    if gitignore:
+        found, state = git_ignored(src)
+        if found is not None:
+            ignored = found
+    else:
+        state = "off (--sync-no-gitignore)"
+    # what a pattern excludes anyway is not listed again (each __pycache__/, say)
+    ignored = tuple(p for p in ignored if not _excluded_path(p.rstrip("/"), p.endswith("/"), excludes))
+    skip = {p.rstrip("/") for p in ignored}
+    venvs: list[str] = []
+    files = total = 0
+    sizes: dict[str, int] = {}
+    for root, dirs, names in os.walk(src):
+        rel_root = os.path.relpath(root, src)
+        rel_root = "" if rel_root == "." else rel_root.replace(os.sep, "/") + "/"
+        keep = []
+        for d in sorted(dirs):
+            rel = rel_root + d
+            path = os.path.join(root, d)
+            if rel in skip or is_excluded(rel, True, excludes) or os.path.islink(path):
+                continue
+            if is_venv(path):
+                venvs.append(rel + "/")
+                continue
+            keep.append(d)
+        dirs[:] = keep
+        for f in names:
+            rel = rel_root + f
+            if rel in skip or is_excluded(rel, False, excludes):
+                continue
+            try:
+                st = os.lstat(os.path.join(root, f))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                files += 1
+                total += st.st_size
+                head = rel.split("/", 1)[0] + ("/" if "/" in rel else "")
+                sizes[head] = sizes.get(head, 0) + st.st_size
+    top = tuple(sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_DIRS])
+    return SyncPlan(src=src, excludes=tuple(excludes), ignored=ignored, venvs=tuple(sorted(venvs)), gitignore=state,
+                    files=files, bytes=total, top=top)
+
+
 # --- rsync ------------------------------------------------------------------------------
 
 
@@ -96,7 +274,7 @@ def ssh_command_for_rsync(target: Target, connect_timeout: float, config_file: O
 
 
 def rsync_argv(src: str, dst: str, target: Target, *, excludes: Sequence[str], delete: bool,
-               connect_timeout: float, config_file: Optional[str]) -> list[str]:
+               connect_timeout: float, config_file: Optional[str], exclude_from_stdin: bool = False) -> list[str]:
     """``rsync -az`` of the *contents* of ``src`` into ``dst`` on ``target`` (pure).
 
     Example:
@@ -110,6 +288,8 @@ def rsync_argv(src: str, dst: str, target: Target, *, excludes: Sequence[str], d
     if delete:
         argv.append("--delete")
     argv += [f"--exclude={p}" for p in excludes]
+    if exclude_from_stdin:  # the skipped paths (SyncPlan.exclude_from), NUL-terminated
+        argv += ["--from0", "--exclude-from=-"]
     argv += ["-e", shlex.join(ssh_command_for_rsync(target, connect_timeout, config_file))]
     host = f"[{target.hostname}]" if ":" in target.hostname else target.hostname
     argv += [src.rstrip("/") + "/", f"{host}:{dst.rstrip('/') or '/'}/"]
@@ -142,8 +322,9 @@ class Entry:
     link: str = ""
 
 
-def local_tree(src: str, excludes: Sequence[str]) -> dict[str, Entry]:
-    """Every path below ``src`` (relative, ``/``-separated) that is not excluded."""
+def local_tree(src: str, excludes: Sequence[str], skip: frozenset[str] = frozenset()) -> dict[str, Entry]:
+    """Every path below ``src`` (relative, ``/``-separated) that is not excluded or skipped
+    (``skip``: exact relative paths, :meth:`SyncPlan.skip_set`)."""
     out: dict[str, Entry] = {}
     for root, dirs, files in os.walk(src):
         rel_root = os.path.relpath(root, src)
@@ -152,7 +333,7 @@ def local_tree(src: str, excludes: Sequence[str]) -> dict[str, Entry]:
         for d in sorted(dirs):
             rel = rel_root + d
             path = os.path.join(root, d)
-            if is_excluded(rel, True, excludes):
+            if rel in skip or is_excluded(rel, True, excludes):
                 continue
             if os.path.islink(path):
                 out[rel] = Entry("link", link=os.readlink(path))
@@ -163,7 +344,7 @@ def local_tree(src: str, excludes: Sequence[str]) -> dict[str, Entry]:
         dirs[:] = keep
         for f in sorted(files):
             rel = rel_root + f
-            if is_excluded(rel, False, excludes):
+            if rel in skip or is_excluded(rel, False, excludes):
                 continue
             path = os.path.join(root, f)
             st = os.lstat(path)
@@ -199,10 +380,11 @@ def remote_tree(sftp: paramiko.SFTPClient, dst: str, excludes: Sequence[str] = (
 
 
 def sftp_sync(sftp: paramiko.SFTPClient, src: str, dst: str, *, excludes: Sequence[str],
-              delete: bool) -> SyncStats:
-    """Make ``dst`` (which exists) hold ``src``'s tree: send what differs in size or mtime."""
+              delete: bool, skip: frozenset[str] = frozenset()) -> SyncStats:
+    """Make ``dst`` (which exists) hold ``src``'s tree: send what differs in size or mtime
+    (``skip``: paths never sent, and protected from ``delete``, :meth:`SyncPlan.skip_set`)."""
     stats = SyncStats("sftp")
-    local = local_tree(src, excludes)
+    local = local_tree(src, excludes, skip)
     remote = remote_tree(sftp, dst, excludes)
 
     def rpath(rel: str) -> str:
@@ -252,8 +434,9 @@ def sftp_sync(sftp: paramiko.SFTPClient, src: str, dst: str, *, excludes: Sequen
         for rel in sorted(remote):  # a directory sorts before its contents
             if rel in local or any(rel.startswith(g + "/") for g in gone):
                 continue
-            if is_excluded(rel, remote[rel].kind == "dir", excludes):
-                continue  # excluded files are protected, as with rsync
+            if rel in skip or any(rel.startswith(k + "/") for k in skip) or \
+                    is_excluded(rel, remote[rel].kind == "dir", excludes):
+                continue  # excluded and skipped files are protected, as with rsync
             gone.append(rel)
         for rel in gone:
             stats.deleted += 1 + sum(1 for r in remote if r.startswith(rel + "/") and remote[r].kind != "dir")
@@ -307,11 +490,13 @@ class Syncer:
     (``watchdog``: anything with ``watch``/``forget``), so a killed launcher takes it along.
     """
 
-    def __init__(self, src: str, dst: str, opts: SSHOptions, watchdog: Any = None) -> None:
+    def __init__(self, src: str, dst: str, opts: SSHOptions, watchdog: Any = None,
+                 plan: Optional[SyncPlan] = None) -> None:
         self.src = src
         self.dst = dst
         self.opts = opts
         self.watchdog = watchdog
+        self.plan = plan or SyncPlan(src=src, excludes=tuple(opts.sync_exclude))
         self._lock = threading.Lock()
         self._rsyncs: set[subprocess.Popen] = set()
         self._stopped = False
@@ -333,7 +518,7 @@ class Syncer:
                 sftp = session.sftp()
                 try:
                     stats = sftp_sync(sftp, self.src, abs_dst, excludes=self.opts.sync_exclude,
-                                      delete=self.opts.sync_delete)
+                                      delete=self.opts.sync_delete, skip=self.plan.skip_set())
                 finally:
                     sftp.close()
             except OSError as e:
@@ -345,8 +530,10 @@ class Syncer:
         return abs_dst, stats
 
     def argv(self, target: Target, dst: str) -> list[str]:
+        """The rsync command for one host (the dry run shows this very list)."""
         return rsync_argv(self.src, dst, target, excludes=self.opts.sync_exclude, delete=self.opts.sync_delete,
-                          connect_timeout=self.opts.connect_timeout, config_file=target.config_file)
+                          connect_timeout=self.opts.connect_timeout, config_file=target.config_file,
+                          exclude_from_stdin=bool(self.plan.skipped))
 
     def _rsync(self, session: HostSession, dst: str) -> SyncStats:
         argv = self.argv(session.target, dst)
@@ -355,13 +542,15 @@ class Syncer:
             if self._stopped:
                 raise LaunchError(f"sync to {session.label}: the launcher is stopping")
             # its own group, known to the watchdog: rsync and its ssh go too if the launcher is killed
-            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, errors="replace", start_new_session=True)
+            stdin = self.plan.exclude_from()
+            p = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
             self._rsyncs.add(p)
             if self.watchdog is not None:
                 self.watchdog.watch(p.pid)
         try:
-            out, err = p.communicate()
+            out_b, err_b = p.communicate(stdin or None)
+            out, err = out_b.decode(errors="replace"), err_b.decode(errors="replace")
         finally:
             with self._lock:
                 self._rsyncs.discard(p)

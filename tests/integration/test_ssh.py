@@ -541,6 +541,76 @@ def test_sync_dst_dir(testbed: Testbed, tmp_path: Path, method: str) -> None:
     assert testbed.run(hosts[0], ["cat", f"{dst}/a.txt"]).stdout == "alpha, longer now\n"
 
 
+def _git_project(tmp_path: Path) -> Path:
+    """A git work tree with what a job must not ship: a virtual environment, ignored build output."""
+    src = tmp_path / "gitproj"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "train.py").write_text("print('train')\n")
+    (src / ".gitignore").write_text("build/\n*.log\n")
+    (src / "build").mkdir()
+    (src / "build" / "out.bin").write_bytes(os.urandom(1000))
+    (src / "debug.log").write_text("log\n")
+    (src / "venv" / "lib").mkdir(parents=True)  # not in .gitignore: found by its pyvenv.cfg
+    (src / "venv" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (src / "venv" / "lib" / "big.so").write_bytes(os.urandom(1000))
+    (src / "run.sh").write_text("#!/bin/sh\nls -A\n")
+    (src / "run.sh").chmod(0o755)
+    subprocess.run(["git", "init", "-q", str(src)], check=True)
+    subprocess.run(["git", "-C", str(src), "add", ".gitignore", "pkg", "run.sh"], check=True)
+    return src
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["rsync", "sftp"])
+def test_sync_honours_gitignore_and_skips_virtual_environments(testbed: Testbed, tmp_path: Path, method: str) -> None:
+    src = _git_project(tmp_path)
+    dst = f"{testbed.sync_root}/git-{method}-{uuid.uuid4().hex[:6]}"
+    env = testbed.env()
+    if method == "sftp":
+        (tmp_path / "no-tools").mkdir()
+        os.symlink(shutil.which("git"), tmp_path / "no-tools" / "git")  # git, but no rsync or ssh here
+        env["PATH"] = str(tmp_path / "no-tools")
+    host = testbed.hosts[0]
+    args = ("-n", "1", "-s", "0", "-H", host.addr_a, "--sync-dst-dir", dst)
+    r = run_ssh(testbed, *args, "./run.sh", env=env, cwd=src)
+    assert r.returncode == 0, r.stderr
+    assert _remote_files(testbed, host, dst) == {".gitignore", "pkg", "pkg/train.py", "run.sh"}
+    assert f"with {method}: 3 files" in r.stderr
+    # --sync-no-gitignore: the ignored files go too, the virtual environment still does not
+    # (and the skipped paths are protected from --sync-delete, as excluded ones are)
+    r = run_ssh(testbed, *args, "--sync-no-gitignore", "--sync-delete", "./run.sh", env=env, cwd=src)
+    assert r.returncode == 0, r.stderr
+    assert _remote_files(testbed, host, dst) == {".gitignore", "pkg", "pkg/train.py", "run.sh", "build",
+                                                 "build/out.bin", "debug.log"}
+
+
+@pytest.mark.timeout(120)
+def test_the_dry_run_shows_the_rsync_that_runs(testbed: Testbed, tmp_path: Path) -> None:
+    """The dry run's rsync command is, argument for argument, the one the job runs (the job's key,
+    known_hosts and ~/.ssh/config), and a large tree is a warning with its largest directories."""
+    src = _git_project(tmp_path)
+    with open(src / "pkg" / "weights.bin", "wb") as f:
+        f.truncate(300 << 20)  # sparse: 300 MiB to the walk, nothing on disk
+    dst = f"{testbed.sync_root}/dry-{uuid.uuid4().hex[:6]}"
+    hosts = [h.alias for h in testbed.hosts[:2]]  # names that only ~/.ssh/config resolves
+    args = ("-n", "2", "-s", "0", "-H", ",".join(hosts), "--sync-dst-dir", dst, "--sync-exclude", "weights.bin")
+    dry = run_ssh(testbed, *args, "--dry-run", "./run.sh", cwd=src)
+    assert dry.returncode == 0, dry.stderr
+    shown = [x.strip() for x in dry.stdout.splitlines() if x.strip().startswith("rsync ")]
+    assert len(shown) == 2 and all(f"-F {testbed.ssh_config}" in x and str(testbed.key) in x for x in shown), shown
+    assert "skipped by .gitignore: build/, debug.log" in dry.stdout and "virtual environments: venv/" in dry.stdout
+    r = run_ssh(testbed, *args, "--log-level", "DEBUG", "./run.sh", cwd=src)
+    assert r.returncode == 0, r.stderr
+    ran = sorted(re.sub(r"^pslaunch: \[launcher\.transport\.sync\] [^:]+: ", "", x)
+                 for x in r.stderr.splitlines() if "[launcher.transport.sync]" in x and ": rsync " in x)
+    assert ran == sorted(shown), (ran, shown)
+    # without the exclude, the sparse file makes it large: a warning, in the dry run and before a sync
+    big = run_ssh(testbed, *args[:-2], "--dry-run", "./run.sh", cwd=src)
+    warning = next(x for x in big.stdout.splitlines() if "warning: --sync-dst-dir will copy" in x)
+    assert "300.0 MiB in 4 files" in warning and "to each of 2 hosts; largest: pkg/ 300.0 MiB" in warning
+    print(warning.strip())
+
+
 @pytest.mark.timeout(90)
 def test_sync_failure_on_one_host_stops_the_launch(testbed: Testbed, out: Path, tmp_path: Path) -> None:
     src = _project(tmp_path)
@@ -688,15 +758,48 @@ def run_doctor(testbed: Testbed, *args: str, env: dict | None = None) -> subproc
 @pytest.mark.timeout(120)
 def test_doctor_all_hosts_ready(testbed: Testbed, tmp_path: Path) -> None:
     hosts = hostfile(testbed, tmp_path, 3)
-    r = run_doctor(testbed, "-H", hosts, "--python", PY, "--env", f"DMLC_INTERFACE={testbed.subnet_b}")
+    r = run_doctor(testbed, "-H", hosts, "--env", f"DMLC_INTERFACE={testbed.subnet_b}", "--check-import", "trainer",
+                   PY, str(REPO / "tests" / "bin" / "probe.py"), "--out", "x")
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0].split() == ["HOST", "SSH", "PYTHON", "IMPORTS", "INTERFACE", "PORT", "REACH"]
+    assert lines[0].split() == ["HOST", "SSH", "PYTHON3", "CWD", "PROGRAM", "IMPORTS", "INTERFACE", "PORT", "REACH"]
+    here = ".".join(map(str, sys.version_info[:3]))
     for h in testbed.hosts[:3]:
         row = next(x for x in lines if x.startswith(h.addr_a + " "))
         assert "FAIL" not in row
-        assert f"ok {h.iface_b} {h.addr_b}" in row and "ok launcher trainer" in row and f"3.{sys.version_info[1]}" in row
+        assert f"ok {h.iface_b} {h.addr_b}" in row and "ok trainer" in row and f"ok {PY} python {here}" in row
     assert f"3 of 3 hosts ready; scheduler address {testbed.root_b}:" in r.stdout
+    print(r.stdout)
+
+
+@pytest.mark.timeout(180)
+def test_doctor_passes_the_hosts_a_job_just_ran_on(testbed: Testbed, tmp_path: Path, out: Path) -> None:
+    """The issue's case: a job runs fine on two hosts from a directory that holds no pslaunch, and
+    doctor, given the same options and command, finds both hosts ready (the bundled packages are
+    not required there; ``--check-import trainer`` is the way to ask for them)."""
+    src = tmp_path / "job"
+    src.mkdir()
+    shutil.copy(REPO / "tests" / "bin" / "probe.py", src / "probe.py")
+    dst = f"{testbed.sync_root}/doctor-job-{uuid.uuid4().hex[:6]}"
+    hosts = ",".join(h.addr_a for h in testbed.hosts[:2])
+    env = testbed.env()
+    env["PYTHONPATH"] = str(REPO / "tests" / "netguard")  # the network guard, but not pslaunch's packages
+    job = ("-H", hosts, "--sync-dst-dir", dst, "--env", f"DMLC_INTERFACE={testbed.subnet_b}")
+    command = ("python3", "probe.py", "--out", str(out))
+    r = run_ssh(testbed, "-n", "2", "-s", "0", *job, *command, env=env, cwd=src)
+    assert r.returncode == 0, r.stderr
+    d = run_pslaunch("doctor", *job, *command, env=env, cwd=src, timeout=90)
+    assert d.returncode == 0, d.stdout + d.stderr
+    assert "2 of 2 hosts ready" in d.stdout and "FAIL" not in d.stdout
+    assert d.stdout.count("ok python3 python 3.") == 2, d.stdout
+    print(f"$ pslaunch doctor {' '.join(job + command)}\n{d.stdout}")
+    # asked for, the trainer is checked, and it is not there
+    d = run_pslaunch("doctor", *job, "--check-import", "trainer", *command, env=env, cwd=src, timeout=90)
+    assert d.returncode == 1 and "0 of 2 hosts ready" in d.stdout, d.stdout
+    assert "imports: import trainer in" in d.stdout and "No module named 'trainer'" in d.stdout
+    # a program the hosts do not have: 127, as the job would exit
+    d = run_pslaunch("doctor", *job, "no-such-program-xyz", env=env, cwd=src, timeout=90)
+    assert d.returncode == 1 and "FAIL no-such-program-xyz not found" in d.stdout, d.stdout
 
 
 @pytest.mark.timeout(120)
@@ -709,12 +812,12 @@ def test_doctor_reports_every_problem_and_fails(testbed: Testbed, tmp_path: Path
         testbed.run(h, ["mkdir", "-p", str(empty)], check=True)
     r = run_doctor(testbed, "-H", str(tmp_path / "hosts"), "--ssh-connect-timeout", "3", "--sync-dst-dir", str(empty),
                    "--env", "PYTHONPATH=/nonexistent", "--env", f"DMLC_INTERFACE={testbed.hosts[0].iface_b}",
-                   "--host-ip", "127.0.0.1")
+                   "--host-ip", "127.0.0.1", "--check-import", "launcher", PY, "train.py")
     assert r.returncode == 1, r.stdout + r.stderr
-    problems = r.stdout.split("problems:\n", 1)[1].splitlines()
+    problems = r.stdout.split("problems:\n", 1)[1].split("information:\n", 1)[0].splitlines()
     h0, h1, h2 = testbed.hosts[:3]
     expect = [
-        f"{h0.addr_a}: imports: import launcher in {empty}: ModuleNotFoundError: No module named 'launcher'",
+        f"{h0.addr_a}: program: train.py: no such file in {empty}",
         f"{h0.addr_a}: reach: cannot connect to the launching host at 127.0.0.1:",
         f"{h1.addr_a}: interface: DMLC_INTERFACE={h0.iface_b} matches no interface",
         f"{h2.addr_a}: ssh: ssh authentication as nosuchuser on {h2.addr_a}:22 failed",

@@ -147,6 +147,9 @@ def test_gpus_without_cuda_is_one_line() -> None:
         (["--batch-size", "0"], "--batch-size: 0 must be at least 1"),
         (["--cpus", "2", "--work-load-list", "1"], "has 1 entries for 2 device(s)"),
         (["--plot", "/nonexistent-dir/x.png"], "the directory /nonexistent-dir does not exist"),
+        # an unwritable format is found before training, not after it (the default run is 20 epochs)
+        (["--plot", "p.txt"], "--plot p.txt: matplotlib cannot write .txt files"),
+        (["--plot", "/tmp"], "--plot /tmp is a directory"),
         (["--cpus", "4", "--batch-size", "3"], "leaves a device without samples"),
     ],
 )

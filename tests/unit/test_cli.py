@@ -77,11 +77,11 @@ def run_err(args: list[str], capsys) -> tuple[int, str]:
     (["-n", "1", "-s", "-1", "true"], "-s/--num-servers must be 0 or more"),
     (["-n", "x", "true"], "Invalid value for '-n' / '--num-workers'"),
     (["true"], "Missing option '-n' / '--num-workers'"),
-    (["-n", "1", "--env", "1BAD=x", "true"], "--env '1BAD=x': expected NAME or NAME=VALUE"),
+    (["-n", "1", "--env", "1BAD=x", "true"], "--env '1BAD=x': expected NAME, NAME=VALUE or NAME:VALUE"),
     (["-n", "1", "--env", "NOT_SET_ANYWHERE_123", "true"], "--env NOT_SET_ANYWHERE_123: NOT_SET_ANYWHERE_123 is not set"),
     (["-n", "1", "--env-worker", "JUSTNAME", "true"], "--env-worker 'JUSTNAME': expected NAME=VALUE"),
     # a malformed name that looks secret: its value is not echoed
-    (["-n", "1", "--env", "MY-TOKEN=hunter2", "true"], "--env 'MY-TOKEN=<redacted>': expected NAME or NAME=VALUE"),
+    (["-n", "1", "--env", "MY-TOKEN=hunter2", "true"], "--env 'MY-TOKEN=<redacted>': expected NAME, NAME=VALUE or NAME:VALUE"),
     (["-n", "1", "--env-worker", "DB PASSWORD:hunter2", "true"],
      "--env-worker 'DB PASSWORD:<redacted>': expected NAME=VALUE"),
     (["-n", "1", "-H", "/nonexistent/hosts", "true"], "cannot read hostfile /nonexistent/hosts"),
@@ -211,8 +211,9 @@ def test_help_teaches(capsys) -> None:
 def test_parse_env_item_rules() -> None:
     assert common.parse_env_item("A=b", "--env", {}, True) == ("A", "b")
     assert common.parse_env_item("A:b", "--env-server", {}, False) == ("A", "b")
-    with pytest.raises(ConfigError):
-        common.parse_env_item("A:b", "--env", {}, True)
+    assert common.parse_env_item("A:b", "--env", {}, True) == ("A", "b")  # launch.py's form
+    with pytest.raises(ConfigError, match="expected NAME, NAME=VALUE or NAME:VALUE"):
+        common.parse_env_item("1A:b", "--env", {}, True)
     assert isinstance(run.run_command, click.Command)
 
 
@@ -248,3 +249,51 @@ def test_dry_run_puts_the_interface_before_host_ip(capsys, monkeypatch) -> None:
     out = capsys.readouterr().out
     assert code == 0
     assert "scheduler address 127.0.0.1," in out and "10.9.9.9" not in out
+
+
+def test_yaml_aliases_are_measured_expanded(tmp_path) -> None:
+    from launcher.cli.config import MAX_NODES, parse_yaml
+
+    ok = "env: &e {A: 1}\nenv-server: *e\n"
+    assert parse_yaml(ok, "j.yaml") == {"env": {"A": 1}, "env-server": {"A": 1}}
+    levels = ["a: &a0 [x, x, x, x]"] + [f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}]" for i in range(1, 8)]
+    assert 4 ** 8 > MAX_NODES
+    with pytest.raises(ConfigError, match="once its aliases"):
+        parse_yaml("\n".join(levels) + "\n", "j.yaml")
+
+
+def test_yaml_env_forms(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FROM_SHELL", "s")
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("num-workers: 1\nenv: {A: 1, B: x, FROM_SHELL: null, C: 0.5}\ncommand: [echo, 1, 2.5]\n")
+    s = spec_of(["--config", str(cfg)])
+    assert dict(s.env) == {"A": "1", "B": "x", "FROM_SHELL": "s", "C": "0.5"}
+    assert s.command == ("echo", "1", "2.5")
+
+
+def test_per_role_interface_on_local_is_a_warning(capsys) -> None:
+    code = cli.main(["-n", "1", "--env-worker", "DMLC_INTERFACE=eth0", "--dry-run", "true"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "warning: --env-worker DMLC_INTERFACE=eth0 is ignored on --launcher local" in out
+    code = cli.main(["-n", "1", "--env", "DMLC_INTERFACE=lo", "--dry-run", "true"])
+    assert "is ignored" not in capsys.readouterr().out
+
+
+def test_env_takes_launch_py_name_colon_value(monkeypatch) -> None:
+    s = spec_of(["-n", "1", "--env", "A:1", "--env", "B=x:y", "--env", "C:d=e", "true"])
+    assert dict(s.env) == {"A": "1", "B": "x:y", "C": "d=e"}
+
+
+def test_hosts_inline_in_the_dry_run(capsys, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["-n", "3", "-s", "0", "-H", "h1,h2:2222,alice@h3 slots=1", "--dry-run", "true"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "hosts (3, from the -H list): h1, h2:2222, alice@h3 slots=1" in out
+    assert "worker  0     0        h1" in out and "worker  2     2        alice@h3" in out
+    (tmp_path / "h1,h2").write_text("fromfile\n")  # an existing file of that name stays a file
+    assert cli.main(["-n", "1", "-s", "0", "-H", "h1,h2", "--dry-run", "true"]) == 0
+    assert "hosts (1, from hostfile h1,h2): fromfile" in capsys.readouterr().out
+    assert cli.main(["--help"]) == 0
+    assert "-H h1,h2:2222,alice@h3" in " ".join(capsys.readouterr().out.split())

@@ -1,31 +1,125 @@
-"""pslaunch doctor's remote checks, run here as a host would run them (no ssh)."""
+"""pslaunch doctor's remote checks, run here as a host would run them (no ssh), and its table."""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
-from launcher.run.doctor import remote_script
+import pytest
+
+from launcher.run.doctor import Checks, Row, fill, format_table, remote_script
+from launcher.spec.job import Host
 
 
-def _run_checks(tmp_path, cwd: str) -> dict:
+def _run_checks(tmp_path: Path, cwd: str, command: tuple[str, ...] = (), python: str | None = None,
+                imports: tuple[str, ...] = (), env: dict | None = None) -> dict:
     home = tmp_path / "home"
     (home / "job").mkdir(parents=True, exist_ok=True)
-    args = {"cwd": cwd, "env": {}, "iface": "", "peer": "127.0.0.1", "root": "127.0.0.1", "root_port": 9,
-            "timeout": 0.5}
-    r = subprocess.run([sys.executable, "-"], input=remote_script(args), capture_output=True, timeout=60,
-                       cwd=home, env={"HOME": str(home), "PATH": "/usr/bin:/bin"})
+    checks = Checks(cwd=cwd, command=command, python=python, imports=imports, env=env or {})
+    path = f"{Path(sys.executable).parent}:/usr/bin:/bin"
+    with socket.create_server(("127.0.0.1", 0)) as scheduler:  # what "reach" connects to
+        args = checks.args("127.0.0.1", ("127.0.0.1", scheduler.getsockname()[1]), 5.0)
+        r = subprocess.run([sys.executable, "-"], input=remote_script(args), capture_output=True, timeout=60,
+                           cwd=home, env={"HOME": str(home), "PATH": path})
     line = next(x for x in r.stdout.decode().splitlines() if x.startswith("PSLAUNCH-DOCTOR "))
     return json.loads(line.split(" ", 1)[1])
+
+
+def _row(res: dict, checks: Checks) -> Row:
+    row = Row(Host("h1"))
+    fill(row, res, checks)
+    return row
 
 
 def test_sync_dst_dir_with_a_tilde_is_the_remote_home(tmp_path) -> None:
     """--sync-dst-dir '~/job' (from YAML, or quoted) is looked up below the host's home, as the
     ssh backend's sync and launch use it."""
-    res = _run_checks(tmp_path, "~/job")
-    assert "cwd" not in res["imports"], res["imports"]
-    res = _run_checks(tmp_path, "job")  # relative: below the login's home too
-    assert "cwd" not in res["imports"], res["imports"]
+    home = tmp_path / "home"
+    assert _run_checks(tmp_path, "~/job")["cwd"] == {"path": str(home / "job"), "exists": True}
+    assert _run_checks(tmp_path, "job")["cwd"]["exists"]  # relative: below the login's home too
     res = _run_checks(tmp_path, "~/missing")
-    assert res["imports"]["cwd"].startswith("cannot change to ~/missing")
+    assert res["cwd"] == {"path": str(home / "missing"), "exists": False}
+    # with --sync-dst-dir a missing directory is information; without, a failure
+    row = _row(res, Checks(cwd="~/missing", sync=True))
+    assert row.ok and row.cells["cwd"] == "ok (synced)" and "--sync-dst-dir creates it" in row.info[0]
+    row = _row(res, Checks(cwd="~/missing"))
+    assert not row.ok and row.problems[0].startswith(f"h1: cwd: the job's working directory {home}/missing")
+
+
+def test_the_commands_program_and_its_python(tmp_path) -> None:
+    job = tmp_path / "home" / "job"
+    job.mkdir(parents=True)
+    (job / "train.py").write_text("print(1)\n")
+    py = os.path.basename(sys.executable)  # python3 or python: on the PATH given
+    here = ".".join(map(str, sys.version_info[:3]))
+    res = _run_checks(tmp_path, str(job), (py, "-u", "train.py", "--lr", "1"))
+    assert res["program"]["script"] == {"name": "train.py", "ok": True}
+    assert res["interpreter"]["version"] == here
+    row = _row(res, Checks(cwd=str(job), command=(py, "train.py")))
+    assert row.ok and row.cells["program"] == f"ok {py} python {here}"
+    # a missing script, a missing module, a missing program, a file that is not executable
+    row = _row(_run_checks(tmp_path, str(job), (py, "nope.py")), Checks(cwd=str(job)))
+    assert row.cells["program"] == "FAIL nope.py missing" and f"nope.py: no such file in {job}" in row.problems[0]
+    row = _row(_run_checks(tmp_path, str(job), (py, "-m", "no_such_module_xyz")), Checks(cwd=str(job)))
+    assert row.cells["program"] == "FAIL -m no_such_module_xyz"
+    assert _run_checks(tmp_path, str(job), (py, "-m", "json.tool"))["program"]["module"]["ok"]
+    row = _row(_run_checks(tmp_path, str(job), ("no-such-prog-xyz", "a")), Checks(cwd=str(job)))
+    assert row.cells["program"] == "FAIL no-such-prog-xyz not found" and "(exit code 127)" in row.problems[0]
+    row = _row(_run_checks(tmp_path, str(job), ("./train.py",)), Checks(cwd=str(job)))
+    assert row.cells["program"] == "FAIL ./train.py not executable" and "(exit code 126)" in row.problems[0]
+
+
+def test_a_script_with_a_python_shebang_and_the_dmlc_rule(tmp_path) -> None:
+    job = tmp_path / "home" / "job"
+    job.mkdir(parents=True)
+    script = job / "run_me"
+    script.write_text(f"#!/usr/bin/env {os.path.basename(sys.executable)}\nprint(1)\n")
+    script.chmod(0o755)
+    res = _run_checks(tmp_path, str(job), ("run_me",))  # not on PATH: dmlc runs it as ./run_me
+    row = _row(res, Checks(cwd=str(job), command=("run_me",)))
+    assert row.ok, row.problems
+    assert row.cells["program"] == "ok run_me python " + ".".join(map(str, sys.version_info[:3]))
+    assert any("runs as ./run_me" in n for n in row.info)
+
+
+def test_imports_only_when_asked(tmp_path) -> None:
+    job = tmp_path / "home" / "job"
+    (job / "mypkg").mkdir(parents=True)
+    (job / "mypkg" / "__init__.py").write_text("")
+    py = sys.executable
+    res = _run_checks(tmp_path, str(job), (py, "-c", "pass"))
+    assert res["imports"] == {}
+    res = _run_checks(tmp_path, str(job), (py, "-c", "pass"), imports=("mypkg", "nosuchpkg_xyz"))
+    row = _row(res, Checks(cwd=str(job), imports=("mypkg", "nosuchpkg_xyz")))
+    assert row.cells["imports"] == "FAIL nosuchpkg_xyz"
+    assert "import nosuchpkg_xyz in" in row.problems[0] and "No module named 'nosuchpkg_xyz'" in row.problems[0]
+    # without a command, --python names the Python to check
+    res = _run_checks(tmp_path, str(job), python=py, imports=("mypkg",))
+    assert _row(res, Checks(cwd=str(job), python=py, imports=("mypkg",))).cells["imports"] == "ok mypkg"
+
+
+@pytest.mark.parametrize("with_imports", [False, True])
+def test_the_table_shows_imports_only_when_checked(tmp_path, with_imports: bool) -> None:
+    res = _run_checks(tmp_path, "job", imports=("json",) if with_imports else (), python=sys.executable)
+    checks = Checks(cwd="job", imports=("json",) if with_imports else ())
+    row = _row(res, checks)
+    text = format_table([row], ("10.0.0.1", 9091), checks, ["no command given: ..."])
+    head = text.splitlines()[0].split()
+    assert head == ["HOST", "SSH", "PYTHON3", "CWD", "PROGRAM"] + (["IMPORTS"] if with_imports else []) + [
+        "INTERFACE", "PORT", "REACH"]
+    assert "information:\n  no command given: ..." in text
+
+
+def test_launcher_is_taken_from_the_options_not_from_the_command() -> None:
+    from launcher.cli.doctor import _launcher_of
+
+    assert _launcher_of(["--launcher", "slurm", "--queue", "q"]) == ("slurm", ["--queue", "q"])
+    assert _launcher_of(["--env", "A=1", "--launcher=slurm"]) == ("slurm", ["--env", "A=1"])
+    # the job's own --launcher option stays in its command
+    args = ["-H", "h1,h2", "--check-import", "trainer", "python", "x.py", "--launcher", "slurm"]
+    assert _launcher_of(args) == (None, args)
+    assert _launcher_of(["-H", "h", "--", "prog", "--launcher", "x"])[0] is None

@@ -222,3 +222,54 @@ def test_fit_checks_its_configuration(mnist: MNIST) -> None:
         _run(T.TrainConfig(num_examples=60001), mnist)
     with pytest.raises(T.FitError, match="has 1 entries for 2 devices"):
         _run(T.TrainConfig(devices=("cpu", "cpu"), work_load=(1.0,)), mnist)
+
+
+# --- the plot, read back as an image --------------------------------------------------------------
+
+
+def _blobs(png: Path, color: str, tolerance: int = 40, min_pixels: int = 4) -> int:
+    """Connected regions (4-neighbour) of pixels within ``tolerance`` of ``color`` in the image:
+    the markers of one series (a series joined by a line of its own colour would count once)."""
+    import matplotlib.image
+
+    img = (matplotlib.image.imread(str(png))[:, :, :3] * 255).astype(int)
+    rgb = np.array([int(color[i:i + 2], 16) for i in (1, 3, 5)])
+    mask = (np.abs(img - rgb).sum(axis=2) < tolerance)
+    seen = np.zeros_like(mask)
+    count = 0
+    h, w = mask.shape
+    for y, x in zip(*np.nonzero(mask)):
+        if seen[y, x]:
+            continue
+        seen[y, x] = True
+        stack, size = [(y, x)], 0
+        while stack:
+            cy, cx = stack.pop()
+            size += 1
+            for ny, nx in ((cy + 1, cx), (cy - 1, cx), (cy, cx + 1), (cy, cx - 1)):
+                if 0 <= ny < h and 0 <= nx < w and mask[ny, nx] and not seen[ny, nx]:
+                    seen[ny, nx] = True
+                    stack.append((ny, nx))
+        count += size >= min_pixels
+    return count
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_the_plot_has_a_point_per_disp_batches_interval_and_per_epoch(mnist: MNIST, tmp_path: Path,
+                                                                     epochs: int) -> None:
+    """100 batches an epoch with --disp-batches 10 log 9 Speedometer lines (batches 10 to 90, as
+    MXNet), so the image shows 9 interval points per epoch in each panel (loss and accuracy),
+    plus one marker each in the legends; one validation point per epoch (a lone diamond when
+    there is one epoch: no line joins it to anything)."""
+    png = tmp_path / "curve.png"
+    cfg = T.TrainConfig(network="mlp", num_epochs=epochs, num_examples=1600, batch_size=16, disp_batches=10)
+    _run(cfg, mnist, plot=str(png))
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert _blobs(png, T.PLOT_INTERVAL_COLOR) == 2 * (9 * epochs + 1)
+    if epochs == 1:
+        assert _blobs(png, T.PLOT_VALIDATION_COLOR) == 1 + 1
+        assert _blobs(png, T.PLOT_EPOCH_TRAIN_COLOR) == 2 * (1 + 1)
+    without = tmp_path / "epochs-only.png"  # --disp-batches 0: per epoch only, as before
+    T.plot_history(without, [{"epoch": 0, "train_loss": 0.5, "train_accuracy": 0.9, "validation_accuracy": 0.95}],
+                   "t")
+    assert _blobs(without, T.PLOT_INTERVAL_COLOR) == 0 and _blobs(without, T.PLOT_VALIDATION_COLOR) == 2

@@ -103,3 +103,15 @@ def test_the_rank_prefix_survives_a_handler_copied_without_filters() -> None:
     finally:
         root.handlers[:], level = saved
         root.setLevel(level)
+
+
+def test_help_states_each_default_once() -> None:
+    import re
+
+    text = M.build_parser().format_help()
+    flat = " ".join(text.split())
+    assert "(default: None)" not in flat
+    for option in re.findall(r"^\s+(--[a-z-]+)", text, re.M):
+        block = flat.split(f" {option} ", 1)[1].split(" --", 1)[0]
+        assert block.count("(default") <= 1, (option, block)
+    assert "(default: the CPU)" in flat and "(default: 64)" in flat

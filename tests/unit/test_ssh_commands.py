@@ -133,8 +133,9 @@ def test_interface_env_option_wins_over_the_environment() -> None:
         == "10.1.0.0/16"
 
 
-def test_dry_run_shows_hosts_commands_and_sync(monkeypatch) -> None:
+def test_dry_run_shows_hosts_commands_and_sync(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr("getpass.getuser", lambda: "me")
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ssh/config: the job's defaults, as a run resolves them
     spec = _spec(num_workers=2, num_servers=1, hosts=(Host("A"), Host("B", port=2222, user="bob")),
                  sync_dst_dir="/tmp/job", options=SSHOptions(sync_exclude=(".git", "__pycache__", "*.log"),
                                                              sync_delete=True))
@@ -147,8 +148,9 @@ def test_dry_run_shows_hosts_commands_and_sync(monkeypatch) -> None:
     assert "  A: me@A:22, cwd /tmp/job: server 0, worker 1" in lines
     assert "  bob@B:2222: bob@B:2222, cwd /tmp/job: worker 0" in lines
     assert ("  rsync -az -s --stats --timeout=60 --delete --exclude=.git --exclude=__pycache__ '--exclude=*.log' -e "
-            "'ssh -F /dev/null -p 2222 -l bob -o BatchMode=yes -o StrictHostKeyChecking=yes -o ConnectTimeout=10' "
-            "/home/me/job/ B:/tmp/job/") in lines
+            "'ssh -F /dev/null -p 2222 -l bob -o BatchMode=yes -o StrictHostKeyChecking=yes -o ConnectTimeout=10 "
+            f"-o '\"'\"'UserKnownHostsFile={tmp_path}/.ssh/known_hosts {tmp_path}/.ssh/known_hosts2'\"'\"''"
+            " /home/me/job/ B:/tmp/job/") in lines
     assert "0" * 64 not in text
 
 
@@ -221,3 +223,17 @@ def test_an_interrupt_during_the_sync_stops_rsync_at_once() -> None:
             slow.kill()
     assert slow.wait(timeout=5) == -signal.SIGKILL
     assert time.monotonic() - t0 < 5
+
+
+def test_dry_run_without_paramiko_says_the_config_was_not_applied(tmp_path) -> None:
+    """Without paramiko (None in sys.modules: Python's own way to make an import fail) the dry run
+    still shows the plan, and says that ~/.ssh/config was not applied to it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['paramiko'] = None; from launcher.cli import main; "
+            "main(['-n', '1', '-s', '0', '-H', 'A', '--sync-dst-dir', '/tmp/j', '--dry-run', 'true'])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "  note: ~/.ssh/config not applied (paramiko is not installed)" in r.stdout
+    assert "rsync -az" in r.stdout

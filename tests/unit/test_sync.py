@@ -129,3 +129,91 @@ def test_rsync_remote_path_never_reaches_a_shell(tmp_path, monkeypatch) -> None:
     assert not marker.exists(), "the remote shell ran part of --sync-dst-dir"
     assert r.returncode == 0, r.stderr
     assert (dst / "f").read_text() == "hi"
+
+
+# --- what is sent: .gitignore, virtual environments, the size warning ---------------------------------
+
+
+def _git_project(tmp_path):
+    """A git work tree with ignored files, a virtual environment and a conda environment."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    src = tmp_path / "proj"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "train.py").write_text("print(1)\n")
+    (src / "untracked.py").write_text("x = 1\n")            # untracked but not ignored: sent
+    (src / ".gitignore").write_text("build/\n*.log\n/data/\n!keep.log\n")
+    (src / "build" / "lib").mkdir(parents=True)
+    (src / "build" / "lib" / "x.so").write_bytes(b"\0" * 1000)
+    (src / "run.log").write_text("log\n")
+    (src / "keep.log").write_text("kept\n")
+    (src / "data").mkdir()
+    (src / "data" / "big.bin").write_bytes(b"\0" * 5000)
+    (src / "odd*name[1].log").write_text("wild\n")
+    venv = src / "myenv"                                        # not in .gitignore: found by its pyvenv.cfg
+    (venv / "lib").mkdir(parents=True)
+    (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (venv / "lib" / "site.py").write_text("#\n")
+    (src / "envs" / "conda1" / "conda-meta").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(src)], check=True)
+    subprocess.run(["git", "-C", str(src), "add", ".gitignore", "pkg"], check=True)
+    return src
+
+
+def test_plan_honours_gitignore_and_skips_virtual_environments(tmp_path) -> None:
+    from launcher.transport.sync import plan_sync
+
+    src = _git_project(tmp_path)
+    plan = plan_sync(str(src), (".git", "__pycache__"))
+    assert plan.gitignore == "honoured"
+    assert plan.ignored == ("build/", "data/", "odd*name[1].log", "run.log")
+    assert plan.venvs == ("envs/conda1/", "myenv/")
+    sent = set(local_tree(str(src), plan.excludes, plan.skip_set()))
+    assert sent == {".gitignore", "keep.log", "pkg", "pkg/train.py", "untracked.py", "envs"}
+    assert plan.files == 4 and plan.bytes == sum((src / f).stat().st_size for f in
+                                                 (".gitignore", "keep.log", "pkg/train.py", "untracked.py"))
+    # rsync gets the same list, anchored and NUL-terminated, its wildcards escaped
+    assert plan.exclude_from().split(b"\0")[:-1] == [
+        b"/build/", b"/data/", b"/envs/conda1/", b"/myenv/", b"/odd\\*name\\[1].log", b"/run.log"]
+    # the switch: only the virtual environments stay out
+    off = plan_sync(str(src), (".git",), gitignore=False)
+    assert off.gitignore.startswith("off") and off.ignored == () and off.venvs == ("envs/conda1/", "myenv/")
+    assert {"build/lib/x.so", "run.log", "data/big.bin"} <= set(local_tree(str(src), off.excludes, off.skip_set()))
+
+
+def test_rsync_honours_the_plan(tmp_path) -> None:
+    """A real rsync (local to local) given the plan's stdin sends exactly what the SFTP path would."""
+    from launcher.transport.sync import plan_sync
+
+    if shutil.which("rsync") is None:
+        pytest.skip("rsync is not installed")
+    src = _git_project(tmp_path)
+    plan = plan_sync(str(src), (".git", "__pycache__"))
+    dst = tmp_path / "dst"
+    argv = rsync_argv(str(src), str(dst), Target(host=Host("h"), hostname="h", port=22, user="u"),
+                      excludes=plan.excludes, delete=False, connect_timeout=5, config_file=None,
+                      exclude_from_stdin=True)
+    assert argv[argv.index("--from0"):argv.index("--from0") + 2] == ["--from0", "--exclude-from=-"]
+    local = [a for a in argv if a not in ("-e",) and not a.startswith("ssh ")][:-1] + [str(dst) + "/"]
+    subprocess.run(local, input=plan.exclude_from(), check=True, capture_output=True)
+    got = {str(p.relative_to(dst)) for p in dst.rglob("*")}
+    assert got == set(local_tree(str(src), plan.excludes, plan.skip_set()))
+
+
+def test_a_large_sync_warns_with_the_largest_directories(tmp_path, monkeypatch) -> None:
+    from launcher.transport import sync
+
+    src = tmp_path / "p"
+    for name, size in (("data", 3000), ("models", 2000), ("code", 10)):
+        (src / name).mkdir(parents=True)
+        (src / name / "f.bin").write_bytes(b"\0" * size)
+    (src / "top.bin").write_bytes(b"\0" * 500)
+    plan = sync.plan_sync(str(src), ())
+    assert plan.warning(2) is None and plan.gitignore == "not a git work tree"
+    monkeypatch.setattr(sync, "WARN_BYTES", 4000)
+    w = sync.plan_sync(str(src), ()).warning(2)
+    assert w is not None and w.startswith(f"--sync-dst-dir will copy 5.4 KiB in 4 files from {src} to each of 2 hosts")
+    assert "largest: data/ 2.9 KiB, models/ 2.0 KiB, top.bin 500 B, code/ 10 B" in w
+    monkeypatch.setattr(sync, "WARN_BYTES", 10 ** 9)
+    monkeypatch.setattr(sync, "WARN_FILES", 3)
+    assert "4 files" in sync.plan_sync(str(src), ()).warning(1)

@@ -10,6 +10,7 @@ in ``--launcher`` by passing all of them:
 * Ctrl-C stops everything (130); a second Ctrl-C kills at once;
 * kill -9 of the launcher leaves nothing running or queued;
 * a program that does not exist is one line (exit 127), found here or on the nodes;
+* a program that is not executable is one line (exit 126), found here or on the nodes;
 * ``--timeout`` dumps every Python stack and exits 124;
 * a scheduler that fails stops the job before anything else starts.
 
@@ -202,6 +203,21 @@ def test_missing_program_is_one_line(cluster: Cluster, servers: str) -> None:
     assert_nothing_left(cluster)
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("servers", ["1", "0"], ids=["found-here", "found-on-the-node"])
+def test_a_program_that_is_not_executable_is_126(cluster: Cluster, servers: str) -> None:
+    # the shell's convention, as for 127: the file exists (here and on the nodes) but lacks the x bit
+    prog = cluster.out / "not-executable.sh"
+    prog.write_text("#!/bin/sh\necho ran\n")
+    prog.chmod(0o644)
+    r = cluster.run("-n", "2", "-s", servers, str(prog))
+    assert r.returncode == 126, r.stderr
+    (line,) = error_lines(r.stderr)
+    assert "not-executable.sh" in line and "permission denied" in line, line
+    assert "Traceback" not in r.stderr and "ran" not in r.stdout, r.stderr
+    assert_nothing_left(cluster)
+
+
 # --- stopping ---------------------------------------------------------------------------------------------
 
 
@@ -213,7 +229,8 @@ def test_a_signal_stops_everything(cluster: Cluster, sig: int, code: int) -> Non
     p.send_signal(sig)
     _, err = p.communicate(timeout=60)
     assert p.returncode == code, err
-    assert f"stopped by {signal.Signals(sig).name}" in err or "stopped by a signal" in err, err
+    named = "SIGINT (Ctrl-C)" if sig == signal.SIGINT else "SIGTERM"
+    assert f"pslaunch: error: stopped by {named} after" in err and "stopped by a signal" not in err, err
     assert_nothing_left(cluster)
 
 
