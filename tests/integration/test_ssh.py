@@ -501,29 +501,27 @@ def _remote_files(testbed: Testbed, host: TestHost, dst: str) -> set[str]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("method", ["rsync", "sftp"])
-def test_sync_dst_dir(testbed: Testbed, tmp_path: Path, method: str) -> None:
+def test_sync_dst_dir(testbed: Testbed, tmp_path: Path) -> None:
     src = _project(tmp_path)
-    dst = f"{testbed.sync_root}/job-{method}-{uuid.uuid4().hex[:6]}"
+    dst = f"{testbed.sync_root}/job-{uuid.uuid4().hex[:6]}"
     hosts = testbed.hosts[:2]
     hf = hostfile(testbed, tmp_path, 2)
     env = testbed.env()
-    if method == "sftp":
-        env["PATH"] = str(tmp_path / "no-tools")  # no rsync (and no ssh) on the launching host: SFTP
+    env["PATH"] = str(tmp_path / "no-tools")  # no rsync and no ssh here: the wrapper's channel does it
     args = ("-n", "2", "-s", "0", "-H", hf, "--sync-dst-dir", dst, "--sync-exclude", "*.log")
     r = run_ssh(testbed, *args, "./run.sh", env=env, cwd=src)
     assert r.returncode == 0, r.stderr
     want = {"a.txt", "sub", "sub/b.py", "big.bin", "run.sh"}
     for h in hosts:
         assert _remote_files(testbed, h, dst) == want, h.name
-        assert f"synced {src} to {h.addr_a}:{dst} with {method}: 4 files" in r.stderr
+        assert f"synced {src} to {h.addr_a}:{dst}: 4 files" in r.stderr
     assert f"[worker 0 @ {hosts[0].addr_a}] {dst}" in r.stdout  # the remote working directory
     assert not Path(dst).exists() or not any(Path(dst).iterdir())  # it went to the hosts, not here
     # unchanged: nothing is sent
     r = run_ssh(testbed, *args, "./run.sh", env=env, cwd=src)
     assert r.returncode == 0, r.stderr
     for h in hosts:
-        assert f"synced {src} to {h.addr_a}:{dst} with {method}: 0 files" in r.stderr
+        assert f"synced {src} to {h.addr_a}:{dst}: 0 files" in r.stderr
     # a changed file, a removed file and a remote-only file, without and with --sync-delete
     (src / "a.txt").write_text("alpha, longer now\n")
     (src / "sub" / "b.py").unlink()
@@ -531,7 +529,7 @@ def test_sync_dst_dir(testbed: Testbed, tmp_path: Path, method: str) -> None:
                 check=True)
     r = run_ssh(testbed, *args, "./run.sh", env=env, cwd=src)
     assert r.returncode == 0, r.stderr
-    assert f"synced {src} to {hosts[0].addr_a}:{dst} with {method}: 1 file," in r.stderr
+    assert f"synced {src} to {hosts[0].addr_a}:{dst}: 1 file," in r.stderr
     assert {"extra.txt", "sub/b.py"} <= _remote_files(testbed, hosts[0], dst)
     r = run_ssh(testbed, *args, "--sync-delete", "./run.sh", env=env, cwd=src)
     assert r.returncode == 0, r.stderr
@@ -546,14 +544,15 @@ def test_sync_failure_on_one_host_stops_the_launch(testbed: Testbed, out: Path, 
     src = _project(tmp_path)
     dst = f"{testbed.sync_root}/job-fail-{uuid.uuid4().hex[:6]}"
     bad = testbed.hosts[1]
-    # a non-empty directory where a.txt goes: rsync cannot make way for the file
-    testbed.run(bad, ["sh", "-c", f"mkdir -p {dst}/a.txt/inner && touch {dst}/a.txt/inner/f"], check=True)
+    # a file where the target directory goes
+    testbed.run(bad, ["sh", "-c", f"mkdir -p {testbed.sync_root} && touch {dst}"], check=True)
     r = run_ssh(testbed, "-n", "2", "-s", "1", "-H", hostfile(testbed, tmp_path, 2), "--sync-dst-dir", dst,
                 *probe(out), cwd=src)
     assert r.returncode == 1, r.stderr
     line = [x for x in r.stderr.splitlines() if "error" in x]
     assert len(line) == 1, r.stderr
-    assert line[0].startswith(f"pslaunch: error: sync to {bad.addr_a}:{dst} failed: rsync exited with code")
+    assert line[0].startswith(f"pslaunch: error: sync to {bad.addr_a}:{dst} failed: "), line[0]
+    assert "File exists" in line[0], line[0]
     assert read_probes(out) == {}
 
 
