@@ -23,10 +23,12 @@ Lifecycle (driven by the supervisor, see :mod:`launcher.backends.base`):
    :data:`LOST_FACTOR` intervals is *lost*: its processes count as failed
    (exit code 255) and the job stops; the wrapper there stops its process
    groups on its own when the keep-alives stop reaching it.
-4. Teardown: ``kill -s TERM -- -PGID ...`` (one command per host, on the
-   same connection), ``KILL`` after ``--kill-grace``; then the wrapper's
-   stdin is closed and it kills what is left of every group. If the launcher
-   dies (``kill -9``), sshd closes the channel and the wrapper does the same.
+4. Teardown: one ``X`` frame per host asks its wrapper to send ``TERM`` (with
+   ``CONT``) to the processes' groups, ``KILL`` after ``--kill-grace``; then the
+   wrapper's stdin is closed and it kills what is left of every group (and what
+   left them). If the launcher dies (``kill -9``), sshd closes the channel and the
+   wrapper does the same. Only a start that failed half-way sends ``kill`` as a
+   shell command (:func:`kill_command`).
 
 Every remote command line is built by a pure function (:func:`wrapper_command`,
 :func:`kill_command`) with every argument ``shlex``-quoted.
@@ -363,7 +365,7 @@ class RemoteHost:
     # -- signals --------------------------------------------------------------------
 
     def signal(self, signame: str, procs: Sequence[SSHProcess]) -> None:
-        """Send ``signame`` to the groups of ``procs`` (one kill command; done by the host's signal thread)."""
+        """Send ``signame`` to the groups of ``procs`` (one frame to the wrapper, from the host's signal thread)."""
         self._signals.put((signame, list(procs)))
 
     def _signal_loop(self) -> None:
@@ -372,14 +374,14 @@ class RemoteHost:
             if item is None:
                 return
             signame, procs = item
-            pgids = [p.pgid for p in procs if p.pgid and p.running]
-            if not pgids or self.lost or self.closed or not self.session.active:
+            ids = [p.ident for p in procs if p.pgid and p.running]
+            if not ids or self.lost or self.closed:
                 continue
-            try:
-                r = self.session.exec(kill_command(signame, pgids), timeout=max(5.0, self.lost_after))
-                log.debug("%s: kill -%s %s: exit %d", self.label, signame, pgids, r.code)
+            try:  # the wrapper signals the groups (it started them): no shell, no round trip
+                self.send(b"X", json.dumps({"sig": signame, "ids": ids}).encode())
+                log.debug("%s: %s to %d process%s", self.label, signame, len(ids), "" if len(ids) == 1 else "es")
             except LaunchError as e:
-                log.debug("%s: kill -%s failed: %s", self.label, signame, e)
+                log.debug("%s: %s failed: %s", self.label, signame, e)
 
     def kill_now(self, pgids: Sequence[int]) -> None:
         """SIGKILL ``pgids`` and wait for the command (a failed start)."""

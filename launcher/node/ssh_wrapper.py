@@ -159,15 +159,36 @@ class Wrapper(object):
             return {"error": text if type(e).__name__ == "NetifError" else _error_text(e)}
 
     def on_input(self, data):
-        """Handle launcher frames; only keep-alives follow the header."""
+        """Handle launcher frames after the header: keep-alives and signals."""
         self.inbuf += data
         while len(self.inbuf) >= IN_HEAD.size:
             kind, length = IN_HEAD.unpack(self.inbuf[:IN_HEAD.size])
             if len(self.inbuf) < IN_HEAD.size + length:
                 break
+            payload = self.inbuf[IN_HEAD.size:IN_HEAD.size + length]
             self.inbuf = self.inbuf[IN_HEAD.size + length:]
             if kind == b"k":
                 self.send(b"h", HOST_ID)
+            elif kind == b"X":
+                try:
+                    doc = json.loads(payload.decode("utf-8"))
+                    self.signal(str(doc["sig"]), [int(i) for i in doc["ids"]])
+                except (ValueError, KeyError, TypeError):
+                    pass
+
+    def signal(self, signame, ids):
+        """``TERM`` (with ``CONT``: a stopped process gets it now), ``INT``, ``KILL`` or ``ABRT``
+        to the group of each of our processes in ``ids`` that still runs."""
+        sig = {"TERM": signal.SIGTERM, "INT": signal.SIGINT, "KILL": signal.SIGKILL,
+               "ABRT": signal.SIGABRT}.get(signame)
+        if sig is None:
+            return
+        for child in self.children:
+            if child.id in ids and child.pid and child.code is None:
+                if sig in (signal.SIGTERM, signal.SIGINT):
+                    stop_group(child.pid, sig)
+                else:
+                    signal_group(child.pid, sig)
 
     def on_signal(self, signum, frame):
         self.signalled = signum
