@@ -5,10 +5,12 @@ every process is running, split into the backend's phases:
 
 * **connect**: one ssh connection per host, in parallel (TCP, key exchange,
   host key check, authentication);
-* **sync**: ``--sync-dst-dir`` of a small project (rsync, a fresh target
-  every run, so every file is sent) and the per-host address lookup;
-* **spawn**: per host, the wrapper channel (sshd session, login shell,
-  ``python3``), then every process started and its pid reported back;
+* **prepare**: per host, the wrapper channel (sshd session, login shell,
+  ``python3``, the node bundle), then through it the address lookup and
+  ``--sync-dst-dir`` of a small project: to a fresh target (every file sent),
+  then again to the same target (nothing changed: nothing sent);
+* **spawn**: every process handed to its host's waiting wrapper, started, and
+  its pid reported back;
 * **first output**: until the first line of every process has arrived.
 
 Drives :class:`launcher.backends.ssh.SSHBackend` directly (the scheduler is
@@ -39,7 +41,7 @@ from launcher.transport.ssh import SSHOptions  # noqa: E402
 
 # Every process: this Python (the hosts share the file system) printing one line, then waiting.
 PROGRAM = (sys.executable, "-S", "-c", "import time; print('running', flush=True); time.sleep(60)")
-PHASES = ("connect", "sync", "spawn", "first output", "total")
+PHASES = ("connect", "prepare", "spawn", "first output", "total")
 
 
 def _project(root: Path, files: int = 40) -> Path:
@@ -52,12 +54,11 @@ def _project(root: Path, files: int = 40) -> Path:
     return src
 
 
-def one_launch(tb, hosts: int, per_host: int, src: Path, sync: bool) -> dict[str, float]:
-    """One launch; returns seconds per phase."""
+def one_launch(tb, hosts: int, per_host: int, src: Path, dst: str | None) -> dict[str, float]:
+    """One launch (``dst``: the --sync-dst-dir, or None); returns seconds per phase."""
     lines = tuple(Host(h.addr_a, origin=f"bench:{h.index}") for h in tb.hosts[:hosts])
     spec = JobSpec(command=PROGRAM, num_workers=hosts * per_host, num_servers=0, launcher="ssh", hosts=lines,
-                   workdir=str(src), kill_grace=1.0,
-                   sync_dst_dir=f"{tb.sync_root}/bench-{time.monotonic_ns()}" if sync else None,
+                   workdir=str(src), kill_grace=1.0, sync_dst_dir=dst,
                    options=SSHOptions(connect_timeout=20.0))
     console = Console(stdout=io.BytesIO(), stderr=io.BytesIO(), color=False)  # type: ignore[arg-type]
     backend = SSHBackend(spec, console, None)
@@ -82,7 +83,7 @@ def one_launch(tb, hosts: int, per_host: int, src: Path, sync: bool) -> dict[str
             time.sleep(0.01)
     finally:
         backend.close()
-    return {"connect": backend.timings["connect"], "sync": t1 - t0 - backend.timings["connect"],
+    return {"connect": backend.timings["connect"], "prepare": t1 - t0 - backend.timings["connect"],
             "spawn": t2 - t1, "first output": t3 - t2, "total": t3 - t0}
 
 
@@ -118,19 +119,29 @@ def bench_ssh_main(host_counts: list[int], per_host: list[int], repeats: int, sy
     try:
         src = _project(root)
         print(f"ssh launch latency on the namespace testbed ({os.cpu_count()} cores, shared by the hosts' sshd "
-              f"and processes); median of {repeats} runs; sync: {'a 40-file tree, every file sent' if sync else 'off'}")
-        print("seconds from the start until every process runs, by phase (spawn: per host the wrapper's channel, "
-              "login shell and python3, then every process started and its pid reported)")
+              f"and processes); median of {repeats} runs; sync: {'a 40-file tree' if sync else 'off'}")
+        print("seconds from the start until every process runs, by phase (prepare: per host the wrapper's channel, "
+              "login shell and python3, then through it the address and the sync; spawn: every process started "
+              "and its pid reported)")
         print(f"baseline: one command ('true') on an open connection (sshd session + the user's login shell) "
-              f"takes {shell_baseline(tb):.2f}s here; connect+sync include two per host, spawn one")
-        head = f"{'hosts':>5} {'per host':>8} {'procs':>5} | " + " ".join(f"{p:>12}" for p in PHASES)
+              f"takes {shell_baseline(tb):.2f}s here; prepare includes one per host")
+        head = f"{'hosts':>5} {'per host':>8} {'procs':>5} {'sync':>9} | " + " ".join(f"{p:>12}" for p in PHASES)
         print(head)
         print("-" * len(head))
         for h in host_counts:
             for p in per_host:
-                runs = [one_launch(tb, h, p, src, sync) for _ in range(repeats)]
-                row = {k: statistics.median(r[k] for r in runs) for k in PHASES}
-                print(f"{h:>5} {p:>8} {h * p:>5} | " + " ".join(f"{row[k]:>11.2f}s" for k in PHASES), flush=True)
+                fresh, again = [], []
+                for _ in range(repeats):
+                    dst = f"{tb.sync_root}/bench-{time.monotonic_ns()}" if sync else None
+                    fresh.append(one_launch(tb, h, p, src, dst))
+                    if sync:
+                        again.append(one_launch(tb, h, p, src, dst))  # the same target: nothing changed
+                for what, runs in (("fresh" if sync else "off", fresh), ("unchanged", again)):
+                    if not runs:
+                        continue
+                    row = {k: statistics.median(r[k] for r in runs) for k in PHASES}
+                    print(f"{h:>5} {p:>8} {h * p:>5} {what:>9} | " + " ".join(f"{row[k]:>11.2f}s" for k in PHASES),
+                          flush=True)
     finally:
         if old_home is not None:
             os.environ["HOME"] = old_home

@@ -5,39 +5,40 @@ Lifecycle (driven by the supervisor, see :mod:`launcher.backends.base`):
 1. :meth:`SSHBackend.prepare`: resolve each host that gets a process through
    ``~/.ssh/config`` (:func:`launcher.transport.ssh.resolve_target`), connect to
    all of them in parallel (bounded fan-out, retries, strict host keys), then
-   per host and in parallel: work out ``DMLC_NODE_HOST`` (the interface
-   ``DMLC_INTERFACE`` selects on that host, found by sending
-   ``pscontract/netif.py`` to its ``python3``; without it, the address the
-   connection reached) and, with ``--sync-dst-dir``, sync the working
-   directory (:mod:`launcher.transport.sync`).
-2. :meth:`SSHBackend.start`: per host, one session channel on the host's
-   connection runs :func:`wrapper_command` (a few lines of Python that read
+   per host and in parallel start the host's wrapper: one session channel on
+   its connection runs :func:`wrapper_command` (a few lines of Python that read
    the node bundle from stdin and run ``launcher.node.ssh_wrapper`` from memory;
-   nothing is installed). The argv, environment and working directory of every
-   process of that host follow on stdin (:func:`wrapper_payload`), so no value ever
-   appears on a command line. The wrapper starts each process in its own process
-   group and reports its pid; output comes back framed by process
+   nothing is installed). Through the wrapper, work out ``DMLC_NODE_HOST`` (the
+   interface ``DMLC_INTERFACE`` selects there; without it, the address the
+   connection reached) and, with ``--sync-dst-dir``, copy the working directory
+   (:mod:`launcher.transport.wiresync`: what differs in size or mtime).
+2. :meth:`SSHBackend.start`: the argv, environment and working directory of every
+   process of a host go to its waiting wrapper as one frame (:func:`header_frame`),
+   so no value ever appears on a command line. The wrapper starts each process in
+   its own process group and reports its pid; output comes back framed by process
    (:class:`~launcher.node.ssh_wire.FrameDecoder`). One login shell and one Python
-   per host, however many processes it runs.
+   per host, however many processes it runs and whatever it syncs.
 3. Supervision: the launcher sends a keep-alive to every host's wrapper each
    ``--ssh-keepalive`` seconds and the wrapper answers. A host silent for
    :data:`LOST_FACTOR` intervals is *lost*: its processes count as failed
    (exit code 255) and the job stops; the wrapper there stops its process
    groups on its own when the keep-alives stop reaching it.
-4. Teardown: ``kill -s TERM -- -PGID ...`` (one command per host, on the
-   same connection), ``KILL`` after ``--kill-grace``; then the wrapper's
-   stdin is closed and it kills what is left of every group. If the launcher
-   dies (``kill -9``), sshd closes the channel and the wrapper does the same.
+4. Teardown: one ``X`` frame per host asks its wrapper to send ``TERM`` (with
+   ``CONT``) to the processes' groups, ``KILL`` after ``--kill-grace``; then the
+   wrapper's stdin is closed and it kills what is left of every group (and what
+   left them). If the launcher dies (``kill -9``), sshd closes the channel and the
+   wrapper does the same. Only a start that failed half-way sends ``kill`` as a
+   shell command (:func:`kill_command`).
 
 Every remote command line is built by a pure function (:func:`wrapper_command`,
-:func:`kill_command`, :func:`netif_command`, ``transport.sync.prepare_dir_command``)
-with every argument ``shlex``-quoted.
+:func:`kill_command`) with every argument ``shlex``-quoted.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -51,7 +52,7 @@ from pscontract import netif
 
 from .. import node
 from ..errors import ConfigError, LauncherError, LaunchError
-from ..node.ssh_wire import BOOTSTRAP, KEEPALIVE, FrameDecoder, blob, frame
+from ..node.ssh_wire import BOOTSTRAP, HOST_ID, KEEPALIVE, FrameDecoder, blob, frame
 from ..runtime.handle import ProcessHandle, ProcGroup
 from ..runtime.output import ProcOutput
 from ..spec.job import Host, JobSpec
@@ -63,7 +64,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import paramiko
 
     from ..transport.ssh import HostSession, Target
-    from ..transport.sync import Syncer, SyncPlan, SyncStats
+    from ..transport.sync import SyncPlan
+    from ..transport.wiresync import SyncStats, TreeSync
 
 # launcher.transport (paramiko, thread pools) is imported where a job uses it: the command line
 # imports every backend for its options.
@@ -93,13 +95,30 @@ def wrapper_header(procs: Sequence[tuple[int, ProcSpec]], cwd: Optional[str], ke
             "keepalive": keepalive, "lost_after": LOST_FACTOR * keepalive, "grace": grace}
 
 
-def wrapper_payload(header: Mapping, bundle: Optional[bytes] = None) -> bytes:
-    """The bytes written first to a wrapper channel's stdin: the loader, the node bundle, the header
-    frame (``launcher.node.ssh_wire``)."""
+def wrapper_preamble(bundle: Optional[bytes] = None) -> bytes:
+    """The bytes written first to a wrapper channel's stdin: the loader and the node bundle
+    (``launcher.node.ssh_wire``); requests and the header follow as frames."""
+    if bundle is None:
+        return _default_preamble()
     with open(node.path("ssh_loader"), "rb") as f:
         loader = f.read()
-    body = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    return blob(loader) + blob(node.bundle("ssh_wrapper") if bundle is None else bundle) + frame(b"H", body)
+    return blob(loader) + blob(bundle)
+
+
+@functools.lru_cache(maxsize=1)
+def _default_preamble() -> bytes:
+    """This installation's preamble, built once (every host gets the same)."""
+    return wrapper_preamble(node.bundle("ssh_wrapper"))
+
+
+def header_frame(header: Mapping) -> bytes:
+    """The ``H`` frame: the processes start."""
+    return frame(b"H", json.dumps(header, separators=(",", ":")).encode("utf-8"))
+
+
+def wrapper_payload(header: Mapping, bundle: Optional[bytes] = None) -> bytes:
+    """Everything a wrapper needs to start processes at once: preamble, then header."""
+    return wrapper_preamble(bundle) + header_frame(header)
 
 
 def kill_command(signame: str, pgids: Sequence[int]) -> str:
@@ -116,11 +135,6 @@ def kill_command(signame: str, pgids: Sequence[int]) -> str:
     if signame in ("TERM", "INT"):  # and SIGCONT: a stopped process gets it now, not when resumed
         return f"kill -s {signame} -- {targets} 2>/dev/null; kill -s CONT -- {targets} 2>/dev/null; exit 0"
     return f"kill -s {signame} -- {targets} 2>/dev/null; exit 0"
-
-
-def netif_command(iface: str, python: str = REMOTE_PYTHON) -> str:
-    """Runs ``netif.py`` (sent on stdin) on the host to resolve ``DMLC_INTERFACE`` there."""
-    return f"{shlex.quote(python)} -S - {shlex.quote(iface)}"
 
 
 def hosts_with_processes(spec: JobSpec) -> list[Host]:
@@ -165,35 +179,87 @@ class RemoteHost:
         self.interval = max(0.1, spec.options.keepalive)
         self.lost_after = LOST_FACTOR * self.interval
         self._stop = threading.Event()
-        import queue
+        import queue  # (here: the command line imports every backend; see the module's imports)
 
         self._signals: queue.Queue[Optional[tuple[str, SSHProcess]]] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._cleaned: set[int] = set()
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=5)
+        self._by_id: dict[int, SSHProcess] = {}
+        self._replies: queue.Queue[tuple[bytes, dict]] = queue.Queue()  # the wrapper's answers (i, s, d)
+        self._send_lock = threading.Lock()
 
     # -- the wrapper channel ------------------------------------------------------------
 
-    def launch(self, procs: Sequence[SSHProcess]) -> None:
-        """Start the wrapper and hand it ``procs`` (returns at once; pids arrive as frames)."""
+    def open(self) -> None:
+        """Start the wrapper (the login shell, ``python3``, the node bundle) and read what it says;
+        it waits for requests (:meth:`request`) and then the processes (:meth:`launch`)."""
         import paramiko
 
-        self.procs.extend(procs)
-        header = wrapper_header([(p.ident, p.proc) for p in procs], self.workdir, self.interval,
-                                self.spec.kill_grace)
         chan = self.session.open_channel()
         self.chan = chan
         try:
             chan.settimeout(0.5)
             chan.exec_command(wrapper_command())
-            chan.sendall(wrapper_payload(header))
+            chan.sendall(wrapper_preamble())
         except (paramiko.SSHException, EOFError, OSError) as e:
             self.closed = True
             chan.close()
             raise LaunchError(f"{self.label}: cannot start pslaunch's remote wrapper: {e}") from None
         self.last_heard = time.monotonic()
         self._start_thread(self._read, "reader")
+
+    def send(self, kind: bytes, payload: bytes = b"") -> None:
+        """One frame to the wrapper."""
+        import paramiko
+
+        chan = self.chan
+        if chan is None or self.closed:
+            raise LaunchError(self._gone_text())
+        try:
+            with self._send_lock:
+                chan.sendall(frame(kind, payload))
+        except (paramiko.SSHException, EOFError, OSError) as e:
+            raise LaunchError(f"{self.label}: the connection to pslaunch's remote wrapper failed: {e}") from None
+
+    def request(self, kind: bytes, payload: bytes, reply: bytes, timeout: float = 600.0) -> dict:
+        """Send a frame and wait for the wrapper's JSON answer of kind ``reply``."""
+        import queue
+
+        self.send(kind, payload)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                got, doc = self._replies.get(timeout=0.2)
+            except queue.Empty:
+                if self.closed:
+                    raise LaunchError(self._gone_text()) from None
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"{self.label}: pslaunch's remote wrapper did not answer within "
+                                      f"{timeout:g}s") from None
+                continue
+            if got == reply:
+                return doc
+
+    def _gone_text(self) -> str:
+        tail = f": {self._stderr_tail[-1]}" if self._stderr_tail else ""
+        return (f"pslaunch's remote wrapper on {self.label} ended{tail}; the ssh backend needs python3 >= 3.5 "
+                "on every host")
+
+    def launch(self, procs: Sequence[SSHProcess]) -> None:
+        """Hand the wrapper ``procs`` (returns at once; pids arrive as frames)."""
+        if self.chan is None:
+            self.open()
+        self.procs.extend(procs)
+        self._by_id.update((p.ident, p) for p in procs)
+        header = wrapper_header([(p.ident, p.proc) for p in procs], self.workdir, self.interval,
+                                self.spec.kill_grace)
+        try:
+            self.send(b"H", json.dumps(header, separators=(",", ":")).encode("utf-8"))
+        except LaunchError as e:
+            raise LaunchError(f"{self.label}: cannot start pslaunch's remote wrapper: {e}") from None
+        self.last_heard = time.monotonic()
         self._start_thread(self._keepalive_loop, "keepalive")
         self._start_thread(self._signal_loop, "signals")
 
@@ -207,7 +273,7 @@ class RemoteHost:
 
         chan = self.chan
         assert chan is not None
-        by_id = {p.ident: p for p in self.procs}
+        by_id = self._by_id
         decoder = FrameDecoder()
         while True:
             self._drain_stderr()
@@ -226,6 +292,11 @@ class RemoteHost:
                 proc = by_id.get(ident)
                 if proc is not None:
                     proc.frame(kind, payload)
+                elif ident == HOST_ID and kind in (b"i", b"s", b"d"):
+                    try:
+                        self._replies.put((kind, json.loads(payload)))
+                    except ValueError:
+                        self._replies.put((kind, {"error": "an answer that is not JSON"}))
             if decoder.preamble:
                 for line in bytes(decoder.preamble).decode(errors="replace").splitlines():
                     if line.strip():
@@ -271,7 +342,8 @@ class RemoteHost:
             if chan is None or self.closed:
                 return
             try:
-                chan.send(KEEPALIVE)
+                with self._send_lock:
+                    chan.sendall(KEEPALIVE)
             except Exception:  # noqa: BLE001 - a closed channel: the reader notices
                 pass
             silent = time.monotonic() - self.last_heard
@@ -294,7 +366,7 @@ class RemoteHost:
     # -- signals --------------------------------------------------------------------
 
     def signal(self, signame: str, procs: Sequence[SSHProcess]) -> None:
-        """Send ``signame`` to the groups of ``procs`` (one kill command; done by the host's signal thread)."""
+        """Send ``signame`` to the groups of ``procs`` (one frame to the wrapper, from the host's signal thread)."""
         self._signals.put((signame, list(procs)))
 
     def _signal_loop(self) -> None:
@@ -303,14 +375,14 @@ class RemoteHost:
             if item is None:
                 return
             signame, procs = item
-            pgids = [p.pgid for p in procs if p.pgid and p.running]
-            if not pgids or self.lost or self.closed or not self.session.active:
+            ids = [p.ident for p in procs if p.pgid and p.running]
+            if not ids or self.lost or self.closed:
                 continue
-            try:
-                r = self.session.exec(kill_command(signame, pgids), timeout=max(5.0, self.lost_after))
-                log.debug("%s: kill -%s %s: exit %d", self.label, signame, pgids, r.code)
+            try:  # the wrapper signals the groups (it started them): no shell, no round trip
+                self.send(b"X", json.dumps({"sig": signame, "ids": ids}).encode())
+                log.debug("%s: %s to %d process%s", self.label, signame, len(ids), "" if len(ids) == 1 else "es")
             except LaunchError as e:
-                log.debug("%s: kill -%s failed: %s", self.label, signame, e)
+                log.debug("%s: %s failed: %s", self.label, signame, e)
 
     def kill_now(self, pgids: Sequence[int]) -> None:
         """SIGKILL ``pgids`` and wait for the command (a failed start)."""
@@ -513,7 +585,7 @@ class SSHBackend(Backend):
         self.handles: list[SSHProcess] = []
         self.sync_stats: dict[str, SyncStats] = {}
         self.timings: dict[str, float] = {}
-        self.syncer: Optional[Syncer] = None
+        self.tree: Optional[TreeSync] = None
         self._closing = False
         self._lock = threading.Lock()
 
@@ -550,23 +622,20 @@ class SSHBackend(Backend):
         for (host, labels), t in zip(per_host.items(), targets):
             lines.append(f"  {host.display}: {t.address}, cwd {cwd}: {', '.join(labels)}")
         if spec.sync_dst_dir:
-            from ..transport.sync import Syncer
+            from ..transport.wiresync import TreeSync
 
-            src = spec.workdir or "."
             sync_plan = cls.sync_plan(spec)
-            syncer = Syncer(src, spec.sync_dst_dir, opts, plan=sync_plan)
-            lines.append(f"sync to {spec.sync_dst_dir} on each host (rsync when both ends have it, else SFTP):")
+            tree = TreeSync(sync_plan.src, spec.sync_dst_dir, opts.sync_exclude, skip=sync_plan.skipped,
+                            delete=opts.sync_delete)
+            lines.append(f"sync to {spec.sync_dst_dir} on each host, through its wrapper on the job's connection "
+                         f"(files that differ in size or modification time; {tree.files:,} to compare"
+                         f"{'; what is gone here is deleted there' if opts.sync_delete else ''}):")
             lines.extend(f"  {x}" for x in sync_plan.describe())
             warning = sync_plan.warning(len(per_host))
             if warning:
                 lines.append(f"  warning: {warning}")
-            if sync_plan.skipped:
-                lines.append(f"  the {len(sync_plan.skipped):,} skipped paths reach rsync on its stdin "
-                             "(--from0 --exclude-from=-)")
             if not spec.sync_dst_dir.startswith("/"):
-                lines.append(f"  ({spec.sync_dst_dir} is made absolute on each host before rsync runs)")
-            for t in targets:
-                lines.append("  " + shlex.join(syncer.argv(t, spec.sync_dst_dir)))
+                lines.append(f"  ({spec.sync_dst_dir} is relative to the home directory on each host)")
         iface = spec.interface
         if iface:
             lines.append(f"DMLC_NODE_HOST: each host's address on DMLC_INTERFACE={iface}, resolved there before launch")
@@ -589,7 +658,7 @@ class SSHBackend(Backend):
 
     def prepare(self) -> Mapping[Host, str]:
         from ..transport.ssh import connect_all, resolve_targets
-        from ..transport.sync import Syncer
+        from ..transport.wiresync import TreeSync
 
         spec = self.spec
         lines = hosts_with_processes(spec)
@@ -604,21 +673,31 @@ class SSHBackend(Backend):
         log.debug("connected to %d host%s in %.2fs", len(sessions), "" if len(sessions) == 1 else "s",
                   self.timings["connect"])
         t1 = time.monotonic()
-        self._per_host(self._resolve_address, "resolve")
-        self.timings["resolve"] = time.monotonic() - t1
         if spec.sync_dst_dir:
-            t2 = time.monotonic()
             sync_plan = self.sync_plan(spec)
             warning = sync_plan.warning(len(self.hosts))
             if warning:
                 log.warning("%s", warning)
             log.debug("sync plan: %s", "; ".join(sync_plan.describe()))
-            self.syncer = Syncer(sync_plan.src, spec.sync_dst_dir, self.opts, self.watchdog, plan=sync_plan)
-            self._per_host(self._sync, "sync")
-            self.timings["sync"] = time.monotonic() - t2
-        else:
-            self.timings["sync"] = 0.0
+            self.tree = TreeSync(sync_plan.src, spec.sync_dst_dir, self.opts.sync_exclude, skip=sync_plan.skipped,
+                                 delete=self.opts.sync_delete)
+        self._per_host(self._prepare_host, "prepare")
+        self.timings["prepare"] = time.monotonic() - t1
         return {line: self.by_line[line].node_address for line in lines}
+
+    def _prepare_host(self, host: RemoteHost) -> None:
+        """Per host, in parallel: start its wrapper, then through it work out ``DMLC_NODE_HOST`` and
+        sync the working directory; the wrapper then waits for the processes."""
+        host.open()
+        self._resolve_address(host)
+        if self.tree is not None:
+            host.workdir, self.sync_stats[host.label] = self.tree.sync(host.label, host.request, host.send)
+            from ..transport.sync import size_text
+
+            st = self.sync_stats[host.label]
+            log.info("synced %s to %s:%s: %d file%s, %s sent%s in %.2fs", self.tree.src, host.label, host.workdir,
+                     st.files, "" if st.files == 1 else "s", size_text(st.bytes),
+                     f", {st.deleted} deleted" if st.deleted else "", st.seconds)
 
     def _adopt(self, session: HostSession) -> None:
         with self._lock:
@@ -645,10 +724,8 @@ class SSHBackend(Backend):
                 except Exception as e:  # noqa: BLE001 - re-raised below
                     errors[futures[fut]] = e
         except BaseException:
-            # Ctrl-C or SIGTERM: do not wait for the syncs (close() ends the SFTP ones by closing
-            # the connections); stop the rsyncs now, they run in groups of their own.
-            if self.syncer is not None:
-                self.syncer.stop()
+            # Ctrl-C or SIGTERM: do not wait for the hosts (close() ends what they do by closing
+            # the connections)
             pool.shutdown(wait=False, cancel_futures=True)
             raise
         pool.shutdown(wait=True)
@@ -674,22 +751,12 @@ class SSHBackend(Backend):
                     continue
             raise ConfigError(f"{host.label}: no IPv4 address for DMLC_NODE_HOST (the connection reached "
                               f"{address}; ps-lite needs IPv4): set DMLC_INTERFACE to the host's IPv4 network")
-        source = node.source("pscontract/netif.py")
-        r = host.session.exec(netif_command(iface), stdin=source)
-        try:
-            doc = json.loads(r.stdout.decode(errors="replace").strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            raise LaunchError(f"{host.label}: cannot resolve DMLC_INTERFACE={iface} there: {REMOTE_PYTHON} "
-                              f"failed ({r.err_line}); the ssh backend needs python3 >= 3.7 on every host") from None
+        doc = host.request(b"I", json.dumps({"iface": iface}).encode(), b"i", timeout=60.0)
         if "error" in doc:
             raise ConfigError(f"{host.label}: {doc['error']}; set DMLC_INTERFACE to a name or CIDR that every "
                               "host has (a CIDR such as 10.1.0.0/16 works when names differ)")
         host.node_address = str(doc["address"])
         log.debug("%s: DMLC_INTERFACE=%s is %s (%s)", host.label, iface, doc.get("interface"), host.node_address)
-
-    def _sync(self, host: RemoteHost) -> None:
-        assert self.syncer is not None
-        host.workdir, self.sync_stats[host.label] = self.syncer.sync(host.session)
 
     # -- start ---------------------------------------------------------------------------
 
@@ -758,8 +825,6 @@ class SSHBackend(Backend):
             if self._closing:
                 return
             self._closing = True
-        if self.syncer is not None:
-            self.syncer.stop()
         hosts = list(self.hosts.values())
         live = [h for h in hosts if not h.lost]
         for h in live:
@@ -772,5 +837,5 @@ class SSHBackend(Backend):
             t.join(2.0)
 
 
-__all__ = ["SSHBackend", "SSHGroup", "SSHProcess", "kill_command", "netif_command", "wrapper_command",
+__all__ = ["SSHBackend", "SSHGroup", "SSHProcess", "kill_command", "wrapper_command",
            "wrapper_header", "wrapper_payload"]

@@ -13,8 +13,18 @@ launcher then writes to the channel's stdin, in order:
    from memory: nothing is written to the host's disk;
 3. frames of ``kind (1 byte) + length (4 bytes, big endian) + payload``:
 
+   * before the header, while the launcher prepares (each answered by the wrapper, see below):
+
+     - ``I``: JSON ``{"iface"}``: this host's address on ``DMLC_INTERFACE``;
+     - ``S``: JSON ``{"dst", "rows", "excludes", "skip", "delete"}``: sync a directory tree
+       (:mod:`.treesync`; ``rows`` lists what the launcher has), then ``F`` frames with the data
+       of each file the wrapper asked for, in its order: :data:`SYNC_HEAD` (the path's length),
+       the path (UTF-8), one byte (1: the file's last piece), the bytes (at most
+       :data:`SYNC_CHUNK`); then ``D`` (empty): done, apply it.
+
    * ``H``: JSON ``{"procs": [{"id", "argv", "env", "cwd"}, ...], "keepalive", "lost_after",
-     "grace"}``. The environment travels here, never on a command line. Sent once, first.
+     "grace"}``. The environment travels here, never on a command line. Sent once; the
+     processes start.
    * ``k``: a keep-alive (empty).
 
 Wrapper -> launcher (the channel's stdout): :data:`MAGIC` (what the login shell's rc files
@@ -25,7 +35,12 @@ printed before it is not the wrapper's), then frames of ``kind (1 byte) + proces
   could not be started;
 * ``o`` / ``e``: the process's stdout / stderr bytes;
 * ``x`` JSON ``{"code"}`` when it exited (negative: killed by that signal);
-* ``h`` (process id :data:`HOST_ID`): the answer to each keep-alive.
+* ``h`` (process id :data:`HOST_ID`): the answer to each keep-alive;
+* with process id :data:`HOST_ID`, the answers before the header: ``i`` JSON ``{"address",
+  "interface"}`` or ``{"error"}`` (for ``I``); ``s`` JSON ``{"dir", "need": [path, ...]}`` or
+  ``{"error"}`` (for ``S``: the absolute target and the files to send); ``d`` JSON ``{"dir",
+  "files", "bytes", "deleted"}`` or ``{"error"}`` (once per sync: after ``D``, or at the first
+  error while writing).
 """
 
 import struct
@@ -35,6 +50,8 @@ OUT_HEAD = struct.Struct(">cHI")  # wrapper -> launcher: kind, process id, lengt
 HOST_ID = 0xFFFF
 MAGIC = b"\0pslaunch-frames\0"
 KEEPALIVE = IN_HEAD.pack(b"k", 0)
+SYNC_HEAD = struct.Struct(">H")  # an F frame: the length of the path that follows
+SYNC_CHUNK = 1 << 20  # the most file data in one F frame
 
 # Reads one length-prefixed blob (10 ASCII digits, then the bytes) from stdin and runs it as
 # Python source, leaving the rest of stdin to what it runs.

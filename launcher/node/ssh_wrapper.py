@@ -25,6 +25,7 @@ import signal
 import subprocess
 import time
 
+from . import treesync
 from .procgroup import (
     become_subreaper,
     exit_status,
@@ -34,9 +35,14 @@ from .procgroup import (
     signal_group,
     stop_group,
 )
-from .ssh_wire import HOST_ID, IN_HEAD, MAGIC, OUT_HEAD
+from .ssh_wire import HOST_ID, IN_HEAD, MAGIC, OUT_HEAD, SYNC_HEAD
 
 OUT_CAP = 4 * 1024 * 1024  # stop reading the processes' pipes while this much waits for the channel
+
+
+def _error_text(e):
+    text = " ".join(str(e).split())
+    return "%s: %s" % (type(e).__name__, text) if not isinstance(e, (OSError, ValueError)) else text
 
 
 class Child(object):
@@ -92,22 +98,97 @@ class Wrapper(object):
             data += chunk
         return data
 
-    def read_header(self):
+    def read_frame(self):
         kind, length = IN_HEAD.unpack(self.read_exact(IN_HEAD.size))
-        if kind != b"H":
-            raise ValueError("expected a header frame")
-        return json.loads(self.read_exact(length).decode("utf-8"))
+        return kind, self.read_exact(length)
+
+    def prepare(self):
+        """Before the processes: answer the launcher's requests (``I``: the address on an
+        interface; ``S``/``F``/``D``: sync a directory tree) until the header ``H`` arrives;
+        returns the header."""
+        receiver = None
+        while True:
+            kind, payload = self.read_frame()
+            if kind == b"H":
+                return json.loads(payload.decode("utf-8"))
+            if kind == b"k":
+                self.send(b"h", HOST_ID)
+            elif kind == b"I":
+                self.send_json(b"i", HOST_ID, self.resolve(json.loads(payload.decode("utf-8"))))
+            elif kind == b"S":
+                receiver = None
+                try:
+                    doc = json.loads(payload.decode("utf-8"))
+                    receiver = treesync.Receiver(doc["dst"], doc["rows"], doc.get("excludes") or (),
+                                                 doc.get("skip") or (), bool(doc.get("delete")))
+                    self.send_json(b"s", HOST_ID, {"dir": receiver.dst, "need": receiver.need()})
+                except (OSError, ValueError, KeyError) as e:
+                    self.send_json(b"s", HOST_ID, {"error": _error_text(e)})
+            elif kind == b"F":
+                if receiver is None:
+                    continue  # (the error was reported for its S)
+                n = SYNC_HEAD.unpack(payload[:SYNC_HEAD.size])[0]
+                rel = payload[SYNC_HEAD.size:SYNC_HEAD.size + n].decode("utf-8", "surrogateescape")
+                last = payload[SYNC_HEAD.size + n:SYNC_HEAD.size + n + 1] == b"\x01"
+                try:
+                    receiver.write(rel, payload[SYNC_HEAD.size + n + 1:], last)
+                except (OSError, ValueError) as e:
+                    self.send_json(b"d", HOST_ID, {"error": _error_text(e)})
+                    receiver = None
+            elif kind == b"D":
+                if receiver is not None:
+                    try:
+                        self.send_json(b"d", HOST_ID, receiver.finish())
+                    except (OSError, ValueError) as e:
+                        self.send_json(b"d", HOST_ID, {"error": _error_text(e)})
+                    receiver = None
+            self.flush(time.monotonic() + 30.0)
+
+    @staticmethod
+    def resolve(doc):
+        """``DMLC_INTERFACE`` on this host: ``{"address", "interface"}`` or ``{"error"}``."""
+        try:
+            from pscontract import netif  # (Python 3.7 or later)
+
+            iface = netif.match(str(doc["iface"]), netif.interfaces())
+            return {"address": iface.address, "interface": iface.name}
+        except SyntaxError:
+            return {"error": "resolving DMLC_INTERFACE needs python3 >= 3.7 on the host"}
+        except Exception as e:  # noqa: BLE001 - netif.NetifError (its text says it all) or anything else
+            text = " ".join(str(e).split())
+            return {"error": text if type(e).__name__ == "NetifError" else _error_text(e)}
 
     def on_input(self, data):
-        """Handle launcher frames; only keep-alives follow the header."""
+        """Handle launcher frames after the header: keep-alives and signals."""
         self.inbuf += data
         while len(self.inbuf) >= IN_HEAD.size:
             kind, length = IN_HEAD.unpack(self.inbuf[:IN_HEAD.size])
             if len(self.inbuf) < IN_HEAD.size + length:
                 break
+            payload = self.inbuf[IN_HEAD.size:IN_HEAD.size + length]
             self.inbuf = self.inbuf[IN_HEAD.size + length:]
             if kind == b"k":
                 self.send(b"h", HOST_ID)
+            elif kind == b"X":
+                try:
+                    doc = json.loads(payload.decode("utf-8"))
+                    self.signal(str(doc["sig"]), [int(i) for i in doc["ids"]])
+                except (ValueError, KeyError, TypeError):
+                    pass
+
+    def signal(self, signame, ids):
+        """``TERM`` (with ``CONT``: a stopped process gets it now), ``INT``, ``KILL`` or ``ABRT``
+        to the group of each of our processes in ``ids`` that still runs."""
+        sig = {"TERM": signal.SIGTERM, "INT": signal.SIGINT, "KILL": signal.SIGKILL,
+               "ABRT": signal.SIGABRT}.get(signame)
+        if sig is None:
+            return
+        for child in self.children:
+            if child.id in ids and child.pid and child.code is None:
+                if sig in (signal.SIGTERM, signal.SIGINT):
+                    stop_group(child.pid, sig)
+                else:
+                    signal_group(child.pid, sig)
 
     def on_signal(self, signum, frame):
         self.signalled = signum
@@ -174,14 +255,15 @@ class Wrapper(object):
                     child.reported = True
 
     def run(self):
+        self.out += MAGIC  # whatever a login shell printed before this is not ours
+        self.flush(time.monotonic() + 30.0)
         try:
-            header = self.read_header()
+            header = self.prepare()
         except (EOFError, ValueError):
             return 2
         for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self.on_signal)
         become_subreaper()  # a process that leaves its group is still ours to stop
-        self.out += MAGIC  # whatever a login shell printed before this is not ours
         os.set_blocking(1, False)
         interval = float(header.get("keepalive") or 5.0)
         lost_after = float(header.get("lost_after") or 4 * interval)

@@ -1,8 +1,8 @@
 """ssh connections for the ssh backend and ``pslaunch doctor`` (paramiko).
 
 One :class:`HostSession` per host: a paramiko ``Transport``, authenticated
-and host-key checked, reused for every exec (interface lookup, ``mkdir``,
-``kill``), SFTP, and the long-lived channels of the processes. If the server
+and host-key checked, reused for every exec and for the long-lived channel of
+the host's wrapper. If the server
 refuses another channel (sshd's ``MaxSessions``, 10 by default), the session
 opens one more connection to the same host and continues there.
 
@@ -658,17 +658,6 @@ class HostSession:
         finally:
             chan.close()
             self.channel_closed()
-
-    def sftp(self) -> paramiko.SFTPClient:
-        import paramiko
-
-        with self._lock:
-            transport = self.transports[0]
-        try:
-            return paramiko.SFTPClient.from_transport(transport)
-        except (paramiko.SSHException, EOFError, OSError) as e:
-            raise LaunchError(f"{self.label}: cannot start SFTP ({e}); is the sftp subsystem enabled in "
-                              "sshd_config? installing rsync there avoids SFTP") from None
 
     def close(self) -> None:
         with self._lock:

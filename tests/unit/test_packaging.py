@@ -72,3 +72,34 @@ def test_the_trainer_without_torch_is_one_line(bare_python: str, role: str | Non
     r = subprocess.run([bare_python, "-m", "trainer.train_mnist", "--help"], capture_output=True, text=True,
                        timeout=60, env=env, cwd="/")
     assert r.returncode == 0 and "--kv-store" in r.stdout, r.stderr
+
+
+def test_the_wheel_holds_every_package(tmp_path) -> None:
+    """A regular (not editable) install has the launcher, the contract package the launcher and
+    the trainer import, and the trainer; and runs from a directory that holds none of them."""
+    import shutil
+
+    src = tmp_path / "src"  # the checkout's files only: a stale build/ directory here must not count
+    listed = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            capture_output=True, check=True, timeout=60).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        if (REPO / rel).is_file():
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, src / rel)
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                        "-w", str(tmp_path), str(src)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    import zipfile
+
+    (wheel,) = tmp_path.glob("pslaunch-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for pkg in ("launcher", "pscontract", "trainer"):
+        assert f"{pkg}/__init__.py" in names, (pkg, names[:20])
+    assert "launcher/node/ssh_wrapper.py" in names and "pscontract/netif.py" in names
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    code = "import pscontract, launcher.node, launcher.spec.plan; print(launcher.node.ROOT)"  # (no site: no click)
+    r = subprocess.run([sys.executable, "-S", "-c", f"import sys; sys.path.insert(0, {str(site)!r}); {code}"],
+                       capture_output=True, text=True, timeout=60, cwd="/", env={"PATH": os.environ["PATH"]})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(site)

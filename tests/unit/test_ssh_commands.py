@@ -14,7 +14,6 @@ from launcher.backends.ssh import (
     SSHBackend,
     hosts_with_processes,
     kill_command,
-    netif_command,
     wrapper_command,
     wrapper_header,
     wrapper_payload,
@@ -22,8 +21,7 @@ from launcher.backends.ssh import (
 from launcher.node.ssh_wire import BOOTSTRAP, HOST_ID, KEEPALIVE, MAGIC, FrameDecoder
 from launcher.spec.job import Host, JobSpec, Role
 from launcher.spec.plan import ProcSpec, build_plan
-from launcher.transport.ssh import SSHOptions, Target
-from launcher.transport.sync import Syncer, parse_prepare_dir, prepare_dir_command
+from launcher.transport.ssh import SSHOptions
 
 
 def test_wrapper_command_is_the_bootstrap_and_nothing_job_specific() -> None:
@@ -34,7 +32,7 @@ def test_wrapper_command_is_the_bootstrap_and_nothing_job_specific() -> None:
 
 
 #: what a host's python3 runs for the ssh backend: Python 3.5 syntax
-OLD_PYTHON_MODULES = ("ssh_loader", "ssh_wrapper", "ssh_wire", "procgroup", "__init__")
+OLD_PYTHON_MODULES = ("ssh_loader", "ssh_wrapper", "ssh_wire", "procgroup", "treesync", "__init__")
 
 
 @pytest.mark.parametrize("name", OLD_PYTHON_MODULES)
@@ -81,23 +79,6 @@ def test_kill_command_signals_process_groups_only() -> None:
         kill_command("TERM", [1, 0])
     with pytest.raises(ValueError):
         kill_command("TERM; rm -rf /", [99])
-
-
-def test_netif_and_directory_commands_quote_their_arguments() -> None:
-    assert netif_command("10.1.0.0/16") == "python3 -S - 10.1.0.0/16"
-    assert netif_command("eth0; touch x") == "python3 -S - 'eth0; touch x'"
-    assert prepare_dir_command("/tmp/job") == ('mkdir -p -- /tmp/job && cd -- /tmp/job && echo "pslaunch-dir=$(pwd)" '
-                                               '&& echo "pslaunch-rsync=$(command -v rsync)"')
-    assert prepare_dir_command("my dir/$(id)").startswith("mkdir -p -- 'my dir/$(id)' && cd -- 'my dir/$(id)' && ")
-    # a leading ~ is the remote home (not a directory named "~"); the rest stays quoted
-    assert prepare_dir_command("~/my job").startswith('mkdir -p -- "$HOME"/\'my job\' && cd -- "$HOME"/\'my job\' && ')
-    assert prepare_dir_command("~").startswith('mkdir -p -- "$HOME" && cd -- "$HOME" && ')
-    assert prepare_dir_command("~/$(id)").startswith("mkdir -p -- \"$HOME\"/'$(id)' && ")
-    assert prepare_dir_command("~other/x").startswith("mkdir -p -- '~other/x' && ")
-    # what a login shell prints from its rc files does not confuse the parser
-    assert parse_prepare_dir("Welcome!\npslaunch-dir=/home/u/job x\npslaunch-rsync=/usr/bin/rsync\n") == \
-        ("/home/u/job x", True)
-    assert parse_prepare_dir("pslaunch-dir=/tmp/j\npslaunch-rsync=\n") == ("/tmp/j", False)
 
 
 def test_frame_decoder_handles_split_and_joined_frames() -> None:
@@ -147,62 +128,25 @@ def test_dry_run_shows_hosts_commands_and_sync(monkeypatch, tmp_path) -> None:
         in lines[0]
     assert "  A: me@A:22, cwd /tmp/job: server 0, worker 1" in lines
     assert "  bob@B:2222: bob@B:2222, cwd /tmp/job: worker 0" in lines
-    assert ("  rsync -az -s --stats --timeout=60 --delete --exclude=.git --exclude=__pycache__ '--exclude=*.log' -e "
-            "'ssh -F /dev/null -p 2222 -l bob -o BatchMode=yes -o StrictHostKeyChecking=yes -o ConnectTimeout=10 "
-            f"-o '\"'\"'UserKnownHostsFile={tmp_path}/.ssh/known_hosts {tmp_path}/.ssh/known_hosts2'\"'\"''"
-            " /home/me/job/ B:/tmp/job/") in lines
+    assert ("sync to /tmp/job on each host, through its wrapper on the job's connection (files that differ in size "
+            "or modification time; 0 to compare; what is gone here is deleted there):") in lines
     assert "0" * 64 not in text
 
 
-class _Watchdog:
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, int]] = []
-
-    def watch(self, pgid: int) -> None:
-        self.calls.append(("watch", pgid))
-
-    def forget(self, pgid: int) -> None:
-        self.calls.append(("forget", pgid))
-
-
-def test_rsync_runs_in_its_own_group_known_to_the_watchdog(tmp_path, monkeypatch) -> None:
-    """If the launcher is killed during a sync, the watchdog stops rsync (and its ssh) too."""
-    import os
-    import types
-
-    fake = tmp_path / "bin" / "rsync"
-    fake.parent.mkdir()
-    report = tmp_path / "ids"
-    fake.write_text(f'#!/bin/sh\necho "$$ $(ps -o pgid= -p $$)" > {report}\n'
-                    'echo "Number of regular files transferred: 2"\necho "Total bytes sent: 10"\n')
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
-    watchdog = _Watchdog()
-    syncer = Syncer(str(tmp_path), "/tmp/job", SSHOptions(), watchdog)
-    session = types.SimpleNamespace(label="A", target=Target(host=Host("A"), hostname="A", port=22, user="me"))
-    stats = syncer._rsync(session, "/tmp/job")
-    assert (stats.files, stats.bytes) == (2, 10)
-    pid, pgid = (int(x) for x in report.read_text().split())
-    assert pid == pgid  # a group of its own, which the watchdog can kill whole
-    assert watchdog.calls == [("watch", pid), ("forget", pid)]
-
-
-def test_an_interrupt_during_the_sync_stops_rsync_at_once() -> None:
-    """Ctrl-C while hosts sync: the launcher does not wait for the rsyncs to finish (they are in
-    groups of their own, so the terminal's SIGINT does not reach them): it kills them."""
+def test_an_interrupt_while_hosts_prepare_returns_at_once() -> None:
+    """Ctrl-C while the hosts' wrappers sync: the launcher does not wait for them (close() then ends
+    the connections, and each wrapper stops with its channel)."""
     import io
     import signal
-    import subprocess
+    import threading
     import time
     import types
 
     from launcher.runtime.output import Console
 
     backend = SSHBackend(_spec(sync_dst_dir="/tmp/job"), Console(stdout=io.BytesIO(), stderr=io.BytesIO()), None)
-    slow = subprocess.Popen(["sleep", "30"], start_new_session=True)
-    backend.syncer = Syncer("/src", "/tmp/job", SSHOptions())
-    backend.syncer._rsyncs.add(slow)
     backend.hosts = {("me", "A", 22): types.SimpleNamespace(label="A")}
+    never = threading.Event()
 
     class Interrupted(BaseException):
         pass
@@ -215,13 +159,11 @@ def test_an_interrupt_during_the_sync_stops_rsync_at_once() -> None:
     t0 = time.monotonic()
     try:
         with pytest.raises(Interrupted):
-            backend._per_host(lambda host: slow.wait(), "sync")
+            backend._per_host(lambda host: never.wait(30), "prepare")
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
-        if slow.poll() is None:
-            slow.kill()
-    assert slow.wait(timeout=5) == -signal.SIGKILL
+        never.set()
     assert time.monotonic() - t0 < 5
 
 
@@ -236,4 +178,4 @@ def test_dry_run_without_paramiko_says_the_config_was_not_applied(tmp_path) -> N
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "  note: ~/.ssh/config not applied (paramiko is not installed)" in r.stdout
-    assert "rsync -az" in r.stdout
+    assert "through its wrapper on the job's connection" in r.stdout
