@@ -14,7 +14,8 @@ its dmlc tracker, local mode) when an MXNet venv is available
 tracker crashes on Python >= 3.9 (``Thread.isAlive``); the benchmark patches
 that one attribute in memory so the predecessor can run at all.
 
-    .venv/bin/python scripts/bench_launch.py                # N = 1, 4, 16, 32
+    .venv/bin/python scripts/bench_launch.py                # N = 1, 4, 16, 32, 64
+    .venv/bin/python scripts/bench_launch.py --first-batch  # and Enter to the first training batch
     .venv/bin/python scripts/bench_launch.py -N 4 -r 10
     .venv/bin/python scripts/bench_launch.py --launcher ssh   # 2 and 4 hosts x 1, 4, 16 per host (root)
 """
@@ -23,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -138,6 +141,121 @@ def bench_failure(root: str, n: int, repeats: int) -> list[float]:
     return times
 
 
+# --- Enter to the first training batch ----------------------------------------------------------------
+
+FIRST_BATCH = re.compile(r"Epoch\[0\] Batch \[")
+TRAIN_ARGS = ["--network", "mlp", "--kv-store", "dist_sync", "--num-epochs", "1", "--disp-batches", "1"]
+
+
+def _dmlc_argv(mxnet_python: str, *args: str) -> list[str]:
+    """MXNet 1.9.1's tools/launch.py (its dmlc tracker; ``Thread.isAlive`` patched for Python 3.9+)."""
+    shim = ("import threading, runpy, sys, os, importlib.util; threading.Thread.isAlive = threading.Thread.is_alive; "
+            "spec = importlib.util.find_spec('mxnet'); "
+            "path = os.path.join(spec.submodule_search_locations[0], 'tools', 'launch.py'); "
+            "sys.argv = ['launch.py'] + sys.argv[1:]; runpy.run_path(path, run_name='__main__')")
+    return [mxnet_python, "-c", shim, *args]
+
+
+def first_batch(argv: list[str], cwd: str, env: dict[str, str], timeout: float = 300) -> float:
+    """Seconds from starting ``argv`` until a worker prints its first Speedometer line; then the job
+    is stopped (the launcher's whole session: launch.py never stops its processes itself)."""
+    t0 = time.time()
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    assert proc.stdout is not None
+    tail: list[bytes] = []
+    try:
+        end = t0 + timeout
+        for line in proc.stdout:
+            if FIRST_BATCH.search(line.decode(errors="replace")):
+                return time.time() - t0
+            tail = (tail + [line])[-20:]
+            if time.time() > end:
+                break
+        raise RuntimeError(f"{argv[0]}: no training batch (exit {proc.poll()}): "
+                           + b"".join(tail).decode(errors="replace")[-1500:])
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)  # launch.py and its children; pslaunch stops its own
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=15)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        proc.stdout.close()
+        _kill_leftovers(env.get("BENCH_MARK", ""))
+
+
+def _kill_leftovers(mark: str) -> None:
+    """Whatever a stopped job left (launch.py's ps-lite processes outlive it): found by the mark
+    every process of the run inherited."""
+    if not mark:
+        return
+    needle = f"BENCH_MARK={mark}".encode()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        os.kill(int(entry), signal.SIGKILL)
+            except OSError:
+                continue
+
+
+def bench_first_batch(a: argparse.Namespace, compare: bool) -> None:
+    """Enter to the first batch of ``-n 2 -s 1`` dist_sync: MXNet's example (or its stand-in) under
+    both launchers, and our trainer under pslaunch."""
+    example = os.environ.get("PSLAUNCH_MXNET_EXAMPLE")
+    rows: dict[str, dict[str, list[float]]] = {}
+    workdir = tempfile.mkdtemp(prefix="bench-first-batch-")
+    try:
+        if compare:
+            if example:
+                shutil.copytree(example, os.path.join(workdir, "ex"),
+                                ignore=shutil.ignore_patterns("data", "*.pyc", "__pycache__"))
+                subprocess.run([sys.executable, "-m", "trainer.data", "--export-idx", os.path.join(workdir, "ex", "data")],
+                               check=True, capture_output=True, timeout=300, cwd=REPO)
+                mx_cwd, mx_prog, mx_name = os.path.join(workdir, "ex"), ["train_mnist.py"], "MXNet's train_mnist.py"
+            else:
+                mx_cwd, mx_prog = workdir, [os.path.join(REPO, "scripts", "bench_train_mxnet.py")]
+                mx_name = "MXNet (bench_train_mxnet.py)"
+            mx = [a.mxnet_python, *mx_prog, *TRAIN_ARGS]
+            rows[mx_name] = {"pslaunch": [], "launch.py": []}
+        ours = [sys.executable, os.path.join(REPO, "trainer", "train_mnist.py"), *TRAIN_ARGS]
+        rows["our trainer"] = {"pslaunch": []}
+        for i in range(a.repeats):
+            for name, sides in rows.items():  # interleaved: the load changes hit both launchers alike
+                for side in sides:
+                    env = dict(os.environ, PYTHONPATH=REPO, BENCH_MARK=f"{os.getpid()}-{i}-{side}")
+                    if name == "our trainer":
+                        argv = [sys.executable, "-m", "launcher", "-n", "2", "-s", "1", *ours]
+                        cwd = REPO
+                    elif side == "pslaunch":
+                        argv = [sys.executable, "-m", "launcher", "-n", "2", "-s", "1", *mx]
+                        cwd = mx_cwd
+                    else:
+                        argv = _dmlc_argv(a.mxnet_python, "-n", "2", "-s", "1", "--launcher", "local", *mx)
+                        cwd = mx_cwd
+                    sides[side].append(first_batch(argv, cwd, env))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(f"\nEnter to the first training batch (-n 2 -s 1, dist_sync, mlp, the first Speedometer line of a "
+          f"worker), median of {a.repeats}")
+    print(f"{'program':<34} | {'pslaunch':>9} | {'launch.py':>9} | {'ratio':>6}")
+    for name, sides in rows.items():
+        ours_s = statistics.median(sides["pslaunch"])
+        line = f"{name:<34} | {ours_s:>8.2f}s |"
+        if "launch.py" in sides:
+            theirs = statistics.median(sides["launch.py"])
+            line += f" {theirs:>8.2f}s | {theirs / ours_s:>5.2f}x"
+        else:
+            line += f" {'-':>9} | {'-':>6}"
+        print(line, flush=True)
+
+
 def _mxnet_tools_available(python: str) -> bool:
     try:
         return subprocess.run([python, "-c", "import importlib.util as u, dmlc_tracker; assert u.find_spec('mxnet')"],
@@ -149,12 +267,15 @@ def _mxnet_tools_available(python: str) -> bool:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-N", "--workers", type=int, nargs="+", default=[1, 4, 16, 32],
+    ap.add_argument("-N", "--workers", type=int, nargs="+", default=[1, 4, 16, 32, 64],
                     help="worker counts (servers = workers)")
     ap.add_argument("-r", "--repeats", type=int, default=5)
     ap.add_argument("--mxnet-python", default=os.environ.get("PSLAUNCH_MXNET_PYTHON")
                     or os.path.join(REPO, ".venv-mxnet", "bin", "python"))
     ap.add_argument("--no-compare", action="store_true", help="skip the MXNet launch.py side")
+    ap.add_argument("--first-batch", action="store_true",
+                    help="also: Enter to the first training batch of -n 2 -s 1 (MXNet's example when "
+                         "PSLAUNCH_MXNET_EXAMPLE names it, else scripts/bench_train_mxnet.py; and our trainer)")
     ap.add_argument("--no-failure", dest="failure", action="store_false",
                     help="skip the fail-fast measurement (failure to launcher exit)")
     ap.add_argument("--launcher", choices=["local", "ssh"], default="local",
@@ -173,19 +294,23 @@ def main() -> int:
     print("time from starting the launcher until: the first process runs / every process runs / the launcher exits")
     head = f"{'N':>3} {'procs':>5} | {'pslaunch first':>14} {'all':>8} {'exit':>8}"
     if compare:
-        head += f" | {'launch.py first':>15} {'all':>8} {'exit':>8} | {'all: ratio':>10}"
+        head += (f" | {'launch.py first':>15} {'all':>8} {'exit':>8} | "
+                 f"{'launch.py / pslaunch: first':>27} {'all':>6} {'exit':>6}")
     print(head)
     print("-" * len(head))
     try:
         for n in a.workers:
-            ours = [bench_pslaunch(job, root, n) for _ in range(a.repeats)]
+            ours, theirs = [], []
+            for _ in range(a.repeats):  # interleaved: the load changes hit both launchers alike
+                ours.append(bench_pslaunch(job, root, n))
+                if compare:
+                    theirs.append(bench_dmlc(a.mxnet_python, job, root, n))
             row = [statistics.median(x[i] for x in ours) for i in range(3)]
             line = f"{n:>3} {2 * n + 1:>5} | {row[0] * 1000:>11.0f} ms {row[1] * 1000:>5.0f} ms {row[2] * 1000:>5.0f} ms"
             if compare:
-                theirs = [bench_dmlc(a.mxnet_python, job, root, n) for _ in range(a.repeats)]
                 peer = [statistics.median(x[i] for x in theirs) for i in range(3)]
                 line += (f" | {peer[0] * 1000:>12.0f} ms {peer[1] * 1000:>5.0f} ms {peer[2] * 1000:>5.0f} ms"
-                         f" | {peer[1] / row[1]:>9.2f}x")
+                         f" | {peer[0] / row[0]:>26.2f}x {peer[1] / row[1]:>5.2f}x {peer[2] / row[2]:>5.2f}x")
             print(line, flush=True)
         if a.failure:
             print()
@@ -196,6 +321,8 @@ def main() -> int:
                 t = bench_failure(root, n, a.repeats)
                 print(f"{n:>3} {2 * n + 1:>5} | {statistics.median(t) * 1000:>5.0f} ms {max(t) * 1000:>5.0f} ms",
                       flush=True)
+        if a.first_batch:
+            bench_first_batch(a, compare)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if not compare and not a.no_compare:
