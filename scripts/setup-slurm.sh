@@ -416,8 +416,10 @@ start_ctld() {
     pid=$(ctld_pid || true)
     if [ -n "$pid" ] && [ $CONFIG_CHANGED = 0 ] && ctld_answers; then note "slurmctld runs (pid $pid)"; return 0; fi
     [ -z "$pid" ] || stop_pid "$pid" slurmctld
-    # a changed node list does not match the saved state: start clean
-    [ $CONFIG_CHANGED = 0 ] || args=(-c)
+    # a test cluster's jobs do not outlive its controller: whatever state the last one saved (jobs
+    # of a machine that rebooted hold their nodes as "mix" for ever; a changed node list does not
+    # match) is cleared
+    args=(-c)
     note "starting slurmctld ${args[*]}"
     (cd / && exec /usr/sbin/slurmctld "${args[@]}" </dev/null >>"$SETUP_LOG" 2>&1 8>&-) \
         || { log_tail "$LOGS/slurmctld.log" "$SETUP_LOG"; fail "slurmctld did not start"; }
