@@ -197,10 +197,16 @@ class Backend:
         """Start the servers and workers (servers first); a :class:`ProcGroup` of one handle each,
         in the order of ``procs``.
 
-        On an exception the supervisor stops whatever handles it already holds; a backend
-        must clean up whatever else it half-started itself.
+        On an exception (a Ctrl-C while tasks wait in a queue, ``--start-timeout``) the
+        supervisor stops what :meth:`started` returns with the rest of the job; a backend must
+        clean up whatever else it half-started itself.
         """
         raise NotImplementedError
+
+    def started(self) -> ProcGroup:
+        """What :meth:`start` had started when it raised, for the supervisor's staged stop
+        (SIGTERM, ``--kill-grace``, SIGKILL). The default: nothing, the backend stopped it."""
+        return ProcGroup()
 
     def close(self) -> None:
         """Release sessions and connections. Idempotent."""

@@ -240,6 +240,12 @@ class BatchBackend(Backend):
         order = {(p.role, p.rank): i for i, p in enumerate(procs)}
         return ProcGroup(sorted(self.tasks, key=lambda t: order[(t.proc.role, t.proc.rank)]))
 
+    def started(self) -> ProcGroup:
+        """The tasks submitted so far: a task whose agent is connected is stopped through it (a
+        graceful stop, then a kill), the others through the batch system."""
+        with self.lock:
+            return ProcGroup(list(self.tasks))
+
     def add_task(self, task: BatchTask) -> None:
         with self.lock:
             self.tasks.append(task)
@@ -370,8 +376,11 @@ class BatchBackend(Backend):
         if t.code is not None:
             return
         sent = self.hub is not None and self.hub.send(t.ident, command)
-        if command == "KILL" or (command == "TERM" and not sent):
-            self.cancel([t])  # a KILL also goes to the batch system: an agent may be stuck
+        if command in ("TERM", "KILL") and not sent:
+            self.cancel([t])
+        # (a KILL the agent got is not also sent to the batch system at once: removing the task
+        # there may kill the agent before it kills the command, and a command that outlives its
+        # agent is stopped only after the job's grace; a stuck agent's task is removed by close())
 
     # -- the end ---------------------------------------------------------------------------------------
 

@@ -149,7 +149,12 @@ class Supervisor:
                     self._timing("scheduler started")
                 self.signals.check()
                 if plan.procs:
-                    self._add(backend.start(plan.procs))
+                    try:
+                        group = backend.start(plan.procs)
+                    except BaseException:
+                        self._add(backend.started())  # stopped with the rest, not only removed at close
+                        raise
+                    self._add(group)
                     self._timing(f"{len(plan.procs)} servers and workers started")
                     self.signals.check()
                 outcome = self._monitor()

@@ -184,3 +184,39 @@ def test_success_summary_records_every_process(tmp_path) -> None:
     assert all(not p["stopped_by_launcher"] and p["exit_code"] == 0 and p["host"] == "fakehost"
                for p in procs.values())
     assert all(s.events == [] for s in scripts.values())  # nothing was signalled
+
+
+def test_a_ctrl_c_while_the_backend_waits_for_its_tasks_stops_what_it_started(tmp_path) -> None:
+    # a batch backend's start() waits until every task runs; a Ctrl-C there raises out of it.
+    # What it had started is stopped like the rest (SIGTERM, then SIGKILL on the second Ctrl-C),
+    # not left to the batch system's removal at close (which some systems do with SIGTERM only).
+    scripts = {"worker-0": Script(ignores_term=True), "worker-1": Script(ignores_term=True)}
+    clock = Clock()
+    started: list = []
+
+    class WaitingBackend(Backend):
+        name = "fake"
+        remote = True
+
+        def start(self, procs: Sequence[ProcSpec]) -> ProcGroup:
+            started.extend(FakeHandle(p, self.console.proc(p.name, p.label, str(p.role)), clock, scripts[p.name],
+                                      clock.now) for p in procs)
+            sup.signals.handle(signal.SIGINT)  # while the tasks are "queued": raises Interrupted
+            raise AssertionError("the signal did not interrupt start()")
+
+        def started(self) -> ProcGroup:
+            return ProcGroup(started)
+
+    def second_ctrl_c(now: float) -> None:
+        if now - 1000.0 >= 2.0 and sup.signals.count == 1:
+            sup.signals.handle(signal.SIGINT)
+
+    spec = JobSpec(command=("prog",), num_workers=2, num_servers=0, launcher="fake", kill_grace=10.0)
+    sup = Supervisor(spec, Console(stdout=io.BytesIO(), stderr=io.BytesIO(), color=False), backend=WaitingBackend,
+                     clock=clock, watchdog=False)
+    clock.on_sleep.append(second_ctrl_c)
+    result = sup.run()
+    assert result.exit_code == 130 and result.reason == "signal"
+    for s in scripts.values():
+        assert [e for _, e in s.events] == ["TERM", "KILL"]
+        assert s.events[1][0] == pytest.approx(2.0, abs=0.05)  # at the second Ctrl-C, not after the grace
