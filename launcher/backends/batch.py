@@ -248,11 +248,11 @@ class BatchBackend(Backend):
         """The hub on the scheduler's address (every node reaches it: that is what
         ``needs_scheduler_address`` asked for), on a free port of ``--port-range``."""
         env = procs[0].env
-        root, secret = env.get(pc.ROOT_URI, ""), env.get(pc.SECRET, "")
-        if not root or not secret:
+        service, secret = pc.service_endpoint(env), env.get(pc.SECRET, "")  # the scheduler's or the tracker's
+        if service is None or not secret:
             return None
-        lo, _ = self.spec.port_range
-        ports = hub_ports(self.spec.port_range, int(env.get(pc.ROOT_PORT, lo) or lo))
+        root = service[0]
+        ports = hub_ports(self.spec.port_range, service[1] or self.spec.port_range[0])
         assert self.pump is not None
         try:
             hub = Hub(self.pump, secret, root, ports, [p.task_id for p in procs if p.task_id is not None],

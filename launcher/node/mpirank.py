@@ -97,7 +97,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise AgentError(str(e)) from None
         env = mpi_wire.child_environ(environ, job_env)
         try:
-            env[pc.NODE_HOST] = netif.node_address(env.get(pc.INTERFACE), env.get(pc.ROOT_URI),
+            service = pc.service_endpoint(env)  # the scheduler's or the tracker's address
+            env[pc.NODE_HOST] = netif.node_address(env.get(pc.INTERFACE), service[0] if service else None,
                                                    env.get(pc.NODE_HOST))
         except netif.NetifError as e:
             raise AgentError(f"on {socket.gethostname()}: cannot work out this node's address: {e}") from None

@@ -112,11 +112,13 @@ def load_task_file(path: str) -> dict[str, Any]:
 
 
 def node_address(environ: Mapping[str, str]) -> str:
-    """``DMLC_NODE_HOST`` for this node (:func:`pscontract.netif.node_address`)."""
-    if not environ.get(pc.INTERFACE, "").strip() and not environ.get(pc.ROOT_URI, "").strip():
-        raise TaskError(f"{pc.ROOT_URI} is not set in the task file")
+    """``DMLC_NODE_HOST`` for this node (:func:`pscontract.netif.node_address`; toward the job's
+    scheduler or tracker, :func:`pscontract.service_endpoint`)."""
+    service = pc.service_endpoint(environ)
+    if not environ.get(pc.INTERFACE, "").strip() and service is None:
+        raise TaskError(f"neither {pc.ROOT_URI} nor {pc.TRACKER_URI} nor {pc.MASTER_ADDR} is set in the task file")
     try:
-        return netif.node_address(environ.get(pc.INTERFACE), environ.get(pc.ROOT_URI))
+        return netif.node_address(environ.get(pc.INTERFACE), service[0] if service else None)
     except netif.NetifError as e:
         raise TaskError(f"cannot work out this node's address: {e}") from None
 

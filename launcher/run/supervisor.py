@@ -24,7 +24,7 @@ import os
 import time
 from typing import Any, Mapping, Optional
 
-from .. import backends
+from .. import backends, trackers
 from ..backends.base import Backend
 from ..errors import LaunchError
 from ..node.watchdog import Client as Watchdog
@@ -73,6 +73,7 @@ class Supervisor:
         self.start_time = clock.time()
         self.stopped: set[str] = set()  # processes the launcher stopped (names)
         self.first: Optional[ProcessHandle] = None
+        self.tracker: Optional[trackers.TrackerHandle] = None  # a collective job's (--tracker), not a process
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -101,7 +102,11 @@ class Supervisor:
                     outcome = ("signal", self.signals.exit_code)
                 finally:
                     self.signals.raise_now = False
-                    self._shutdown(dump=outcome is not None and outcome[0] == "timeout")
+                    try:
+                        self._shutdown(dump=outcome is not None and outcome[0] == "timeout")
+                    finally:
+                        if self.tracker is not None:
+                            self.tracker.close()  # only now: a worker may need it until it exits
         finally:
             if self.pump is not None:
                 self.pump.stop()
@@ -121,6 +126,8 @@ class Supervisor:
     def _log_start(self, plan: Plan) -> None:
         s = self.spec
         sched = f", scheduler at {plan.root_uri}:{plan.root_port}" if plan.scheduler else ""
+        if self.tracker is not None:
+            sched = f", {self.tracker.label} at {plan.root_uri}:{plan.root_port}"
         log.info("starting %d server%s and %d worker%s on %s (%s)%s",
                  s.num_servers, "" if s.num_servers == 1 else "s", s.num_workers, "" if s.num_workers == 1 else "s",
                  self.backend_cls.where(s, plan), s.launcher, sched)
@@ -136,6 +143,18 @@ class Supervisor:
         job_id = os.urandom(6).hex()
         lo, hi = spec.port_range
         here = root_uri if self.backend_cls.all_here(spec) else None
+        tracker = trackers.create(spec, self.console, self.watchdog)
+        if tracker is not None:  # a collective job: its tracker serves where the scheduler would run
+            self.tracker = trackers.TrackerHandle(tracker)  # (held before it starts: close() always reaches it)
+            port = tracker.start(root_uri)
+            self.tracker.pid = tracker.pid
+            self.plan = plan = build_plan(spec, root_uri=root_uri, root_port=port, secret=secret, job_id=job_id,
+                                          addresses=addresses, here=here, inherit_environ=not self.backend_cls.remote)
+            if plan.overridden:
+                log.warning("the launcher sets %s itself; the values from your environment or --env are ignored",
+                            ", ".join(plan.overridden))
+            self._log_start(plan)
+            return plan
         port = lo - 1
         for attempt in range(1, MAX_PORT_ATTEMPTS + 1):
             port = addr.first_free_port(lo, hi, after=port)
@@ -203,6 +222,8 @@ class Supervisor:
                     running += 1
                 elif code != 0:
                     failed.append(h)
+            if not failed and running and self.tracker is not None and self.tracker.poll() not in (None, 0):
+                failed.append(self.tracker)  # the tracker failed and no worker did (see trackers.FAILURE_GRACE)
             if failed:
                 self.first = min(failed, key=lambda h: h.end_time or 0.0)
                 return "failure", self.first.exit_code or 1
