@@ -95,6 +95,10 @@ RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
 #: A torch job's role name (torchrun's default ``--role``).
 TORCH_ROLE = "default"
+# The interface torch's gloo and NCCL bind: by default gloo takes the address the host's name
+# resolves to, often 127.0.x.x, and then no other host reaches it.
+GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
+NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
 
 ROLES = ("scheduler", "server", "worker")
 
@@ -287,6 +291,22 @@ def torch_contract(*, master_addr: str, master_port: int, task_id: int, num_work
     })
     if place is not None:
         env.update(torch_placement(place))
+    return env
+
+
+def torch_sockets(environ: Mapping[str, str], interface: str | None) -> dict[str, str]:
+    """For a torch worker (``MASTER_ADDR`` set) whose ``DMLC_INTERFACE`` selects ``interface`` (a name)
+    on its node: ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` (``=name``: that interface
+    exactly), each unless already set; so gloo and NCCL use the network ``DMLC_INTERFACE`` names,
+    whatever the interface is called on each host (a CIDR). Nothing for another job or without
+    an interface."""
+    if not interface or not environ.get(MASTER_ADDR):
+        return {}
+    env = {}
+    if not environ.get(GLOO_SOCKET_IFNAME):
+        env[GLOO_SOCKET_IFNAME] = interface
+    if not environ.get(NCCL_SOCKET_IFNAME):
+        env[NCCL_SOCKET_IFNAME] = "=" + interface
     return env
 
 

@@ -28,7 +28,13 @@ Task file (JSON)::
      "roles": {"server": {"first_task_id": 2, "count": 1, "env": {...}},
                "worker": {"first_task_id": 0, "count": 2, "env": {...}}},
      "hub": ["10.0.0.1", 9092],                 # optional: where the agent connects
+     "placement": {"timeout": 120.0},           # optional: report the host, wait for the rest
      "grace": 10.0}                             # --kill-grace
+
+With ``placement``, the agent tells the launcher which host it runs on and waits (at most
+``timeout`` seconds) for the variables that depend on which tasks share a host (torch's
+``RANK``, ``LOCAL_RANK``, ...; ``launcher.node.wire``, *Placement*), then starts the command
+with them.
 
 Run as ``node.command("task") --task-file F --role worker --index sge`` (or from the node
 bundle: ``python3 pslaunch-node.zip ...``). Standard library only.
@@ -48,7 +54,7 @@ import pscontract as pc
 from pscontract import netif
 
 from . import wire
-from .agent import Agent, catch_signals
+from .agent import Agent, AgentError, catch_signals
 
 TASK_FILE_VERSION = 2
 # What the batch systems set in each task: Grid Engine's 1-based array index and job number,
@@ -192,6 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         index = task_index(a.index, os.environ)
         env = task_environment(doc, a.role, index, os.environ)
         env[pc.NODE_HOST] = node_address(env)
+        if env.get(pc.INTERFACE, "").strip():  # (a torch job's gloo and NCCL: the same network)
+            env.update(pc.torch_sockets(env, netif.interface_name(env[pc.INTERFACE])))
         command = list(a.command[1:] if a.command[:1] == ["--"] else a.command) or list(doc.get("argv") or [])
         if not command:
             raise TaskError("no command: neither after -- nor in the task file")
@@ -203,6 +211,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ident = int(env[pc.TASK_ID])
     agent = Agent(ident, float(doc.get("grace", 10.0)), _connect(doc, ident, env), fallback="plain", tee=True,
                   prefix=PREFIX)
+    placement = doc.get("placement")
+    if placement:
+        try:
+            env.update(agent.placement(float(placement.get("timeout", 120.0))))
+        except AgentError as e:
+            return agent.fail(str(e), e.code)
     return agent.run(command, env, start={"addr": env[pc.NODE_HOST]})
 
 
