@@ -166,3 +166,16 @@ def test_ddp_over_ssh_on_two_hosts_with_a_cidr(testbed: Testbed, tmp_path: Path)
         assert [e["DMLC_NODE_HOST"] for _, e in sorted(by_rank.items())] == [first.addr_b] * 2 + [second.addr_b] * 2
     finally:
         shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.mark.xgboost
+@pytest.mark.timeout(300)
+def test_xgboost3_ranks_follow_its_trackers_order_from_ten_workers(tmp_path: Path) -> None:
+    # what the README warns about: XGBoost's tracker sorts task ids as strings ("10" before "2")
+    python = xgb("3.0")
+    out = tmp_path / "out"
+    r = run_pslaunch("-n", "11", "--tracker", "xgboost", "--kill-grace", "2", python, XGB, "--api", "args",
+                     "--only-rank", "--out", str(out), timeout=DEADLINE)
+    assert r.returncode == 0, r.stdout + r.stderr
+    ranks = {int(x["task_id"]): x["rank"] for x in results(out).values()}
+    assert ranks == {0: 0, 1: 1, 10: 2, **{t: t + 1 for t in range(2, 10)}}
