@@ -128,8 +128,8 @@ class Supervisor:
         sched = f", scheduler at {plan.root_uri}:{plan.root_port}" if plan.scheduler else ""
         if self.tracker is not None:
             sched = f", {self.tracker.label} at {plan.root_uri}:{plan.root_port}"
-        log.info("starting %d server%s and %d worker%s on %s (%s)%s",
-                 s.num_servers, "" if s.num_servers == 1 else "s", s.num_workers, "" if s.num_workers == 1 else "s",
+        servers = f"{s.num_servers} server{'' if s.num_servers == 1 else 's'} and " if s.num_servers else ""
+        log.info("starting %s%d worker%s on %s (%s)%s", servers, s.num_workers, "" if s.num_workers == 1 else "s",
                  self.backend_cls.where(s, plan), s.launcher, sched)
 
     def _start_scheduler(self, root_uri: str, addresses: Mapping[Host, str]) -> Plan:

@@ -80,6 +80,7 @@ def main() -> int:
         opt.step()
     record["params"] = [p.detach().reshape(-1).tolist() for p in model.parameters()]
     record["loss"] = float(loss.detach())
+    del net, opt  # (DDP's reducer holds the process group: gone before the group is destroyed)
     return finish(a, record, task, dist if not a.solo else None)
 
 
