@@ -185,3 +185,26 @@ def test_only_the_node_package_knows_where_node_programs_are() -> None:
             continue
         text = path.read_text(encoding="utf-8")
         assert "__file__" not in text, f"{name} locates files by its own path: use launcher.node.path/source/bundle"
+
+
+# --- frameworks ------------------------------------------------------------------------------------
+
+
+FRAMEWORKS = ("torch", "xgboost", "mxnet", "tensorflow")
+#: run as files with the user's Python (launcher.node.tracker_command): the only ones that may
+TRACKER_CHILDREN = {"launcher.trackers.xgboost_child": "xgboost", "launcher.trackers.torch_store": "torch"}
+
+
+def test_the_launcher_never_imports_a_framework() -> None:
+    for name in (n for n in ALL if n.startswith("launcher")):
+        for target, line in imports(name, ALL[name]):
+            top = target.split(".")[0]
+            if top in FRAMEWORKS:
+                assert TRACKER_CHILDREN.get(name) == top, f"{name}:{line} imports {target}"
+
+
+@pytest.mark.parametrize("name", sorted(TRACKER_CHILDREN))
+def test_the_tracker_children_import_nothing_of_pslaunch(name: str) -> None:
+    for target, line in imports(name, ALL[name]):
+        top = target.split(".")[0]
+        assert top in STDLIB or top == "__future__" or top == TRACKER_CHILDREN[name], f"{name}:{line} imports {target}"
