@@ -318,3 +318,12 @@ def test_dry_run_of_a_rabit_job(capsys) -> None:
     assert "  DMLC_TRACKER_URI=127.0.0.1" in out and "  DMLC_TRACKER_PORT=9091" in out
     assert "DMLC_NUM_SERVER=0" in out and "DMLC_PS_ROOT" not in out
     assert [r[:3] for r in dry_rows(out)] == [["worker", "0", "0"], ["worker", "1", "1"]]
+
+
+def test_dry_run_of_a_torch_job_on_a_batch_system_says_where_ranks_come_from(capsys) -> None:
+    assert cli.main(["-n", "2", "--tracker", "torch", "--launcher", "sge", "--host-ip", "10.0.0.1", "--dry-run",
+                     "python", "ddp.py"]) == 0
+    out = capsys.readouterr().out
+    assert "RANK, ROLE_RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE: sent to each task once " \
+           "every task has said which host it runs on" in out
+    assert "\n  MASTER_ADDR=10.0.0.1\n" in out and "LOCAL_RANK=" not in out.split("RANK, ROLE_RANK")[1]
