@@ -48,6 +48,10 @@ BIGARRAY_BOUND = "MXNET_KVSTORE_BIGARRAY_BOUND"
 SECRET = "PSLAUNCH_SECRET"
 INSECURE = "PSLAUNCH_INSECURE"
 JOB_ID = "PSLAUNCH_JOB_ID"
+# "<job id>/<process>" (``worker-1``): every process of a job has it, and so has whatever it starts,
+# however it detaches (setsid, a double fork): the launcher and the node programs find and stop
+# those by it when the job ends or their parent is killed.
+PROCESS = "PSLAUNCH_PROCESS"
 # Number of this job's servers and workers on the process's host; the trainer
 # divides the host's cores by it for its default thread count.
 LOCAL_PROCS = "PSLAUNCH_LOCAL_PROCS"
@@ -105,7 +109,7 @@ ROLES = ("scheduler", "server", "worker")
 #: Variables the launcher owns. An inherited or ``--env`` value is ignored.
 CONTRACT = frozenset(
     {ROLE, ROOT_URI, ROOT_PORT, NUM_WORKER, NUM_SERVER, TASK_ID, JOB_CLUSTER,
-     NODE_HOST, SECRET, JOB_ID, LOCAL_PROCS, START_TIMEOUT, TRACKER_URI, TRACKER_PORT}
+     NODE_HOST, SECRET, JOB_ID, PROCESS, LOCAL_PROCS, START_TIMEOUT, TRACKER_URI, TRACKER_PORT}
 )
 #: What a worker of a ``torch`` job gets on top of the dmlc worker variables; the launcher owns
 #: these too in such a job (a ``RANK`` inherited from an outer torchrun would be wrong here).
@@ -137,12 +141,14 @@ def contract(
     cluster: str | None = None,
     node_host: str | None = None,
     local_procs: int | None = None,
+    process: str | None = None,
 ) -> dict[str, str]:
     """The contract variables of one process.
 
     All roles get ``DMLC_ROLE``, ``DMLC_PS_ROOT_URI``, ``DMLC_PS_ROOT_PORT``,
     ``DMLC_NUM_WORKER``, ``DMLC_NUM_SERVER``, ``PSLAUNCH_SECRET``,
-    ``PSLAUNCH_JOB_ID`` and ``PS_START_TIMEOUT``. Servers and workers also get
+    ``PSLAUNCH_JOB_ID``, ``PSLAUNCH_PROCESS`` (``process``, the process's name such as
+    ``worker-1``: :func:`process_marker`) and ``PS_START_TIMEOUT``. Servers and workers also get
     ``DMLC_TASK_ID`` (workers ``0..N-1``, servers ``N..N+S-1``),
     ``DMLC_JOB_CLUSTER`` and, when known, ``DMLC_NODE_HOST`` and
     ``PSLAUNCH_LOCAL_PROCS``. A backend whose node address is only known on the
@@ -158,6 +164,7 @@ def contract(
         NUM_SERVER: str(num_servers),
         SECRET: secret,
         JOB_ID: job_id,
+        PROCESS: process_marker(job_id, process or role),
         START_TIMEOUT: _fmt_seconds(start_timeout),
     }
     if role != "scheduler":
@@ -172,6 +179,11 @@ def contract(
     return env
 
 
+def process_marker(job_id: str, process: str) -> str:
+    """``PSLAUNCH_PROCESS``'s value for process ``process`` (``worker-1``) of job ``job_id``."""
+    return f"{job_id}/{process}"
+
+
 def _worker_base(*, task_id: int, num_workers: int, cluster: str, secret: str, job_id: str,
                  start_timeout: float, node_host: str | None, local_procs: int | None) -> dict[str, str]:
     """What every worker of a collective job (no servers) gets, whatever its tracker."""
@@ -183,6 +195,7 @@ def _worker_base(*, task_id: int, num_workers: int, cluster: str, secret: str, j
         JOB_CLUSTER: cluster,
         SECRET: secret,
         JOB_ID: job_id,
+        PROCESS: process_marker(job_id, f"worker-{task_id}"),
         START_TIMEOUT: _fmt_seconds(start_timeout),
     }
     if node_host is not None:
@@ -200,7 +213,8 @@ def rabit_contract(*, tracker_uri: str, tracker_port: int, task_id: int, num_wor
     ``DMLC_TRACKER_URI``, ``DMLC_TRACKER_PORT`` (where the tracker listens), ``DMLC_ROLE=worker``,
     ``DMLC_TASK_ID`` (``0..N-1``), ``DMLC_NUM_WORKER``, ``DMLC_NUM_SERVER=0``,
     ``DMLC_JOB_CLUSTER``, and pslaunch's own (``PSLAUNCH_SECRET``, ``PSLAUNCH_JOB_ID``,
-    ``PS_START_TIMEOUT``, ``DMLC_NODE_HOST`` and ``PSLAUNCH_LOCAL_PROCS`` when known); no
+    ``PSLAUNCH_PROCESS``, ``PS_START_TIMEOUT``, ``DMLC_NODE_HOST`` and ``PSLAUNCH_LOCAL_PROCS``
+    when known); no
     ``DMLC_PS_ROOT_*``: there is no scheduler. XGBoost 2.0's rabit reads the tracker's address
     and the task id itself; an XGBoost 2.1+ script passes them to ``CommunicatorContext``.
     """

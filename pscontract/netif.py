@@ -18,11 +18,13 @@ doctor`` embeds it in its remote checks.
 from __future__ import annotations
 
 import ctypes
-import ipaddress
 import json
 import socket
 import sys
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    import ipaddress
 
 
 class NetifError(Exception):
@@ -36,6 +38,8 @@ class Iface(NamedTuple):
 
     @property
     def network(self) -> ipaddress.IPv4Network:
+        import ipaddress
+
         return ipaddress.IPv4Interface(f"{self.address}/{self.prefixlen}").network
 
 
@@ -102,6 +106,8 @@ def match(spec: str, ifaces: Sequence[Iface]) -> Iface:
     if not spec:
         raise NetifError("DMLC_INTERFACE is empty")
     if is_cidr(spec):
+        import ipaddress
+
         try:
             net = ipaddress.IPv4Network(spec, strict=False)
         except ValueError:
@@ -143,6 +149,8 @@ def route_source(dest: str) -> str:
 
 def resolve_ipv4(host: str) -> str:
     """``host`` as a dotted IPv4 address (zmq cannot bind or advertise a name)."""
+    import ipaddress
+
     try:
         ipaddress.IPv4Address(host)
         return host

@@ -152,6 +152,14 @@ class Backend:
         """Extra lines for ``--dry-run`` (commands, job templates); pure, no dependencies needed."""
         return []
 
+    @classmethod
+    def doctor(cls, environ: Mapping[str, str], *, queue: Optional[str] = None,
+               options: Any = None) -> Optional[list[tuple[str, bool, str]]]:
+        """``pslaunch doctor --launcher NAME``: what this host lacks for the backend, as
+        ``(check, passed, detail)`` rows; ``None`` when the backend has no checks of its own
+        (the hostfile backends are checked host by host: ``pslaunch doctor -H``)."""
+        return None
+
     # -- the lifecycle -------------------------------------------------------------------------
 
     def check(self) -> None:

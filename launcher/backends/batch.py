@@ -24,19 +24,20 @@ import logging
 import os
 import threading
 import time
-from typing import Any, ClassVar, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Sequence
 
 import pscontract as pc
 
 from ..errors import LaunchError
-from ..node import wire
 from ..node.procgroup import resolve_program
 from ..runtime.handle import ProcessHandle, ProcGroup
-from ..runtime.hub import Hub, hub_ports
 from ..runtime.output import PipePump, ProcOutput
 from ..spec.job import JobSpec, Role
 from ..spec.plan import ProcSpec, placement_env
 from .base import Backend
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..runtime.hub import Hub
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ TASK_FILE_VERSION = 2
 #: How much longer than ``--start-timeout`` an agent waits for its placement variables.
 PLACEMENT_WAIT = 60.0
 # Set per task by the wrapper, or meaningless on a cluster whose hosts are unknown here.
-_PER_TASK = (pc.TASK_ID, pc.NODE_HOST, pc.LOCAL_PROCS)
+_PER_TASK = (pc.TASK_ID, pc.NODE_HOST, pc.LOCAL_PROCS, pc.PROCESS)
 
 
 # --- pure builders --------------------------------------------------------------------------
@@ -263,6 +264,8 @@ class BatchBackend(Backend):
         service, secret = pc.service_endpoint(env), env.get(pc.SECRET, "")  # the scheduler's or the tracker's
         if service is None or not secret:
             return None
+        from ..runtime.hub import Hub, hub_ports  # (here: a job without a hub never loads it)
+
         root = service[0]
         ports = hub_ports(self.spec.port_range, service[1] or self.spec.port_range[0])
         assert self.pump is not None
@@ -310,6 +313,8 @@ class BatchBackend(Backend):
         t = self._by_ident.get(ident)
         if t is None:
             return
+        from ..node import wire  # (here: wire's hmac and hashlib are for jobs that have tasks)
+
         if kind in (wire.STDOUT_LINE, wire.STDERR_LINE):
             (t.output.stdout if kind == wire.STDOUT_LINE else t.output.stderr).feed(payload + b"\n")
         elif kind in (wire.STDOUT_PART, wire.STDERR_PART):

@@ -43,14 +43,11 @@ agent is not connected.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import logging
 import math
 import os
 import re
-import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -294,6 +291,8 @@ def environment_problem(environ: Mapping[str, str], exists: Callable[[str], bool
 
 def load_drmaa(environ: Mapping[str, str] = os.environ) -> Any:
     """Import the ``drmaa`` package, or raise a one-line :class:`BackendUnavailableError`."""
+    import importlib.util
+
     if importlib.util.find_spec("drmaa") is None:
         raise BackendUnavailableError("the sge backend needs the drmaa package: "
                                       "pip install 'pslaunch[sge]' (drmaa==0.7.9)")
@@ -343,6 +342,7 @@ class SGETask(BatchTask):
         self.state = "queued_active"
         self.reaped = False                     # Grid Engine no longer holds it
         self.files: dict[str, Any] = {}         # output file -> open binary file, once it exists
+        self.drained = False                    # its output files were read to the end and closed
 
     def where(self) -> str:
         return f"SGE task {self.job_task_id}"
@@ -438,6 +438,8 @@ class SGEBackend(BatchBackend):
         write_private_json(path, build_task_file(spec, procs, hub=hub))
         self.task_file = path
         by_role = {str(r): role_procs(procs, r) for r in (Role.SERVER, Role.WORKER)}
+        import shutil
+
         qdel = shutil.which("qdel")
         if qdel is None:
             log.warning("qdel is not on PATH: if pslaunch is killed with SIGKILL, nothing can delete its "
@@ -535,6 +537,9 @@ class SGEBackend(BatchBackend):
 
     def final_output(self, t: BatchTask) -> None:
         assert isinstance(t, SGETask)
+        if t.drained:  # (called when the task ends and again when the backend closes)
+            return
+        t.drained = True
         if t.channel == "none":
             self._tail(t, final=True)  # its output is in its files only
         else:

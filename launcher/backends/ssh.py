@@ -37,13 +37,10 @@ with every argument ``shlex``-quoted.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
-import getpass
 import json
 import logging
 import os
-import queue
 import shlex
 import socket
 import threading
@@ -60,19 +57,17 @@ from ..runtime.handle import ProcessHandle, ProcGroup
 from ..runtime.output import ProcOutput
 from ..spec.job import Host, JobSpec
 from ..spec.plan import Plan, ProcSpec, place
-from ..transport.ssh import (
-    HostSession,
-    SSHOptions,
-    Target,
-    connect_all,
-    require_paramiko,
-    resolve_targets,
-)
-from ..transport.sync import Syncer, SyncStats
+from ..transport.options import SSHOptions
 from .base import Backend, BackendOption
 
 if TYPE_CHECKING:  # pragma: no cover
     import paramiko
+
+    from ..transport.ssh import HostSession, Target
+    from ..transport.sync import Syncer, SyncStats
+
+# launcher.transport (paramiko, thread pools) is imported where a job uses it: the command line
+# imports every backend for its options.
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +113,10 @@ def kill_command(signame: str, pgids: Sequence[int]) -> str:
     groups = sorted({int(p) for p in pgids if int(p) > 1})
     if not groups:
         raise ValueError("no process group to signal")
-    return f"kill -s {signame} -- {' '.join(f'-{g}' for g in groups)} 2>/dev/null; exit 0"
+    targets = " ".join(f"-{g}" for g in groups)
+    if signame in ("TERM", "INT"):  # and SIGCONT: a stopped process gets it now, not when resumed
+        return f"kill -s {signame} -- {targets} 2>/dev/null; kill -s CONT -- {targets} 2>/dev/null; exit 0"
+    return f"kill -s {signame} -- {targets} 2>/dev/null; exit 0"
 
 
 def netif_command(iface: str, python: str = REMOTE_PYTHON) -> str:
@@ -134,9 +132,17 @@ def hosts_with_processes(spec: JobSpec) -> list[Host]:
 
 def _basic_target(host: Host, opts: SSHOptions) -> Target:
     """A target without ``~/.ssh/config`` (dry runs must not need paramiko)."""
+    from ..transport.ssh import Target
+
     return Target(host=host, hostname=host.name, port=host.port or opts.port or 22,
-                  user=host.user or opts.user or getpass.getuser(),
+                  user=host.user or opts.user or _local_user(),
                   key_files=(opts.key,) if opts.key else ())
+
+
+def _local_user() -> str:
+    import getpass
+
+    return getpass.getuser()
 
 
 # --- one host at run time --------------------------------------------------------------------
@@ -161,6 +167,8 @@ class RemoteHost:
         self.interval = max(0.1, spec.options.keepalive)
         self.lost_after = LOST_FACTOR * self.interval
         self._stop = threading.Event()
+        import queue
+
         self._signals: queue.Queue[Optional[tuple[str, SSHProcess]]] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -524,6 +532,8 @@ class SSHBackend(Backend):
             t = _basic_target(host, opts)
             lines.append(f"  {host.display}: {t.address}, cwd {cwd}: {', '.join(labels)}")
         if spec.sync_dst_dir:
+            from ..transport.sync import Syncer
+
             lines.append("sync (rsync when both ends have it, else SFTP):")
             syncer = Syncer(spec.workdir or ".", spec.sync_dst_dir, opts)
             for host in per_host:
@@ -537,9 +547,14 @@ class SSHBackend(Backend):
     # -- prepare ------------------------------------------------------------------------------
 
     def check(self) -> None:
+        from ..transport.ssh import require_paramiko
+
         require_paramiko()
 
     def prepare(self) -> Mapping[Host, str]:
+        from ..transport.ssh import connect_all, resolve_targets
+        from ..transport.sync import Syncer
+
         spec = self.spec
         lines = hosts_with_processes(spec)
         targets = resolve_targets(lines, self.opts)
@@ -575,6 +590,8 @@ class SSHBackend(Backend):
 
     def _per_host(self, fn: object, what: str) -> None:
         """Run ``fn(host)`` for every host in parallel; raise the first error in hostfile order."""
+        import concurrent.futures
+
         hosts = list(self.hosts.values())
         errors: dict[int, BaseException] = {}
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(hosts))),
@@ -670,6 +687,8 @@ class SSHBackend(Backend):
 
     @staticmethod
     def _run_parallel(fn: object, items: list) -> None:
+        import concurrent.futures
+
         errors: list[BaseException] = []
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(items))),
                                                    thread_name_prefix="pslaunch-start") as pool:

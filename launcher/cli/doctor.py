@@ -9,6 +9,7 @@ from typing import Any, Sequence
 import click
 
 from .. import backends
+from ..backends.base import Backend
 from ..run.doctor import run_doctor
 from ..spec.hosts import read_hostfile
 from .common import (
@@ -64,7 +65,72 @@ def doctor_command(**kw: Any) -> None:
 add_backend_options(doctor_command, [(SSH.name, SSH.connection_options)])
 
 
+# --- pslaunch doctor --launcher NAME: a backend with checks of its own (slurm) ---------------------
+
+
+def _own_doctor(cls: type) -> bool:
+    return cls.doctor.__func__ is not Backend.doctor.__func__  # type: ignore[attr-defined]
+
+
+CHECKED = [cls for cls in backends.classes() if _own_doctor(cls)]
+
+BACKEND_DOCTOR_HELP = """Check what this host lacks for a batch-system backend, and print one table.
+
+\b
+--launcher slurm: Slurm's client commands, munge, slurmctld, the partition
+(--queue, else the default one) and its free nodes (inside an allocation:
+that SLURM_JOB_ID is running), and the scheduler's address (DMLC_INTERFACE
+or --host-ip). Exit code 0 when every check passes, 1 otherwise.
+
+\b
+Example:
+    pslaunch doctor --launcher slurm --queue gpu --env DMLC_INTERFACE=10.1.0.0/16
+"""
+
+
+@click.command(name="pslaunch doctor", help=BACKEND_DOCTOR_HELP,
+               context_settings=dict(help_option_names=["-h", "--help"], max_content_width=100))
+@click.option("--launcher", "launcher", required=True, type=click.Choice([c.name for c in CHECKED]),
+              help="The backend to check.")
+@click.option("--queue", default=None, help="The queue (partition) the job would use.")
+@click.option("--env", "env", multiple=True, metavar="NAME[=VALUE]",
+              help="A variable the job sets (DMLC_INTERFACE, ...). Repeatable.")
+@click.option("--host-ip", default=None, metavar="auto|ip|dns|ADDRESS", help="The scheduler's address.")
+def backend_doctor_command(**kw: Any) -> None:
+    from ..run.preflight import run_preflight
+
+    environ = dict(os.environ)
+    cls = backends.get(kw["launcher"])
+    env = dict(parse_env_item(e, "--env", environ, True) for e in kw.get("env") or ())
+    code, report = run_preflight(cls, environ, env=env, host_ip=kw.get("host_ip"), queue=kw.get("queue"),
+                                 options=cls.make_options(kw))
+    click.echo(report)
+    sys.exit(code)
+
+
+add_backend_options(backend_doctor_command, [(c.name, c.options) for c in CHECKED])
+
+
+def _launcher_of(args: Sequence[str]) -> tuple[str | None, list[str]]:
+    """``--launcher NAME`` (or ``--launcher=NAME``) taken out of ``args``."""
+    rest = list(args)
+    for i, a in enumerate(rest):
+        if a == "--":
+            break
+        if a == "--launcher" and i + 1 < len(rest):
+            return rest[i + 1], rest[:i] + rest[i + 2:]
+        if a.startswith("--launcher="):
+            return a.split("=", 1)[1], rest[:i] + rest[i + 1:]
+    return None, rest
+
+
 def main(args: Sequence[str]) -> int:
     """``pslaunch doctor ARGS``: returns the exit code."""
     configure_logging("WARNING")
+    name, rest = _launcher_of(args)
+    if name is not None and name in {c.name for c in CHECKED}:
+        return invoke(backend_doctor_command, ["--launcher", name, *rest], "pslaunch doctor",
+                      "pslaunch doctor --help")
+    if name is not None:
+        args = rest  # a hostfile backend: the host-by-host checks over ssh
     return invoke(doctor_command, list(args), "pslaunch doctor", "pslaunch doctor --help")

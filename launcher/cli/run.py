@@ -195,13 +195,13 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
 @click.option("--p3", is_flag=True, help="Priority-based parameter propagation (sets DMLC_PS_VAN_TYPE=p3 "
               "and DMLC_PS_WATER_MARK=10 for every process, as launch.py --p3).")
 # cluster schedulers (dmlc-submit's options)
-@click.option("--queue", default=None, help="sge/yarn: queue to submit to.")
-@click.option("--jobname", default=None, help="sge/yarn: job name (default: pslaunch-<program>).")
-@click.option("--worker-cores", type=int, default=1, show_default=True, help="sge/yarn: cores per worker.")
-@click.option("--worker-memory", default=None, help="sge/yarn: memory per worker (e.g. 2g, 512m; "
-              "default: 1g on yarn, no limit on sge).")
-@click.option("--server-cores", type=int, default=1, show_default=True, help="sge/yarn: cores per server.")
-@click.option("--server-memory", default=None, help="sge/yarn: memory per server (as --worker-memory).")
+@click.option("--queue", default=None, help="sge/yarn/slurm: queue (slurm: partition) to submit to.")
+@click.option("--jobname", default=None, help="sge/yarn/slurm: job name (default: pslaunch-<program>).")
+@click.option("--worker-cores", type=int, default=1, show_default=True, help="sge/yarn/slurm: cores per worker.")
+@click.option("--worker-memory", default=None, help="sge/yarn/slurm: memory per worker (e.g. 2g, 512m; "
+              "default: 1g on yarn, no limit on sge, the partition's default on slurm).")
+@click.option("--server-cores", type=int, default=1, show_default=True, help="sge/yarn/slurm: cores per server.")
+@click.option("--server-memory", default=None, help="sge/yarn/slurm: memory per server (as --worker-memory).")
 @click.version_option(__version__, "--version", prog_name="pslaunch")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run_command(**kw: Any) -> None:
@@ -261,7 +261,7 @@ def execute(spec: JobSpec) -> int:
         click.echo(format_dry_run(spec, plan, backend.dry_run(spec, plan), inherits=not backend.remote,
                                   tracker=trackers.describe(spec, plan)))
         return 0
-    return run_job(spec).exit_code
+    return run_job(spec, adopt_orphans=True).exit_code
 
 
 add_backend_options(run_command, ((cls.name, cls.options) for cls in backends.classes()))

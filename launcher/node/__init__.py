@@ -6,7 +6,7 @@ The programs here run beside the user's command, on the node that runs it:
 * :mod:`.ssh_wrapper` runs one host's processes for the ssh backend, over one ssh channel
   (frames: :mod:`.ssh_wire`);
 * :mod:`.mpirank` is every MPI rank of the mpi backend's single ``mpirun``;
-* :mod:`.task` is every task of a batch system (sge, yarn);
+* :mod:`.task` is every task of a batch system (sge, yarn, slurm);
 * both run the command through :mod:`.agent`, which reports to the launcher over an
   authenticated TCP channel (:mod:`.wire`);
 * :mod:`.watchdog` is the dead-man switch, on the launching host and on the nodes;

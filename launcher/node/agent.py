@@ -34,12 +34,16 @@ import subprocess
 import time
 from typing import Any, Mapping, Optional, Sequence
 
+import pscontract as pc
+
 from . import wire
 from .procgroup import (
     become_subreaper,
     kill_children,
+    kill_marked,
     resolve_program,
     signal_group,
+    stop_group,
 )
 from .watchdog import Client as Watchdog
 
@@ -241,6 +245,9 @@ class Agent:
             return self._failed("stopped before the command started", 128 + stop[0])
         become_subreaper()
         watchdog = Watchdog(self.grace)
+        mark = env.get(pc.PROCESS, "")
+        if mark:
+            watchdog.mark(mark)
         try:
             argv = [resolve_program(argv[0], env, cwd), *argv[1:]]
             where = socket.gethostname()
@@ -271,7 +278,11 @@ class Agent:
             self.emit_exit(code)
             return code
         finally:
+            # what the command left behind goes with it: descendants re-parented to us (we are a
+            # subreaper), and anything else that carries its PSLAUNCH_PROCESS
             kill_children(keep={watchdog.pid} if watchdog.pid else set())
+            if mark:
+                kill_marked(mark)
             watchdog.close(wait=True)
             if self.channel is not None:
                 self.channel.close()
@@ -290,7 +301,7 @@ class Agent:
 
     def _stop(self, sig: int) -> None:
         assert self.child is not None
-        signal_group(self.child.pid, sig)
+        stop_group(self.child.pid, sig)
         if self.kill_at is None:
             self.kill_at = time.monotonic() + self.grace
 

@@ -7,9 +7,7 @@ the group reaches whatever it started (unless that called ``setsid()`` itself: s
 the ssh wrapper imports this module on hosts with an old ``python3``.
 """
 
-import ctypes
 import os
-import shutil
 import signal
 
 _PR_SET_PDEATHSIG = 1
@@ -26,6 +24,13 @@ def signal_group(pgid, sig):
             os.killpg(pgid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def stop_group(pgid, sig=signal.SIGTERM):
+    """Ask group ``pgid`` to stop: ``sig`` (SIGTERM), then SIGCONT, so that a stopped process (SIGSTOP,
+    a debugger, Ctrl-Z) gets the signal now instead of when someone resumes it."""
+    signal_group(pgid, sig)
+    signal_group(pgid, signal.SIGCONT)
 
 
 def group_alive(pgid):
@@ -54,9 +59,19 @@ def exit_status(pid):
     return -info.si_status
 
 
+def on_path(name, path):
+    """True when ``name`` is an executable file in a directory of ``path`` (what ``shutil.which``
+    answers, without importing shutil and its compression modules at start-up)."""
+    for d in path.split(os.pathsep):
+        candidate = os.path.join(d or os.curdir, name)
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return True
+    return False
+
+
 def resolve_program(argv0, environ, cwd=None):
     """dmlc's rule: a bare name that is not on ``PATH`` but is an executable in ``cwd`` runs as ``./name``."""
-    if "/" in argv0 or shutil.which(argv0, path=environ.get("PATH", os.defpath)):
+    if "/" in argv0 or on_path(argv0, environ.get("PATH", os.defpath)):
         return argv0
     local = os.path.join(cwd or os.getcwd(), argv0)
     if os.path.isfile(local) and os.access(local, os.X_OK):
@@ -67,6 +82,8 @@ def resolve_program(argv0, environ, cwd=None):
 def _prctl(option, value):
     """Linux ``prctl(option, value)``; False where it is not available."""
     try:
+        import ctypes  # (here: the import costs milliseconds that a launch does not always need)
+
         libc = ctypes.CDLL(None, use_errno=True)  # the C library is loaded already
         return libc.prctl(option, int(value), 0, 0, 0) == 0
     except (OSError, AttributeError):
@@ -109,6 +126,18 @@ def children(pid=None):
     return found
 
 
+def has_children():
+    """False when this process has no child at all, running or ended (``waitid`` says so
+    without a scan of ``/proc`` and without reaping anything)."""
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    except (AttributeError, OSError):  # no waitid here: assume there may be
+        return True
+    return True
+
+
 def kill_children(sig=signal.SIGKILL, keep=()):
     """Signal the group of every live child of this process (and the child itself), except ``keep``.
 
@@ -135,6 +164,57 @@ def kill_children(sig=signal.SIGKILL, keep=()):
                 pass
         _reap_any()
     return len(signalled)
+
+
+MARK_NAME = "PSLAUNCH_PROCESS"  # (pscontract.PROCESS: spelled here too, this file is Python 3.5 syntax)
+
+
+def marked(prefix):
+    """The pids of live processes whose environment has ``PSLAUNCH_PROCESS=<prefix>...``.
+
+    Every process of a job has its ``PSLAUNCH_PROCESS`` (``<job id>/<process>``), and so has
+    everything it starts, however it detaches: a grandchild that called ``setsid()`` or
+    double-forked is found here, wherever it was re-parented to.
+    """
+    needle = ("%s=%s" % (MARK_NAME, prefix)).encode()
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    me = os.getpid()
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open("/proc/%s/environ" % entry, "rb") as f:
+                environ = f.read()
+            with open("/proc/%s/stat" % entry, "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if stat[stat.rfind(b")") + 2:].split()[0] in (b"Z", b"X"):
+            continue
+        if any(v.startswith(needle) for v in environ.split(b"\0")):
+            found.append(int(entry))
+    return found
+
+
+def kill_marked(prefix, sig=signal.SIGKILL):
+    """Signal every live process of :func:`marked` ``prefix``, and its group; the number signalled."""
+    pids = marked(prefix)
+    for pid in pids:
+        try:
+            pgid = os.getpgid(pid)
+        except OSError:
+            pgid = 0
+        if pgid > 1 and pgid != os.getpgid(0):
+            signal_group(pgid, sig)
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+    return len(pids)
 
 
 def _reap_any():

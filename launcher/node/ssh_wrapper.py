@@ -25,7 +25,15 @@ import signal
 import subprocess
 import time
 
-from .procgroup import exit_status, resolve_program, signal_group
+from .procgroup import (
+    become_subreaper,
+    exit_status,
+    kill_children,
+    kill_marked,
+    resolve_program,
+    signal_group,
+    stop_group,
+)
 from .ssh_wire import HOST_ID, IN_HEAD, MAGIC, OUT_HEAD
 
 OUT_CAP = 4 * 1024 * 1024  # stop reading the processes' pipes while this much waits for the channel
@@ -36,6 +44,7 @@ class Child(object):
         self.id = ident
         self.proc = None
         self.pid = 0
+        self.mark = ""
         self.streams = {}
         self.code = None
         self.reported = False
@@ -110,6 +119,7 @@ class Wrapper(object):
         argv = [str(a) for a in spec["argv"]]
         environ = dict(os.environ)
         environ.update(spec.get("env") or {})
+        child.mark = environ.get("PSLAUNCH_PROCESS", "")
         cwd = spec.get("cwd") or None
         if cwd and not os.path.isdir(cwd):
             return self.fail(child, "cannot change to directory %s: %s" % (cwd, os.strerror(errno.ENOENT)), 1)
@@ -170,6 +180,7 @@ class Wrapper(object):
             return 2
         for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self.on_signal)
+        become_subreaper()  # a process that leaves its group is still ours to stop
         self.out += MAGIC  # whatever a login shell printed before this is not ours
         os.set_blocking(1, False)
         interval = float(header.get("keepalive") or 5.0)
@@ -236,7 +247,7 @@ class Wrapper(object):
         """Stop every group: SIGTERM where the process still runs, ``grace`` seconds, then SIGKILL."""
         running = [c for c in self.children if c.pid and c.code is None]
         for c in running:
-            signal_group(c.pid, signal.SIGTERM)
+            stop_group(c.pid, signal.SIGTERM)
         end = time.monotonic() + grace
         while running and time.monotonic() < end:
             time.sleep(0.02)
@@ -246,6 +257,9 @@ class Wrapper(object):
         for c in self.children:
             if c.pid:
                 signal_group(c.pid, signal.SIGKILL)
+        for c in self.children:  # what left the groups: re-parented to us, or marked with its process
+            if c.mark:
+                kill_marked(c.mark)
         for c in self.children:
             if not c.pid:
                 continue
@@ -258,4 +272,5 @@ class Wrapper(object):
             if not c.reported:
                 self.send_json(b"x", c.id, {"code": code if c.code is None else c.code})
                 c.reported = True
+        kill_children()  # orphans re-parented to us that carried no mark (a scrubbed environment)
 

@@ -1,8 +1,9 @@
-"""The task wrapper: what a batch system runs in each task of a job (sge, yarn).
+"""The task wrapper: what a batch system runs in each task of a job (sge, yarn, slurm).
 
 A batch system starts N identical copies of one command and tells each copy its index in its
 own way: Grid Engine sets ``SGE_TASK_ID`` (1-based), skein sets ``SKEIN_CONTAINER_ID``
-(``worker_3``, 0-based). This wrapper turns that into the launcher's contract:
+(``worker_3``, 0-based), Slurm sets ``SLURM_PROCID`` (0-based within the job step). This
+wrapper turns that into the launcher's contract:
 
 * ``DMLC_TASK_ID``: the role's first task id plus the 0-based index (workers ``0..N-1``,
   servers ``N..N+S-1``, the same numbering as every backend);
@@ -10,14 +11,19 @@ own way: Grid Engine sets ``SGE_TASK_ID`` (1-based), skein sets ``SKEIN_CONTAINE
   (:func:`pscontract.netif.node_address`);
 * the job's variables, from the task file the launcher wrote (mode 0600, so the job secret is
   never part of the job's description in ``qstat -j`` or YARN's application spec), on top of
-  the task's own environment.
+  the task's own environment. Where the batch system carries the launcher's environment to the
+  task without recording it (``srun`` sends it to the nodes' slurmd directly), the same document
+  comes in one environment variable instead (``--task-env NAME``), which the wrapper removes
+  before the command starts: no file to share, none to clean up.
 
 Then it runs the command through the node agent (:mod:`.agent`): connected to the launcher's
 hub (the task file's ``hub``), the task's start, output and exit code reach the launcher at
 once, and the launcher can stop it gracefully or make it dump its stacks, which a batch
 system's own controls cannot do. The output is also written to the task's own stdout and
-stderr (the batch system's files keep it). Without a connection the task still runs, its
-output only in those files. The wrapper exits with the command's exit code (128+N for signal N;
+stderr (the batch system's files keep it), unless ``--no-tee``. Without a connection the task
+still runs, its output only in those files; with ``--in-band`` its records (start, output,
+exit) go to its stdout instead, for a launcher that reads the task's output as it is
+written (``srun`` relays it). The wrapper exits with the command's exit code (128+N for signal N;
 127 when it does not exist, 126 when it cannot be executed).
 
 Task file (JSON)::
@@ -26,7 +32,8 @@ Task file (JSON)::
      "argv": ["python", "train.py"],            # optional (yarn passes argv after --)
      "env": {"PATH": "..."},                    # for every role
      "roles": {"server": {"first_task_id": 2, "count": 1, "env": {...}},
-               "worker": {"first_task_id": 0, "count": 2, "env": {...}}},
+               "worker": {"first_task_id": 0, "count": 2, "env": {...},
+                          "local_procs": [2, 1]}},  # optional: PSLAUNCH_LOCAL_PROCS by index
      "hub": ["10.0.0.1", 9092],                 # optional: where the agent connects
      "placement": {"timeout": 120.0},           # optional: report the host, wait for the rest
      "grace": 10.0}                             # --kill-grace
@@ -37,7 +44,8 @@ With ``placement``, the agent tells the launcher which host it runs on and waits
 with them.
 
 Run as ``node.command("task") --task-file F --role worker --index sge`` (or from the node
-bundle: ``python3 pslaunch-node.zip ...``). Standard library only.
+bundle: ``python3 pslaunch-node.zip ...``), or ``... --task-env PSLAUNCH_TASK --role worker
+--index slurm --no-tee --in-band -- COMMAND...``. Standard library only.
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ import os
 import socket
 import sys
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, MutableMapping, Sequence
 
 import pscontract as pc
 from pscontract import netif
@@ -62,7 +70,11 @@ TASK_FILE_VERSION = 2
 SGE_TASK_ID = "SGE_TASK_ID"
 SGE_JOB_ID = "JOB_ID"
 SKEIN_CONTAINER_ID = "SKEIN_CONTAINER_ID"
-INDEX_SOURCES = ("sge", "skein")
+# Slurm: the task's rank within its job step (0-based), and the step's id for the start record.
+SLURM_PROCID = "SLURM_PROCID"
+SLURM_JOB_ID = "SLURM_JOB_ID"
+SLURM_STEP_ID = "SLURM_STEP_ID"
+INDEX_SOURCES = ("sge", "skein", "slurm")
 PREFIX = "pslaunch task"
 
 
@@ -78,8 +90,9 @@ def task_index(source: str, environ: Mapping[str, str]) -> int:
     """The 0-based index of this task within its role.
 
     Args:
-        source: ``sge`` (``SGE_TASK_ID``, 1-based) or ``skein``
-            (``SKEIN_CONTAINER_ID`` = ``<service>_<instance>``, 0-based).
+        source: ``sge`` (``SGE_TASK_ID``, 1-based), ``skein``
+            (``SKEIN_CONTAINER_ID`` = ``<service>_<instance>``, 0-based) or ``slurm``
+            (``SLURM_PROCID``, 0-based: one job step per role).
         environ: the task's environment.
 
     Raises:
@@ -98,6 +111,12 @@ def task_index(source: str, environ: Mapping[str, str]) -> int:
         if not instance.isdigit():
             raise TaskError(f"{SKEIN_CONTAINER_ID}={raw!r}: expected <service>_<instance>")
         return int(instance)
+    if source == "slurm":
+        raw = environ.get(SLURM_PROCID, "")
+        if not raw.isdigit():
+            raise TaskError(f"{SLURM_PROCID}={raw!r}: not a task of a Slurm job step "
+                            "(is this running outside srun?)")
+        return int(raw)
     raise TaskError(f"unknown index source {source!r} (expected one of {', '.join(INDEX_SOURCES)})")
 
 
@@ -111,8 +130,26 @@ def load_task_file(path: str) -> dict[str, Any]:
                         "(is the launcher's directory shared with this host?)") from None
     except ValueError as e:
         raise TaskError(f"task file {path} is not valid JSON: {e}") from None
+    return _checked(doc, f"task file {path}")
+
+
+def take_task_env(name: str, environ: MutableMapping[str, str]) -> dict[str, Any]:
+    """The task document from variable ``name`` of ``environ``, which is removed from it (the
+    command must not inherit the job's secret twice, nor a copy of every role's variables)."""
+    raw = environ.pop(name, None)
+    if raw is None:
+        raise TaskError(f"{name} is not set: the launcher passes the task document in it "
+                        "(did the batch system drop the launcher's environment?)")
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise TaskError(f"{name} is not valid JSON: {e}") from None
+    return _checked(doc, f"the task document in {name}")
+
+
+def _checked(doc: Any, where: str) -> dict[str, Any]:
     if not isinstance(doc, dict) or doc.get("version") != TASK_FILE_VERSION:
-        raise TaskError(f"task file {path}: unsupported version {doc.get('version') if isinstance(doc, dict) else None!r}"
+        raise TaskError(f"{where}: unsupported version {doc.get('version') if isinstance(doc, dict) else None!r}"
                         f" (this wrapper reads version {TASK_FILE_VERSION})")
     return doc
 
@@ -154,6 +191,10 @@ def task_environment(doc: Mapping[str, Any], role: str, index: int,
     env.update(spec.get("env") or {})
     env[pc.ROLE] = role
     env[pc.TASK_ID] = str(int(spec["first_task_id"]) + index)
+    env[pc.PROCESS] = pc.process_marker(env.get(pc.JOB_ID, "job"), f"{role}-{index}")
+    local = spec.get("local_procs")
+    if isinstance(local, list) and index < len(local):  # (known where the launcher placed the tasks)
+        env[pc.LOCAL_PROCS] = str(int(local[index]))
     return env
 
 
@@ -187,14 +228,20 @@ def _connect(doc: Mapping[str, Any], ident: int, env: Mapping[str, str]) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     catch_signals()
     ap = argparse.ArgumentParser(prog="pslaunch task", description=__doc__.splitlines()[0])
-    ap.add_argument("--task-file", required=True)
+    source = ap.add_mutually_exclusive_group(required=True)
+    source.add_argument("--task-file", help="the task document, a JSON file")
+    source.add_argument("--task-env", metavar="NAME", help="the task document, in environment variable NAME")
     ap.add_argument("--role", required=True, choices=("server", "worker"))
     ap.add_argument("--index", required=True, choices=INDEX_SOURCES)
     ap.add_argument("--report-dir", default=None, help="write <role>-<rank>.started here")
+    ap.add_argument("--no-tee", action="store_true",
+                    help="while connected, do not also write the output to this task's own stdout/stderr")
+    ap.add_argument("--in-band", action="store_true",
+                    help="without a connection, write records (start, output, exit) to stdout")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND... (else the task file's argv)")
     a = ap.parse_args(argv)
     try:
-        doc = load_task_file(a.task_file)
+        doc = load_task_file(a.task_file) if a.task_file else take_task_env(a.task_env, os.environ)
         index = task_index(a.index, os.environ)
         env = task_environment(doc, a.role, index, os.environ)
         env[pc.NODE_HOST] = node_address(env)
@@ -209,15 +256,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.report_dir:
         _report(a.report_dir, a.role, index, env)
     ident = int(env[pc.TASK_ID])
-    agent = Agent(ident, float(doc.get("grace", 10.0)), _connect(doc, ident, env), fallback="plain", tee=True,
-                  prefix=PREFIX)
+    agent = Agent(ident, float(doc.get("grace", 10.0)), _connect(doc, ident, env),
+                  fallback="records" if a.in_band else "plain", tee=not a.no_tee, prefix=PREFIX)
     placement = doc.get("placement")
     if placement:
         try:
             env.update(agent.placement(float(placement.get("timeout", 120.0))))
         except AgentError as e:
             return agent.fail(str(e), e.code)
-    return agent.run(command, env, start={"addr": env[pc.NODE_HOST]})
+    start = {"addr": env[pc.NODE_HOST]}
+    if a.index == "slurm" and os.environ.get(SLURM_STEP_ID, "").isdigit():
+        start["step"] = f"{os.environ.get(SLURM_JOB_ID, '')}.{os.environ[SLURM_STEP_ID]}"
+    return agent.run(command, env, start=start)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ removing files that hold the job's secret), waits the rest of the grace period, 
 to what is left, and exits. The launcher uses
 one for every local process group; the node agent (:mod:`.agent`) uses one for its command.
 
-Protocol, one line each: ``grace SECONDS``, ``pgid N``, ``forget N``, ``cmd JSON-ARGV``,
-``done``. Standard library only.
+Protocol, one line each: ``grace SECONDS``, ``pgid N``, ``forget N``, ``mark PREFIX`` (also stop
+every process whose ``PSLAUNCH_PROCESS`` starts with PREFIX: what left its group with
+``setsid()``), ``cmd JSON-ARGV``, ``done``. Standard library only.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import threading
 import time
 from typing import Optional, Sequence
 
-from .procgroup import group_alive, signal_group
+from .procgroup import group_alive, kill_marked, marked, signal_group, stop_group
 
 
 def main() -> int:
@@ -31,6 +32,7 @@ def main() -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     grace = 10.0
     groups: set[int] = set()
+    marks: list[str] = []
     commands: list[list[str]] = []
     stdin = sys.stdin.buffer
     while True:
@@ -47,12 +49,17 @@ def main() -> int:
                 groups.add(int(arg))
             elif word == "forget":
                 groups.discard(int(arg))
+            elif word == "mark" and arg:
+                marks.append(arg)
             elif word == "cmd":
                 commands.append([str(a) for a in json.loads(arg)])
         except ValueError:
             continue
     for pgid in groups:
-        signal_group(pgid, signal.SIGTERM)
+        stop_group(pgid, signal.SIGTERM)
+    for prefix in marks:
+        kill_marked(prefix, signal.SIGTERM)
+        kill_marked(prefix, signal.SIGCONT)
     for argv in commands:  # (during the grace period: a batch job's qdel, a secret file's rm)
         try:
             subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -60,10 +67,12 @@ def main() -> int:
         except (OSError, subprocess.SubprocessError):
             pass
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(group_alive(g) for g in groups):
+    while time.monotonic() < deadline and (any(group_alive(g) for g in groups) or any(marked(m) for m in marks)):
         time.sleep(0.05)
     for pgid in groups:
         signal_group(pgid, signal.SIGKILL)
+    for prefix in marks:
+        kill_marked(prefix)
     return 0
 
 
@@ -105,6 +114,10 @@ class Client:
 
     def forget(self, pgid: int) -> None:
         self._send(f"forget {pgid}")
+
+    def mark(self, prefix: str) -> None:
+        """Also stop every process whose ``PSLAUNCH_PROCESS`` starts with ``prefix`` if the client dies."""
+        self._send(f"mark {prefix}")
 
     def on_abandon(self, argv: Sequence[str]) -> None:
         """Run ``argv`` if the client dies (for batch jobs: cancel them)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from typing import TYPE_CHECKING, Mapping, Optional
 
 from pscontract import netif
@@ -136,25 +137,93 @@ def _listen_inodes(port: int) -> Optional[set[str]]:
     return inodes if found_table else None
 
 
-def listener_is_in_group(pgid: int, port: int) -> bool:
-    """True when a process of group ``pgid`` holds the socket listening on ``port``.
+def listener(pgid: int, host: str, port: int) -> str:
+    """Who listens on TCP ``port``: ``"ours"`` (a process of group ``pgid``, the scheduler's),
+    ``"foreign"`` (someone else: the port was taken between our probe and the scheduler's bind;
+    a successful connect alone would not tell us), or ``"none"``.
 
-    Someone else may hold the port (it was taken between our probe and the
-    scheduler's bind); a successful connect alone would not tell us.
+    Reads ``/proc/net/tcp*`` and, only when something listens, the group leader's descriptors
+    (then its group's): cheap enough to ask every few milliseconds while a job starts. Without
+    ``/proc``, a connect decides between ``"ours"`` and ``"none"``.
     """
     inodes = _listen_inodes(port)
     if inodes is None:
-        return True  # no /proc: trust the connect
+        return "ours" if is_listening(host, port) else "none"
+    if not inodes:
+        return "none"
     targets = {f"socket:[{i}]" for i in inodes}
-    for pid in group_members(pgid):
+    if _holds(pgid, targets):  # the leader first: usually the one that listens
+        return "ours"
+    if any(_holds(pid, targets) for pid in group_members(pgid) if pid != pgid):
+        return "ours"
+    return "foreign"
+
+
+def _holds(pid: int, targets: set[str]) -> bool:
+    """True when process ``pid`` has one of ``targets`` (``socket:[inode]``) open."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
         try:
-            fds = os.listdir(f"/proc/{pid}/fd")
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in targets:
+                return True
         except OSError:
             continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}") in targets:
-                    return True
-            except OSError:
-                continue
     return False
+
+
+class SchedulerWatch:
+    """While a job starts, who gets the scheduler's port: ``verdict`` becomes ``"up"`` (the
+    scheduler listens on it, or ended with 0 without needing to), ``"lost"`` (another process
+    holds it: taken between our probe and the scheduler's bind) or ``"died"`` (the scheduler
+    ended with an error, and the port is free: not a race).
+
+    A thread looks every ``interval`` seconds, whatever the launcher is busy with (a backend's
+    ``start`` may take seconds), so a scheduler that died of a lost race is judged while the
+    port's new holder still has it. It peeks at the scheduler's exit with ``waitid(WNOWAIT)``,
+    leaving the exit status to whoever polls the process.
+    """
+
+    def __init__(self, pid: int, host: str, port: int, interval: float = 0.01) -> None:
+        self.pid, self.host, self.port, self.interval = pid, host, port, interval
+        self.verdict: Optional[str] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pslaunch-port-watch", daemon=True)
+
+    def start(self) -> SchedulerWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.ident is not None:
+            self._thread.join(1.0)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            verdict = self.check()
+            if verdict is not None:
+                self.verdict = verdict
+                return
+            self._stop.wait(self.interval)
+
+    def check(self) -> Optional[str]:
+        """One look: the verdict, or None while the scheduler runs and nobody listens yet."""
+        try:
+            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped already: someone polled it; judge by the port alone
+            info = None
+            ended, code = True, None
+        else:
+            ended = info is not None and info.si_pid == self.pid
+            code = (info.si_status if info.si_code == os.CLD_EXITED else -info.si_status) if ended else None
+        if ended and code == 0:
+            return "up"
+        who = listener(self.pid, self.host, self.port)
+        if who == "ours" and not ended:
+            return "up"
+        if who == "foreign" or (ended and not port_is_free(self.port)):
+            return "lost"
+        return "died" if ended else None

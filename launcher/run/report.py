@@ -9,7 +9,7 @@ import logging
 import os
 import shlex
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Optional, Sequence
 
 from pscontract import NODE_HOST
 
@@ -26,7 +26,8 @@ REASONS = ("success", "failure", "signal", "timeout")
 
 @dataclass(frozen=True)
 class JobResult:
-    """The outcome: ``exit_code`` is what the launcher exits with."""
+    """The outcome: ``exit_code`` is what the launcher exits with; ``cause`` what a process of the
+    job said stopped it (``{"process", "reason", "reported_by"}``), if one did."""
 
     exit_code: int
     reason: str  # one of REASONS
@@ -35,35 +36,77 @@ class JobResult:
     start_time: float
     end_time: float
     message: str = ""
+    cause: Optional[dict] = None
 
 
-def secret_env(plan: Optional[Plan]) -> dict[str, str]:
-    """Every variable of every process of ``plan``: what :func:`jobenv.redact_text` must hide."""
-    env: dict[str, str] = {}
-    if plan is not None:
-        for p in plan.all:
-            env.update(p.env)
-    return env
+def redactor(plan: Optional[Plan]) -> jobenv.Redactor:
+    """What hides the job's secrets: the values of secret-named variables (:func:`jobenv.is_secret`)
+    of every process of ``plan`` (the job secret, ``--env API_TOKEN``, an inherited
+    ``AWS_SECRET_ACCESS_KEY``, ...)."""
+    if plan is None:
+        return jobenv.Redactor(())
+    names: set[str] = set()
+    for p in plan.all:
+        names.update(p.env)  # (the processes share most names: each is judged once)
+    secret = [k for k in names if jobenv.is_secret(k)]
+    return jobenv.Redactor(p.env[k] for p in plan.all for k in secret if k in p.env)
 
 
-def failure_report(h: ProcessHandle, others: int, env: Mapping[str, str]) -> str:
+@dataclass(frozen=True)
+class Cause:
+    """Why the job stopped, as a process of the job said (``pslaunch-cause:``; see
+    :func:`pscontract.cause_line`): the process at fault (None: none of the job's), the reason,
+    and who said so."""
+
+    culprit: Optional[ProcessHandle]
+    reason: str
+    reporter: ProcessHandle
+
+
+def find_cause(first: ProcessHandle, handles: Sequence[ProcessHandle]) -> Optional[Cause]:
+    """The cause the first failing process gave, else the one given by the earliest to end."""
+    said = [h for h in handles if h.output.cause is not None]
+    if not said:
+        return None
+    reporter = first if first in said else min(said, key=lambda h: h.end_time or float("inf"))
+    role, rank, reason = reporter.output.cause  # type: ignore[misc]
+    culprit = None
+    if role is not None:
+        culprit = next((h for h in handles if str(h.proc.role) == role and (rank is None or h.proc.rank == rank)),
+                       None)
+    return Cause(culprit, reason, reporter)
+
+
+def failure_report(h: ProcessHandle, others: int, redact: jobenv.Redactor,
+                   cause: Optional[Cause] = None) -> str:
     """Log who failed first, how, and the last lines of its output; returns the first line.
 
     A process that could not start at all (``h.failure``) is one line: the reason says it all.
+    When a process of the job named the cause (:class:`Cause`), the report leads with it: a worker
+    that hung is named, not the scheduler that noticed and stopped the job.
     """
     if h.failure is not None:
-        head = f"{h.describe()}: {h.failure}"
-        log.error("%s", jobenv.redact_text(head, env))
+        head = redact(f"{h.describe()}: {h.failure}")
+        log.error("%s", head)
         return head
-    head = f"{h.describe()} {describe_exit(h.exit_code or 0)} first"
+    exited = f"{describe_exit(h.exit_code or 0)} first"
+    if cause is not None and cause.culprit is not None and cause.culprit is not h:
+        by = (f"reported by the {h.label}, which" if cause.reporter is h else
+              f"reported by the {cause.reporter.label}; {h.label}")
+        head = f"{cause.culprit.describe()}: {cause.reason} ({by} {exited})"
+    elif cause is not None:
+        head = f"{h.describe()} {exited}: {cause.reason}"
+    else:
+        head = f"{h.describe()} {exited}"
     if others:
         head += "; stopped the other processes"
-    log.error("%s", jobenv.redact_text(head, env))
+    head = redact(head)
+    log.error("%s", head)
     lines = h.output.lines()
     if lines:
         log.error("last %d line%s of %s:", len(lines), "" if len(lines) == 1 else "s", h.label)
         for line in lines:
-            log.error("  | %s", jobenv.redact_text(line, env))
+            log.error("  | %s", redact(line))
     return head
 
 
@@ -76,12 +119,13 @@ def write_summary(path: str, spec: JobSpec, plan: Optional[Plan], result: JobRes
         "exit_code": result.exit_code,
         "reason": result.reason,
         "first_failure": result.first_failure.name if result.first_failure else None,
+        "cause": result.cause,
         "scheduler": f"{plan.root_uri}:{plan.root_port}" if plan and plan.scheduler else None,
         "start_time": result.start_time,
         "end_time": result.end_time,
         "processes": [r.to_dict() for r in result.records],
     }
-    text = jobenv.redact_text(json.dumps(doc, indent=2), secret_env(plan))
+    text = redactor(plan)(json.dumps(doc, indent=2))
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as f:

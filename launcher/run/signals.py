@@ -1,9 +1,12 @@
-"""Signals while a job runs: the first SIGINT/SIGTERM/SIGHUP stops it gracefully, the second kills.
+"""Signals while a job runs: the first SIGINT/SIGTERM/SIGHUP stops it gracefully, the second kills;
+SIGALRM is ``--timeout``.
 
 :class:`Signals` turns a signal into :class:`Interrupted`, raised on the main thread, so
 cleanup is plain ``try``/``finally`` (torch elastic's pattern). A signal that arrives while a
 child is being spawned and registered is raised only once that is done (:meth:`Signals.check`),
-so no child is ever started without the launcher knowing about it.
+so no child is ever started without the launcher knowing about it. ``--timeout`` is an alarm
+(:meth:`Signals.alarm`), so it also ends a job that is still starting: connecting to hosts,
+syncing, waiting for the scheduler to listen or for a batch system to run the tasks.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class Signals:
         self.first: Optional[int] = None
         self.raise_now = True
         self.deferred: Optional[int] = None
+        self.timed_out = False
         self._old: dict[int, object] = {}
 
     def install(self) -> None:
@@ -45,8 +49,24 @@ class Signals:
             return
         for sig in EXIT_CODES:
             self._old[sig] = signal.signal(sig, self.handle)
+        self._old[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._on_alarm)
+
+    def alarm(self, seconds: float) -> None:
+        """Raise ``Interrupted(SIGALRM)`` after ``seconds`` (0: cancel); only on the main thread."""
+        if signal.SIGALRM in self._old:
+            signal.setitimer(signal.ITIMER_REAL, max(0.0, seconds))
+
+    def _on_alarm(self, signum: int, frame: object = None) -> None:
+        self.timed_out = True
+        if self.raise_now:
+            if spawning():
+                self.deferred = signum
+                return
+            self.raise_now = False
+            raise Interrupted(signum)
 
     def restore(self) -> None:
+        self.alarm(0)
         for sig, old in self._old.items():
             signal.signal(sig, old)  # type: ignore[arg-type]
         self._old.clear()

@@ -4,10 +4,15 @@
 
 1. open the backend and let it prepare (connect, sync, node addresses);
 2. work out the scheduler's address (:mod:`.addresses`) and take the first free port of
-   ``--port-range``; start the scheduler here and wait until it listens (if it lost the port
-   to someone else in between, try the next one);
-3. start servers, then workers, through the backend;
-4. watch every process: the first non-zero exit, a signal, or ``--timeout`` stops the job;
+   ``--port-range``;
+3. start everything at once: the scheduler here, servers and workers through the backend
+   (a ps-lite node retries until the scheduler listens, so nobody waits for its imports);
+4. watch every process: the first non-zero exit, a signal, or ``--timeout`` stops the job.
+   Until the scheduler listens, a failure is checked for a lost port race: if someone else
+   took the port between the probe and the scheduler's bind, every process of this attempt is
+   stopped and the whole job starts again on the next port (a fresh backend; nothing of the
+   lost attempt is reported or left behind). A scheduler that never listens within
+   ``--start-timeout`` is an error;
 5. always: stop every group gracefully, kill it after ``--kill-grace`` (at once on a second
    signal), sweep leftover process groups, write ``--summary-json`` and report who failed
    first (:mod:`.report`).
@@ -21,14 +26,17 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 import time
 from typing import Any, Mapping, Optional
 
 from .. import backends, trackers
 from ..backends.base import Backend
 from ..errors import LaunchError
+from ..node.procgroup import become_subreaper, has_children, kill_children, kill_marked
 from ..node.watchdog import Client as Watchdog
-from ..runtime.handle import ProcessHandle, ProcGroup, scan_groups
+from ..runtime.handle import ProcessHandle, ProcGroup
 from ..runtime.local import LocalProcess
 from ..runtime.output import Console, PipePump
 from ..spec.job import Host, JobSpec
@@ -41,9 +49,12 @@ log = logging.getLogger(__name__)
 
 POLL_INTERVAL = 0.02
 MAX_PORT_ATTEMPTS = 5
+LOST_ATTEMPT_GRACE = 1.0  # SIGTERM to SIGKILL for an attempt that lost its port (it did no work yet)
+PORT_LOST = "port-lost"  # (an attempt's outcome: the scheduler lost its port; the job starts again)
 EXIT_TIMEOUT = 124
 DUMP_WAIT = 3.0      # after asking for stack dumps, how long to let them print
 KILL_WAIT = 5.0      # after SIGKILL, how long to wait for every process to be gone
+ESCAPE_CHECK_WAIT = 0.2  # output open this long after the end: someone that left its group holds it
 OUTPUT_WAIT = 2.0    # how long the output pumps may take to deliver the last lines
 
 
@@ -52,28 +63,37 @@ class Supervisor:
 
     ``backend``, ``clock`` and ``watchdog`` are for tests: a backend class (default: the spec's,
     from the registry), an object with ``time()``, ``monotonic()`` and ``sleep()`` (default:
-    the ``time`` module), and whether to start the dead-man switch.
+    the ``time`` module), and whether to start the dead-man switch. ``adopt_orphans`` (the
+    command line's launcher, which has no other children) makes this process a child subreaper:
+    a job process's descendant that detaches from its group is re-parented here and stopped at
+    the end, even when nothing else marks it.
     """
 
     def __init__(self, spec: JobSpec, console: Optional[Console] = None,
-                 backend: Optional[type[Backend]] = None, clock: Any = time, watchdog: bool = True) -> None:
+                 backend: Optional[type[Backend]] = None, clock: Any = time, watchdog: bool = True,
+                 adopt_orphans: bool = False) -> None:
         self.spec = spec
         self.console = console or Console(log_dir=spec.log_dir)
         self.backend_cls = backend or backends.get(spec.launcher)
         self.clock = clock
         self.handles: list[ProcessHandle] = []
         self.groups: list[ProcGroup] = []
-        self.discarded: list[ProcessHandle] = []  # schedulers that lost their port; swept at the end
+        self.discarded: list[ProcessHandle] = []  # attempts that lost their port; swept at the end
         self.scheduler: Optional[LocalProcess] = None
         self.plan: Optional[Plan] = None
         self.signals = Signals()
         self.watchdog: Optional[Watchdog] = None
         self.use_watchdog = watchdog
+        self.adopt_orphans = adopt_orphans
         self.pump: Optional[PipePump] = None
         self.start_time = clock.time()
         self.stopped: set[str] = set()  # processes the launcher stopped (names)
         self.first: Optional[ProcessHandle] = None
         self.tracker: Optional[trackers.TrackerHandle] = None  # a collective job's (--tracker), not a process
+        self._ids = (os.urandom(32).hex(), os.urandom(6).hex())  # (secret, job id): secrets.token_hex's way
+        self._watch: Optional[addr.SchedulerWatch] = None  # while the job starts: who gets the port
+        self._wake = threading.Event()  # set when a process's output ends: look now, not at the next tick
+        self.console.on_stream_end = self._wake.set
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -81,40 +101,109 @@ class Supervisor:
         spec = self.spec
         outcome: Optional[tuple[str, int]] = None
         self.signals.install()
+        if spec.timeout and self.clock is time:
+            self.signals.alarm(spec.timeout)
+        if self.adopt_orphans:
+            become_subreaper()
         try:
             if self.use_watchdog:
                 self.watchdog = Watchdog(spec.kill_grace)
-            with self.backend_cls(spec, self.console, self.watchdog) as backend:
-                try:
-                    backend.check()
-                    addresses = dict(backend.prepare())
-                    root_uri = addr.scheduler_address(spec, addresses, self.backend_cls)
-                    self._timing("backend ready")
-                    plan = self._start_scheduler(root_uri, addresses)
-                    self._timing("scheduler listening" if self.scheduler else "no scheduler")
-                    self.signals.check()
-                    if plan.procs and (self.scheduler is None or self.scheduler.poll() in (None, 0)):
-                        self._add(backend.start(plan.procs))
-                        self._timing(f"{len(plan.procs)} servers and workers started")
-                        self.signals.check()
-                    outcome = self._monitor()
-                except Interrupted:
-                    outcome = ("signal", self.signals.exit_code)
-                finally:
-                    self.signals.raise_now = False
-                    try:
-                        self._shutdown(dump=outcome is not None and outcome[0] == "timeout")
-                    finally:
-                        if self.tracker is not None:
-                            self.tracker.close()  # only now: a worker may need it until it exits
+            port = spec.port_range[0] - 1
+            for attempt in range(1, MAX_PORT_ATTEMPTS + 1):
+                outcome = self._attempt(attempt, port)
+                if outcome[0] != PORT_LOST:
+                    break
+                assert self.plan is not None
+                port = self.plan.root_port
         finally:
             if self.pump is not None:
                 self.pump.stop()
             if self.watchdog is not None:
-                self.watchdog.close()
+                self.watchdog.close(wait=self.adopt_orphans)  # (then a launcher without children is clean)
+            self._sweep()
             self.signals.restore()
         assert outcome is not None
         return self._finish(*outcome)
+
+    def _attempt(self, attempt: int, after_port: int) -> tuple[str, int]:
+        """One try at the job, on the first free port after ``after_port``: ``(reason, exit code)``,
+        or ``(PORT_LOST, 0)`` when the scheduler lost that port (everything of it is stopped)."""
+        spec = self.spec
+        outcome: Optional[tuple[str, int]] = None
+        with self.backend_cls(spec, self.console, self.watchdog) as backend:
+            try:
+                backend.check()
+                addresses = dict(backend.prepare())
+                root_uri = addr.scheduler_address(spec, addresses, self.backend_cls)
+                self._timing("backend ready")
+                plan = self._plan(root_uri, addresses, attempt, after_port)
+                if plan.scheduler is not None:
+                    self.scheduler = self._spawn_local(plan.scheduler)
+                    self._add(ProcGroup([self.scheduler]))
+                    self._watch = addr.SchedulerWatch(self.scheduler.pid, plan.root_uri, plan.root_port).start()
+                    self._timing("scheduler started")
+                self.signals.check()
+                if plan.procs:
+                    self._add(backend.start(plan.procs))
+                    self._timing(f"{len(plan.procs)} servers and workers started")
+                    self.signals.check()
+                outcome = self._monitor()
+            except Interrupted as e:
+                outcome = ("timeout", EXIT_TIMEOUT) if e.signum == signal.SIGALRM else \
+                    ("signal", self.signals.exit_code)
+            finally:
+                if self._watch is not None:
+                    self._watch.stop()
+                    self._watch = None
+                lost = outcome is not None and outcome[0] == PORT_LOST and attempt < MAX_PORT_ATTEMPTS
+                if not lost:
+                    self.signals.raise_now = False
+                    self.signals.alarm(0)
+                try:
+                    self._shutdown(dump=outcome is not None and outcome[0] == "timeout", quiet=lost)
+                finally:
+                    if self.tracker is not None:
+                        self.tracker.close()  # only now: a worker may need it until it exits
+                if lost:
+                    self._forget_attempt()
+        if outcome[0] == PORT_LOST and not lost:  # the last attempt: report the scheduler's failure
+            self.first = self.scheduler
+            return "failure", (self.scheduler.exit_code if self.scheduler else None) or 1
+        return outcome
+
+    def _forget_attempt(self) -> None:
+        """After a lost port race: what the attempt started is stopped; keep it only to sweep."""
+        assert self.plan is not None
+        log.warning("port %d was taken before the scheduler could bind it; starting the job again on the "
+                    "next port", self.plan.root_port)
+        self.discarded.extend(self.handles)
+        self.handles, self.groups, self.scheduler, self.first = [], [], None, None
+        self.stopped.clear()
+
+    def _sweep(self) -> None:
+        """What is left of the job on this machine after the teardown: processes that left their
+        groups (``setsid()``, double forks).
+
+        As a subreaper (the command line's launcher), each of them is our child by now (their
+        parents have ended): nothing to do when we have no child at all, else they are stopped.
+        Otherwise they are found by their ``PSLAUNCH_PROCESS`` (a scan of every process here).
+        """
+        if self.adopt_orphans and not has_children():
+            return
+        self._stop_escapees()
+
+    def _stop_escapees(self) -> None:
+        """Stop every process of the job here that left its group: as a subreaper, each is our
+        child (the watchdog excepted); otherwise each is found by its ``PSLAUNCH_PROCESS``."""
+        if self.adopt_orphans:
+            keep = {self.watchdog.pid} if self.watchdog is not None and self.watchdog.pid else set()
+            n = kill_children(keep=keep)
+        elif self.plan is not None:
+            n = kill_marked(f"{self.plan.job_id}/")
+        else:
+            return
+        if n:
+            log.debug("stopped %d process%s that had left their groups", n, "" if n == 1 else "es")
 
     def _add(self, group: ProcGroup) -> None:
         self.groups.append(group)
@@ -132,15 +221,10 @@ class Supervisor:
         log.info("starting %s%d worker%s on %s (%s)%s", servers, s.num_workers, "" if s.num_workers == 1 else "s",
                  self.backend_cls.where(s, plan), s.launcher, sched)
 
-    def _start_scheduler(self, root_uri: str, addresses: Mapping[Host, str]) -> Plan:
-        """Build the plan around a free port and start the scheduler on it.
-
-        The port is probed free, then the scheduler binds it. If someone else takes it in
-        between, the scheduler dies before listening and the port is busy: try the next one.
-        """
+    def _plan(self, root_uri: str, addresses: Mapping[Host, str], attempt: int, after_port: int) -> Plan:
+        """The plan around the first free port of ``--port-range`` after ``after_port``."""
         spec = self.spec
-        secret = os.urandom(32).hex()  # what secrets.token_hex does, without its imports
-        job_id = os.urandom(6).hex()
+        secret, job_id = self._ids
         lo, hi = spec.port_range
         here = root_uri if self.backend_cls.all_here(spec) else None
         tracker = trackers.create(spec, self.console, self.watchdog)
@@ -148,44 +232,20 @@ class Supervisor:
             self.tracker = trackers.TrackerHandle(tracker)  # (held before it starts: close() always reaches it)
             port = tracker.start(root_uri)
             self.tracker.pid = tracker.pid
-            self.plan = plan = build_plan(spec, root_uri=root_uri, root_port=port, secret=secret, job_id=job_id,
-                                          addresses=addresses, here=here, inherit_environ=not self.backend_cls.remote)
+        else:
+            port = addr.first_free_port(lo, hi, after=after_port)
+        plan = build_plan(spec, root_uri=root_uri, root_port=port, secret=secret, job_id=job_id,
+                          addresses=addresses, here=here, inherit_environ=not self.backend_cls.remote)
+        self.plan = plan
+        if attempt == 1:
+            if self.watchdog is not None:
+                self.watchdog.mark(f"{job_id}/")  # if the launcher dies, what left its group goes too
+            redactor = report.redactor(plan)
+            self.console.redact = redactor if redactor else None  # what the processes print, too
             if plan.overridden:
-                log.warning("the launcher sets %s itself; the values from your environment or --env are ignored",
-                            ", ".join(plan.overridden))
+                log.warning("the launcher sets %s itself; the values from your environment or --env "
+                            "are ignored", ", ".join(plan.overridden))
             self._log_start(plan)
-            return plan
-        port = lo - 1
-        for attempt in range(1, MAX_PORT_ATTEMPTS + 1):
-            port = addr.first_free_port(lo, hi, after=port)
-            plan = build_plan(spec, root_uri=root_uri, root_port=port, secret=secret, job_id=job_id,
-                              addresses=addresses, here=here, inherit_environ=not self.backend_cls.remote)
-            self.plan = plan
-            if attempt == 1:
-                if plan.overridden:
-                    log.warning("the launcher sets %s itself; the values from your environment or --env "
-                                "are ignored", ", ".join(plan.overridden))
-                self._log_start(plan)
-            if plan.scheduler is None:
-                return plan
-            sched = self._spawn_local(plan.scheduler)
-            try:
-                outcome = self._wait_listening(sched, root_uri, port)
-            except BaseException:  # (a signal, or it never listened): the teardown stops it
-                self.scheduler = sched
-                self._add(ProcGroup([sched]))
-                raise
-            if outcome in ("listening", "exited-0"):
-                break
-            # The scheduler died before it listened.
-            if not addr.port_is_free(port) and attempt < MAX_PORT_ATTEMPTS:
-                self.discarded.append(sched)
-                log.warning("port %d was taken before the scheduler could bind it; retrying on the next port", port)
-                continue
-            log.debug("scheduler exited with %s before listening", sched.exit_code)
-            break
-        self.scheduler = sched
-        self._add(ProcGroup([sched]))
         return plan
 
     def _spawn_local(self, proc: ProcSpec) -> LocalProcess:
@@ -194,23 +254,16 @@ class Supervisor:
         out = self.console.proc(proc.name, proc.label, str(proc.role))
         return LocalProcess(proc, out, self.pump, self.watchdog, proc.env, self.spec.workdir)
 
-    def _wait_listening(self, sched: LocalProcess, host: str, port: int) -> str:
-        deadline = self.clock.monotonic() + max(self.spec.start_timeout, 1.0)
-        while True:
-            code = sched.poll()
-            if code is not None:
-                return "exited-0" if code == 0 else "died"
-            if addr.is_listening(host, port) and addr.listener_is_in_group(sched.pgid, port):
-                return "listening"
-            if self.clock.monotonic() > deadline:
-                raise LaunchError(
-                    f"the scheduler did not listen on {host}:{port} within --start-timeout "
-                    f"{self.spec.start_timeout:g}s; is the command a ps-lite program (MXNet, our trainer)?")
-            self.clock.sleep(0.01)
-
     def _monitor(self) -> tuple[str, int]:
-        """Watch until the job ends: ``(reason, exit code)``; the first failure is :attr:`first`."""
+        """Watch until the job ends: ``(reason, exit code)``; the first failure is :attr:`first`.
+
+        Until the scheduler listens, :class:`~.addresses.SchedulerWatch` says whether it lost its
+        port: then ``(PORT_LOST, 0)``, before any failure the race caused is counted, so that the
+        job starts again.
+        """
         deadline = self.start_time + self.spec.timeout if self.spec.timeout else None
+        starting = self._watch is not None
+        listen_by = self.clock.monotonic() + max(self.spec.start_timeout, 1.0)
         while True:
             if self.signals.count:
                 return "signal", self.signals.exit_code
@@ -222,6 +275,22 @@ class Supervisor:
                     running += 1
                 elif code != 0:
                     failed.append(h)
+            if starting:
+                assert self._watch is not None
+                if self.scheduler in failed:  # the watch's verdict on its death comes at once
+                    self._wait_verdict()
+                verdict = self._watch.verdict
+                if verdict == "lost":
+                    return PORT_LOST, 0
+                if verdict is not None:
+                    starting = False
+                    self._timing(f"scheduler {'listening' if verdict == 'up' else 'ended'}")
+                elif not failed and self.clock.monotonic() > listen_by:
+                    assert self.plan is not None
+                    raise LaunchError(
+                        f"the scheduler did not listen on {self.plan.root_uri}:{self.plan.root_port} within "
+                        f"--start-timeout {self.spec.start_timeout:g}s; is the command a ps-lite program "
+                        "(MXNet, our trainer)?")
             if not failed and running and self.tracker is not None and self.tracker.poll() not in (None, 0):
                 failed.append(self.tracker)  # the tracker failed and no worker did (see trackers.FAILURE_GRACE)
             if failed:
@@ -231,7 +300,20 @@ class Supervisor:
                 return "success", 0
             if deadline is not None and self.clock.time() > deadline:
                 return "timeout", EXIT_TIMEOUT
+            self._pause()
+
+    def _pause(self) -> None:
+        """Until the next look at the processes: :data:`POLL_INTERVAL`, or less when one's output ends."""
+        if self.clock is time:
+            self._wake.wait(POLL_INTERVAL)
+            self._wake.clear()
+        else:
             self.clock.sleep(POLL_INTERVAL)
+
+    def _wait_verdict(self, seconds: float = 1.0) -> None:
+        end = time.monotonic() + seconds
+        while self._watch is not None and self._watch.verdict is None and time.monotonic() < end:
+            time.sleep(0.005)
 
     # -- teardown --------------------------------------------------------------------------
 
@@ -241,10 +323,12 @@ class Supervisor:
         while any(h.poll() is None for h in self.handles):
             if self.clock.monotonic() > deadline or (stop_on_second_signal and self.signals.count >= 2):
                 return
-            self.clock.sleep(POLL_INTERVAL)
+            self._pause()
 
-    def _shutdown(self, dump: bool = False) -> None:
-        """Stop whatever still runs: stack dumps (timeout), SIGTERM, ``--kill-grace``, SIGKILL, sweep groups."""
+    def _shutdown(self, dump: bool = False, quiet: bool = False) -> None:
+        """Stop whatever still runs: stack dumps (timeout), SIGTERM, ``--kill-grace``, SIGKILL, sweep groups.
+
+        ``quiet``: an attempt that lost its port, stopped to start again (a short grace)."""
         running = [h for h in self.handles if h.poll() is None]
         if dump and running:
             log.warning("dumping the Python stacks of %d running process%s",
@@ -255,31 +339,42 @@ class Supervisor:
         for g in self.groups:
             self.stopped.update(h.name for h in g.running())
             g.terminate()
-        self._wait(self.spec.kill_grace, stop_on_second_signal=True)
+        self._wait(min(self.spec.kill_grace, LOST_ATTEMPT_GRACE) if quiet else self.spec.kill_grace,
+                   stop_on_second_signal=True)
         for g in self.groups:
             g.kill()
         self._wait(KILL_WAIT)
-        groups = scan_groups()
-        for g in self.groups:
-            g.cleanup(groups)
+        for g in self.groups:  # (one killpg(0) per group: no scan of /proc)
+            g.cleanup()
         for h in self.discarded:
-            h.cleanup(groups)
-        # give the output pumps a moment to deliver the last lines
+            h.cleanup()
+        # give the output pumps a moment to deliver the last lines; output still open a moment
+        # after every process has ended is held by one that left its group: stop those first
+        if not self._output_done(ESCAPE_CHECK_WAIT):
+            self._stop_escapees()
         end = self.clock.monotonic() + OUTPUT_WAIT
         for h in self.handles:
             for stream in (h.output.stdout, h.output.stderr):
                 stream.done.wait(max(0.0, end - self.clock.monotonic()))
 
+    def _output_done(self, seconds: float) -> bool:
+        end = self.clock.monotonic() + seconds
+        for h in self.handles:
+            for stream in (h.output.stdout, h.output.stderr):
+                if not stream.done.wait(max(0.0, end - self.clock.monotonic())):
+                    return False
+        return True
+
     def _finish(self, reason: str, code: int) -> report.JobResult:
         end_time = self.clock.time()
         elapsed = end_time - self.start_time
-        env = report.secret_env(self.plan)
         message = ""
+        cause = report.find_cause(self.first, self.handles) if self.first is not None else None
         if reason == "success":
             n = len(self.handles)
             log.info("all %d process%s exited 0 in %.1fs", n, "" if n == 1 else "es", elapsed)
         elif reason == "failure" and self.first is not None:
-            message = report.failure_report(self.first, len(self.handles) - 1, env)
+            message = report.failure_report(self.first, len(self.handles) - 1, report.redactor(self.plan), cause)
         elif reason == "timeout":
             message = f"the job ran longer than --timeout {self.spec.timeout:g}s and was stopped"
             log.error("%s", message)
@@ -289,15 +384,17 @@ class Supervisor:
         result = report.JobResult(
             exit_code=code, reason=reason, first_failure=self.first.record() if self.first else None,
             records=tuple(h.record(h.name in self.stopped) for h in self.handles),
-            start_time=self.start_time, end_time=end_time, message=message)
+            start_time=self.start_time, end_time=end_time, message=message,
+            cause=None if cause is None else {"process": cause.culprit.name if cause.culprit else None,
+                                              "reason": cause.reason, "reported_by": cause.reporter.name})
         if self.spec.summary_json:
             report.write_summary(self.spec.summary_json, self.spec, self.plan, result)
         return result
 
 
-def run_job(spec: JobSpec, console: Optional[Console] = None) -> report.JobResult:
+def run_job(spec: JobSpec, console: Optional[Console] = None, adopt_orphans: bool = False) -> report.JobResult:
     """Run ``spec`` to the end and return the result (never raises for a failed process)."""
-    return Supervisor(spec, console).run()
+    return Supervisor(spec, console, adopt_orphans=adopt_orphans).run()
 
 
 def dry_run_plan(spec: JobSpec, backend: type[Backend]) -> Plan:

@@ -15,7 +15,7 @@ import subprocess
 from typing import Mapping, Optional
 
 from ..errors import LaunchError
-from ..node.procgroup import resolve_program, signal_group
+from ..node.procgroup import group_alive, resolve_program, signal_group, stop_group
 from ..node.watchdog import Client as Watchdog
 from ..spec.plan import ProcSpec
 from .handle import ProcessHandle, group_members, spawn_guard
@@ -66,7 +66,7 @@ class LocalProcess(ProcessHandle):
         return self._popen.poll()
 
     def terminate(self) -> None:
-        signal_group(self.pgid, signal.SIGTERM)
+        stop_group(self.pgid, signal.SIGTERM)
 
     def kill(self) -> None:
         signal_group(self.pgid, signal.SIGKILL)
@@ -79,7 +79,7 @@ class LocalProcess(ProcessHandle):
         return group_members(self.pgid)
 
     def cleanup(self, groups: Mapping[int, list[int]] | None = None) -> None:
-        if group_members(self.pgid, groups):
+        if group_members(self.pgid, groups) if groups is not None else group_alive(self.pgid):
             signal_group(self.pgid, signal.SIGKILL)
         if self._watchdog is not None and self.poll() is not None:
             self._watchdog.forget(self.pgid)

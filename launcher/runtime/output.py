@@ -17,7 +17,9 @@ import os
 import selectors
 import sys
 import threading
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Optional
+
+from pscontract import CAUSE_PREFIX, parse_cause
 
 TAIL_LINES = 20
 _MAX_LINE = 64 * 1024  # a longer line without a newline is written in pieces
@@ -42,6 +44,12 @@ class Console:
         self.stdout = stdout or sys.stdout.buffer
         self.stderr = stderr or sys.stderr.buffer
         self.log_dir = log_dir
+        #: applied to every line of every process before it is shown, logged or kept for the
+        #: failure report (the job's secret values: see ``launcher.spec.env.Redactor``)
+        self.redact: Callable[[str], str] | None = None
+        #: called when any process's stdout or stderr ends (the supervisor looks at once: the
+        #: process has most likely exited)
+        self.on_stream_end: Callable[[], None] | None = None
         self.color = _use_color(self.stdout) if color is None else color
         self._lock = threading.Lock()
         if log_dir:
@@ -75,11 +83,19 @@ class ProcOutput:
         self.prefix = prefix
         self.log = log
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        #: ``(role, rank, reason)`` from the first ``pslaunch-cause:`` line the process wrote
+        #: (:func:`pscontract.cause_line`): why it stopped the job, and who is at fault
+        self.cause: Optional[tuple[Optional[str], Optional[int], str]] = None
         self._lock = threading.Lock()
         self.stdout = LineStream(self, err=False)
         self.stderr = LineStream(self, err=True)
 
     def emit(self, line: str, err: bool) -> None:
+        redact = self.console.redact
+        if redact is not None:
+            line = redact(line)
+        if self.cause is None and line.startswith(CAUSE_PREFIX):
+            self.cause = parse_cause(line)
         data = line.encode("utf-8", "replace")
         self.console.write(err, self.prefix + data + b"\n")
         with self._lock:
@@ -141,6 +157,9 @@ class LineStream:
         if rest:
             self.owner.emit(rest, self.err)
         self.done.set()
+        hook = self.owner.console.on_stream_end
+        if hook is not None:
+            hook()
 
 
 class PipePump:

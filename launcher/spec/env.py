@@ -46,12 +46,42 @@ def redact(env: Mapping[str, str]) -> dict[str, str]:
     return {k: (REDACTED if is_secret(k) else v) for k, v in env.items()}
 
 
+class Redactor:
+    """Hides known secret values in text: ``Redactor(values)(line)``.
+
+    A value of 4 characters or more is hidden wherever it occurs; a shorter one only where it
+    stands alone (not inside a longer word or number), so that a 2-character password does not
+    turn every occurrence of those two letters into ``<redacted>``. Built once per job; a line
+    without any secret costs one substring test per long value and one regex search.
+    """
+
+    def __init__(self, values: Iterable[str]) -> None:
+        values = {v for v in values if v}
+        self.long = tuple(sorted((v for v in values if len(v) >= 4), key=len, reverse=True))
+        short = sorted((v for v in values if len(v) < 4), key=len, reverse=True)
+        self.short = re.compile(r"(?<![A-Za-z0-9])(?:" + "|".join(map(re.escape, short)) + r")(?![A-Za-z0-9])") \
+            if short else None
+
+    @classmethod
+    def of(cls, env: Mapping[str, str]) -> Redactor:
+        """The secret values of ``env`` (by name, :func:`is_secret`)."""
+        return cls(v for k, v in env.items() if is_secret(k))
+
+    def __bool__(self) -> bool:
+        return bool(self.long) or self.short is not None
+
+    def __call__(self, text: str) -> str:
+        for v in self.long:
+            if v in text:
+                text = text.replace(v, REDACTED)
+        if self.short is not None:
+            text = self.short.sub(REDACTED, text)
+        return text
+
+
 def redact_text(text: str, env: Mapping[str, str]) -> str:
-    """Replace every secret value of ``env`` that occurs in ``text``."""
-    for k, v in env.items():
-        if v and len(v) >= 4 and is_secret(k):
-            text = text.replace(v, REDACTED)
-    return text
+    """Replace every secret value of ``env`` that occurs in ``text`` (see :class:`Redactor`)."""
+    return Redactor.of(env)(text)
 
 
 def is_forwarded(name: str) -> bool:

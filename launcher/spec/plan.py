@@ -195,7 +195,7 @@ def build_plan(
                                             place_ if placed else None, node_host, local_procs)
         else:
             contract = pc.contract(str(s.role), task_id=s.task_id, cluster=spec.launcher, node_host=node_host,
-                                   local_procs=local_procs, **common)
+                                   local_procs=local_procs, process=f"{s.role}-{s.rank}", **common)
         role_env = _pairs(spec.env_server if s.role is Role.SERVER else spec.env_worker)
         procs.append(ProcSpec(s.role, s.rank, s.task_id, s.host, spec.command,
                               env_for(contract, role_env, inherit_environ),

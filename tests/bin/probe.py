@@ -63,6 +63,13 @@ def main() -> int:
     ap.add_argument("--kill-self", default=None, metavar="ROLE-RANK:SIGNAL",
                     help="after writing the record, kill this process with SIGNAL, e.g. worker-0:SEGV")
     ap.add_argument("--child", action="store_true", help="spawn a sleeping grandchild")
+    ap.add_argument("--escape", action="store_true",
+                    help="spawn two grandchildren that leave the process group: one calls setsid(), one "
+                         "double-forks into a daemon; their pids go in the record (escaped)")
+    ap.add_argument("--stop-self", default=None, metavar="ROLE-RANK",
+                    help="after writing the record, stop this process with SIGSTOP (a hung process)")
+    ap.add_argument("--cause", default=None, metavar="ROLE-RANK:REASON",
+                    help="as the scheduler: print a pslaunch-cause line naming ROLE-RANK, then exit 1")
     ap.add_argument("--ignore-term", action="store_true")
     ap.add_argument("--take-port-once", default=None, metavar="FLAGFILE")
     ap.add_argument("--print", action="append", default=[])
@@ -93,6 +100,18 @@ def main() -> int:
         listener = socket.socket()
         listener.bind((env[ROOT_URI], int(env[ROOT_PORT])))
         listener.listen(64)
+    escaped = []
+    if a.escape:
+        setsid = subprocess.Popen([sys.executable, "-c", "import os, time; os.setsid(); time.sleep(300)"])
+        daemon = subprocess.Popen([sys.executable, "-c", (
+            "import os, sys, time\n"
+            "if os.fork(): sys.exit(0)\n"
+            "os.setsid()\n"
+            "if os.fork(): sys.exit(0)\n"
+            "print(os.getpid(), flush=True)\n"
+            "time.sleep(300)\n")], stdout=subprocess.PIPE)
+        escaped = [setsid.pid, int(daemon.stdout.readline())]
+        daemon.wait()
     child_pid = None
     if a.child:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)"])
@@ -100,7 +119,7 @@ def main() -> int:
     record = {
         "name": me, "env": env, "argv": sys.argv[1:], "rest": a.rest, "cwd": os.getcwd(), "pid": os.getpid(),
         "pgid": os.getpgid(0), "sid": os.getsid(0), "host": socket.gethostname(), "child": child_pid,
-        "time": time.time(), "netns": _netns(),
+        "time": time.time(), "netns": _netns(), "escaped": escaped,
     }
     if a.reach_tracker:
         record["tracker"] = _reach(env)
@@ -110,6 +129,14 @@ def main() -> int:
     os.replace(tmp, os.path.join(a.out, f"{me}.json"))
     for line in a.print:
         print(line, flush=True)
+    if a.stop_self == me:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if a.cause and me == "scheduler":
+        culprit, reason = a.cause.split(":", 1)
+        role, rank = culprit.rsplit("-", 1)
+        time.sleep(0.5)
+        print(f"pslaunch-cause: {role} {rank}: {reason}", file=sys.stderr, flush=True)
+        return 1
     if a.kill_self:
         target, signame = a.kill_self.split(":")
         if target == me:

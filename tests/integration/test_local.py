@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from support.helpers import (
@@ -136,13 +137,21 @@ def test_busy_port_is_skipped(probe, free_port) -> None:
 
 @pytest.mark.timeout(60)
 def test_port_lost_between_probe_and_bind_is_retried(probe, free_port, tmp_path) -> None:
-    flag = tmp_path / "took-port"
-    r = run_pslaunch("-n", "1", "-s", "1", "--kill-grace", "1", "--port-range", f"{free_port}-{free_port + 20}",
-                     *probe("--listen", "--take-port-once", str(flag)))
+    # Everything starts at once; the scheduler of the first attempt loses its port to another
+    # process: the whole job starts again on the next port, and only that attempt is reported.
+    flag, summary = tmp_path / "took-port", tmp_path / "s.json"
+    r = run_pslaunch("-n", "2", "-s", "1", "--kill-grace", "1", "--port-range", f"{free_port}-{free_port + 20}",
+                     "--summary-json", str(summary), *probe("--listen", "--sleep", "0.5",
+                                                            "--take-port-once", str(flag)))
     assert r.returncode == 0, r.stderr
     assert flag.exists()
     assert f"port {free_port} was taken before the scheduler could bind it" in r.stderr
-    assert int(read_probes(probe.dir)["scheduler"]["env"]["DMLC_PS_ROOT_PORT"]) > free_port
+    probes = read_probes(probe.dir)
+    ports = {rec["env"]["DMLC_PS_ROOT_PORT"] for rec in probes.values()}
+    assert len(probes) == 4 and len(ports) == 1 and int(ports.pop()) > free_port
+    doc = json.loads(summary.read_text())
+    assert doc["reason"] == "success" and len(doc["processes"]) == 4
+    assert all(p["exit_code"] == 0 for p in doc["processes"])
 
 
 @pytest.mark.timeout(60)
@@ -180,3 +189,55 @@ def test_env_reaches_children_unchanged_through_os_environ(probe) -> None:
     r = run_pslaunch("-n", "1", "-s", "0", *probe(), env=env)
     assert r.returncode == 0
     assert read_probes(probe.dir)["worker-0"]["env"]["OMP_NUM_THREADS"] == "7"
+
+
+@pytest.mark.timeout(60)
+def test_timeout_bounds_the_wait_for_the_scheduler(probe) -> None:
+    # The scheduler never listens: before, the launcher waited PS_START_TIMEOUT (62 s), then exited 1.
+    t0 = time.monotonic()
+    r = run_pslaunch("-n", "1", "-s", "1", "--timeout", "3", *probe("--sleep", "120"))
+    assert r.returncode == 124, r.stderr
+    assert time.monotonic() - t0 < 20  # (liveness only: the timeout is 3 s)
+    assert "--timeout 3s" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_the_report_names_the_process_the_scheduler_blames(probe, tmp_path) -> None:
+    summary = tmp_path / "s.json"
+    r = run_pslaunch("-n", "2", "-s", "1", "--summary-json", str(summary),
+                     *probe("--listen", "--sleep", "30", "--cause", "worker-1:no heartbeat for 10.0s"))
+    assert r.returncode == 1, r.stderr
+    errors = [x for x in r.stderr.splitlines() if "error" in x.lower()]
+    assert any("worker 1" in x and "no heartbeat for 10.0s" in x and "reported by the scheduler" in x
+               for x in errors), r.stderr
+    doc = json.loads(summary.read_text())
+    assert doc["first_failure"] == "scheduler"
+    assert doc["cause"] == {"process": "worker-1", "reason": "no heartbeat for 10.0s", "reported_by": "scheduler"}
+
+
+@pytest.mark.timeout(60)
+def test_secret_values_never_reach_the_console_logs_or_summary(probe, tmp_path) -> None:
+    token, password = "tok-" + "7f3a" * 6, "pq"  # a short one too: hidden where it stands alone
+    logs, summary = tmp_path / "logs", tmp_path / "s.json"
+    env = dict(os.environ, API_TOKEN=token, DB_PASSWORD=password)
+    r = run_pslaunch("-n", "1", "-s", "0", "--env", "API_TOKEN", "--env", "DB_PASSWORD", "--log-dir", str(logs),
+                     "--summary-json", str(summary),
+                     *probe("--print", f"token={token} password={password} pqrs stays", "--exit", "3"), env=env)
+    assert r.returncode == 3, r.stderr
+    assert read_probes(probe.dir)["worker-0"]["env"]["API_TOKEN"] == token  # the program gets it
+    written = {"stdout": r.stdout, "stderr": r.stderr, "log": (logs / "worker-0.log").read_text(),
+               "summary": summary.read_text()}
+    for where, text in written.items():
+        assert token not in text and f"={password} " not in text, where
+    assert "token=<redacted> password=<redacted> pqrs stays" in r.stdout
+    assert "| token=<redacted> password=<redacted> pqrs stays" in r.stderr  # the failure report's tail
+
+
+@pytest.mark.timeout(60)
+def test_a_scheduler_that_never_listens_is_an_error_after_the_start_timeout(probe) -> None:
+    t0 = time.monotonic()
+    r = run_pslaunch("-n", "1", "-s", "1", "--start-timeout", "2", *probe("--sleep", "60"))
+    assert r.returncode == 1, r.stderr
+    assert time.monotonic() - t0 < 20  # (liveness only)
+    assert "the scheduler did not listen on 127.0.0.1:" in r.stderr and "--start-timeout 2s" in r.stderr
+    assert_no_orphans(all_pids(read_probes(probe.dir)), timeout=10)

@@ -11,7 +11,10 @@ What is left behind is found two ways, both independent of the code under test:
   job starts inherits the job's variables, and so does whatever those processes start, however
   they detach): one pass over ``/proc``, which covers this machine and its network-namespace hosts;
 * what the backend itself still holds: processes on the namespace hosts other than sshd (ssh),
-  jobs of this job's name that Grid Engine still knows (sge).
+  jobs of this job's name that Grid Engine still knows (sge), allocations of this job's name
+  or steps of the test's allocation that ``squeue`` still lists, and processes on the Slurm
+  nodes that carry the mark anywhere in their environment (a task wrapper holds it inside
+  its task document) (slurm).
 """
 
 from __future__ import annotations
@@ -230,6 +233,116 @@ class YarnCluster(Cluster):
         return [f"YARN applications named {self.name} still running: {', '.join(apps)}"] if apps else []
 
 
+class SlurmCluster(Cluster):
+    """``--launcher slurm`` on the Slurm test cluster (scripts/setup-slurm.sh), outside an
+    allocation: pslaunch makes one (named after the test) over the 4 nodes and releases it."""
+
+    launcher = "slurm"
+    start_timeout = 60.0
+    timeout = 8.0
+    #: DMLC_INTERFACE as a CIDR: the nodes' interface names differ (eth0, ens1, ...)
+    interface_key = "subnet_a"
+
+    def __init__(self, out: Path) -> None:
+        super().__init__(out)
+        from support import slurm_testbed
+
+        problem = slurm_testbed.problem()
+        if problem:
+            pytest.skip(f"no Slurm test cluster: {problem}")
+        self.tb = slurm_testbed.load()
+        self.name = f"pslt-{self.mark[:8]}"
+
+    def options(self) -> list[str]:
+        return [*super().options(), "--jobname", self.name, "--slurm-nodes", str(len(self.tb.nodes)),
+                "--env", f"DMLC_INTERFACE={getattr(self.tb, self.interface_key)}"]
+
+    def node_of(self, rec: dict) -> object:
+        node = self.tb.node_of(rec["netns"])
+        assert node is not None, f"{rec.get('name')} ran in the launcher's namespace, not on a Slurm node"
+        return node
+
+    def node_host(self, name: str, rec: dict) -> str:
+        return self.node_of(rec).addr_a  # type: ignore[attr-defined]
+
+    def check_record(self, name: str, rec: dict) -> None:
+        node = self.node_of(rec)
+        env = rec["env"]
+        assert env["SLURMD_NODENAME"] == node.name and env["SLURM_STEP_ID"].isdigit(), env  # type: ignore[attr-defined]
+        assert "PSLAUNCH_TASK" not in env  # the wrapper took the task document out
+
+    def marked_pids(self) -> list[int]:
+        """Processes on the nodes whose environment holds the mark anywhere (the wrappers too)."""
+        from support.slurm_testbed import _alive
+
+        needle = self.mark.encode()
+        found = []
+        for n in self.tb.nodes:
+            for pid in self.tb.pids(n):
+                try:
+                    env = Path(f"/proc/{pid}/environ").read_bytes()
+                except OSError:
+                    continue
+                if needle in env and _alive(pid):
+                    found.append(pid)
+        return found
+
+    def backend_leftovers(self) -> list[str]:
+        left = []
+        jobs = self.tb.jobs(self.name)
+        if jobs:
+            left.append(f"Slurm jobs named {self.name}: {', '.join(jobs)}")
+        pids = self.marked_pids()
+        if pids:
+            left.append(f"on the Slurm nodes: {describe_pids(pids)}")
+        return left
+
+    def close(self) -> None:
+        self.tb.scancel(*self.tb.jobs(self.name))
+        super().close()
+
+
+class SlurmAllocationCluster(SlurmCluster):
+    """``--launcher slurm`` inside an allocation: ``salloc --no-shell -N4`` made by the test, and
+    ``SLURM_JOB_ID`` in the launcher's environment (as under salloc or in an sbatch script)."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__(out)
+        self.job = self.tb.salloc(len(self.tb.nodes), self.name)
+
+    def options(self) -> list[str]:
+        return ["--launcher", self.launcher, "--jobname", self.name, "--env",
+                f"DMLC_INTERFACE={getattr(self.tb, self.interface_key)}"]
+
+    def env(self) -> dict:
+        return {**os.environ, "SLURM_JOB_ID": self.job}
+
+    def check_record(self, name: str, rec: dict) -> None:
+        super().check_record(name, rec)
+        assert rec["env"]["SLURM_JOB_ID"] == self.job
+
+    def steps(self) -> list[str]:
+        r = subprocess.run(["squeue", "-h", "-s", "-j", self.job, "-o", "%i"], capture_output=True, text=True,
+                           timeout=20)
+        return r.stdout.split()
+
+    def backend_leftovers(self) -> list[str]:
+        left = []
+        steps = self.steps()
+        if steps:
+            left.append(f"steps of allocation {self.job}: {', '.join(steps)}")
+        pids = self.marked_pids()
+        if pids:
+            left.append(f"on the Slurm nodes: {describe_pids(pids)}")
+        return left
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.tb.scancel(self.job)
+
+
 def sge_problem() -> Optional[str]:
     """Why no Grid Engine job can run here, or None."""
     for name in ("SGE_ROOT", "DRMAA_LIBRARY_PATH", "GLIBC_TUNABLES"):
@@ -259,6 +372,8 @@ CLUSTERS = {
     "mpi-mpich": (pytest.mark.mpi,),
     "sge": (pytest.mark.sge,),
     "yarn": (pytest.mark.yarn,),
+    "slurm": (pytest.mark.slurm,),
+    "slurm-alloc": (pytest.mark.slurm,),
 }
 
 
@@ -287,7 +402,12 @@ def make_cluster(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> C
         out = tmp_path / "probes"
         out.mkdir()
         return YarnCluster(out)
+    if kind in ("slurm", "slurm-alloc"):
+        out = tmp_path / "probes"
+        out.mkdir()
+        return SlurmCluster(out) if kind == "slurm" else SlurmAllocationCluster(out)
     raise ValueError(f"unknown cluster {kind!r}")
 
 
-__all__ = ["CLUSTERS", "Cluster", "MARK", "make_cluster", "sge_jobs", "sge_problem"]
+__all__ = ["CLUSTERS", "Cluster", "MARK", "SlurmAllocationCluster", "SlurmCluster", "make_cluster", "sge_jobs",
+           "sge_problem"]

@@ -194,3 +194,17 @@ def test_torch_sockets_follow_dmlc_interface_unless_set() -> None:
         "NCCL_SOCKET_IFNAME": "=ib0"}
     assert pc.torch_sockets({"DMLC_PS_ROOT_URI": "1.2.3.4"}, "ib0") == {}  # not a torch job
     assert pc.torch_sockets({"MASTER_ADDR": "1.2.3.4"}, None) == {}
+
+
+def test_short_secret_values_are_redacted_as_whole_words_only() -> None:
+    env = {"DB_PASSWORD": "ab", "API_TOKEN": "x9", "PS_VERBOSE": "1"}
+    assert jobenv.redact_text("password=ab token x9.", env) == "password=<redacted> token <redacted>."
+    # inside a longer word or number it is left alone: "ab" is not hidden in "about" or "cab9"
+    assert jobenv.redact_text("about cab9 1ab", env) == "about cab9 1ab"
+    assert jobenv.redact_text("PS_VERBOSE=1", env) == "PS_VERBOSE=1"  # not secret-named
+
+
+def test_redactor_hides_every_value_longest_first() -> None:
+    r = jobenv.Redactor(["secret-1", "secret-12", "", "q"])
+    assert r("a secret-12 b secret-1 c q d") == "a <redacted> b <redacted> c <redacted> d"
+    assert not jobenv.Redactor(["", ""]) and jobenv.Redactor(["x"])

@@ -83,3 +83,27 @@ def test_pipe_pump_delivers_and_closes() -> None:
     assert p.stdout.done.wait(5)
     pump.stop()
     assert out.getvalue().decode().splitlines() == ["[worker 0] one", "[worker 0] two"]
+
+
+def test_redaction_covers_console_log_file_and_tail(tmp_path) -> None:
+    from launcher.spec.env import Redactor
+
+    console, out, err = make(log_dir=str(tmp_path))
+    console.redact = Redactor(["hunter2-long-secret", "pw"])
+    p = console.proc("worker-0", "worker 0", "worker")
+    p.stdout.feed(b"token hunter2-long-secret and pw, pwd stays\n")
+    p.stderr.feed(b"pw\n")
+    p.close()
+    shown = "token <redacted> and <redacted>, pwd stays"
+    assert out.getvalue().decode() == f"[worker 0] {shown}\n"
+    assert err.getvalue().decode() == "[worker 0] <redacted>\n"
+    logged = (tmp_path / "worker-0.log").read_text()
+    assert "hunter2" not in logged and shown in logged
+    assert p.lines() == [shown, "<redacted>"]
+
+
+def test_a_cause_line_is_kept() -> None:
+    console, out, err = make()
+    p = console.proc("scheduler", "scheduler", "scheduler")
+    p.stderr.feed(b"starting\npslaunch-cause: worker 1: no heartbeat for 10.0s\npslaunch-cause: - later\n")
+    assert p.cause == ("worker", 1, "no heartbeat for 10.0s")

@@ -234,18 +234,18 @@ def test_environment_problems_say_what_to_set() -> None:
 
 
 def test_missing_drmaa_package(monkeypatch) -> None:
-    monkeypatch.setattr(sge.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(BackendUnavailableError, match=r"pip install 'pslaunch\[sge\]' \(drmaa==0.7.9\)"):
         sge.load_drmaa({})
 
 
 def test_static_tls_error_names_the_tunable(monkeypatch) -> None:
-    monkeypatch.setattr(sge.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
     monkeypatch.setattr(sge, "environment_problem", lambda environ: None)
 
     def fail(name):
         raise OSError("/lib/x86_64-linux-gnu/libjemalloc.so.2: cannot allocate memory in static TLS block")
-    monkeypatch.setattr(sge.importlib, "import_module", fail)
+    monkeypatch.setattr(importlib, "import_module", fail)
     with pytest.raises(BackendUnavailableError) as e:
         sge.load_drmaa({"DRMAA_LIBRARY_PATH": "/l.so", "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
     assert str(e.value).endswith(

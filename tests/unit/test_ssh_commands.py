@@ -71,7 +71,9 @@ def test_wrapper_payload_layout() -> None:
 
 
 def test_kill_command_signals_process_groups_only() -> None:
-    assert kill_command("TERM", [4242, 17]) == "kill -s TERM -- -17 -4242 2>/dev/null; exit 0"
+    # a stopped (SIGSTOP) process gets SIGTERM only once resumed: SIGCONT follows at once
+    assert kill_command("TERM", [4242, 17]) == \
+        "kill -s TERM -- -17 -4242 2>/dev/null; kill -s CONT -- -17 -4242 2>/dev/null; exit 0"
     assert kill_command("KILL", [5, 5]) == "kill -s KILL -- -5 2>/dev/null; exit 0"
     # -1 would be every process of the user, -0 the shell's own group
     assert kill_command("ABRT", [1, 0, -3, 99]) == "kill -s ABRT -- -99 2>/dev/null; exit 0"

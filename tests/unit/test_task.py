@@ -1,4 +1,4 @@
-"""The task wrapper (launcher/node/task.py) that sge and yarn run in each task: index translation,
+"""The task wrapper (launcher/node/task.py) that sge, yarn and slurm run in each task: index translation,
 environment, node address, and the real wrapper running a command (no batch system needed)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from launcher import node
-from launcher.node import task
+from launcher.node import task, wire
 
 DOC = {
     "version": 2,
@@ -29,6 +29,8 @@ DOC = {
     ("sge", {"SGE_TASK_ID": "12"}, 11),
     ("skein", {"SKEIN_CONTAINER_ID": "worker_0"}, 0),
     ("skein", {"SKEIN_CONTAINER_ID": "my_server_7"}, 7),
+    ("slurm", {"SLURM_PROCID": "0"}, 0),
+    ("slurm", {"SLURM_PROCID": "5"}, 5),
 ])
 def test_task_index(source, environ, index) -> None:
     assert task.task_index(source, environ) == index
@@ -40,6 +42,7 @@ def test_task_index(source, environ, index) -> None:
     ("sge", {}, "SGE_TASK_ID='': not a task of an array job"),
     ("sge", {"SGE_TASK_ID": "0"}, "SGE_TASK_ID='0'"),
     ("skein", {"SKEIN_CONTAINER_ID": "worker"}, "expected <service>_<instance>"),
+    ("slurm", {}, "SLURM_PROCID='': not a task of a Slurm job step"),
     ("lsf", {}, "unknown index source 'lsf'"),
 ])
 def test_task_index_errors(source, environ, message) -> None:
@@ -124,3 +127,53 @@ def test_wrapper_errors_are_one_line(tmp_path) -> None:
     assert r.returncode == 1 and "not a task of an array job" in r.stderr
 
 
+
+
+def test_local_procs_by_index() -> None:
+    doc = json.loads(json.dumps(DOC))
+    doc["roles"]["worker"]["local_procs"] = [2, 1, 2]
+    assert task.task_environment(doc, "worker", 1, {})["PSLAUNCH_LOCAL_PROCS"] == "1"
+    assert task.task_environment(doc, "worker", 2, {})["PSLAUNCH_LOCAL_PROCS"] == "2"
+    assert "PSLAUNCH_LOCAL_PROCS" not in task.task_environment(DOC, "worker", 1, {})
+
+
+def test_take_task_env_removes_the_document() -> None:
+    environ = {"PSLAUNCH_TASK": json.dumps(DOC), "HOME": "/root"}
+    assert task.take_task_env("PSLAUNCH_TASK", environ) == DOC
+    assert environ == {"HOME": "/root"}
+    with pytest.raises(task.TaskError, match="PSLAUNCH_TASK is not set: the launcher passes the task document in it"):
+        task.take_task_env("PSLAUNCH_TASK", environ)
+    with pytest.raises(task.TaskError, match="unsupported version 1"):
+        task.take_task_env("X", {"X": '{"version": 1}'})
+
+
+def _run_env(doc, args, environ) -> subprocess.CompletedProcess:
+    env = dict(environ, PSLAUNCH_TASK=json.dumps(doc))
+    return subprocess.run([*node.command("task"), "--task-env", "PSLAUNCH_TASK", *args],
+                          capture_output=True, text=True, timeout=30, env=env)
+
+
+@pytest.mark.timeout(60)
+def test_wrapper_under_srun_takes_the_document_from_its_environment() -> None:
+    # as srun runs it: the document in a variable, SLURM_PROCID as the index; the command does not see it
+    r = _run_env(DOC, ["--role", "worker", "--index", "slurm", "--no-tee"],
+                 {"SLURM_PROCID": "1", "SLURM_JOB_ID": "9", "SLURM_STEP_ID": "0", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    env = json.loads(r.stdout)
+    assert env["DMLC_TASK_ID"] == "1" and env["A"] == "w=1" and "PSLAUNCH_TASK" not in env
+
+
+@pytest.mark.timeout(60)
+def test_in_band_records_without_a_connection() -> None:
+    # no hub in the document: --in-band writes the start, the output and the exit as records on stdout
+    doc = dict(DOC, argv=[sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"])
+    r = _run_env(doc, ["--role", "worker", "--index", "slurm", "--no-tee", "--in-band"],
+                 {"SLURM_PROCID": "2", "SLURM_JOB_ID": "9", "SLURM_STEP_ID": "1", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 3
+    lines = [x for x in (r.stdout + r.stderr).split("\n") if x]  # (str.splitlines would cut at \x1e)
+    records = [wire.parse_record(line.encode()) for line in lines]
+    assert all(records), r.stdout + r.stderr
+    kinds = {(ident, kind): payload for ident, kind, payload in records}  # type: ignore[misc]
+    assert kinds[(2, "o")] == b"out" and kinds[(2, "e")] == b"err" and kinds[(2, "x")] == b"3"
+    start = json.loads(kinds[(2, "s")])
+    assert start["step"] == "9.1" and start["addr"] == "127.0.0.1"

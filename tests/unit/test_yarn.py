@@ -6,6 +6,7 @@ tests/integration/test_yarn_testbed.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -550,7 +551,7 @@ def test_containers_not_running_after_start_timeout(tmp_path, fast_poll) -> None
 
 
 def test_check_reports_missing_dependencies(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(yarn.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     spec = JobSpec(command=("x",), num_workers=1, num_servers=0, launcher="yarn", workdir=str(tmp_path))
     backend = yarn.YarnBackend(spec, Console(stdout=io.BytesIO(), stderr=io.BytesIO()), None)
     with pytest.raises(BackendUnavailableError, match=r"needs skein: pip install 'pslaunch\[yarn\]'"):

@@ -18,38 +18,37 @@ import dataclasses
 import logging
 import os
 import shlex
-import shutil
 import subprocess
-import tempfile
-from typing import Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 import pscontract as pc
-from pscontract import netif
 
 from ...errors import BackendUnavailableError, ConfigError, LaunchError
-from ...node import mpi_wire
 from ...node.watchdog import Client as Watchdog
 from ...runtime.handle import ProcGroup, spawn_guard
-from ...runtime.hub import Hub, hub_ports
 from ...runtime.output import Console, PipePump
 from ...spec.job import JobSpec
 from ...spec.plan import Plan, ProcSpec
 from ..base import Backend, BackendOption
-from .command import (
-    HOSTFILE_PLACEHOLDER,
-    MPIImpl,
-    MPIInfo,
-    MPIOptions,
-    RankLayout,
-    check_hosts,
-    mpi_interface,
-    mpirun_command,
-    probe_mpirun,
-    rank_layout,
-)
-from .job import MPIGroup, MPIJob, MPIRank
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ...runtime.hub import Hub
+    from .command import MPIInfo, RankLayout
+    from .job import MPIJob
+
+# .command and .job are imported where they are used: the command line imports every backend
+# for its options, and a launch that does not use mpirun should not pay for them.
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MPIOptions:
+    """``--mpirun`` and ``--mpirun-args``."""
+
+    mpirun: str = "mpirun"
+    extra_args: tuple[str, ...] = ()
 
 
 class MPIBackend(Backend):
@@ -95,6 +94,10 @@ class MPIBackend(Backend):
         self.tmpdir: Optional[str] = None
 
     def check(self) -> None:
+        from pscontract import netif
+
+        from .command import check_hosts, mpi_interface, probe_mpirun
+
         check_hosts(self.spec.hosts)
         if self.spec.sync_dst_dir:
             log.warning("--sync-dst-dir is ignored by --launcher mpi (as by dmlc's): mpirun runs the command "
@@ -105,6 +108,9 @@ class MPIBackend(Backend):
         mpi_interface(self.info.impl, self.spec.interface, netif.interfaces())
 
     def start(self, procs: Sequence[ProcSpec]) -> ProcGroup:
+        from .command import HOSTFILE_PLACEHOLDER, mpirun_command, rank_layout
+        from .job import MPIGroup, MPIJob, MPIRank
+
         if self.info is None:
             self.check()
         assert self.info is not None
@@ -117,6 +123,8 @@ class MPIBackend(Backend):
         argv, env, hostfile_text = mpirun_command(spec, self.info, procs, layout,
                                                   hub=self.hub.address if self.hub else None)
         if hostfile_text is not None:
+            import tempfile
+
             self.tmpdir = tempfile.mkdtemp(prefix="pslaunch-mpi-")
             path = os.path.join(self.tmpdir, "hostfile")
             with open(path, "w", encoding="utf-8") as f:
@@ -152,6 +160,10 @@ class MPIBackend(Backend):
     def _listen(self, job: MPIJob, procs: Sequence[ProcSpec], layout: RankLayout) -> Optional[Hub]:
         """The hub the rank wrappers connect to: on the scheduler's address (which every host
         reaches; loopback when all ranks run here), in ``--port-range`` if a port is free there."""
+        from pscontract import netif
+
+        from ...runtime.hub import Hub, hub_ports
+
         env = procs[0].env
         secret = env.get(pc.SECRET, "")
         service = pc.service_endpoint(env)  # the scheduler's or the tracker's
@@ -174,6 +186,16 @@ class MPIBackend(Backend):
     @classmethod
     def dry_run(cls, spec: JobSpec, plan: Plan) -> list[str]:
         """The mpirun command line(s), Open MPI's hostfile and the rank table; no job is started."""
+        from ...node import mpi_wire
+        from .command import (
+            HOSTFILE_PLACEHOLDER,
+            MPIImpl,
+            MPIInfo,
+            mpirun_command,
+            probe_mpirun,
+            rank_layout,
+        )
+
         # With hosts, each wrapper works DMLC_NODE_HOST out on its node (the plan shows a guess).
         procs = [dataclasses.replace(p, env={k: v for k, v in p.env.items() if k != pc.NODE_HOST})
                  if p.host is not None else p for p in plan.procs]
@@ -220,6 +242,8 @@ class MPIBackend(Backend):
             self.pump.stop()
             self.pump = None
         if self.tmpdir is not None:
+            import shutil
+
             shutil.rmtree(self.tmpdir, ignore_errors=True)
             self.tmpdir = None
 

@@ -38,14 +38,6 @@ VERSION_TIMEOUT = 15.0
 HOSTFILE_PLACEHOLDER = "<tmpdir>/hostfile"
 
 
-@dataclass(frozen=True)
-class MPIOptions:
-    """``--mpirun`` and ``--mpirun-args``."""
-
-    mpirun: str = "mpirun"
-    extra_args: tuple[str, ...] = ()
-
-
 class MPIImpl(str, enum.Enum):
     """The two mpirun families, which differ in every option we use."""
 

@@ -21,6 +21,7 @@ import time
 from typing import Any, Mapping, Optional, Sequence
 
 from ...node import wire
+from ...node.procgroup import group_alive
 from ...node.watchdog import Client as Watchdog
 from ...runtime.handle import ProcessHandle, ProcGroup, group_members, normalize_exitcode
 from ...runtime.hub import MAX_UNTERMINATED, Hub
@@ -110,7 +111,7 @@ class MPIRank(ProcessHandle):
     def cleanup(self, groups: Optional[Mapping[int, list[int]]] = None) -> None:
         if self.local_pgid is None:
             return
-        if group_members(self.local_pgid, groups):
+        if group_members(self.local_pgid, groups) if groups is not None else group_alive(self.local_pgid):
             try:
                 os.killpg(self.local_pgid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):

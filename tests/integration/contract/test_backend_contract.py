@@ -30,7 +30,15 @@ from pathlib import Path
 
 import pytest
 from support.clusters import CLUSTERS, Cluster, make_cluster
-from support.helpers import BIN, pid_alive, read_probes, wait_for, wait_probes, xgboost_python
+from support.helpers import (
+    BIN,
+    free_port,
+    pid_alive,
+    read_probes,
+    wait_for,
+    wait_probes,
+    xgboost_python,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -80,7 +88,8 @@ def test_env_contract_per_role(cluster: Cluster, monkeypatch) -> None:
     monkeypatch.setenv("PS_VERBOSE", "1")          # forwarded to every node on every backend
     monkeypatch.setenv("DMLC_NODE_HOST", "1.2.3.4")  # the launcher's own value wins
     r = cluster.run("-n", "3", "-s", "2", "--env", "FOO=bar baz", "--env-server", "OMP_NUM_THREADS:3",
-                    "--env-worker", "WHO=worker", "--kill-grace", "1", *cluster.probe("--listen", "--child"))
+                    "--env-worker", "WHO=worker", "--kill-grace", "1",
+                    *cluster.probe("--listen", "--child", "--escape"))
     assert r.returncode == 0, r.stderr
     probes = read_probes(cluster.out)
     assert sorted(probes) == ["scheduler", "server-0", "server-1", "worker-0", "worker-1", "worker-2"]
@@ -108,7 +117,9 @@ def test_env_contract_per_role(cluster: Cluster, monkeypatch) -> None:
         cluster.check_record(name, rec)
     assert "all 6 processes exited 0" in r.stderr
     assert "PSLAUNCH_SECRET=" not in r.stderr and sched["PSLAUNCH_SECRET"] not in r.stderr + r.stdout
-    assert_nothing_left(cluster)  # the grandchildren (--child) too: they go with their process
+    # the grandchildren too: in the process's group (--child), or gone from it with setsid() or a
+    # double fork (--escape): they go with their process
+    assert_nothing_left(cluster)
 
 
 # --- failures -------------------------------------------------------------------------------------------
@@ -118,7 +129,7 @@ def test_env_contract_per_role(cluster: Cluster, monkeypatch) -> None:
 def test_a_failure_stops_the_rest_with_its_exit_code(cluster: Cluster, tmp_path: Path) -> None:
     summary = tmp_path / "summary.json"
     r = cluster.run("-n", "3", "-s", "1", "--kill-grace", "1", "--summary-json", str(summary),
-                    *cluster.probe("--listen", "--sleep", "60", "--child", "--fail", "worker-1:3:1.0"))
+                    *cluster.probe("--listen", "--sleep", "60", "--child", "--escape", "--fail", "worker-1:3:1.0"))
     assert r.returncode == 3, r.stderr
     assert re.search(r"error: worker 1\b.* exited with code 3 first; stopped the other processes", r.stderr), r.stderr
     assert "worker-1 failing with code 3" in r.stderr  # the tail of its output is in the report
@@ -134,6 +145,19 @@ def test_a_failure_stops_the_rest_with_its_exit_code(cluster: Cluster, tmp_path:
 
 
 @pytest.mark.timeout(150)
+def test_a_stopped_process_does_not_hold_up_the_teardown(cluster: Cluster) -> None:
+    """A process stopped with SIGSTOP (hung, or in a debugger) gets SIGCONT with its SIGTERM: the
+    job ends at once, not after --kill-grace."""
+    t0 = time.monotonic()
+    r = cluster.run("-n", "3", "-s", "1", "--kill-grace", "60",
+                    *cluster.probe("--listen", "--sleep", "90", "--stop-self", "worker-2", "--fail", "worker-1:3:2.0"))
+    took = time.monotonic() - t0
+    assert r.returncode == 3, r.stderr
+    assert took < 45, f"the job took {took:.0f}s to end: the stopped worker waited out the 60 s grace"
+    assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(150)
 def test_killed_by_signal_n_reports_128_plus_n(cluster: Cluster) -> None:
     r = cluster.run("-n", "2", "-s", "0", "--kill-grace", "1",
                     *cluster.probe("--sleep", "60", "--kill-self", "worker-0:SEGV"))
@@ -143,11 +167,38 @@ def test_killed_by_signal_n_reports_128_plus_n(cluster: Cluster) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_scheduler_failure_stops_the_job(cluster: Cluster) -> None:
-    r = cluster.run("-n", "2", "-s", "1", *cluster.probe("--fail", "scheduler:5"))
+def test_scheduler_failure_stops_the_job(cluster: Cluster, tmp_path: Path) -> None:
+    # everything starts at once; the scheduler fails once the others run: they are all stopped
+    summary = tmp_path / "summary.json"
+    r = cluster.run("-n", "2", "-s", "1", "--kill-grace", "1", "--summary-json", str(summary),
+                    *cluster.probe("--listen", "--sleep", "60", "--fail", "scheduler:5:1.0"))
     assert r.returncode == 5, r.stderr
     assert "error: scheduler (on localhost, pid" in r.stderr and "exited with code 5 first" in r.stderr
-    assert sorted(read_probes(cluster.out)) == ["scheduler"]  # nothing else was started
+    procs = {p["name"]: p for p in json.loads(summary.read_text())["processes"]}
+    assert sorted(procs) == ["scheduler", "server-0", "worker-0", "worker-1"]
+    assert procs["scheduler"]["exit_code"] == 5
+    for name in ("server-0", "worker-0", "worker-1"):
+        assert procs[name]["stopped_by_launcher"] and procs[name]["exit_code"] not in (None, 0), procs[name]
+    assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(200)
+def test_a_lost_port_race_starts_the_whole_job_again(cluster: Cluster, tmp_path: Path) -> None:
+    """Everything starts at once; another process takes the scheduler's port before it binds: every
+    process of that attempt is stopped and the job starts again on the next port (nothing of the
+    lost attempt is reported or left running)."""
+    port, flag, summary = free_port(), tmp_path / "took-port", tmp_path / "summary.json"
+    r = cluster.run("-n", "2", "-s", "1", "--kill-grace", "1", "--port-range", f"{port}-{port + 40}",
+                    "--summary-json", str(summary),
+                    *cluster.probe("--listen", "--sleep", "1", "--take-port-once", str(flag)))
+    assert r.returncode == 0, r.stderr
+    assert flag.exists() and f"port {port} was taken before the scheduler could bind it" in r.stderr
+    probes = read_probes(cluster.out)
+    assert sorted(probes) == ["scheduler", "server-0", "worker-0", "worker-1"]
+    ports = {rec["env"]["DMLC_PS_ROOT_PORT"] for rec in probes.values()}
+    assert len(ports) == 1 and int(ports.pop()) > port, probes
+    doc = json.loads(summary.read_text())
+    assert doc["reason"] == "success" and sorted(p["name"] for p in doc["processes"]) == sorted(probes)
     assert_nothing_left(cluster)
 
 
@@ -170,7 +221,7 @@ def test_missing_program_is_one_line(cluster: Cluster, servers: str) -> None:
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["INT", "TERM"])
 def test_a_signal_stops_everything(cluster: Cluster, sig: int, code: int) -> None:
     p, probes = running_job(cluster, "-n", "2", "-s", "1", "--kill-grace", "2",
-                            *cluster.probe("--listen", "--sleep", "60", "--child"), count=4)
+                            *cluster.probe("--listen", "--sleep", "60", "--child", "--escape"), count=4)
     p.send_signal(sig)
     _, err = p.communicate(timeout=60)
     assert p.returncode == code, err
@@ -197,7 +248,8 @@ def test_a_second_ctrl_c_kills_at_once(cluster: Cluster) -> None:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("behaviour", ["--child", "--ignore-term"], ids=["grandchildren", "ignoring-SIGTERM"])
+@pytest.mark.parametrize("behaviour", ["--child", "--escape", "--ignore-term"],
+                         ids=["grandchildren", "escaped-grandchildren", "ignoring-SIGTERM"])
 def test_kill_9_of_the_launcher_leaves_nothing(cluster: Cluster, behaviour: str) -> None:
     p, _ = running_job(cluster, "-n", "2", "-s", "1", "--kill-grace", "1",
                        *cluster.probe("--listen", "--sleep", "60", behaviour), count=4)
