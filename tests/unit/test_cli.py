@@ -306,7 +306,8 @@ def test_dry_run_shows_the_tracker_and_each_workers_variables(tmp_path, capsys) 
     own = {line.split(":")[0].strip(): line.split(": ")[1].split() for line in out.splitlines()
            if line.startswith("  worker ")}
     assert own["worker 3 @ 10.0.0.12"] == ["DMLC_NODE_HOST=10.0.0.12", "DMLC_TASK_ID=3", "GROUP_RANK=1",
-                                            "LOCAL_RANK=1", "RANK=3", "ROLE_RANK=3"]
+                                            "LOCAL_RANK=1", "PSLAUNCH_PROCESS=dry-run/worker-3", "RANK=3",
+                                            "ROLE_RANK=3"]
     assert "GROUP_RANK=0" in own["worker 1 @ 10.0.0.11"] and "LOCAL_RANK=1" in own["worker 1 @ 10.0.0.11"]
     assert "DMLC_PS_ROOT" not in out
 

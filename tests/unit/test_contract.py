@@ -139,7 +139,7 @@ def test_rabit_contract_key_by_key() -> None:
     assert env == {"DMLC_TRACKER_URI": "10.0.0.1", "DMLC_TRACKER_PORT": "9091", "DMLC_ROLE": "worker",
                    "DMLC_TASK_ID": "1", "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "0", "DMLC_JOB_CLUSTER": "ssh",
                    "DMLC_NODE_HOST": "10.0.0.7", "PSLAUNCH_LOCAL_PROCS": "1", "PSLAUNCH_SECRET": "s" * 64,
-                   "PSLAUNCH_JOB_ID": "j", "PS_START_TIMEOUT": "60"}
+                   "PSLAUNCH_JOB_ID": "j", "PSLAUNCH_PROCESS": "j/worker-1", "PS_START_TIMEOUT": "60"}
     assert not any(k.startswith("DMLC_PS_ROOT") for k in env)  # no scheduler (launch.py's -s 0)
 
 
@@ -154,7 +154,7 @@ def test_torch_contract_key_by_key() -> None:
                    "TORCHELASTIC_MAX_RESTARTS": "0", "DMLC_ROLE": "worker", "DMLC_TASK_ID": "3",
                    "DMLC_NUM_WORKER": "4", "DMLC_NUM_SERVER": "0", "DMLC_JOB_CLUSTER": "ssh",
                    "DMLC_NODE_HOST": "10.0.0.8", "PSLAUNCH_LOCAL_PROCS": "2", "PSLAUNCH_SECRET": "s" * 64,
-                   "PSLAUNCH_JOB_ID": "j", "PS_START_TIMEOUT": "60"}
+                   "PSLAUNCH_JOB_ID": "j", "PSLAUNCH_PROCESS": "j/worker-3", "PS_START_TIMEOUT": "60"}
     # placed by a batch system: what depends on the hosts comes later (pscontract.torch_placement)
     later = pc.torch_contract(master_addr="10.0.0.1", master_port=9092, task_id=3, num_workers=4, cluster="sge",
                               secret="s", job_id="j", start_timeout=60, place=None)
