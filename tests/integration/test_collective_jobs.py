@@ -126,6 +126,7 @@ def check_ddp(out: Path, n: int, tmp_path: Path) -> dict[str, dict]:
     pytest.param("mpi-mpich", marks=pytest.mark.mpi),
     pytest.param("sge", marks=pytest.mark.sge),
     pytest.param("yarn", marks=pytest.mark.yarn),
+    pytest.param("slurm", marks=pytest.mark.slurm),  # 4 nodes, DMLC_INTERFACE as a CIDR
 ])
 def test_ddp_under_tracker_torch_matches_one_process(kind: str, tmp_path: Path,
                                                      request: pytest.FixtureRequest) -> None:
@@ -135,10 +136,13 @@ def test_ddp_under_tracker_torch_matches_one_process(kind: str, tmp_path: Path,
                         timeout=DEADLINE)
         assert r.returncode == 0, r.stdout + r.stderr
         res = check_ddp(cluster.out, 3, tmp_path)
-        for x in res.values():  # one host: LOCAL_RANK is the rank
-            env = x["env"]
-            assert env["LOCAL_RANK"] == env["RANK"] == str(x["rank"]) and env["LOCAL_WORLD_SIZE"] == "3"
-            assert env["GROUP_RANK"] == "0" and env["GROUP_WORLD_SIZE"] == "1"
+        hosts: dict[str, list[dict]] = {}
+        for x in sorted(res.values(), key=lambda x: x["rank"]):
+            assert x["env"]["RANK"] == str(x["rank"])
+            hosts.setdefault(x["host"], []).append(x["env"])
+        for group, members in enumerate(hosts.values()):  # host by host: cuda:LOCAL_RANK would be right
+            assert [(e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"], e["GROUP_RANK"], e["GROUP_WORLD_SIZE"]) for e in members] \
+                == [(str(i), str(len(members)), str(group), str(len(hosts))) for i in range(len(members))]
         assert "torch store: serving on" in r.stderr
     finally:
         cluster.close()
