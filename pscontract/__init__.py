@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 # --- the dmlc / ps-lite contract -------------------------------------------
 ROLE = "DMLC_ROLE"
@@ -70,13 +70,61 @@ PYTHONFAULTHANDLER = "PYTHONFAULTHANDLER"
 SUBMIT_CLUSTER = "DMLC_SUBMIT_CLUSTER"
 PATH = "PATH"
 
+# --- the collective trackers (--tracker rabit, xgboost, torch) ---------------
+#: ``--tracker`` values: the ps-lite scheduler (``ps``), dmlc's rabit tracker in the launcher
+#: (``rabit``: XGBoost up to 2.0), XGBoost 2.1+'s own tracker (``xgboost``) and torch.distributed's
+#: env:// contract with a rendezvous store on the launching host (``torch``).
+TRACKERS = ("ps", "rabit", "xgboost", "torch")
+# dmlc's rabit contract (XGBoost 2.0's rabit reads both; 2.1+ scripts pass them on)
+TRACKER_URI = "DMLC_TRACKER_URI"
+TRACKER_PORT = "DMLC_TRACKER_PORT"
+# torch.distributed's env:// contract, spelled as torchrun (torch.distributed.run) spells it.
+# (RANK above is ps-lite's DMLC_RANK; torch's is TORCH_RANK.)
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+TORCH_RANK = "RANK"
+WORLD_SIZE = "WORLD_SIZE"
+LOCAL_RANK = "LOCAL_RANK"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+GROUP_RANK = "GROUP_RANK"
+GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE"
+ROLE_RANK = "ROLE_RANK"
+ROLE_WORLD_SIZE = "ROLE_WORLD_SIZE"
+ROLE_NAME = "ROLE_NAME"
+RUN_ID = "TORCHELASTIC_RUN_ID"
+# "True": every rank, rank 0 included, connects to the store at MASTER_ADDR:MASTER_PORT as a
+# client (torch/distributed/rendezvous.py, _create_c10d_store) instead of rank 0 hosting it.
+USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
+#: A torch job's role name (torchrun's default ``--role``).
+TORCH_ROLE = "default"
+# The interface torch's gloo and NCCL bind: by default gloo takes the address the host's name
+# resolves to, often 127.0.x.x, and then no other host reaches it.
+GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
+NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
+
 ROLES = ("scheduler", "server", "worker")
 
 #: Variables the launcher owns. An inherited or ``--env`` value is ignored.
 CONTRACT = frozenset(
     {ROLE, ROOT_URI, ROOT_PORT, NUM_WORKER, NUM_SERVER, TASK_ID, JOB_CLUSTER,
-     NODE_HOST, SECRET, JOB_ID, PROCESS, LOCAL_PROCS, START_TIMEOUT}
+     NODE_HOST, SECRET, JOB_ID, PROCESS, LOCAL_PROCS, START_TIMEOUT, TRACKER_URI, TRACKER_PORT}
 )
+#: What a worker of a ``torch`` job gets on top of the dmlc worker variables; the launcher owns
+#: these too in such a job (a ``RANK`` inherited from an outer torchrun would be wrong here).
+TORCH_CONTRACT = frozenset(
+    {MASTER_ADDR, MASTER_PORT, TORCH_RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
+     GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME, RUN_ID, USE_AGENT_STORE, RESTART_COUNT,
+     MAX_RESTARTS}
+)
+
+
+def owned(tracker: str) -> frozenset[str]:
+    """The variables the launcher owns in a job of ``tracker`` (``CONTRACT``, plus torch's in a torch job)."""
+    if tracker not in TRACKERS:
+        raise ValueError(f"unknown tracker {tracker!r}")
+    return CONTRACT | TORCH_CONTRACT if tracker == "torch" else CONTRACT
 
 
 def contract(
@@ -134,6 +182,161 @@ def contract(
 def process_marker(job_id: str, process: str) -> str:
     """``PSLAUNCH_PROCESS``'s value for process ``process`` (``worker-1``) of job ``job_id``."""
     return f"{job_id}/{process}"
+
+
+def _worker_base(*, task_id: int, num_workers: int, cluster: str, secret: str, job_id: str,
+                 start_timeout: float, node_host: str | None, local_procs: int | None) -> dict[str, str]:
+    """What every worker of a collective job (no servers) gets, whatever its tracker."""
+    env = {
+        ROLE: "worker",
+        NUM_WORKER: str(num_workers),
+        NUM_SERVER: "0",
+        TASK_ID: str(task_id),
+        JOB_CLUSTER: cluster,
+        SECRET: secret,
+        JOB_ID: job_id,
+        PROCESS: process_marker(job_id, f"worker-{task_id}"),
+        START_TIMEOUT: _fmt_seconds(start_timeout),
+    }
+    if node_host is not None:
+        env[NODE_HOST] = node_host
+    if local_procs is not None:
+        env[LOCAL_PROCS] = str(local_procs)
+    return env
+
+
+def rabit_contract(*, tracker_uri: str, tracker_port: int, task_id: int, num_workers: int, cluster: str,
+                   secret: str, job_id: str, start_timeout: float, node_host: str | None = None,
+                   local_procs: int | None = None) -> dict[str, str]:
+    """A worker of a ``rabit`` or ``xgboost`` job: launch.py's ``-s 0`` contract.
+
+    ``DMLC_TRACKER_URI``, ``DMLC_TRACKER_PORT`` (where the tracker listens), ``DMLC_ROLE=worker``,
+    ``DMLC_TASK_ID`` (``0..N-1``), ``DMLC_NUM_WORKER``, ``DMLC_NUM_SERVER=0``,
+    ``DMLC_JOB_CLUSTER``, and pslaunch's own (``PSLAUNCH_SECRET``, ``PSLAUNCH_JOB_ID``,
+    ``PSLAUNCH_PROCESS``, ``PS_START_TIMEOUT``, ``DMLC_NODE_HOST`` and ``PSLAUNCH_LOCAL_PROCS``
+    when known); no
+    ``DMLC_PS_ROOT_*``: there is no scheduler. XGBoost 2.0's rabit reads the tracker's address
+    and the task id itself; an XGBoost 2.1+ script passes them to ``CommunicatorContext``.
+    """
+    env = _worker_base(task_id=task_id, num_workers=num_workers, cluster=cluster, secret=secret, job_id=job_id,
+                       start_timeout=start_timeout, node_host=node_host, local_procs=local_procs)
+    env[TRACKER_URI] = tracker_uri
+    env[TRACKER_PORT] = str(tracker_port)
+    return env
+
+
+@dataclass(frozen=True)
+class HostRank:
+    """A worker's place in a torch job, numbered host by host as torchrun numbers it."""
+
+    rank: int
+    local_rank: int
+    local_world_size: int
+    group_rank: int
+    group_world_size: int
+
+
+def host_ranks(hosts: Sequence[str]) -> list[HostRank]:
+    """``hosts[i]`` is where worker ``i`` runs; each worker's :class:`HostRank`, in the same order.
+
+    As torchrun across nodes: the hosts are the groups, numbered in order of their first worker;
+    ranks run through one host's workers (in worker order) before the next host's, so each
+    host's ranks are consecutive and ``LOCAL_RANK`` is the index on the host (``cuda:LOCAL_RANK``).
+
+    >>> [(r.rank, r.local_rank, r.group_rank) for r in host_ranks(["a", "b", "a"])]
+    [(0, 0, 0), (2, 0, 1), (1, 1, 0)]
+    """
+    groups: dict[str, list[int]] = {}
+    for i, h in enumerate(hosts):
+        groups.setdefault(h, []).append(i)
+    out: list[HostRank | None] = [None] * len(hosts)
+    rank = 0
+    for group, members in enumerate(groups.values()):
+        for local, i in enumerate(members):
+            out[i] = HostRank(rank, local, len(members), group, len(groups))
+            rank += 1
+    return [r for r in out if r is not None]
+
+
+def torch_placement(place: HostRank, local_procs: bool = True) -> dict[str, str]:
+    """The variables of a torch worker that depend on where every worker runs (with
+    ``PSLAUNCH_LOCAL_PROCS``, the workers on its host, unless ``local_procs`` is false)."""
+    env = {
+        TORCH_RANK: str(place.rank),
+        ROLE_RANK: str(place.rank),
+        LOCAL_RANK: str(place.local_rank),
+        LOCAL_WORLD_SIZE: str(place.local_world_size),
+        GROUP_RANK: str(place.group_rank),
+        GROUP_WORLD_SIZE: str(place.group_world_size),
+    }
+    if local_procs:
+        env[LOCAL_PROCS] = str(place.local_world_size)
+    return env
+
+
+def torch_contract(*, master_addr: str, master_port: int, task_id: int, num_workers: int, cluster: str,
+                   secret: str, job_id: str, start_timeout: float, place: HostRank | None,
+                   node_host: str | None = None) -> dict[str, str]:
+    """A worker of a ``torch`` job: torchrun's env:// contract across hosts, plus the dmlc worker variables.
+
+    ``MASTER_ADDR``/``MASTER_PORT`` (the rendezvous store the launcher hosts),
+    ``WORLD_SIZE``/``ROLE_WORLD_SIZE`` (N), ``RANK``/``ROLE_RANK``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (the host's index), ``GROUP_WORLD_SIZE`` (hosts),
+    ``ROLE_NAME=default``, ``TORCHELASTIC_RUN_ID`` (the job id), restart count and limit 0, and
+    ``TORCHELASTIC_USE_AGENT_STORE=True``: every rank connects to the store as a client, which
+    is what torchrun's workers do with the store its agent hosts. ``place`` is None when a batch
+    system decides where the workers run: the rank variables (:func:`torch_placement`) then
+    come from the launcher once every task has said where it runs. ``DMLC_TASK_ID`` is the
+    worker's number in the job (its label); ``RANK`` equals it whenever the launcher placed the
+    workers itself.
+    """
+    env = _worker_base(task_id=task_id, num_workers=num_workers, cluster=cluster, secret=secret, job_id=job_id,
+                       start_timeout=start_timeout, node_host=node_host, local_procs=None)
+    env.update({
+        MASTER_ADDR: master_addr,
+        MASTER_PORT: str(master_port),
+        WORLD_SIZE: str(num_workers),
+        ROLE_WORLD_SIZE: str(num_workers),
+        ROLE_NAME: TORCH_ROLE,
+        RUN_ID: job_id,
+        USE_AGENT_STORE: "True",
+        RESTART_COUNT: "0",
+        MAX_RESTARTS: "0",
+    })
+    if place is not None:
+        env.update(torch_placement(place))
+    return env
+
+
+def torch_sockets(environ: Mapping[str, str], interface: str | None) -> dict[str, str]:
+    """For a torch worker (``MASTER_ADDR`` set) whose ``DMLC_INTERFACE`` selects ``interface`` (a name)
+    on its node: ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` (``=name``: that interface
+    exactly), each unless already set; so gloo and NCCL use the network ``DMLC_INTERFACE`` names,
+    whatever the interface is called on each host (a CIDR). Nothing for another job or without
+    an interface."""
+    if not interface or not environ.get(MASTER_ADDR):
+        return {}
+    env = {}
+    if not environ.get(GLOO_SOCKET_IFNAME):
+        env[GLOO_SOCKET_IFNAME] = interface
+    if not environ.get(NCCL_SOCKET_IFNAME):
+        env[NCCL_SOCKET_IFNAME] = "=" + interface
+    return env
+
+
+def service_endpoint(environ: Mapping[str, str]) -> tuple[str, int] | None:
+    """Where the job's service listens on the launching host, from a process's variables: the
+    ps scheduler (``DMLC_PS_ROOT_URI``), the tracker (``DMLC_TRACKER_URI``) or the torch store
+    (``MASTER_ADDR``), with its port; None if none is set. Every node reaches that address,
+    so the node programs route to it and the launcher's hub listens beside it."""
+    for host, port in ((ROOT_URI, ROOT_PORT), (TRACKER_URI, TRACKER_PORT), (MASTER_ADDR, MASTER_PORT)):
+        address = (environ.get(host) or "").strip()
+        if address:
+            try:
+                return address, int(environ.get(port) or 0)
+            except ValueError:
+                return address, 0
+    return None
 
 
 def _fmt_seconds(value: float) -> str:

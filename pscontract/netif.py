@@ -130,6 +130,11 @@ def interface_address(spec: str) -> str:
     return match(spec, interfaces()).address
 
 
+def interface_name(spec: str) -> str:
+    """The name of the interface that ``spec`` (``DMLC_INTERFACE``) selects on this host."""
+    return match(spec, interfaces()).name
+
+
 def route_source(dest: str) -> str:
     """The local address the kernel would use to reach ``dest`` (no packet is sent)."""
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)

@@ -13,6 +13,10 @@ payload MAC off and on (``PS_MAC_PAYLOAD``), and with ``--compare-mxnet``
 the same loop with ``mx.kv.create('dist_sync')`` in an MXNet 1.9.1 venv.
 The raw loopback TCP row is a two-process echo (send N bytes, get N bytes
 back) with plain sockets: the physical limit of this machine at that size.
+With ``--allreduce on`` (the default) the same loop also runs with
+``kvstore.create('dist_allreduce')`` under ``--tracker torch``: no servers, one
+gloo allreduce per push (trainer/collective.py), counted the same way; and the
+sizes gain LeNet's gradient (431,080 float32, what the trainer pushes per batch).
 Each configuration runs ``--repeat`` times, interleaved, and the best run per
 size is shown, because other load on a small machine only ever slows a run.
 
@@ -20,6 +24,7 @@ Examples:
     python scripts/bench_kvstore.py                     # ours, S=1,2, MAC off/on, raw TCP
     python scripts/bench_kvstore.py --compare-mxnet --repeat 3
     python scripts/bench_kvstore.py --sizes 4K,1M --servers 1 --mac off
+    python scripts/bench_kvstore.py --servers 1 --mac off --sizes lenet   # push+pull beside allreduce
 
 This file is also the worker program of each job (``--worker``); in that mode
 it imports only the KVStore under test (``trainer.kvstore`` or ``mxnet``),
@@ -50,17 +55,23 @@ from typing import Any  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_SIZES = "4K,64K,1M,16M,64M"
+#: LeNet's parameters (trainer/models.py; train_mnist's summary reports them): one gradient's floats
+LENET_PARAMS = 431_080
 MXNET_PYTHON = "/opt/mxnet-venv/bin/python"
 WARMUP = 5
 
 
 def parse_size(text: str) -> int:
     text = text.strip().upper()
+    if text == "LENET":
+        return 4 * LENET_PARAMS
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
     return int(float(text.rstrip("KMG")) * mult)
 
 
 def show_size(n: int) -> str:
+    if n == 4 * LENET_PARAMS:
+        return "LeNet"
     for unit, m in (("M", 1 << 20), ("K", 1 << 10)):
         if n >= m and n % m == 0:
             return f"{n // m}{unit}"
@@ -112,7 +123,7 @@ def worker_main(args: argparse.Namespace) -> None:
 
         from trainer import kvstore
 
-        kv = kvstore.create("dist_sync")
+        kv = kvstore.create(args.kv)
         rank = kv.rank
         for i, size in enumerate(sizes):
             n = size // 4
@@ -187,12 +198,14 @@ def raw_tcp(sizes: list[int], budget: int) -> dict[int, float]:
 
 
 def run_job(python: str, servers: int, workers: int, mac: bool, mxnet: bool,
-            args: argparse.Namespace, workdir: Path) -> dict[int, float] | None:
+            args: argparse.Namespace, workdir: Path, allreduce: bool = False) -> dict[int, float] | None:
     result = workdir / f"result-{time.monotonic_ns()}.json"
-    cmd = [sys.executable, "-m", "launcher", "-n", str(workers), "-s", str(servers),
+    job = ["--tracker", "torch"] if allreduce else ["-s", str(servers)]
+    cmd = [sys.executable, "-m", "launcher", "-n", str(workers), *job,
            "--launcher", "local", "--env", f"PS_MAC_PAYLOAD={int(mac)}",
            python, str(Path(__file__).resolve()), "--worker", "--sizes", args.sizes,
-           "--budget", str(args.budget), "--op", args.op, "--result", str(result)]
+           "--budget", str(args.budget), "--op", args.op, "--result", str(result),
+           "--kv", "dist_allreduce" if allreduce else "dist_sync"]
     if mxnet:
         cmd.append("--mxnet")
     env = dict(os.environ)
@@ -234,8 +247,11 @@ def main() -> None:
     ap.add_argument("--budget", type=parse_size, default=parse_size("256M"),
                     help="bytes per worker and size to time (iterations = budget / size, 5..1000)")
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--allreduce", choices=("on", "off"), default="on",
+                    help="also run dist_allreduce (torch.distributed, no servers) under --tracker torch")
     ap.add_argument("--json", help="also write the numbers to this file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--kv", default="dist_sync", help=argparse.SUPPRESS)
     ap.add_argument("--mxnet", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -243,6 +259,8 @@ def main() -> None:
         worker_main(args)
         return
 
+    if args.allreduce == "on" and "lenet" not in args.sizes.lower():
+        args.sizes += ",lenet"
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     servers = [int(s) for s in args.servers.split(",")]
     macs = [m.strip() == "on" for m in args.mac.split(",")]
@@ -264,6 +282,10 @@ def main() -> None:
                 python = args.mxnet_python if mx else sys.executable
                 print(f"[{rep + 1}/{args.repeat}] {name} ...", file=sys.stderr, flush=True)
                 runs[name].append(run_job(python, s, args.workers, mac, mx, args, Path(tmp)))
+            if args.allreduce == "on":
+                print(f"[{rep + 1}/{args.repeat}] allreduce ...", file=sys.stderr, flush=True)
+                runs.setdefault("allreduce", []).append(
+                    run_job(sys.executable, 0, args.workers, False, False, args, Path(tmp), allreduce=True))
     tcp = best(tcp_runs)
     table = {name: best(r) for name, r in runs.items()}
 
@@ -293,6 +315,15 @@ def main() -> None:
                 ours, theirs = table[f"ours S={s}"].get(size), table[f"mxnet S={s}"].get(size)
                 row += f" | {theirs / ours:9.2f}x" if ours and theirs else " |         -"
             print(row)
+    if "allreduce" in table:
+        ps = f"ours S={servers[0]}"
+        head = f"{'size':>6} | {'raw TCP':>8} | {ps + ' MB/s':>17} {'ms/it':>8} | {'allreduce MB/s':>17} {'ms/it':>8}"
+        print(f"\nNo servers: dist_allreduce under --tracker torch (gloo), {args.workers} workers, the same loop "
+              f"beside push+pull with {servers[0]} server(s)\n{head}\n{'-' * len(head)}")
+        for size in sizes:
+            t_ps, t_ar = table[ps].get(size), table["allreduce"].get(size)
+            print(f"{show_size(size):>6} | {mbs(size, tcp.get(size)):>8} | {mbs(size, t_ps):>17} {ms(t_ps):>8} "
+                  f"| {mbs(size, t_ar):>17} {ms(t_ar):>8}")
     print(f"\nraw TCP: one client echoing over loopback with plain sockets (no ZeroMQ, no server "
           f"work); {time.time() - started:.0f} s in all")
     if args.json:

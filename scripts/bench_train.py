@@ -6,6 +6,9 @@ For each network and batch size it runs, one after the other:
 * ``local``: one process, ``--kv-store local``, all cores;
 * ``dist_sync`` and ``dist_async``: two workers and one server on the local
   launcher (``python -m launcher -n 2 -s 1 --launcher local``);
+* ``dist_allreduce``: two workers and no server, the gradients summed with
+  torch.distributed's allreduce (``python -m launcher -n 2 --tracker torch``;
+  MXNet has no such store, so that row is ours only);
 
 first ours (``scripts/train_mnist.py``), then, when an MXNet 1.9.1 Python is
 found, MXNet's own training (``scripts/bench_train_mxnet.py``) with the same
@@ -43,7 +46,7 @@ sys.path.insert(0, str(REPO))
 import pscontract as pc  # noqa: E402
 from trainer.summary import read_summaries  # noqa: E402
 
-MODES = ("local", "dist_sync", "dist_async")
+MODES = ("local", "dist_sync", "dist_async", "dist_allreduce")
 MXNET_CANDIDATES = ("/opt/mxnet-venv/bin/python", str(REPO / ".venv-mxnet" / "bin" / "python"))
 
 
@@ -74,6 +77,8 @@ def command(python: str, script: str, mode: str, args: list[str]) -> list[str]:
     inner = [python, str(REPO / "scripts" / script), "--kv-store", kv, *args]
     if mode == "local":
         return inner
+    if mode == "dist_allreduce":  # no servers: the torch tracker's rendezvous, gloo's allreduce
+        return [sys.executable, "-m", "launcher", "-n", "2", "--tracker", "torch", "--launcher", "local", *inner]
     return [sys.executable, "-m", "launcher", "-n", "2", "-s", "1", "--launcher", "local", *inner]
 
 
@@ -110,7 +115,7 @@ def main() -> int:
                 row: dict[str, Any] = {"network": network, "batch": batch, "mode": mode}
                 for who, python, script in (("ours", sys.executable, "train_mnist.py"),
                                             ("mxnet", mxnet, "bench_train_mxnet.py")):
-                    if python is None:
+                    if python is None or (who == "mxnet" and mode == "dist_allreduce"):
                         continue
                     run_env = dict(env)
                     if who == "mxnet" and mode == "local":
@@ -143,7 +148,8 @@ def main() -> int:
           "| ours val. acc. | MXNet val. acc. |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        who = "local (1)" if r["mode"] == "local" else f"{r['mode']} (2 + 1 server)"
+        who = {"local": "local (1)", "dist_allreduce": "dist_allreduce (2, --tracker torch)"}.get(
+            r["mode"], f"{r['mode']} (2 + 1 server)")
         ours_failed, mx_failed = "ours_error" in r, "mxnet_error" in r
         print(f"| {r['network']} | {r['batch']} | {who} | {_fmt(r.get('ours'), ',.0f', ours_failed)} "
               f"| {_fmt(r.get('mxnet'), ',.0f', mx_failed)} | {_fmt(r.get('ratio'), '.2f')} "

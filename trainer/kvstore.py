@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 
 Key = Union[int, str]
 #: The store types :func:`create` accepts.
-TYPES = ("local", "device", "dist_sync", "dist_device_sync", "dist_async")
+TYPES = ("local", "device", "dist_sync", "dist_device_sync", "dist_async", "dist_allreduce")
 _ALIASES = {"dist": "dist_sync", "dist_sync_device": "dist_device_sync",
             "local_update_cpu": "local", "local_allreduce_cpu": "local",
             "local_allreduce_device": "device"}
@@ -588,7 +588,8 @@ atexit.register(_at_exit)
 
 
 def create(name: str = "local") -> KVStore:
-    """Create a kvstore: ``local``, ``device``, ``dist_sync``, ``dist_device_sync`` or ``dist_async``.
+    """Create a kvstore: ``local``, ``device``, ``dist_sync``, ``dist_device_sync``, ``dist_async`` or
+    ``dist_allreduce`` (:mod:`trainer.collective`, under ``pslaunch --tracker torch``).
 
     Raises:
         KVConfigError: unknown type, or a dist type outside a job (no contract, no secret).
@@ -599,6 +600,10 @@ def create(name: str = "local") -> KVStore:
     kvtype = _ALIASES.get(name.lower(), name.lower())
     if kvtype not in TYPES:
         raise KVConfigError(f"unknown kvstore type {name!r}; use one of {', '.join(TYPES)}")
+    if kvtype == "dist_allreduce":  # no servers: torch.distributed (trainer.collective)
+        from trainer.collective import AllreduceStore
+
+        return AllreduceStore()
     if kvtype.startswith("dist"):
         return _DistStore(kvtype)
     return _LocalStore(kvtype)

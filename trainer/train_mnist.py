@@ -31,7 +31,7 @@ import pscontract as pc
 log = logging.getLogger("trainer.train_mnist")
 
 PROG = "train_mnist"
-KV_TYPES = ("local", "device", "dist_sync", "dist_device_sync", "dist_async")
+KV_TYPES = ("local", "device", "dist_sync", "dist_device_sync", "dist_async", "dist_allreduce")
 OPTIMIZERS = ("sgd", "nag", "adam")
 
 
@@ -192,8 +192,8 @@ def default_threads(environ: os._Environ[str] | dict[str, str] | None = None) ->
 
 
 def _role() -> str:
-    """This process's role: ``worker`` when run alone or as a launcher worker."""
-    if pc.ROLE not in os.environ:
+    """This process's role: ``worker`` when run alone or as a launcher worker (of any tracker)."""
+    if os.environ.get(pc.ROLE, "worker").strip().lower() == "worker":
         return "worker"
     return pc.ClusterEnv.from_environ(os.environ).role
 
@@ -324,7 +324,15 @@ def _devices(args: argparse.Namespace, torch: object) -> list[str]:
         bad = [g for g in args.gpu_list if g >= count]
         if bad:
             raise UsageError(f"--gpus {args.gpus}: GPU {bad[0]} does not exist ({count} visible)")
-        return [f"cuda:{g}" for g in args.gpu_list]
+        gpus = args.gpu_list
+        if args.kv_store == "dist_allreduce":  # --gpus lists the host's GPUs: this worker's by LOCAL_RANK
+            from trainer.collective import worker_gpus
+
+            try:
+                gpus = worker_gpus(gpus, os.environ)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+        return [f"cuda:{g}" for g in gpus]
     return ["cpu"] * (args.cpus or 1)
 
 

@@ -33,7 +33,7 @@ from ..node.procgroup import resolve_program
 from ..runtime.handle import ProcessHandle, ProcGroup
 from ..runtime.output import PipePump, ProcOutput
 from ..spec.job import JobSpec, Role
-from ..spec.plan import ProcSpec
+from ..spec.plan import ProcSpec, placement_env
 from .base import Backend
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -42,6 +42,8 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 TASK_FILE_VERSION = 2
+#: How much longer than ``--start-timeout`` an agent waits for its placement variables.
+PLACEMENT_WAIT = 60.0
 # Set per task by the wrapper, or meaningless on a cluster whose hosts are unknown here.
 _PER_TASK = (pc.TASK_ID, pc.NODE_HOST, pc.LOCAL_PROCS, pc.PROCESS)
 
@@ -101,6 +103,9 @@ def build_task_file(spec: JobSpec, procs: Sequence[ProcSpec], *, hub: Optional[t
                            "grace": spec.kill_grace}
     if hub is not None:
         doc["hub"] = [hub[0], hub[1]]
+    if any(p.awaits_placement for p in procs):
+        # the agents wait for the placement; the launcher gives up on the tasks after --start-timeout
+        doc["placement"] = {"timeout": PLACEMENT_WAIT + max(spec.start_timeout, 1.0)}
     return doc
 
 
@@ -197,6 +202,8 @@ class BatchBackend(Backend):
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self._by_ident: dict[int, BatchTask] = {}
+        self._procs: Sequence[ProcSpec] = ()
+        self._placed: dict[int, str] = {}  # task id -> the host its agent reported (placement)
 
     # -- what a subclass provides ---------------------------------------------------------------
 
@@ -232,7 +239,12 @@ class BatchBackend(Backend):
         if not procs:
             return ProcGroup()
         self.pump = PipePump()
+        self._procs = procs
         self.hub = self._listen(procs)
+        if self.hub is None and any(p.awaits_placement for p in procs):
+            raise LaunchError(f"the tasks must tell the launcher where they run (which share a host decides their "
+                              f"RANK and LOCAL_RANK), but it cannot listen for them on --launcher {self.name}; see the "
+                              "warning above")
         self.submit(procs, self.hub.address if self.hub else None)
         self._thread = threading.Thread(target=self._follow, name=f"pslaunch-{self.name}", daemon=True)
         self._thread.start()
@@ -255,13 +267,13 @@ class BatchBackend(Backend):
         """The hub on the scheduler's address (every node reaches it: that is what
         ``needs_scheduler_address`` asked for), on a free port of ``--port-range``."""
         env = procs[0].env
-        root, secret = env.get(pc.ROOT_URI, ""), env.get(pc.SECRET, "")
-        if not root or not secret:
+        service, secret = pc.service_endpoint(env), env.get(pc.SECRET, "")  # the scheduler's or the tracker's
+        if service is None or not secret:
             return None
         from ..runtime.hub import Hub, hub_ports  # (here: a job without a hub never loads it)
 
-        lo, _ = self.spec.port_range
-        ports = hub_ports(self.spec.port_range, int(env.get(pc.ROOT_PORT, lo) or lo))
+        root = service[0]
+        ports = hub_ports(self.spec.port_range, service[1] or self.spec.port_range[0])
         assert self.pump is not None
         try:
             hub = Hub(self.pump, secret, root, ports, [p.task_id for p in procs if p.task_id is not None],
@@ -324,6 +336,8 @@ class BatchBackend(Backend):
                 t.pid = info.get("pid") if isinstance(info.get("pid"), int) else t.pid
                 t.start_time = time.time()
             log.debug("%s runs on %s (pid %s, DMLC_NODE_HOST %s)", t.label, t.host, t.pid, info.get("addr"))
+        elif kind == wire.HERE:
+            self._here(t, payload)
         elif kind == wire.EXIT:
             try:
                 code = int(payload)
@@ -338,6 +352,30 @@ class BatchBackend(Backend):
             t.failure = str(info.get("error") or "could not start")
             t.host = str(info.get("host") or t.host)
             self.set_code(t, int(info.get("code") or 1), "", ended_at=time.time())
+
+    def _here(self, t: BatchTask, payload: bytes) -> None:
+        """``t``'s agent awaits its placement: once every such task has said where it runs, send
+        each its variables (``launcher.spec.plan.placement_env``)."""
+        try:
+            host = str(json.loads(payload)["host"])
+        except (ValueError, KeyError, TypeError):
+            host = t.host
+        waiting = [p for p in self._procs if p.awaits_placement]
+        with self.lock:
+            t.ran = True
+            t.host = host
+            t.state = "placing"
+            self._placed[t.ident] = host
+            if len(self._placed) < len(waiting) or not all(p.task_id in self._placed for p in waiting):
+                return
+            placed = dict(self._placed)
+        envs = placement_env(waiting, placed)
+        hosts = len(set(placed.values()))
+        log.info("all %d tasks said where they run (%d host%s); sending each its rank", len(placed), hosts,
+                 "" if hosts == 1 else "s")
+        for ident, env in envs.items():
+            if self.hub is None or not self.hub.send_env(ident, env):
+                log.warning("cannot send task %d its placement: its connection is gone", ident)
 
     # -- the follower ----------------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
+import pscontract as pc
 from pscontract import netif
 
 from .. import node
@@ -169,6 +170,7 @@ class RemoteHost:
         self.spec = spec
         self.label = session.label
         self.node_address: Optional[str] = None
+        self.interface: Optional[str] = None  # the interface DMLC_INTERFACE selects there, by name
         self.workdir: Optional[str] = spec.workdir
         self.procs: list[SSHProcess] = []
         self.chan: Optional[paramiko.Channel] = None
@@ -756,6 +758,7 @@ class SSHBackend(Backend):
             raise ConfigError(f"{host.label}: {doc['error']}; set DMLC_INTERFACE to a name or CIDR that every "
                               "host has (a CIDR such as 10.1.0.0/16 works when names differ)")
         host.node_address = str(doc["address"])
+        host.interface = str(doc.get("interface") or "") or None
         log.debug("%s: DMLC_INTERFACE=%s is %s (%s)", host.label, iface, doc.get("interface"), host.node_address)
 
     # -- start ---------------------------------------------------------------------------
@@ -769,6 +772,9 @@ class SSHBackend(Backend):
                 if p.host is None or p.host not in self.by_line:
                     raise LaunchError(f"{p.label}: no connection to its host (internal error)")
                 host = self.by_line[p.host]
+                extra = pc.torch_sockets(p.env, host.interface)  # (a torch job: gloo and NCCL on that network)
+                if extra:
+                    p = dataclasses.replace(p, env={**p.env, **extra})
                 h = SSHProcess(p, self.console.proc(p.name, p.label, str(p.role)), host, i)
                 handles.append(h)
                 per_host.setdefault(id(host), (host, []))[1].append(h)

@@ -42,6 +42,12 @@ MXNet programs and our trainer run unchanged: DMLC_ROLE decides what each
 process becomes. The scheduler runs on this machine; servers start first.
 
 \b
+Collective jobs (workers only; the tracker runs on this machine):
+    pslaunch -n 2 -s 0 python xgb20.py                 # rabit: XGBoost <= 2.0
+    pslaunch -n 4 --tracker xgboost python xgb.py       # XGBoost 2.1+
+    pslaunch -n 8 -H hosts --tracker torch python ddp.py
+
+\b
 COMMAND starts at the first argument that is not an option of pslaunch, and
 everything after it belongs to COMMAND (a leading -- is dropped):
     pslaunch -n 2 python train.py -n 5       # -n 5 goes to train.py
@@ -88,8 +94,18 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
               "options on the command line win.")
 @click.option("-n", "--num-workers", type=BOUNDED_INT, required=True, help="Number of workers.")
 @click.option("-s", "--num-servers", type=BOUNDED_INT, default=None,
-              help="Number of servers (default: the number of workers, as launch.py). "
-                   "0: no scheduler and no servers.")
+              help="Number of servers (default: the number of workers, as launch.py; 0 with "
+                   "--tracker rabit, xgboost or torch). 0: no scheduler and no servers.")
+@click.option("--tracker", type=click.Choice(pc.TRACKERS), default=None,
+              help="What the processes find each other through: ps (a scheduler and servers; the "
+                   "default with servers), rabit (dmlc's rabit tracker, for XGBoost up to 2.0; the "
+                   "default with -s 0), xgboost (XGBoost 2.1+'s own tracker) or torch "
+                   "(torch.distributed's env:// contract: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, "
+                   "...). The tracker runs on this machine; workers get its address.")
+@click.option("--tracker-python", default=None, metavar="PYTHON",
+              help="The Python (with xgboost 2.1+, or torch) that runs the xgboost tracker or the torch "
+                   "rendezvous store on this machine (default: the command's interpreter when the "
+                   "command is a Python, else python3).")
 @click.option("-H", "--hostfile", "--host-file", "hostfile", type=str, default=None, metavar="FILE|HOSTS",
               help="Hostfile: one host per line (host, host:port, user@host:port, host slots=N); - reads "
                    "standard input. Or the hosts inline, comma-separated: -H h1,h2:2222,alice@h3 "
@@ -162,7 +178,8 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
     if command and command[0] == "--":
         command = command[1:]
     n = kw["num_workers"]
-    s = kw["num_servers"] if kw.get("num_servers") is not None else n
+    tracker = kw.get("tracker")
+    s = kw["num_servers"] if kw.get("num_servers") is not None else (n if tracker in (None, "ps") else 0)
     hostfile = kw.get("hostfile")
     hosts = read_hosts(hostfile) if hostfile else ()
     launcher = kw.get("launcher") or ("ssh" if hostfile else "local")
@@ -188,7 +205,7 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
         port_range=parse_port_range_option("9091-9998" if kw.get("port_range") is None else kw["port_range"]),
         start_timeout=kw.get("start_timeout", 60.0), kill_grace=kw.get("kill_grace", 10.0),
         timeout=kw.get("timeout"), workdir=os.getcwd(), p3=bool(kw.get("p3")), progress=not kw.get("no_progress"),
-        options=backend.make_options(kw),
+        options=backend.make_options(kw), tracker=tracker, tracker_python=kw.get("tracker_python"),
     )
     backend.check_spec(spec)
     return spec
@@ -248,6 +265,7 @@ def check_outputs(spec: JobSpec, create: bool) -> None:
 
 def execute(spec: JobSpec) -> int:
     """Run (or dry-run) the job; return the exit code."""
+    from .. import trackers
     from ..run.report import format_dry_run
     from ..run.supervisor import dry_run_plan, run_job
 
@@ -256,7 +274,8 @@ def execute(spec: JobSpec) -> int:
         backend = backends.get(spec.launcher)
         plan = dry_run_plan(spec, backend)
         extra = [f"warning: {note}" for note in backend.notes(spec)] + backend.dry_run(spec, plan)
-        click.echo(format_dry_run(spec, plan, extra, inherits=not backend.remote))
+        click.echo(format_dry_run(spec, plan, extra, inherits=not backend.remote,
+                                  tracker=trackers.describe(spec, plan)))
         return 0
     return run_job(spec, adopt_orphans=True).exit_code
 

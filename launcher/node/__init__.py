@@ -53,6 +53,22 @@ def command(program, python=""):
     return [python or sys.executable, *(() if program in _SITE else ("-S",)), "-c", code]
 
 
+#: The tracker programs (``launcher/trackers/<name>.py``) that run on the launching host with the
+#: user's Python: see :func:`tracker_command`.
+TRACKER_PROGRAMS = ("xgboost_child", "torch_store")
+
+
+def tracker_command(program, python):
+    """The argv that runs tracker program ``program`` with ``python`` (a Python with xgboost or torch).
+
+    Run as a script, with the site packages and nothing of pslaunch imported (the program is
+    self-contained); its own directory on ``sys.path`` holds no module that could shadow one.
+    """
+    if program not in TRACKER_PROGRAMS:
+        raise ValueError("unknown tracker program %r" % program)
+    return [python, os.path.join(ROOT, "launcher", "trackers", program + ".py")]
+
+
 def source(rel):
     """The bytes of a file this installation ships to nodes (``"pscontract/netif.py"``): sent to a
     host on stdin (the ssh backend resolves ``DMLC_INTERFACE`` there), embedded in doctor's checks."""

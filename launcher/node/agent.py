@@ -191,6 +191,46 @@ class Agent:
                 self.emit(wire.STDOUT_LINE if fd == 1 else wire.STDERR_LINE, rest)
             self._partial[fd] = b""
 
+    # -- placement ---------------------------------------------------------------------------
+
+    def placement(self, timeout: float) -> dict[str, str]:
+        """Say where this agent runs and wait for the launcher's placement variables
+        (``launcher.node.wire``: ``h``, then ``ENV``); call before :meth:`run`.
+
+        Raises:
+            AgentError: no connection to the launcher, the connection ended, the job was stopped
+                (128+N for signal N, 143 for the launcher's TERM), or nothing came within
+                ``timeout`` seconds.
+        """
+        channel = self.channel
+        if channel is None:
+            raise AgentError("cannot learn which tasks share this host without a connection to the launcher "
+                             "(see the warning above)")
+        self.emit(wire.HERE, json.dumps(machine(), separators=(",", ":")).encode())
+        deadline = time.monotonic() + timeout
+        sel = selectors.DefaultSelector()
+        sel.register(channel.fileno(), selectors.EVENT_READ)
+        try:
+            while channel.env is None:
+                stop = [sig for sig in self.pending if sig in _STOP_SIGNALS]
+                if stop:
+                    raise AgentError("stopped before the command started", 128 + stop[0])
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AgentError(f"the launcher sent no placement within {timeout:g}s (are some of the job's "
+                                     "tasks still queued?)")
+                if not sel.select(min(left, 0.1)):
+                    continue
+                try:
+                    words = channel.commands()
+                except EOFError:
+                    raise AgentError("the launcher closed the connection before it sent the placement") from None
+                if any(w in ("TERM", "INT", "KILL") for w in words):
+                    raise AgentError("stopped by the launcher before the command started", 143)
+        finally:
+            sel.close()
+        return dict(channel.env)
+
     # -- running ----------------------------------------------------------------------------
 
     def run(self, argv: Sequence[str], env: Mapping[str, str], cwd: Optional[str] = None,
@@ -247,6 +287,10 @@ class Agent:
             if self.channel is not None:
                 self.channel.close()
                 self.channel = None
+
+    def fail(self, message: str, code: int) -> int:
+        """The command will not run: report why (one line, with ``code``), close, return ``code``."""
+        return self._failed(message, code)
 
     def _failed(self, message: str, code: int) -> int:
         self.error(message, code)

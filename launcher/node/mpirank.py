@@ -97,8 +97,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise AgentError(str(e)) from None
         env = mpi_wire.child_environ(environ, job_env)
         try:
-            env[pc.NODE_HOST] = netif.node_address(env.get(pc.INTERFACE), env.get(pc.ROOT_URI),
+            service = pc.service_endpoint(env)  # the scheduler's or the tracker's address
+            env[pc.NODE_HOST] = netif.node_address(env.get(pc.INTERFACE), service[0] if service else None,
                                                    env.get(pc.NODE_HOST))
+            if env.get(pc.INTERFACE, "").strip():  # (a torch job's gloo and NCCL: the same network)
+                env.update(pc.torch_sockets(env, netif.interface_name(env[pc.INTERFACE])))
         except netif.NetifError as e:
             raise AgentError(f"on {socket.gethostname()}: cannot work out this node's address: {e}") from None
         agent = Agent(rank, float(table.get("grace", 10.0)), _connect(table, rank, env), fallback="records",

@@ -35,7 +35,13 @@ Task file (JSON)::
                "worker": {"first_task_id": 0, "count": 2, "env": {...},
                           "local_procs": [2, 1]}},  # optional: PSLAUNCH_LOCAL_PROCS by index
      "hub": ["10.0.0.1", 9092],                 # optional: where the agent connects
+     "placement": {"timeout": 120.0},           # optional: report the host, wait for the rest
      "grace": 10.0}                             # --kill-grace
+
+With ``placement``, the agent tells the launcher which host it runs on and waits (at most
+``timeout`` seconds) for the variables that depend on which tasks share a host (torch's
+``RANK``, ``LOCAL_RANK``, ...; ``launcher.node.wire``, *Placement*), then starts the command
+with them.
 
 Run as ``node.command("task") --task-file F --role worker --index sge`` (or from the node
 bundle: ``python3 pslaunch-node.zip ...``), or ``... --task-env PSLAUNCH_TASK --role worker
@@ -56,7 +62,7 @@ import pscontract as pc
 from pscontract import netif
 
 from . import wire
-from .agent import Agent, catch_signals
+from .agent import Agent, AgentError, catch_signals
 
 TASK_FILE_VERSION = 2
 # What the batch systems set in each task: Grid Engine's 1-based array index and job number,
@@ -149,11 +155,13 @@ def _checked(doc: Any, where: str) -> dict[str, Any]:
 
 
 def node_address(environ: Mapping[str, str]) -> str:
-    """``DMLC_NODE_HOST`` for this node (:func:`pscontract.netif.node_address`)."""
-    if not environ.get(pc.INTERFACE, "").strip() and not environ.get(pc.ROOT_URI, "").strip():
-        raise TaskError(f"{pc.ROOT_URI} is not set in the task file")
+    """``DMLC_NODE_HOST`` for this node (:func:`pscontract.netif.node_address`; toward the job's
+    scheduler or tracker, :func:`pscontract.service_endpoint`)."""
+    service = pc.service_endpoint(environ)
+    if not environ.get(pc.INTERFACE, "").strip() and service is None:
+        raise TaskError(f"neither {pc.ROOT_URI} nor {pc.TRACKER_URI} nor {pc.MASTER_ADDR} is set in the task file")
     try:
-        return netif.node_address(environ.get(pc.INTERFACE), environ.get(pc.ROOT_URI))
+        return netif.node_address(environ.get(pc.INTERFACE), service[0] if service else None)
     except netif.NetifError as e:
         raise TaskError(f"cannot work out this node's address: {e}") from None
 
@@ -237,6 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         index = task_index(a.index, os.environ)
         env = task_environment(doc, a.role, index, os.environ)
         env[pc.NODE_HOST] = node_address(env)
+        if env.get(pc.INTERFACE, "").strip():  # (a torch job's gloo and NCCL: the same network)
+            env.update(pc.torch_sockets(env, netif.interface_name(env[pc.INTERFACE])))
         command = list(a.command[1:] if a.command[:1] == ["--"] else a.command) or list(doc.get("argv") or [])
         if not command:
             raise TaskError("no command: neither after -- nor in the task file")
@@ -248,6 +258,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ident = int(env[pc.TASK_ID])
     agent = Agent(ident, float(doc.get("grace", 10.0)), _connect(doc, ident, env),
                   fallback="records" if a.in_band else "plain", tee=not a.no_tee, prefix=PREFIX)
+    placement = doc.get("placement")
+    if placement:
+        try:
+            env.update(agent.placement(float(placement.get("timeout", 120.0))))
+        except AgentError as e:
+            return agent.fail(str(e), e.code)
     start = {"addr": env[pc.NODE_HOST]}
     if a.index == "slurm" and os.environ.get(SLURM_STEP_ID, "").isdigit():
         start["step"] = f"{os.environ.get(SLURM_JOB_ID, '')}.{os.environ[SLURM_STEP_ID]}"

@@ -135,16 +135,19 @@ def write_summary(path: str, spec: JobSpec, plan: Optional[Plan], result: JobRes
         log.error("cannot write --summary-json %s: %s", path, e.strerror or e)
 
 
-def format_dry_run(spec: JobSpec, plan: Plan, extra: Sequence[str] = (), inherits: bool = False) -> str:
+def format_dry_run(spec: JobSpec, plan: Plan, extra: Sequence[str] = (), inherits: bool = False,
+                   tracker: Sequence[str] = ()) -> str:
     """The plan as text: a table of processes, the command, each process's variables.
 
     ``inherits``: the processes also get the launcher's own environment beneath these.
+    ``tracker``: what the job's tracker is (``launcher.trackers.describe``), for a collective job.
     """
     lo, hi = spec.port_range
     out = [f"pslaunch dry run ({spec.launcher}): 1 scheduler, {spec.num_servers} server(s), "
            f"{spec.num_workers} worker(s); nothing is started" if plan.scheduler else
-           f"pslaunch dry run ({spec.launcher}): {spec.num_workers} worker(s), no servers and no "
-           "scheduler (-s 0); nothing is started"]
+           f"pslaunch dry run ({spec.launcher}): {spec.num_workers} worker(s) and the {spec.tracker} tracker "
+           "(no scheduler, no servers); nothing is started"]
+    out.extend(tracker)
     if plan.scheduler:
         out.append(f"scheduler address {plan.root_uri}, port: the first free one of {lo}-{hi} "
                    f"(shown as {plan.root_port})")

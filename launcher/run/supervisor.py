@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any, Mapping, Optional
 
-from .. import backends
+from .. import backends, trackers
 from ..backends.base import Backend
 from ..errors import LaunchError
 from ..node.procgroup import become_subreaper, has_children, kill_children, kill_marked
@@ -90,6 +90,7 @@ class Supervisor:
         self.start_time = clock.time()
         self.stopped: set[str] = set()  # processes the launcher stopped (names)
         self.first: Optional[ProcessHandle] = None
+        self.tracker: Optional[trackers.TrackerHandle] = None  # a collective job's (--tracker), not a process
         self._ids = (os.urandom(32).hex(), os.urandom(6).hex())  # (secret, job id): secrets.token_hex's way
         self._watch: Optional[addr.SchedulerWatch] = None  # while the job starts: who gets the port
         self._wake = threading.Event()  # set when a process's output ends: look now, not at the next tick
@@ -169,7 +170,11 @@ class Supervisor:
                 if not lost:
                     self.signals.raise_now = False
                     self.signals.alarm(0)
-                self._shutdown(dump=outcome is not None and outcome[0] == "timeout", quiet=lost)
+                try:
+                    self._shutdown(dump=outcome is not None and outcome[0] == "timeout", quiet=lost)
+                finally:
+                    if self.tracker is not None:
+                        self.tracker.close()  # only now: a worker may need it until it exits
                 if lost:
                     self._forget_attempt()
         if outcome[0] == PORT_LOST and not lost:  # the last attempt: report the scheduler's failure
@@ -221,8 +226,10 @@ class Supervisor:
     def _log_start(self, plan: Plan) -> None:
         s = self.spec
         sched = f", scheduler at {plan.root_uri}:{plan.root_port}" if plan.scheduler else ""
-        log.info("starting %d server%s and %d worker%s on %s (%s)%s",
-                 s.num_servers, "" if s.num_servers == 1 else "s", s.num_workers, "" if s.num_workers == 1 else "s",
+        if self.tracker is not None:
+            sched = f", {self.tracker.label} at {plan.root_uri}:{plan.root_port}"
+        servers = f"{s.num_servers} server{'' if s.num_servers == 1 else 's'} and " if s.num_servers else ""
+        log.info("starting %s%d worker%s on %s (%s)%s", servers, s.num_workers, "" if s.num_workers == 1 else "s",
                  self.backend_cls.where(s, plan), s.launcher, sched)
 
     def _plan(self, root_uri: str, addresses: Mapping[Host, str], attempt: int, after_port: int) -> Plan:
@@ -231,7 +238,13 @@ class Supervisor:
         secret, job_id = self._ids
         lo, hi = spec.port_range
         here = root_uri if self.backend_cls.all_here(spec) else None
-        port = addr.first_free_port(lo, hi, after=after_port)
+        tracker = trackers.create(spec, self.console, self.watchdog)
+        if tracker is not None:  # a collective job: its tracker serves where the scheduler would run
+            self.tracker = trackers.TrackerHandle(tracker)  # (held before it starts: close() always reaches it)
+            port = tracker.start(root_uri)
+            self.tracker.pid = tracker.pid
+        else:
+            port = addr.first_free_port(lo, hi, after=after_port)
         plan = build_plan(spec, root_uri=root_uri, root_port=port, secret=secret, job_id=job_id,
                           addresses=addresses, here=here, inherit_environ=not self.backend_cls.remote)
         self.plan = plan
@@ -289,6 +302,8 @@ class Supervisor:
                         f"the scheduler did not listen on {self.plan.root_uri}:{self.plan.root_port} within "
                         f"--start-timeout {self.spec.start_timeout:g}s; is the command a ps-lite program "
                         "(MXNet, our trainer)?")
+            if not failed and running and self.tracker is not None and self.tracker.poll() not in (None, 0):
+                failed.append(self.tracker)  # the tracker failed and no worker did (see trackers.FAILURE_GRACE)
             if failed:
                 self.first = min(failed, key=lambda h: h.end_time or 0.0)
                 return "failure", self.first.exit_code or 1

@@ -22,7 +22,7 @@ import os
 import socket
 import threading
 import time
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 from ..node import wire
 from .output import PipePump
@@ -48,6 +48,7 @@ class _Conn:
         self.ident: Optional[int] = None
         self.rejected = False
         self.buf = b""
+        self._send_lock = threading.Lock()  # commands and the placement line come from different threads
 
     def feed(self, data: bytes) -> None:
         if self.rejected:
@@ -107,8 +108,12 @@ class _Conn:
         return True
 
     def send(self, command: str) -> bool:
+        return self.send_bytes(command.encode() + b"\n")
+
+    def send_bytes(self, data: bytes) -> bool:
         try:
-            self.sock.sendall(command.encode() + b"\n")
+            with self._send_lock:
+                self.sock.sendall(data)
             return True
         except OSError:
             return False
@@ -223,6 +228,13 @@ class Hub:
         with self.lock:
             conn = self.conns.get(ident)
         return conn is not None and conn.send(command)
+
+    def send_env(self, ident: int, env: Mapping[str, str]) -> bool:
+        """Send process ``ident``'s agent its placement variables (``launcher.node.wire``: ``ENV``);
+        False if it has no connection."""
+        with self.lock:
+            conn = self.conns.get(ident)
+        return conn is not None and conn.send_bytes(wire.env_line(env))
 
     def stop(self) -> None:
         self._stop.set()

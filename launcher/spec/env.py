@@ -89,13 +89,15 @@ def is_forwarded(name: str) -> bool:
     return name in FORWARD_NAMES or name.startswith(FORWARD_PREFIXES)
 
 
-def forwarded(environ: Mapping[str, str], extra_names: Iterable[str] = ()) -> dict[str, str]:
+def forwarded(environ: Mapping[str, str], extra_names: Iterable[str] = (),
+              owned: frozenset[str] = pc.CONTRACT) -> dict[str, str]:
     """The variables of ``environ`` that reach every node on every backend.
 
     ``PS_*``, ``DMLC_*`` (``DMLC_INTERFACE`` included), ``OMP_*``, ``KMP_*``,
     ``MXNET_*``, ``AWS_*``, ``PYTHONPATH``, ``LD_LIBRARY_PATH`` and
-    ``CUDA_VISIBLE_DEVICES``, plus ``extra_names``. Contract variables are
-    left out: the launcher sets those itself.
+    ``CUDA_VISIBLE_DEVICES``, plus ``extra_names``. Contract variables
+    (``owned``: :func:`pscontract.owned` of the job's tracker) are left out:
+    the launcher sets those itself.
     A name that is not a portable variable name (``PS_A$(id)``, set with
     ``env``) is never forwarded: YARN writes ``export NAME=...`` lines into a
     shell script and MPICH joins names with commas.
@@ -103,7 +105,7 @@ def forwarded(environ: Mapping[str, str], extra_names: Iterable[str] = ()) -> di
     extra = set(extra_names)
     return {
         k: v for k, v in environ.items()
-        if (is_forwarded(k) or k in extra) and k not in pc.CONTRACT and k != pc.SUBMIT_CLUSTER and is_valid_name(k)
+        if (is_forwarded(k) or k in extra) and k not in owned and k != pc.SUBMIT_CLUSTER and is_valid_name(k)
     }
 
 
@@ -122,18 +124,20 @@ def compose(
     cli_env: Mapping[str, str] = {},
     forwarded_env: Mapping[str, str] = {},
     inherited: Mapping[str, str] | None = None,
+    owned: frozenset[str] = pc.CONTRACT,
 ) -> Composed:
     """Merge the layers, lowest precedence first, and report overridden contract names.
 
-    ``overridden`` lists contract variables that the inherited environment,
-    the forwarded set, ``--env`` or a per-role ``--env-*`` tried to set to a
-    different value; the caller warns once about them.
+    ``owned`` are the variables the launcher owns (:func:`pscontract.owned` of the job's
+    tracker): no layer sets them. ``overridden`` lists those that the inherited environment,
+    the forwarded set, ``--env`` or a per-role ``--env-*`` tried to set to a different value;
+    the caller warns once about them.
     """
     env: dict[str, str] = {}
     overridden: set[str] = set()
     for layer in (inherited or {}, forwarded_env, cli_env, role_env):
         for k, v in layer.items():
-            if k in pc.CONTRACT:
+            if k in owned:
                 if k in contract_env and contract_env[k] != v:
                     overridden.add(k)
                 elif k not in contract_env and k in (pc.ROLE, pc.ROOT_URI, pc.ROOT_PORT, pc.NODE_HOST):

@@ -30,6 +30,8 @@ class Role(str, enum.Enum):
     SCHEDULER = "scheduler"
     SERVER = "server"
     WORKER = "worker"
+    #: the tracker of a collective job (``--tracker`` other than ps), run by the launcher
+    TRACKER = "tracker"
 
     def __str__(self) -> str:
         return self.value
@@ -107,6 +109,12 @@ class JobSpec:
     progress: bool = True
     #: the backend's own options (its ``Options`` record; None: the backend's defaults)
     options: Any = None
+    #: what the workers find each other through (:data:`pscontract.TRACKERS`): ``ps`` (the
+    #: scheduler and servers), ``rabit``, ``xgboost`` or ``torch`` (workers only). None: ``ps``
+    #: when there are servers, else ``rabit``, as launch.py decides.
+    tracker: Optional[str] = None
+    #: the Python that runs the xgboost or torch tracker (None: see ``launcher.trackers``)
+    tracker_python: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -148,6 +156,19 @@ class JobSpec:
                 if "\0" in name or "\0" in value:
                     raise ConfigError(f"{option} {name.replace(chr(0), '?')}: contains a NUL byte (\\0), which "
                                       "no environment variable can hold")
+        if self.tracker is None:
+            object.__setattr__(self, "tracker", "ps" if self.num_servers > 0 else "rabit")
+        if self.tracker not in pc.TRACKERS:
+            raise ConfigError(f"--tracker {self.tracker}: choose one of {', '.join(pc.TRACKERS)}")
+        if self.tracker != "ps" and self.num_servers > 0:
+            raise ConfigError(f"--tracker {self.tracker} runs workers only; drop -s {self.num_servers} "
+                              "(servers belong to --tracker ps)")
+        if self.tracker == "ps" and self.num_servers == 0:
+            raise ConfigError("--tracker ps needs servers (-s 1 or more); a job of workers only (-s 0) uses "
+                              "--tracker rabit (the default), xgboost or torch")
+        if self.tracker_python is not None and self.tracker not in ("xgboost", "torch"):
+            raise ConfigError(f"--tracker-python is the Python of --tracker xgboost or torch; --tracker "
+                              f"{self.tracker} runs none (drop --tracker-python)")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"--log-level {self.log_level}: choose DEBUG, INFO, WARNING or ERROR")
 
@@ -158,8 +179,13 @@ class JobSpec:
 
     @property
     def has_scheduler(self) -> bool:
-        """dmlc starts a scheduler only when there are servers (``-s 0`` is a plain job)."""
+        """dmlc starts a scheduler only when there are servers (``-s 0`` is a rabit job)."""
         return self.num_servers > 0
+
+    @property
+    def collective(self) -> bool:
+        """Workers only, which find each other through a tracker the launcher runs (not ``ps``)."""
+        return self.tracker != "ps"
 
     def environ_dict(self) -> dict[str, str]:
         return dict(self.environ)

@@ -36,7 +36,12 @@ class Slot:
 
 @dataclass(frozen=True)
 class ProcSpec:
-    """One process to start. ``env`` is the job's variables for it (see :class:`Plan`)."""
+    """One process to start. ``env`` is the job's variables for it (see :class:`Plan`).
+
+    ``awaits_placement``: some of its variables depend on which processes share its host, which
+    only the nodes can tell (a batch system places them): its node agent reports its host and
+    waits for them (:func:`placement_env`) before the command starts.
+    """
 
     role: Role
     rank: int
@@ -44,6 +49,7 @@ class ProcSpec:
     host: Optional[Host]
     argv: tuple[str, ...]
     env: Mapping[str, str] = field(default_factory=dict, compare=False)
+    awaits_placement: bool = False
 
     @property
     def name(self) -> str:
@@ -92,9 +98,29 @@ def place(num_workers: int, num_servers: int, hosts: Sequence[Host] = ()) -> tup
     return tuple(slots)
 
 
+def by_host(slots: Sequence[Slot]) -> tuple[Slot, ...]:
+    """The workers of ``slots`` renumbered host by host (hosts in order of their first worker),
+    as a collective job wants them: each host's ranks consecutive, so a ring or a tree crosses
+    between hosts as little as possible and torch's ``RANK`` is the worker's number. The same
+    hosts get the same number of workers as :func:`place` gives them. Servers are not renumbered.
+
+    >>> [(s.rank, s.host.name) for s in by_host(place(4, 0, [Host("A"), Host("B")]))]
+    [(0, 'A'), (1, 'A'), (2, 'B'), (3, 'B')]
+    """
+    workers = [s for s in slots if s.role is Role.WORKER]
+    ranks = pc.host_ranks([s.host.name if s.host is not None else "" for s in workers])
+    renumbered = sorted(((r.rank, s.host) for r, s in zip(ranks, workers)), key=lambda rh: rh[0])
+    return tuple(s for s in slots if s.role is not Role.WORKER) + tuple(
+        Slot(Role.WORKER, rank, rank, host) for rank, host in renumbered)
+
+
 @dataclass(frozen=True)
 class Plan:
-    """A job ready to start: the scheduler (if any), then servers, then workers."""
+    """A job ready to start: the scheduler (if any), then servers, then workers.
+
+    ``root_uri``/``root_port`` are where the job's service listens on this host: the ps
+    scheduler, or the tracker of a collective job (``spec.tracker``).
+    """
 
     spec: JobSpec
     root_uri: str
@@ -138,7 +164,8 @@ def build_plan(
             ``scheduler_inherits`` is false (dry runs show only the job's own variables).
     """
     environ = spec.environ_dict()
-    forwarded = jobenv.forwarded(environ, extra_names=())
+    owned = pc.owned(spec.tracker or "ps")
+    forwarded = jobenv.forwarded(environ, extra_names=(), owned=owned)
     cli_env = _pairs(spec.env)
     if spec.p3:
         cli_env = {pc.PS_VAN_TYPE: "p3", pc.PS_WATER_MARK: "10", **cli_env}
@@ -148,27 +175,67 @@ def build_plan(
     overridden: set[str] = set()
 
     def env_for(contract: dict[str, str], role_env: Mapping[str, str], inherit: bool) -> dict[str, str]:
-        composed = jobenv.compose(contract, role_env=role_env, cli_env=cli_env,
-                                   forwarded_env=forwarded, inherited=environ if inherit else None)
+        composed = jobenv.compose(contract, role_env=role_env, cli_env=cli_env, forwarded_env=forwarded,
+                                   inherited=environ if inherit else None, owned=owned)
         overridden.update(composed.overridden)
         return jobenv.launcher_defaults(composed.env)
 
     slots = place(spec.num_workers, spec.num_servers, spec.hosts)
+    if spec.collective:
+        slots = by_host(slots)
     per_host = collections.Counter(s.host.name if s.host else None for s in slots)
+    ranks = pc.host_ranks([s.host.name if s.host else "" for s in slots])
     procs = []
-    for s in slots:
+    for s, place_ in zip(slots, ranks):
         placed = s.host is not None or here is not None
-        contract = pc.contract(
-            str(s.role), task_id=s.task_id, cluster=spec.launcher,
-            node_host=addresses.get(s.host) if s.host is not None else here,
-            local_procs=per_host[s.host.name if s.host else None] if placed else None,
-            process=f"{s.role}-{s.rank}", **common)
+        node_host = addresses.get(s.host) if s.host is not None else here
+        local_procs = per_host[s.host.name if s.host else None] if placed else None
+        if spec.collective:
+            contract = _collective_contract(spec, s, root_uri, root_port, secret, job_id,
+                                            place_ if placed else None, node_host, local_procs)
+        else:
+            contract = pc.contract(str(s.role), task_id=s.task_id, cluster=spec.launcher, node_host=node_host,
+                                   local_procs=local_procs, process=f"{s.role}-{s.rank}", **common)
         role_env = _pairs(spec.env_server if s.role is Role.SERVER else spec.env_worker)
         procs.append(ProcSpec(s.role, s.rank, s.task_id, s.host, spec.command,
-                              env_for(contract, role_env, inherit_environ)))
+                              env_for(contract, role_env, inherit_environ),
+                              awaits_placement=spec.tracker == "torch" and not placed))
     scheduler = None
     if spec.has_scheduler:
         contract = pc.contract("scheduler", **common)
         scheduler = ProcSpec(Role.SCHEDULER, 0, None, None, spec.command, env_for(contract, {}, scheduler_inherits))
     return Plan(spec=spec, root_uri=root_uri, root_port=root_port, job_id=job_id, scheduler=scheduler,
                 procs=tuple(procs), overridden=tuple(sorted(overridden)))
+
+
+def _collective_contract(spec: JobSpec, s: Slot, service: str, port: int, secret: str, job_id: str,
+                         place_: Optional[pc.HostRank], node_host: Optional[str],
+                         local_procs: Optional[int]) -> dict[str, str]:
+    """A worker's contract under a tracker: rabit's (``rabit``, ``xgboost``) or torch's."""
+    common = dict(task_id=s.task_id, num_workers=spec.num_workers, cluster=spec.launcher, secret=secret,
+                  job_id=job_id, start_timeout=spec.start_timeout, node_host=node_host)
+    if spec.tracker == "torch":
+        return pc.torch_contract(master_addr=service, master_port=port, place=place_, **common)
+    return pc.rabit_contract(tracker_uri=service, tracker_port=port, local_procs=local_procs, **common)
+
+
+def placement_env(procs: Sequence[ProcSpec], hosts: Mapping[int, str]) -> dict[int, dict[str, str]]:
+    """The variables that depend on where every process runs, for a job whose processes a batch
+    system placed: ``hosts`` maps each task id to the host its node agent reported; the result
+    maps each task id to what its agent adds before the command starts.
+
+    Workers are numbered host by host (hosts in order of their lowest task id), as torchrun
+    numbers them (:func:`pscontract.host_ranks`): ``RANK`` may then differ from
+    ``DMLC_TASK_ID``, the worker's number in the job. Processes that do not await placement
+    get nothing.
+
+    Raises:
+        ValueError: a process that awaits placement has no host in ``hosts``.
+    """
+    waiting = sorted((p for p in procs if p.awaits_placement and p.task_id is not None),
+                     key=lambda p: p.task_id or 0)
+    missing = [p.label for p in waiting if p.task_id not in hosts]
+    if missing:
+        raise ValueError(f"no host reported for {', '.join(missing)}")
+    places = pc.host_ranks([hosts[p.task_id] for p in waiting])  # type: ignore[index]
+    return {p.task_id: pc.torch_placement(r) for p, r in zip(waiting, places)}  # type: ignore[misc]

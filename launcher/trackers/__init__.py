@@ -1,12 +1,63 @@
-"""Trackers that collective (non parameter-server) jobs talk to while they start.
+"""Trackers: the service a collective job's workers find each other through (``--tracker``).
 
-* :mod:`.rabit` - a tracker for dmlc's rabit protocol (XGBoost up to 2.0,
-  anything built on dmlc rabit), written here from the protocol; it runs
-  inside the launcher.
-* :mod:`.xgboost_child` - a small program, run with the user's Python, that
-  starts the tracker shipped in XGBoost 2.1+ (``xgboost.tracker.RabitTracker``)
-  and reports its address on stdout: the launcher never imports xgboost.
+A parameter-server job (``--tracker ps``) has its scheduler, a process of the job. The other
+trackers are services the launcher runs for one job, where the ps scheduler would run: on this
+machine, on the scheduler's address (:mod:`launcher.run.addresses`) and a free port of
+``--port-range``. Workers learn where it is from their variables
+(:func:`pscontract.rabit_contract`, :func:`pscontract.torch_contract`).
 
-Each module depends on the standard library only (``xgboost_child`` also on
-xgboost, in its own process) and imports nothing else from the launcher.
+* ``rabit``: :class:`~.rabit.RabitTracker`, dmlc's rabit protocol written here from the protocol
+  (XGBoost up to 2.0), inside the launcher. Its workers' ``print`` messages are labelled
+  ``[rabit tracker]``.
+* ``xgboost``: XGBoost 2.1+'s own tracker, run by :mod:`.xgboost_child` in a child process with
+  the tracker Python (``--tracker-python``; default: the command's interpreter when the command is
+  a Python, else ``python3``).
+* ``torch``: a ``torch.distributed.TCPStore`` hosted by :mod:`.torch_store` in a child process
+  with the tracker Python, on a socket the launcher bound itself; every rank connects to it as
+  torchrun's workers connect to their agent's store.
+
+The interface the supervisor drives (:class:`Tracker`, wrapped for it by :class:`TrackerHandle`)::
+
+    tracker = create(spec, console, watchdog)  # None for ps
+    port = tracker.start(address)              # serving, or on its way (LaunchError: one line)
+    tracker.variables()                        # what every worker gets to find it
+    tracker.failure()                          # None while all is well; else why it failed
+    tracker.close()                            # after every worker has ended; never blocks long
+
+The launcher never imports xgboost or torch: the children run with the tracker Python, as
+files (``launcher.node.tracker_command``), and import nothing of pslaunch.
 """
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..node.watchdog import Client as Watchdog
+from ..runtime.output import Console
+from ..spec.job import JobSpec
+from ..spec.plan import Plan
+from .interface import FAILURE_GRACE, Tracker, TrackerHandle, python_for, resolve_python
+
+__all__ = ["FAILURE_GRACE", "Tracker", "TrackerHandle", "classes", "create", "describe", "python_for",
+           "resolve_python"]
+
+
+def classes() -> dict[str, type[Tracker]]:
+    """``--tracker`` value -> its class (``ps`` has none: the scheduler is a process of the job)."""
+    from . import service
+
+    return {"rabit": service.RabitService, "xgboost": service.XGBoostService, "torch": service.TorchService}
+
+
+def create(spec: JobSpec, console: Console, watchdog: Optional[Watchdog]) -> Optional[Tracker]:
+    """The tracker of ``spec``, not started yet; None for ``ps``."""
+    if not spec.collective:
+        return None
+    return classes()[spec.tracker or ""](spec, console, watchdog)
+
+
+def describe(spec: JobSpec, plan: Plan) -> list[str]:
+    """What a dry run says about the job's tracker (nothing for ``ps``)."""
+    if not spec.collective:
+        return []
+    return classes()[spec.tracker or ""].describe(spec, plan)

@@ -21,6 +21,7 @@ import time
 # which reads the variables without importing anything of pslaunch.
 ROLE, TASK_ID, NUM_WORKER = "DMLC_ROLE", "DMLC_TASK_ID", "DMLC_NUM_WORKER"
 ROOT_URI, ROOT_PORT = "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT"
+TRACKERS = (("DMLC_TRACKER_URI", "DMLC_TRACKER_PORT"), ("MASTER_ADDR", "MASTER_PORT"))
 
 
 def name_of(env: dict) -> str:
@@ -38,6 +39,18 @@ def _netns() -> str:
         return os.readlink("/proc/self/ns/net")
     except OSError:
         return ""
+
+
+def _reach(env: dict) -> str:
+    """``"ok"`` when this process can connect to its tracker (or torch store), else why not."""
+    for host, port in TRACKERS:
+        if env.get(host):
+            try:
+                socket.create_connection((env[host], int(env[port])), timeout=10).close()
+                return "ok"
+            except (OSError, ValueError) as e:
+                return f"{env[host]}:{env.get(port)}: {e}"
+    return "no tracker in the environment"
 
 
 def main() -> int:
@@ -60,6 +73,8 @@ def main() -> int:
     ap.add_argument("--ignore-term", action="store_true")
     ap.add_argument("--take-port-once", default=None, metavar="FLAGFILE")
     ap.add_argument("--print", action="append", default=[])
+    ap.add_argument("--reach-tracker", action="store_true",
+                    help="open (and close) a TCP connection to DMLC_TRACKER_URI or MASTER_ADDR; record how it went")
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     # No core file in the working directory (the repository) when a test kills this process with
@@ -106,6 +121,8 @@ def main() -> int:
         "pgid": os.getpgid(0), "sid": os.getsid(0), "host": socket.gethostname(), "child": child_pid,
         "time": time.time(), "netns": _netns(), "escaped": escaped,
     }
+    if a.reach_tracker:
+        record["tracker"] = _reach(env)
     tmp = os.path.join(a.out, f".{me}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
         json.dump(record, f)

@@ -16,7 +16,8 @@ Modes (``--api``):
   2.1+ reads none of them itself.
 * ``solo``: no collective at all; ``--shard K/N`` or the whole data set.
 
-``--exit-before-join CODE`` exits before talking to any tracker;
+``--exit-before-join CODE`` exits before talking to any tracker (``TASK:CODE``: only the worker
+whose ``DMLC_TASK_ID`` is TASK);
 ``--no-tracker SECONDS`` sleeps and exits 0 without ever talking to it.
 ``--only-rank`` joins, writes rank and task id, and leaves without training.
 """
@@ -67,7 +68,7 @@ def main() -> int:
     ap.add_argument("--name", default=None)
     ap.add_argument("--rows", type=int, default=600)
     ap.add_argument("--shard", default=None, help="K/N for --api solo (default: all the data)")
-    ap.add_argument("--exit-before-join", type=int, default=None)
+    ap.add_argument("--exit-before-join", default=None, metavar="[TASK:]CODE")
     ap.add_argument("--no-tracker", type=float, default=None)
     ap.add_argument("--only-rank", action="store_true")
     a = ap.parse_args()
@@ -76,7 +77,10 @@ def main() -> int:
     name = a.name or f"task-{task_id}"
 
     if a.exit_before_join is not None:
-        return a.exit_before_join
+        who, _, code = a.exit_before_join.rpartition(":")
+        if who in ("", task_id):
+            print(f"xgb_worker task {task_id}: exiting with {code} before joining", file=sys.stderr, flush=True)
+            return int(code)
     if a.no_tracker is not None:
         time.sleep(a.no_tracker)
         return 0

@@ -178,6 +178,17 @@ def mxnet_python() -> Optional[str]:
     return cand if os.path.exists(cand) else None
 
 
+XGBOOST_VENVS = {"2.0": ("PSLAUNCH_XGB20_PYTHON", ".venv-xgb20"), "3.0": ("PSLAUNCH_XGB30_PYTHON", ".venv-xgb30")}
+
+
+def xgboost_python(version: str) -> Optional[str]:
+    """The Python of the XGBoost ``version`` venv (``2.0``: 2.0.3, ``3.0``: 3.0.x), made by
+    scripts/deps/70-xgboost.sh (``$PSLAUNCH_XGB20_PYTHON``/``$PSLAUNCH_XGB30_PYTHON``), or None."""
+    var, venv = XGBOOST_VENVS[version]
+    cand = os.environ.get(var) or str(REPO / venv / "bin" / "python")
+    return cand if os.path.exists(cand) else None
+
+
 MPIRUNS = {"openmpi": ("PSLAUNCH_MPIRUN_OPENMPI", "/usr/bin/mpirun.openmpi"),
            "mpich": ("PSLAUNCH_MPIRUN_MPICH", "/usr/bin/mpirun.mpich")}
 

@@ -3,7 +3,7 @@
 * ``launcher/node/`` and ``pscontract/`` import only the standard library, the contract and the
   node package: they run on nodes where nothing else is installed;
 * the trainer imports nothing of the launcher but the contract;
-* the layers import downwards only: cli -> run -> backends -> runtime/transport -> spec;
+* the layers import downwards only: cli -> run -> backends, trackers -> runtime/transport -> spec;
   node and pscontract import nothing of them; no backend imports another (but the bases);
 * no module of the launcher imports another one in a cycle;
 * only the backends name a backend in a comparison (everything else asks the backend's class);
@@ -101,11 +101,13 @@ def test_the_trainer_imports_only_the_contract_of_pslaunch() -> None:
 
 LAYERS = {  # a module of the key may not import a module of any value
     "launcher.spec": ("launcher.cli", "launcher.run", "launcher.backends", "launcher.runtime", "launcher.transport",
+                      "launcher.trackers",
                       "launcher.node.agent", "launcher.node.ssh_wrapper", "launcher.node.mpirank",
                       "launcher.node.task"),
-    "launcher.runtime": ("launcher.cli", "launcher.run", "launcher.backends", "launcher.transport"),
+    "launcher.runtime": ("launcher.cli", "launcher.run", "launcher.backends", "launcher.transport", "launcher.trackers"),
     "launcher.transport": ("launcher.cli", "launcher.run", "launcher.backends", "launcher.runtime"),
-    "launcher.backends": ("launcher.cli", "launcher.run"),
+    "launcher.backends": ("launcher.cli", "launcher.run", "launcher.trackers"),
+    "launcher.trackers": ("launcher.cli", "launcher.run", "launcher.backends", "launcher.transport"),
     "launcher.run": ("launcher.cli",),
     "launcher.node": ("launcher.cli", "launcher.run", "launcher.backends", "launcher.runtime", "launcher.transport",
                       "launcher.spec", "launcher.errors"),
@@ -183,3 +185,26 @@ def test_only_the_node_package_knows_where_node_programs_are() -> None:
             continue
         text = path.read_text(encoding="utf-8")
         assert "__file__" not in text, f"{name} locates files by its own path: use launcher.node.path/source/bundle"
+
+
+# --- frameworks ------------------------------------------------------------------------------------
+
+
+FRAMEWORKS = ("torch", "xgboost", "mxnet", "tensorflow")
+#: run as files with the user's Python (launcher.node.tracker_command): the only ones that may
+TRACKER_CHILDREN = {"launcher.trackers.xgboost_child": "xgboost", "launcher.trackers.torch_store": "torch"}
+
+
+def test_the_launcher_never_imports_a_framework() -> None:
+    for name in (n for n in ALL if n.startswith("launcher")):
+        for target, line in imports(name, ALL[name]):
+            top = target.split(".")[0]
+            if top in FRAMEWORKS:
+                assert TRACKER_CHILDREN.get(name) == top, f"{name}:{line} imports {target}"
+
+
+@pytest.mark.parametrize("name", sorted(TRACKER_CHILDREN))
+def test_the_tracker_children_import_nothing_of_pslaunch(name: str) -> None:
+    for target, line in imports(name, ALL[name]):
+        top = target.split(".")[0]
+        assert top in STDLIB or top == "__future__" or top == TRACKER_CHILDREN[name], f"{name}:{line} imports {target}"

@@ -297,3 +297,83 @@ def test_hosts_inline_in_the_dry_run(capsys, tmp_path, monkeypatch) -> None:
     assert "hosts (1, from hostfile h1,h2): fromfile" in capsys.readouterr().out
     assert cli.main(["--help"]) == 0
     assert "-H h1,h2:2222,alice@h3" in " ".join(capsys.readouterr().out.split())
+
+
+# --- --tracker -------------------------------------------------------------------------------------------
+
+
+def test_tracker_defaults_and_servers() -> None:
+    assert spec_of(["-n", "2", "true"]).tracker == "ps"
+    assert spec_of(["-n", "2", "-s", "0", "true"]).tracker == "rabit"  # launch.py's -s 0
+    s = spec_of(["-n", "2", "--tracker", "torch", "python", "t.py"])
+    assert (s.tracker, s.num_servers, s.tracker_python) == ("torch", 0, None)  # no servers unless asked for
+    s = spec_of(["-n", "2", "--tracker", "xgboost", "--tracker-python", "/opt/py", "python", "t.py"])
+    assert (s.tracker, s.tracker_python) == ("xgboost", "/opt/py")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-n", "2", "-s", "1", "--tracker", "torch", "true"], "--tracker torch runs workers only; drop -s 1"),
+    (["-n", "2", "-s", "0", "--tracker", "ps", "true"], "--tracker ps needs servers (-s 1 or more)"),
+    (["-n", "2", "--tracker", "mpi", "true"], "Invalid value for '--tracker'"),
+    (["-n", "2", "-s", "0", "--tracker-python", "python3", "true"], "--tracker-python is the Python of"),
+])
+def test_tracker_errors_are_one_line(args, message, capsys) -> None:
+    code, err = run_err(args, capsys)
+    assert code == 2 and "\n" not in err and err.startswith("pslaunch: error: ") and message in err, err
+
+
+def test_yaml_tracker_key(tmp_path) -> None:
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("num-workers: 3\ntracker: torch\ntracker-python: /usr/bin/python3\ncommand: [python, t.py]\n")
+    s = spec_of(["--config", str(cfg)])
+    assert (s.tracker, s.num_servers, s.num_workers, s.tracker_python) == ("torch", 0, 3, "/usr/bin/python3")
+
+
+def test_help_names_the_trackers(capsys) -> None:
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("--tracker", "rabit", "xgboost", "torch", "--tracker-python", "LOCAL_RANK"):
+        assert needle in out
+
+
+def dry_rows(out: str) -> list[list[str]]:
+    return [line.split() for line in out.splitlines() if line.startswith("worker  ")]
+
+
+def test_dry_run_shows_the_tracker_and_each_workers_variables(tmp_path, capsys) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("10.0.0.11 slots=2\n10.0.0.12 slots=2\n")
+    assert cli.main(["-n", "4", "-H", str(hosts), "--tracker", "torch", "--host-ip", "10.0.0.1", "--dry-run",
+                     "python", "ddp.py"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == ("pslaunch dry run (ssh): 4 worker(s) and the torch tracker (no scheduler, "
+                                   "no servers); nothing is started")
+    assert "tracker: torch, a torch.distributed TCPStore on 10.0.0.1, port: the first free one of 9091-9998" in out
+    assert [r[:4] for r in dry_rows(out)] == [["worker", "0", "0", "10.0.0.11"], ["worker", "1", "1", "10.0.0.11"],
+                                              ["worker", "2", "2", "10.0.0.12"], ["worker", "3", "3", "10.0.0.12"]]
+    assert "  MASTER_ADDR=10.0.0.1" in out and "  WORLD_SIZE=4" in out and "  GROUP_WORLD_SIZE=2" in out
+    own = {line.split(":")[0].strip(): line.split(": ")[1].split() for line in out.splitlines()
+           if line.startswith("  worker ")}
+    assert own["worker 3 @ 10.0.0.12"] == ["DMLC_NODE_HOST=10.0.0.12", "DMLC_TASK_ID=3", "GROUP_RANK=1",
+                                            "LOCAL_RANK=1", "PSLAUNCH_PROCESS=dry-run/worker-3", "RANK=3",
+                                            "ROLE_RANK=3"]
+    assert "GROUP_RANK=0" in own["worker 1 @ 10.0.0.11"] and "LOCAL_RANK=1" in own["worker 1 @ 10.0.0.11"]
+    assert "DMLC_PS_ROOT" not in out
+
+
+def test_dry_run_of_a_rabit_job(capsys) -> None:
+    assert cli.main(["-n", "2", "-s", "0", "--dry-run", "python", "xgb.py"]) == 0
+    out = capsys.readouterr().out
+    assert "tracker: rabit (dmlc's protocol, XGBoost up to 2.0), inside the launcher on 127.0.0.1" in out
+    assert "  DMLC_TRACKER_URI=127.0.0.1" in out and "  DMLC_TRACKER_PORT=9091" in out
+    assert "DMLC_NUM_SERVER=0" in out and "DMLC_PS_ROOT" not in out
+    assert [r[:3] for r in dry_rows(out)] == [["worker", "0", "0"], ["worker", "1", "1"]]
+
+
+def test_dry_run_of_a_torch_job_on_a_batch_system_says_where_ranks_come_from(capsys) -> None:
+    assert cli.main(["-n", "2", "--tracker", "torch", "--launcher", "sge", "--host-ip", "10.0.0.1", "--dry-run",
+                     "python", "ddp.py"]) == 0
+    out = capsys.readouterr().out
+    assert "RANK, ROLE_RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE: sent to each task once " \
+           "every task has said which host it runs on" in out
+    assert "\n  MASTER_ADDR=10.0.0.1\n" in out and "LOCAL_RANK=" not in out.split("RANK, ROLE_RANK")[1]

@@ -130,6 +130,72 @@ def test_importing_the_contract_pulls_in_nothing_else_of_pslaunch() -> None:
     assert r.stdout.strip() == "['pscontract', 'pscontract.netif']"
 
 
+# --- the collective trackers ---------------------------------------------------------------------------
+
+
+def test_rabit_contract_key_by_key() -> None:
+    env = pc.rabit_contract(tracker_uri="10.0.0.1", tracker_port=9091, task_id=1, num_workers=2, cluster="ssh",
+                            secret="s" * 64, job_id="j", start_timeout=60, node_host="10.0.0.7", local_procs=1)
+    assert env == {"DMLC_TRACKER_URI": "10.0.0.1", "DMLC_TRACKER_PORT": "9091", "DMLC_ROLE": "worker",
+                   "DMLC_TASK_ID": "1", "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "0", "DMLC_JOB_CLUSTER": "ssh",
+                   "DMLC_NODE_HOST": "10.0.0.7", "PSLAUNCH_LOCAL_PROCS": "1", "PSLAUNCH_SECRET": "s" * 64,
+                   "PSLAUNCH_JOB_ID": "j", "PSLAUNCH_PROCESS": "j/worker-1", "PS_START_TIMEOUT": "60"}
+    assert not any(k.startswith("DMLC_PS_ROOT") for k in env)  # no scheduler (launch.py's -s 0)
+
+
+def test_torch_contract_key_by_key() -> None:
+    place = pc.HostRank(rank=3, local_rank=1, local_world_size=2, group_rank=1, group_world_size=2)
+    env = pc.torch_contract(master_addr="10.0.0.1", master_port=9092, task_id=3, num_workers=4, cluster="ssh",
+                            secret="s" * 64, job_id="j", start_timeout=60, place=place, node_host="10.0.0.8")
+    assert env == {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "9092", "RANK": "3", "WORLD_SIZE": "4",
+                   "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2",
+                   "ROLE_RANK": "3", "ROLE_WORLD_SIZE": "4", "ROLE_NAME": "default", "TORCHELASTIC_RUN_ID": "j",
+                   "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
+                   "TORCHELASTIC_MAX_RESTARTS": "0", "DMLC_ROLE": "worker", "DMLC_TASK_ID": "3",
+                   "DMLC_NUM_WORKER": "4", "DMLC_NUM_SERVER": "0", "DMLC_JOB_CLUSTER": "ssh",
+                   "DMLC_NODE_HOST": "10.0.0.8", "PSLAUNCH_LOCAL_PROCS": "2", "PSLAUNCH_SECRET": "s" * 64,
+                   "PSLAUNCH_JOB_ID": "j", "PSLAUNCH_PROCESS": "j/worker-3", "PS_START_TIMEOUT": "60"}
+    # placed by a batch system: what depends on the hosts comes later (pscontract.torch_placement)
+    later = pc.torch_contract(master_addr="10.0.0.1", master_port=9092, task_id=3, num_workers=4, cluster="sge",
+                              secret="s", job_id="j", start_timeout=60, place=None)
+    assert set(env) - set(later) == set(pc.torch_placement(place)) | {"DMLC_NODE_HOST"}
+
+
+@pytest.mark.parametrize("hosts, expected", [
+    ([], []),
+    (["a", "a", "a"], [(0, 0, 3, 0, 1), (1, 1, 3, 0, 1), (2, 2, 3, 0, 1)]),
+    (["a", "b", "a", "b"], [(0, 0, 2, 0, 2), (2, 0, 2, 1, 2), (1, 1, 2, 0, 2), (3, 1, 2, 1, 2)]),
+    (["b", "a", "c", "a"], [(0, 0, 1, 0, 3), (1, 0, 2, 1, 3), (3, 0, 1, 2, 3), (2, 1, 2, 1, 3)]),
+])
+def test_host_ranks_number_host_by_host(hosts, expected) -> None:
+    got = [(r.rank, r.local_rank, r.local_world_size, r.group_rank, r.group_world_size) for r in pc.host_ranks(hosts)]
+    assert got == expected
+
+
+def test_owned_variables_per_tracker() -> None:
+    assert pc.owned("ps") == pc.owned("rabit") == pc.owned("xgboost") == pc.CONTRACT
+    assert pc.owned("torch") >= pc.CONTRACT | {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+    assert "DMLC_TRACKER_URI" in pc.CONTRACT and "RANK" not in pc.CONTRACT
+    with pytest.raises(ValueError):
+        pc.owned("mpi")
+
+
+def test_service_endpoint_is_the_scheduler_or_the_tracker() -> None:
+    assert pc.service_endpoint({"DMLC_PS_ROOT_URI": "1.1.1.1", "DMLC_PS_ROOT_PORT": "9091"}) == ("1.1.1.1", 9091)
+    assert pc.service_endpoint({"DMLC_TRACKER_URI": "2.2.2.2", "DMLC_TRACKER_PORT": "9"}) == ("2.2.2.2", 9)
+    assert pc.service_endpoint({"MASTER_ADDR": "3.3.3.3", "MASTER_PORT": "x"}) == ("3.3.3.3", 0)
+    assert pc.service_endpoint({"PATH": "/bin"}) is None
+
+
+def test_torch_sockets_follow_dmlc_interface_unless_set() -> None:
+    assert pc.torch_sockets({"MASTER_ADDR": "1.2.3.4"}, "ib0") == {"GLOO_SOCKET_IFNAME": "ib0",
+                                                                  "NCCL_SOCKET_IFNAME": "=ib0"}
+    assert pc.torch_sockets({"MASTER_ADDR": "1.2.3.4", "GLOO_SOCKET_IFNAME": "eth1"}, "ib0") == {
+        "NCCL_SOCKET_IFNAME": "=ib0"}
+    assert pc.torch_sockets({"DMLC_PS_ROOT_URI": "1.2.3.4"}, "ib0") == {}  # not a torch job
+    assert pc.torch_sockets({"MASTER_ADDR": "1.2.3.4"}, None) == {}
+
+
 def test_short_secret_values_are_redacted_as_whole_words_only() -> None:
     env = {"DB_PASSWORD": "ab", "API_TOKEN": "x9", "PS_VERBOSE": "1"}
     assert jobenv.redact_text("password=ab token x9.", env) == "password=<redacted> token <redacted>."

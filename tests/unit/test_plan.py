@@ -5,7 +5,7 @@ import pytest
 import pscontract as pc
 from launcher.errors import ConfigError
 from launcher.spec.job import Host, JobSpec
-from launcher.spec.plan import build_plan, place
+from launcher.spec.plan import build_plan, by_host, place
 
 A, B, C = Host("A"), Host("B"), Host("C")
 
@@ -160,3 +160,67 @@ def test_no_scheduler_with_zero_servers() -> None:
 def test_p3_sets_van_type() -> None:
     env = make(spec(p3=True)).procs[0].env
     assert env["DMLC_PS_VAN_TYPE"] == "p3" and env["DMLC_PS_WATER_MARK"] == "10"
+
+
+# --- collective jobs (--tracker rabit, xgboost, torch) -----------------------------------------------
+
+
+def test_a_job_of_workers_only_uses_the_rabit_tracker_by_default() -> None:
+    assert spec(num_servers=0).tracker == "rabit"
+    assert spec().tracker == "ps"
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(tracker="torch", num_servers=1), "--tracker torch runs workers only; drop -s 1"),
+    (dict(tracker="ps", num_servers=0), "--tracker ps needs servers"),
+    (dict(tracker="rabit", num_servers=0, tracker_python="python3"), "--tracker-python is the Python of --tracker"),
+    (dict(tracker="horovod", num_servers=0), "--tracker horovod: choose one of ps, rabit, xgboost, torch"),
+])
+def test_tracker_rules(kw, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        spec(**kw)
+
+
+def test_workers_are_numbered_host_by_host_in_a_collective_job() -> None:
+    slots = by_host(place(5, 0, [A, B]))
+    assert [(s.rank, s.task_id, s.host.name) for s in slots] == [(0, 0, "A"), (1, 1, "A"), (2, 2, "A"),
+                                                                  (3, 3, "B"), (4, 4, "B")]
+    # slots= caps as in every job; N equal to the slots gives each host exactly its slots
+    hosts = [Host("A", slots=3), Host("B", slots=1)]
+    assert [s.host.name for s in by_host(place(4, 0, hosts))] == ["A", "A", "A", "B"]
+    assert [s.host.name for s in place(4, 0, hosts)] == ["A", "B", "A", "A"]  # (dmlc's order, for ps)
+
+
+def test_rabit_workers_get_the_tracker_and_no_scheduler() -> None:
+    s = spec(num_servers=0, launcher="ssh", hosts=(A, B))
+    plan = make(s, addresses={A: "1.1.1.1", B: "2.2.2.2"}, here=None)
+    assert plan.scheduler is None
+    for p in plan.procs:
+        assert not any(k.startswith("DMLC_PS_ROOT") for k in p.env), p.env  # not even the inherited one
+        assert p.env["DMLC_TRACKER_URI"] == "10.0.0.1" and p.env["DMLC_TRACKER_PORT"] == "9091"
+        assert (p.env["DMLC_ROLE"], p.env["DMLC_NUM_WORKER"], p.env["DMLC_NUM_SERVER"]) == ("worker", "2", "0")
+        assert p.env["DMLC_TASK_ID"] == str(p.rank) and p.env["DMLC_JOB_CLUSTER"] == "ssh"
+    assert [(p.host.name, p.env["DMLC_NODE_HOST"]) for p in plan.procs] == [("A", "1.1.1.1"), ("B", "2.2.2.2")]
+
+
+def test_torch_workers_get_torchruns_contract_across_hosts() -> None:
+    s = spec(num_servers=0, num_workers=5, tracker="torch", launcher="ssh", hosts=(A, B),
+             environ=(("RANK", "7"), ("MASTER_PORT", "1"), ("HOME", "/h")))
+    plan = make(s, addresses={A: "1.1.1.1", B: "2.2.2.2"}, here=None, inherit=True)
+    got = [(p.host.name, p.env["RANK"], p.env["LOCAL_RANK"], p.env["LOCAL_WORLD_SIZE"], p.env["GROUP_RANK"],
+            p.env["GROUP_WORLD_SIZE"], p.env["DMLC_TASK_ID"]) for p in plan.procs]
+    assert got == [("A", "0", "0", "3", "0", "2", "0"), ("A", "1", "1", "3", "0", "2", "1"),
+                   ("A", "2", "2", "3", "0", "2", "2"), ("B", "3", "0", "2", "1", "2", "3"),
+                   ("B", "4", "1", "2", "1", "2", "4")]
+    for p in plan.procs:
+        assert p.env["MASTER_ADDR"] == "10.0.0.1" and p.env["MASTER_PORT"] == "9091"  # the store, not rank 0
+        assert p.env["WORLD_SIZE"] == "5" and p.env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        assert p.env["HOME"] == "/h" and not p.awaits_placement
+    assert {"RANK", "MASTER_PORT"} <= set(plan.overridden)
+
+
+def test_a_torch_job_on_a_batch_system_awaits_its_placement() -> None:
+    plan = make(spec(num_servers=0, tracker="torch", launcher="sge"), here=None)
+    assert all(p.awaits_placement and "RANK" not in p.env for p in plan.procs)
+    rabit = make(spec(num_servers=0, launcher="sge"), here=None)
+    assert not any(p.awaits_placement for p in rabit.procs)

@@ -166,11 +166,11 @@ class MPIBackend(Backend):
 
         env = procs[0].env
         secret = env.get(pc.SECRET, "")
-        root = env.get(pc.ROOT_URI, "")
+        service = pc.service_endpoint(env)  # the scheduler's or the tracker's
+        root = service[0] if service else ""
         if not secret or (layout.hosts and not root):
             return None
-        lo, _ = self.spec.port_range
-        ports = hub_ports(self.spec.port_range, int(env.get(pc.ROOT_PORT, lo) or lo))
+        ports = hub_ports(self.spec.port_range, (service[1] if service else 0) or self.spec.port_range[0])
         try:
             address = netif.resolve_ipv4(root) if layout.hosts else "127.0.0.1"
             assert self.pump is not None
@@ -227,7 +227,7 @@ class MPIBackend(Backend):
             p = procs[i]
             lines.append(f"  rank {r}: {p.label} (task id {p.task_id})")
         lo, hi = spec.port_range
-        where = procs[0].env.get(pc.ROOT_URI, "?") if layout.hosts else "127.0.0.1"
+        where = (pc.service_endpoint(procs[0].env) or ("?", 0))[0] if layout.hosts else "127.0.0.1"
         lines.append(f"rank wrappers: each connects back to {where}, on a free port of {lo}-{hi} after the "
                      "scheduler's (authenticated with the job secret), for its records and the launcher's commands")
         return lines

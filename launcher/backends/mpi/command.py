@@ -325,7 +325,7 @@ def mpirun_command(spec: JobSpec, info: MPIInfo, procs: Sequence[ProcSpec], layo
     if iface is None and info.impl is MPIImpl.MPICH and layout.hosts:
         # Without DMLC_INTERFACE, Hydra's proxies call mpiexec back at this host's *name*;
         # the scheduler's address is one the hosts reach, so mpiexec listens there.
-        iface = mpich_default_interface(procs[0].env.get(pc.ROOT_URI, ""), ifaces)
+        iface = mpich_default_interface((pc.service_endpoint(procs[0].env) or ("", 0))[0], ifaces)
     hostfile_text = None
     if info.impl is MPIImpl.OPENMPI and layout.hosts:
         hostfile_text = openmpi_hostfile(layout, local_names(spec.hosts, resolve), socket.gethostname())

@@ -12,7 +12,10 @@ in ``--launcher`` by passing all of them:
 * a program that does not exist is one line (exit 127), found here or on the nodes;
 * a program that is not executable is one line (exit 126), found here or on the nodes;
 * ``--timeout`` dumps every Python stack and exits 124;
-* a scheduler that fails stops the job before anything else starts.
+* a scheduler that fails stops the job before anything else starts;
+* each tracker of a collective job (rabit, xgboost, torch): its variables per worker (torch's ranks
+  host by host), a real worker that exits before joining fails the job fast with its code, and
+  a program that never talks to the rabit tracker does not hang the job beyond ``--timeout``.
 
 "Nothing left" is checked independently of the code under test (see ``support.clusters``).
 """
@@ -22,12 +25,21 @@ from __future__ import annotations
 import json
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from support.clusters import CLUSTERS, Cluster, make_cluster
-from support.helpers import free_port, pid_alive, read_probes, wait_for, wait_probes
+from support.helpers import (
+    BIN,
+    free_port,
+    pid_alive,
+    read_probes,
+    wait_for,
+    wait_probes,
+    xgboost_python,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -273,4 +285,123 @@ def test_timeout_dumps_python_stacks_and_exits_124(cluster: Cluster) -> None:
     # faulthandler's dump of the sleeping worker, under its label
     assert re.search(r"^\[worker 0\b[^\]]*\] Fatal Python error: Aborted", r.stderr, re.M), r.stderr
     assert re.search(r"^\[worker 0\b[^\]]*\] Current thread", r.stderr, re.M) and "probe.py" in r.stderr
+    assert_nothing_left(cluster)
+
+
+# --- collective jobs: the trackers (rabit, xgboost, torch) ------------------------------------------------
+
+# (xgboost: its tracker runs with XGBoost 3.0's Python; the workers that join are real XGBoost, 2.0 for rabit)
+TRACKERS = ("rabit", pytest.param("xgboost", marks=pytest.mark.xgboost), "torch")
+JOINING = (pytest.param("rabit", marks=pytest.mark.xgboost), pytest.param("xgboost", marks=pytest.mark.xgboost),
+           "torch")
+
+
+def tracker_options(tracker: str) -> list[str]:
+    """How a job selects ``tracker`` (rabit: as launch.py, by -s 0)."""
+    if tracker == "rabit":
+        return ["-s", "0"]
+    if tracker == "xgboost":
+        return ["--tracker", "xgboost", "--tracker-python", xgb_python("3.0")]
+    return ["--tracker", "torch"]  # (the store runs with the command's Python: this one, which has torch)
+
+
+def xgb_python(version: str) -> str:
+    python = xgboost_python(version)
+    if python is None:
+        pytest.skip(f"the XGBoost {version} venv is missing (run scripts/deps/70-xgboost.sh)")
+    return python
+
+
+def host_key(rec: dict) -> tuple[str, str]:
+    """Which machine a probe ran on: its network namespace (a testbed host) and its host name."""
+    return rec["netns"], rec["host"]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("tracker", TRACKERS)
+def test_tracker_variables_per_worker(cluster: Cluster, tracker: str) -> None:
+    # (a probe reaches rabit's tracker and torch's store; XGBoost's tracker takes any connection for a worker)
+    reach = () if tracker == "xgboost" else ("--reach-tracker",)
+    r = cluster.run("-n", "3", *tracker_options(tracker), "--kill-grace", "1", *cluster.probe(*reach))
+    assert r.returncode == 0, r.stderr
+    probes = read_probes(cluster.out)
+    assert sorted(probes) == ["worker-0", "worker-1", "worker-2"]  # no scheduler, no servers
+    envs = {name: rec["env"] for name, rec in probes.items()}
+    service = ("MASTER_ADDR", "MASTER_PORT") if tracker == "torch" else ("DMLC_TRACKER_URI", "DMLC_TRACKER_PORT")
+    assert len({(e[service[0]], e[service[1]]) for e in envs.values()}) == 1, envs  # one tracker for all
+    for name, rec in probes.items():
+        env, rank = rec["env"], int(name.split("-")[1])
+        assert (env["DMLC_ROLE"], env["DMLC_NUM_WORKER"], env["DMLC_NUM_SERVER"]) == ("worker", "3", "0"), name
+        assert env["DMLC_TASK_ID"] == str(rank) and env["DMLC_JOB_CLUSTER"] == cluster.launcher, name
+        assert "DMLC_PS_ROOT_URI" not in env and "DMLC_PS_ROOT_PORT" not in env, name
+        assert env["DMLC_NODE_HOST"] == cluster.node_host(name, rec), name
+        if reach:
+            assert rec["tracker"] == "ok", (name, rec["tracker"])  # the address works from where it runs
+        other = ("DMLC_TRACKER_URI",) if tracker == "torch" else ("MASTER_ADDR", "RANK", "WORLD_SIZE")
+        assert not any(k in env for k in other), name
+        cluster.check_record(name, rec)
+    if tracker == "torch":
+        hosts: dict[tuple, list[dict]] = {}
+        for name in sorted(probes):
+            hosts.setdefault(host_key(probes[name]), []).append(envs[name])
+        ranks = []
+        for group, members in enumerate(sorted(hosts.values(), key=lambda m: int(m[0]["RANK"]))):
+            local = sorted(members, key=lambda e: int(e["RANK"]))
+            # host by host: each host's ranks consecutive, LOCAL_RANK their order there (cuda:LOCAL_RANK)
+            assert [e["LOCAL_RANK"] for e in local] == [str(i) for i in range(len(local))]
+            assert {(e["LOCAL_WORLD_SIZE"], e["GROUP_RANK"], e["GROUP_WORLD_SIZE"]) for e in local} == \
+                {(str(len(local)), str(group), str(len(hosts)))}
+            ranks += [int(e["RANK"]) for e in local]
+        assert ranks == [0, 1, 2]
+        for e in envs.values():
+            assert e["WORLD_SIZE"] == e["ROLE_WORLD_SIZE"] == "3" and e["ROLE_RANK"] == e["RANK"]
+            assert e["TORCHELASTIC_USE_AGENT_STORE"] == "True" and e["TORCHELASTIC_RUN_ID"]
+            if cluster.launcher not in ("sge", "yarn", "slurm"):  # (placed by the launcher: RANK = its number)
+                assert e["RANK"] == e["DMLC_TASK_ID"]
+    assert "all 3 processes exited 0" in r.stderr
+    assert_nothing_left(cluster)  # the tracker included (its child process carries the job's mark)
+
+
+def joining_worker(tracker: str, out: Path) -> list[str]:
+    """A real program that joins through ``tracker``, whose worker 1 exits with 3 before joining."""
+    if tracker == "torch":
+        return [sys.executable, str(BIN / "ddp_worker.py"), "--out", str(out), "--exit-before-join", "1:3"]
+    python = xgb_python("2.0" if tracker == "rabit" else "3.0")
+    return [python, str(BIN / "xgb_worker.py"), "--api", "env" if tracker == "rabit" else "args", "--out", str(out),
+            "--exit-before-join", "1:3"]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("tracker", JOINING)
+def test_a_worker_that_exits_before_joining_fails_the_job_fast(cluster: Cluster, tracker: str,
+                                                               tmp_path: Path) -> None:
+    summary = tmp_path / "summary.json"
+    r = cluster.run("-n", "3", *tracker_options(tracker), "--kill-grace", "2", "--summary-json", str(summary),
+                    *joining_worker(tracker, cluster.out))
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert re.search(r"error: worker 1\b.* exited with code 3 first; stopped the other processes", r.stderr), r.stderr
+    doc = json.loads(summary.read_text())
+    procs = {p["name"]: p for p in doc["processes"]}
+    assert doc["first_failure"] == "worker-1" and procs["worker-1"]["exit_code"] == 3
+    took = doc["end_time"] - procs["worker-1"]["end_time"]
+    assert took < 5, f"the job ended {took:.1f}s after worker 1 exited"  # the others waited to join: stopped
+    assert all(procs[w]["stopped_by_launcher"] for w in ("worker-0", "worker-2")), procs
+    assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(200)
+def test_a_program_that_never_talks_to_the_rabit_tracker_does_not_hang_the_job(cluster: Cluster) -> None:
+    # it exits: the job ends with it (launch.py's tracker waited forever for the shutdowns)
+    t0 = time.monotonic()
+    r = cluster.run("-n", "2", "-s", "0", "--kill-grace", "1", *cluster.probe())
+    assert r.returncode == 0, r.stderr
+    assert "rabit tracker: no worker asked it for a rank" in r.stderr
+    first = time.monotonic() - t0
+    # it hangs: --timeout ends the job
+    t0 = time.monotonic()
+    r = cluster.run("-n", "2", "-s", "0", "--kill-grace", "1", "--timeout", str(cluster.timeout),
+                    *cluster.probe("--sleep", "90"))
+    took = time.monotonic() - t0
+    assert r.returncode == 124, r.stderr
+    assert took < first + cluster.timeout + 30, f"--timeout {cluster.timeout:g}s took {took:.1f}s to end the job"
     assert_nothing_left(cluster)

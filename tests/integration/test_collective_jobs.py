@@ -1,0 +1,185 @@
+# ruff: noqa: F811 - the testbed fixture is imported, and test arguments share its name
+"""Real collective programs under ``--tracker``: XGBoost 2.0 (rabit), XGBoost 3.0 (its own tracker) and
+PyTorch DDP (torch), each checked against one process trained on all the data.
+
+* XGBoost 2.0.3 under plain ``pslaunch -n 2 -s 0``: one job of world size 2 (rabit reads the
+  variables itself), the same model on both workers, equal to one process on all the data;
+* XGBoost 3.0 under ``--tracker xgboost``: predictions identical to one process on all the data;
+* DDP (gloo, float64) under ``--tracker torch`` on local, over ssh on the testbed (2 hosts,
+  ``DMLC_INTERFACE`` as a CIDR), under mpi (Open MPI, MPICH), sge and yarn: the parameters of
+  every rank equal those of one process trained on the ranks' batches together.
+
+Workers are tests/bin/xgb_worker.py and tests/bin/ddp_worker.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from support.clusters import make_cluster
+from support.helpers import BIN, run_pslaunch, xgboost_python
+from support.testbed import Testbed
+
+pytestmark = pytest.mark.integration
+
+DDP = str(BIN / "ddp_worker.py")
+XGB = str(BIN / "xgb_worker.py")
+DEADLINE = 240  # liveness only
+
+
+def xgb(version: str) -> str:
+    python = xgboost_python(version)
+    if python is None:
+        pytest.skip(f"the XGBoost {version} venv is missing (run scripts/deps/70-xgboost.sh)")
+    return python
+
+
+def results(out: Path) -> dict[str, dict]:
+    return {f.stem: json.loads(f.read_text()) for f in sorted(out.glob("*.json"))}
+
+
+def solo_xgb(python: str, out: Path) -> dict:
+    r = subprocess.run([python, XGB, "--api", "solo", "--out", str(out), "--name", "solo"], capture_output=True,
+                       text=True, timeout=DEADLINE)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads((out / "solo.json").read_text())
+
+
+# --- XGBoost ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.xgboost
+@pytest.mark.timeout(300)
+def test_xgboost20_under_plain_s0_is_one_job(tmp_path: Path) -> None:
+    python = xgb("2.0")
+    out = tmp_path / "out"
+    r = run_pslaunch("-n", "2", "-s", "0", "--kill-grace", "2", python, XGB, "--api", "env", "--out", str(out),
+                     timeout=DEADLINE)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = results(out)
+    assert sorted(res) == ["task-0", "task-1"]
+    assert [(res[k]["rank"], res[k]["world"]) for k in sorted(res)] == [(0, 2), (1, 2)]  # not "rank 0 of 1"
+    assert {r["xgboost"] for r in res.values()} == {"2.0.3"}
+    assert res["task-0"]["model_sha256"] == res["task-1"]["model_sha256"]
+    assert res["task-0"]["predictions"] == res["task-1"]["predictions"]
+    assert {r["train_rows"] for r in res.values()} == {300}  # each trained on its half...
+    assert solo_xgb(python, tmp_path)["predictions"] == res["task-0"]["predictions"]  # ...one model of all
+    # rabit's print messages come out labelled, as launch.py's tracker printed them
+    assert "[rabit tracker] xgb_worker task 1: rank 1 of 2" in r.stdout
+    assert "[rabit tracker] [7]\ttrain-logloss:" in r.stdout
+    assert "rabit tracker: all 2 workers joined" in r.stderr
+
+
+@pytest.mark.xgboost
+@pytest.mark.timeout(300)
+def test_xgboost3_under_tracker_xgboost_matches_one_process(tmp_path: Path) -> None:
+    python = xgb("3.0")
+    out = tmp_path / "out"
+    r = run_pslaunch("-n", "3", "--tracker", "xgboost", "--kill-grace", "2", python, XGB, "--api", "args",
+                     "--out", str(out), timeout=DEADLINE)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = results(out)
+    assert sorted(res) == ["task-0", "task-1", "task-2"]
+    assert sorted(x["rank"] for x in res.values()) == [0, 1, 2] and {x["world"] for x in res.values()} == {3}
+    assert {x["xgboost"][:4] for x in res.values()} == {"3.0."}
+    assert len({x["predictions"] for x in res.values()}) == 1
+    assert solo_xgb(python, tmp_path)["predictions"] == res["task-0"]["predictions"]
+    assert "xgboost tracker: XGBoost 3.0" in r.stderr
+    assert "[xgboost tracker]" in r.stdout + r.stderr  # its log and the workers' prints, labelled
+
+
+# --- PyTorch DDP ---------------------------------------------------------------------------------------------
+
+
+def ddp_argv(out: Path, *args: str) -> list[str]:
+    return [sys.executable, DDP, "--out", str(out), *args]
+
+
+def check_ddp(out: Path, n: int, tmp_path: Path) -> dict[str, dict]:
+    """Every rank's parameters equal one process's on the same data, and the ranks are 0..n-1."""
+    res = results(out)
+    assert sorted(res) == [f"task-{i}" for i in range(n)], sorted(res)
+    assert sorted(x["rank"] for x in res.values()) == list(range(n))
+    assert {x["world"] for x in res.values()} == {n}
+    solo_out = tmp_path / "solo"
+    r = subprocess.run(ddp_argv(solo_out, "--solo", str(n), "--name", "solo"), capture_output=True, text=True,
+                       timeout=DEADLINE)
+    assert r.returncode == 0, r.stderr
+    solo = json.loads((solo_out / "solo.json").read_text())["params"]
+    for name, x in res.items():
+        worst = max(abs(a - b) for p, q in zip(x["params"], solo) for a, b in zip(p, q))
+        assert worst < 1e-12, (name, worst)  # float64; only the order of additions differs
+        assert x["params"] != [[0.0] * len(p) for p in solo]
+    return res
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", [
+    "local",
+    pytest.param("mpi-openmpi", marks=pytest.mark.mpi),
+    pytest.param("mpi-mpich", marks=pytest.mark.mpi),
+    pytest.param("sge", marks=pytest.mark.sge),
+    pytest.param("yarn", marks=pytest.mark.yarn),
+    pytest.param("slurm", marks=pytest.mark.slurm),  # 4 nodes, DMLC_INTERFACE as a CIDR
+])
+def test_ddp_under_tracker_torch_matches_one_process(kind: str, tmp_path: Path,
+                                                     request: pytest.FixtureRequest) -> None:
+    cluster = make_cluster(kind, tmp_path, request)
+    try:
+        r = cluster.run("-n", "3", "--tracker", "torch", "--kill-grace", "2", *ddp_argv(cluster.out),
+                        timeout=DEADLINE)
+        assert r.returncode == 0, r.stdout + r.stderr
+        res = check_ddp(cluster.out, 3, tmp_path)
+        hosts: dict[str, list[dict]] = {}
+        for x in sorted(res.values(), key=lambda x: x["rank"]):
+            assert x["env"]["RANK"] == str(x["rank"])
+            hosts.setdefault(x["host"], []).append(x["env"])
+        for group, members in enumerate(hosts.values()):  # host by host: cuda:LOCAL_RANK would be right
+            assert [(e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"], e["GROUP_RANK"], e["GROUP_WORLD_SIZE"]) for e in members] \
+                == [(str(i), str(len(members)), str(group), str(len(hosts))) for i in range(len(members))]
+        assert "torch store: serving on" in r.stderr
+    finally:
+        cluster.close()
+
+
+@pytest.mark.ssh
+@pytest.mark.timeout(300)
+def test_ddp_over_ssh_on_two_hosts_with_a_cidr(testbed: Testbed, tmp_path: Path) -> None:
+    out = testbed.shared / uuid.uuid4().hex[:10]
+    out.mkdir(mode=0o777)
+    try:
+        hosts = testbed.write_hostfile(tmp_path / "hosts", testbed.hosts[:2], "{addr_a} slots=2")
+        # the data network (subnet B), whose interface has another name on each host
+        r = run_pslaunch("--launcher", "ssh", "-H", str(hosts), "-n", "4", "--tracker", "torch", "--kill-grace", "2",
+                         "--env", "PSLAUNCH_NETGUARD_LOG", "--env", f"DMLC_INTERFACE={testbed.subnet_b}",
+                         *ddp_argv(out), env=testbed.env(), timeout=DEADLINE)
+        assert r.returncode == 0, r.stdout + r.stderr
+        res = check_ddp(out, 4, tmp_path)
+        by_rank = {x["rank"]: x["env"] for x in res.values()}
+        # ranks host by host: 0, 1 on the first host, 2, 3 on the second; cuda:LOCAL_RANK would be right
+        assert [(e["GROUP_RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for _, e in sorted(by_rank.items())] == \
+            [("0", "0", "2"), ("0", "1", "2"), ("1", "0", "2"), ("1", "1", "2")]
+        assert {e["MASTER_ADDR"] for e in by_rank.values()} == {testbed.root_b}
+        first, second = testbed.hosts[0], testbed.hosts[1]
+        assert [e["DMLC_NODE_HOST"] for _, e in sorted(by_rank.items())] == [first.addr_b] * 2 + [second.addr_b] * 2
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.mark.xgboost
+@pytest.mark.timeout(300)
+def test_xgboost3_ranks_follow_its_trackers_order_from_ten_workers(tmp_path: Path) -> None:
+    # what the README warns about: XGBoost's tracker sorts task ids as strings ("10" before "2")
+    python = xgb("3.0")
+    out = tmp_path / "out"
+    r = run_pslaunch("-n", "11", "--tracker", "xgboost", "--kill-grace", "2", python, XGB, "--api", "args",
+                     "--only-rank", "--out", str(out), timeout=DEADLINE)
+    assert r.returncode == 0, r.stdout + r.stderr
+    ranks = {int(x["task_id"]): x["rank"] for x in results(out).values()}
+    assert ranks == {0: 0, 1: 1, 10: 2, **{t: t + 1 for t in range(2, 10)}}
