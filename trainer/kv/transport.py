@@ -21,14 +21,16 @@ memory, whoever it is:
 2. *Frame size.* No socket accepts a frame over
    :data:`~trainer.kv.protocol.MAX_FRAME` (``ZMQ_MAXMSGSIZE``); arrays travel
    in parts of at most :data:`~trainer.kv.protocol.CHUNK_BYTES`.
-3. *Connection count and age.* The ROUTER's monitor reports every accepted
-   connection with its file descriptor; at most :data:`MAX_UNAUTHENTICATED`
-   connections that have not completed our handshake are kept, and none for
-   longer than :data:`~trainer.kv.protocol.HANDSHAKE_SECONDS` (the oldest of the
-   address with the most goes first; real peers reconnect and repeat their
-   HELLO). A connection is dropped by ``shutdown()`` of its socket, after
-   checking that the descriptor still is that connection; libzmq then closes it
-   as if the peer had.
+3. *Connection count, age and chatter.* The ROUTER's monitor reports every
+   accepted connection with its file descriptor; at most
+   :data:`MAX_UNAUTHENTICATED` connections that have not completed our
+   handshake are kept, none for longer than
+   :data:`~trainer.kv.protocol.HANDSHAKE_SECONDS`, and none that sent more than
+   :data:`MAX_UNAUTHENTICATED_MESSAGES` messages (a HELLO flood). Over the bound,
+   the address with the most such connections loses first, its chattiest, then
+   its oldest; real peers reconnect and repeat their HELLO. A connection is
+   dropped by ``shutdown()`` of its socket, after checking that the descriptor
+   still is that connection; libzmq then closes it as if the peer had.
 
 So a stranger holds at most ``MAX_UNAUTHENTICATED x MAX_FRAME`` (48 MB) of a
 process, for seconds. What it cannot do is tell a real peer's pending
@@ -66,7 +68,10 @@ logger = logging.getLogger(__name__)
 #: Linger (ms) for sockets closed at the end of a clean run: enough to flush goodbyes.
 CLEAN_LINGER_MS = 2000
 #: Connections that have not completed our handshake, kept at most per ROUTER.
-MAX_UNAUTHENTICATED = 48
+MAX_UNAUTHENTICATED = 32
+#: Messages a connection may send before it completes our handshake (a real peer sends a
+#: HELLO every 0.25 to 2 s, and one AUTH).
+MAX_UNAUTHENTICATED_MESSAGES = 16
 #: A client repeats its HELLO after this long without a challenge, doubling up to 2 s.
 HELLO_RETRY = 0.25
 _PLAIN_USER = b"pslaunch"
@@ -449,11 +454,12 @@ def handshake_all(links: Sequence[Link], deadline: float) -> None:
 class _Conn:
     """A TCP connection accepted by a :class:`Hub`, as its monitor reported it."""
 
-    __slots__ = ("fd", "since", "address", "host", "peer", "evicted")
+    __slots__ = ("fd", "since", "address", "host", "peer", "evicted", "messages")
 
     def __init__(self, fd: int, since: float, address: tuple[str, int] | None) -> None:
         self.fd = fd
         self.since = since
+        self.messages = 0
         self.address = address
         self.host = address[0] if address else "?"
         self.peer: P.Peer | None = None
@@ -619,7 +625,7 @@ class Hub:
         if excess <= 0:
             return
         by_host: dict[str, list[_Conn]] = {}
-        for c in sorted(waiting, key=lambda c: c.since):
+        for c in sorted(waiting, key=lambda c: (-c.messages, c.since)):
             by_host.setdefault(c.host, []).append(c)
         for _ in range(excess):
             busiest = max(by_host.values(), key=len)
@@ -666,8 +672,16 @@ class Hub:
                 continue
             try:
                 address = str(frames[0].get("Peer-Address"))
+                conn = self._conns.get(int(frames[0].get(zmq.SRCFD)))
             except (zmq.ZMQError, ValueError, TypeError):
-                address = "?"
+                address, conn = "?", None
+            if conn is not None and conn.peer is None:
+                conn.messages += 1
+                if conn.messages > MAX_UNAUTHENTICATED_MESSAGES:
+                    if not conn.evicted:
+                        self._evict(conn, "connection-flooding")
+                    self.drops.drop("flood", f"a flood from {address}")
+                    continue
             acceptor.receive(rid, frames[1:], address)
             if acceptor.new_peers:
                 for p in acceptor.new_peers:
