@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 #: Seconds the control thread waits for the main thread to act on an abort.
 ABORT_GRACE = 1.0
+#: Data frames from this size on go without pyzmq's copy (which allocates fresh memory for
+#: every message and costs ten times a copy into a buffer of ours); smaller ones it copies.
+_ZERO_COPY_MIN = 64 << 10
 #: A server link closed without an abort from the scheduler: give up after this long.
 LOST_LINK_GRACE = 3.0
 #: Plans (messages per list of keys) kept per client.
@@ -356,6 +359,7 @@ class KVClient:
         self.keys: dict[Hashable, KeyInfo] = {}
         self.placement = Placement(self.num_servers, env.bigarray_bound)
         self._plans: dict[tuple[Hashable, ...], list[_Out]] = {}
+        self._staging: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
 
     # --- receiving ------------------------------------------------------------------------
     def _on_pipe(self) -> None:
@@ -483,8 +487,27 @@ class KVClient:
         key = part = 0
         if cmd in P.BATCH_COMMANDS and count:  # the first item, for PS_VERBOSE=2 lines
             key, part = _FIRST_ITEM.unpack_from(payload[0])
-        link.send(cmd, key, part, req, 0, 0, count, flags, payload, copy=True)
+        link.send(cmd, key, part, req, 0, 0, count, flags, payload, copy=False)
         return req
+
+    def _stage(self, slot: tuple[int, int], view: np.ndarray) -> np.ndarray:
+        """A copy of ``view`` in a buffer of ours, sent without a further copy.
+
+        One buffer per (key, part), reused once the request that last carried it has
+        been answered (the server had all of it then); else a new one (always, for a
+        plain dist_async push, which is never answered).
+        """
+        if self.asynchronous:  # a plain async push is never answered: never known sent
+            return view.copy()
+        entry = self._staging.get(slot)
+        if (entry is not None and entry[1] not in self._pending
+                and entry[0].shape == view.shape and entry[0].dtype == view.dtype):
+            buf = entry[0]
+            np.copyto(buf, view)
+        else:
+            buf = view.copy()
+        self._staging[slot] = (buf, self._req + 1)  # the id of the request about to go
+        return buf
 
     # --- planning -----------------------------------------------------------------------------
     def _plan(self, keys: Sequence[Hashable]) -> list[_Out]:
@@ -566,9 +589,9 @@ class KVClient:
         dist_sync: the server answers each push with the value of its round,
         which the next pull of that key uses (see :meth:`pull`); errors are
         raised by the next call that waits. dist_async: a plain push gets no
-        reply unless it fails. The data is copied as it is sent, so the caller
-        may change the arrays as soon as this returns (``owned`` is accepted for
-        compatibility).
+        reply unless it fails. The caller may change the arrays as soon as this
+        returns: a plain push copies them (unless ``owned`` says they are scratch
+        buffers of the caller's, left alone until the next call).
         """
         self._check()
         if self.asynchronous and not self.has_optimizer:
@@ -586,12 +609,19 @@ class KVClient:
             kind = None if self.asynchronous else _STASH
         latest, stash = self._latest, self._stash
         links = self.links
+        # A pushpull waits for its answer, and the server answers once it has all the
+        # data: the caller's arrays can go as they are. A plain push returns at once, and
+        # the caller may change its arrays then: big ones go through buffers of ours.
+        stage = kind != _VALUE and not owned
         for out in plan:
             payload: list[Any] = [out.index]
             targets: list[Any] = []
             for pos, lo, hi, whole, slot in out.items:
                 arr = arrays[pos]
-                payload.append(arr if whole else arr[lo:hi])
+                view = arr if whole else arr[lo:hi]
+                if stage and view.nbytes >= _ZERO_COPY_MIN:
+                    view = self._stage(slot, view)
+                payload.append(view)
                 if kind == _VALUE:
                     d = dests[pos]  # type: ignore[index]
                     targets.append(d if whole else d[lo:hi])
