@@ -126,11 +126,35 @@ def test_the_index_of_a_batch_is_always_authenticated() -> None:
     assert server.open([head, INDEX, TENSOR]).items == [(3, 1, 12, 1)]
 
 
-def test_digest_reuse_matches() -> None:
+def test_the_mac_reads_a_frame_as_it_is_now() -> None:
+    # A server sends the values it holds, updated in place between two answers (and
+    # pyzmq's Frame.bytes would give the first copy it made).
+    import zmq
+
     client, server, _ = pair(mac_payload=True)
-    d = P.payload_digest([INDEX, TENSOR])
-    assert server.open([client.seal(P.PUSH, count=1, payload=[INDEX, TENSOR], digest=d),
-                        INDEX, TENSOR])
+    value = zmq.Frame(np.zeros(6, np.float32).tobytes())
+    index = P.pack_index([(0, 0, 6, 1)])
+    for step in range(3):
+        assert value.bytes is not None
+        np.frombuffer(value.buffer, np.float32)[:] = step  # the optimizer's in-place update
+        head = server.seal(P.VALUES, count=1, payload=[index, value])
+        got = client.open([head, index, value.buffer.tobytes()])
+        assert np.frombuffer(got.frames[1], np.float32).tolist() == [step] * 6
+
+
+def test_short_covered_frames_enter_the_mac_as_they_are_long_ones_hashed() -> None:
+    assert P.mac_input([INDEX]) == struct.pack("<Q", 16) + INDEX
+    assert P.mac_input([]) == b""
+    big = np.zeros(1024, np.float32)
+    assert P.mac_input([INDEX, big]) == P.payload_digest([INDEX, big])  # 4 KB: hashed
+    assert len(P.mac_input([INDEX, big])) == 32
+    client, server, _ = pair(mac_payload=True)
+    head = client.seal(P.PUSH, count=1, payload=[P.pack_index([(0, 0, 1024, 1)]), big])
+    evil = big.copy()
+    evil[-1] = 1
+    with pytest.raises(P.ProtocolError, match="bad-mac"):
+        server.open([head, P.pack_index([(0, 0, 1024, 1)]), evil])
+    assert server.open([head, P.pack_index([(0, 0, 1024, 1)]), big]).items == [(0, 0, 1024, 1)]
 
 
 # --- the handshake ------------------------------------------------------------------------------

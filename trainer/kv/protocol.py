@@ -15,7 +15,7 @@ socket sees the peer's routing id in front). The header frame is a fixed
     16     4    status    (0, or ST_ERROR in a reply whose payload is the message)
     20     8    seq       (per-session, per-direction sequence number, strictly increasing)
     28     8    count     (number of items of a tensor batch)
-    36     32   mac       HMAC-SHA256(direction key, header[0:36] + SHA256(covered frames))
+    36     32   mac       HMAC-SHA256(direction key, header[0:36] + T(covered frames))
 
 **Tensor batches.** ``INIT``, ``PUSH``, ``PULL`` and ``VALUES`` (the answer
 carrying values) move any number of arrays in one message: the first payload
@@ -29,12 +29,14 @@ No frame of any message is larger than :data:`MAX_FRAME`, which every socket
 enforces (``ZMQ_MAXMSGSIZE``). Other payload frames are one UTF-8 JSON object,
 or error text. Nothing is ever pickled.
 
-**What the MAC covers.** The header, always, and through ``SHA256`` of the
-covered payload frames: all of them for control messages, replies and
-``F_MAC`` batches; the index alone for a batch without ``F_MAC``. So the
-structure of every message (keys, parts, sizes) is authenticated; the tensor
-bytes too when the sender asks (``PS_MAC_PAYLOAD=1``). The flag sits in the
-MAC'd header, so it cannot be stripped.
+**What the MAC covers.** The header, always, and the covered payload frames:
+all of them for control messages, replies and ``F_MAC`` batches; the index
+alone for a batch without ``F_MAC``. ``T`` is the covered frames, each as an
+8-byte little-endian length and its bytes, concatenated, or the SHA-256 of
+that when it is longer than :data:`MAC_INLINE` bytes. So the structure of every
+message (keys, parts, sizes) is authenticated; the tensor bytes too when the
+sender asks (``PS_MAC_PAYLOAD=1``). The flag sits in the MAC'd header, so it
+cannot be stripped.
 
 **Authentication** is a challenge-response per connection, keyed by the job
 secret; the secret itself never crosses the wire:
@@ -92,6 +94,9 @@ CHUNK_BYTES = 1 << 20
 BATCH_BYTES = 4 << 20
 #: The largest frame any socket accepts (ZMQ_MAXMSGSIZE): a chunk, or a JSON or index frame.
 MAX_FRAME = CHUNK_BYTES + (64 << 10)
+#: Covered payloads up to this many bytes (framed) enter the MAC as they are; longer ones
+#: through their SHA-256 (see the module docstring).
+MAC_INLINE = 1024
 #: A handshake not completed within this many seconds is forgotten.
 HANDSHAKE_SECONDS = 10.0
 
@@ -220,10 +225,37 @@ def payload_digest(frames: Sequence[Any]) -> bytes:
     """SHA-256 over the payload frames (bytes-like), frame boundaries included."""
     h = _sha256()
     for f in frames:
-        mv = memoryview(f)
+        mv = memoryview(_buf(f))
         h.update(_SIZE.pack(mv.nbytes))
         h.update(mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B"))
     return h.digest()
+
+
+def mac_input(frames: Sequence[Any]) -> bytes:
+    """``T`` of the module docstring: the framed covered frames, or their SHA-256 when
+    that is longer than :data:`MAC_INLINE` bytes (a short index or JSON costs no hash)."""
+    out = []
+    size = 0
+    for f in frames:
+        if type(f) is bytes:
+            data = f
+        elif hasattr(f, "buffer"):  # a zmq.Frame: len() is its size
+            if len(f) > MAC_INLINE:
+                return payload_digest(frames)
+            # not .bytes: pyzmq keeps the first copy it made, and a server changes the
+            # values it holds in place
+            data = f.buffer.tobytes()
+        else:
+            mv = memoryview(f)
+            if mv.nbytes > MAC_INLINE:
+                return payload_digest(frames)
+            data = mv.tobytes()
+        size += len(data) + 8
+        if size > MAC_INLINE:
+            return payload_digest(frames)
+        out.append(_SIZE.pack(len(data)))
+        out.append(data)
+    return b"".join(out)
 
 
 def _buf(frame: Any) -> Any:
@@ -233,8 +265,9 @@ def _buf(frame: Any) -> Any:
 
 
 def _nbytes(frame: Any) -> int:
-    b = _buf(frame)
-    return len(b) if isinstance(b, bytes) else memoryview(b).nbytes
+    if type(frame) is bytes or hasattr(frame, "buffer"):  # bytes, or a zmq.Frame
+        return len(frame)
+    return memoryview(frame).nbytes
 
 
 def pack_index(items: Sequence[tuple[int, int, int, int]]) -> bytes:
@@ -348,13 +381,12 @@ class Session:
         self.mac_payload = mac_payload
 
     def seal(self, cmd: int, key: int = 0, part: int = 0, req: int = 0, status: int = 0,
-             dtype: int = 0, count: int = 0, flags: int = 0, payload: Sequence[Any] = (),
-             digest: bytes | None = None) -> bytes:
+             dtype: int = 0, count: int = 0, flags: int = 0,
+             payload: Sequence[Any] = ()) -> bytes:
         """The header frame for a message; bumps the send sequence number.
 
         A tensor batch's data frames are covered only with ``mac_payload`` (or
-        ``F_MAC``); everything else always is. ``digest`` (:func:`payload_digest`
-        of the covered frames) may be passed when it was computed already.
+        ``F_MAC``); everything else always is.
         """
         self._send_seq += 1
         if cmd in BATCH_COMMANDS and not (self.mac_payload or flags & F_MAC):
@@ -362,10 +394,8 @@ class Session:
         else:
             flags |= F_MAC
             covered = payload
-        if digest is None:
-            digest = payload_digest(covered)
         head = _pack(VERSION, cmd, flags, dtype, key, part, req, status, self._send_seq, count)
-        return head + _hmac_digest(self._ksend, head + digest, "sha256")
+        return head + _hmac_digest(self._ksend, head + mac_input(covered), "sha256")
 
     def open(self, frames: Sequence[Any]) -> Message:
         """Verify ``[header, payload...]`` and return the message, or raise ProtocolError.
@@ -375,7 +405,9 @@ class Session:
         """
         if not frames:
             raise ProtocolError("malformed", "no frames")
-        head = _buf(frames[0])
+        head = frames[0]
+        if type(head) is not bytes:
+            head = getattr(head, "bytes", None) or bytes(memoryview(head))
         if len(head) != HEADER_SIZE:
             raise ProtocolError("malformed", "bad header size")
         version, cmd, flags, dtype, key, part, req, status, seq, count = _unpack_from(head)
@@ -388,8 +420,7 @@ class Session:
             covered = payload[:1]
         else:
             raise ProtocolError("bad-mac", "payload MAC missing")
-        expected = _hmac_digest(self._krecv, bytes(head[:_BODY]) + payload_digest(
-            [_buf(f) for f in covered]), "sha256")
+        expected = _hmac_digest(self._krecv, head[:_BODY] + mac_input(covered), "sha256")
         if not _compare(expected, head[_BODY:]):
             raise ProtocolError("bad-mac")
         if seq <= self._recv_seq:

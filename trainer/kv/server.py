@@ -125,7 +125,7 @@ class Shard:
         num_workers: workers per sync round.
         mac_payload: MAC the tensor payloads of replies.
         send: ``send(peer, cmd, key, part, req, status=, dtype=, count=, flags=, payload=,
-            digest=, copy=)``.
+            copy=)``.
         who: the server's name in log lines.
     """
 
@@ -176,10 +176,8 @@ class Shard:
             return
         # The answer's index is the request's: the same items, in the same order. Shared
         # buffers (received frames), or for a snapshot arrays that ZeroMQ copies now.
-        payload = [msg.frames[0], *a.values]
-        digest = P.payload_digest(payload) if self.mac_payload else None
         self.send(a.peer, P.VALUES, msg.key, msg.part, msg.req, count=len(a.values),
-                  payload=payload, digest=digest, copy=a.snapshot)
+                  payload=[msg.frames[0], *a.values], copy=a.snapshot)
 
     def _slot(self, a: Answer, i: int, key: int, part: int, count: int, code: int) -> Slot | None:
         slot = self.slots.get((key, part))

@@ -381,13 +381,13 @@ class Link:
 
     def send(self, cmd: int, key: int = 0, part: int = 0, req: int = 0, status: int = 0,
              dtype: int = 0, count: int = 0, flags: int = 0, payload: Sequence[Any] = (),
-             digest: bytes | None = None, track: bool = False, copy: bool = False) -> Any:
+             track: bool = False, copy: bool = False) -> Any:
         """Seal and send one message; tensor payloads go without a copy unless ``copy``.
 
         Returns the ``zmq.MessageTracker`` of the last frame when ``track``.
         """
         head = self.session.seal(cmd, key, part, req, status, dtype, count, flags,  # type: ignore[union-attr]
-                                 payload, digest)
+                                 payload)
         if self._v.messages:
             self._v.sent(self.short, cmd, key, part, sum(memoryview(p).nbytes for p in payload),
                          count)
@@ -710,7 +710,7 @@ class Hub:
 
     def send(self, peer: P.Peer, cmd: int, key: int = 0, part: int = 0, req: int = 0,
              status: int = 0, dtype: int = 0, count: int = 0, flags: int = 0,
-             payload: Sequence[Any] = (), digest: bytes | None = None, copy: bool = False) -> bool:
+             payload: Sequence[Any] = (), copy: bool = False) -> bool:
         """Seal and send one message to ``peer``; False when the peer is gone.
 
         Payload frames go without a copy (pass received ``zmq.Frame`` objects to
@@ -719,7 +719,7 @@ class Hub:
         session = peer.session
         if session is None:
             return False
-        head = session.seal(cmd, key, part, req, status, dtype, count, flags, payload, digest)
+        head = session.seal(cmd, key, part, req, status, dtype, count, flags, payload)
         if self._v.messages:
             self._v.sent(peer.label, cmd, key, part, sum(memoryview(p).nbytes for p in payload),
                          count)
