@@ -236,7 +236,7 @@ def raw_tcp(sizes: list[int], budget: int, workers: int, servers: int) -> dict[i
 
 
 def run_job(python: str, servers: int, workers: int, mac: bool, mxnet: bool,
-            args: argparse.Namespace, workdir: Path) -> dict[int, float] | None:
+            args: argparse.Namespace, workdir: Path, repo: Path = REPO) -> dict[int, float] | None:
     result = workdir / f"result-{time.monotonic_ns()}.json"
     cmd = [sys.executable, "-m", "launcher", "-n", str(workers), "-s", str(servers),
            "--launcher", "local", "--env", f"PS_MAC_PAYLOAD={int(mac)}",
@@ -245,7 +245,7 @@ def run_job(python: str, servers: int, workers: int, mac: bool, mxnet: bool,
     if mxnet:
         cmd.append("--mxnet")
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH")) if p)
     log = workdir / "last-job.log"
     with open(log, "w") as f:
         try:
@@ -279,6 +279,8 @@ def main() -> None:
     ap.add_argument("--compare-mxnet", action="store_true",
                     help="also run the same loop with MXNet 1.9.1's dist_sync (ps-lite)")
     ap.add_argument("--mxnet-python", default=os.environ.get("PSLAUNCH_MXNET_PYTHON", MXNET_PYTHON))
+    ap.add_argument("--before", metavar="DIR", help="also run another checkout's KVStore (under "
+                    "this launcher), for example the commit before a change, as a column 'before'")
     ap.add_argument("--no-raw-tcp", action="store_true", help="skip the raw TCP column")
     ap.add_argument("--repeat", type=int, default=1, help="runs per configuration; best shown")
     ap.add_argument("--budget", type=parse_size, default=parse_size("128M"),
@@ -299,6 +301,8 @@ def main() -> None:
     if args.compare_mxnet and not os.path.exists(args.mxnet_python):
         sys.exit(f"bench: no MXNet python at {args.mxnet_python}; pass --mxnet-python")
     systems: list[tuple[str, bool, bool]] = [("ours" + (" MAC" if mac else ""), mac, False) for mac in macs]
+    if args.before:
+        systems.append(("before", False, False))
     if args.compare_mxnet:
         systems.append(("MXNet", False, True))
     runs: dict[tuple[str, int, int], list[dict[int, float] | None]] = {}
@@ -313,8 +317,9 @@ def main() -> None:
                 for name, mac, mx in systems:
                     python = args.mxnet_python if mx else sys.executable
                     print(f"[{rep + 1}/{args.repeat}] W={w} S={s} {name} ...", file=sys.stderr, flush=True)
+                    repo = Path(args.before).resolve() if name == "before" else REPO
                     runs.setdefault((name, w, s), []).append(
-                        run_job(python, s, w, mac, mx, args, Path(tmp)))
+                        run_job(python, s, w, mac, mx, args, Path(tmp), repo))
     table = {k: best(v) for k, v in runs.items()}
     tcp = {k: best(v) for k, v in tcp_runs.items()}
     names = [n for n, _, _ in systems]
