@@ -13,6 +13,7 @@ is bounded in connections, bytes and time. Modes:
                  after a complete PLAIN handshake (past the gate).
     null-stream  raw ZMTP with the NULL mechanism: an endless multipart message of 1 MB frames
                  (what libzmq would buffer whole without the gate), up to 256 MB.
+    null-frame   raw ZMTP with the NULL mechanism (no gate at all): a 4 GiB frame, up to 256 MB.
     slow-frames  N connections each announce a HELLO command just under the frame limit,
                  send all but the last KB and hold it, for S seconds (memory per connection).
 """
@@ -114,6 +115,20 @@ def big_frame(args: argparse.Namespace) -> dict:
     return {"connections": 1, "bytes": sent}
 
 
+def null_frame(args: argparse.Namespace) -> dict:
+    deadline = time.monotonic() + args.seconds
+    sent = 0
+    try:
+        s = raw_connect(args.host, args.port, b"NULL")
+        s.sendall(command(b"READY", prop(b"Socket-Type", b"DEALER")))
+        s.sendall(bytes([0x02]) + struct.pack(">Q", 4 << 30))
+        sent = stream(s, STREAM_LIMIT, deadline)
+        s.close()
+    except OSError:
+        pass
+    return {"connections": 1, "bytes": sent}
+
+
 def null_stream(args: argparse.Namespace) -> dict:
     deadline = time.monotonic() + args.seconds
     sent = 0
@@ -177,7 +192,9 @@ def dealers(args: argparse.Namespace, ctx: zmq.Context) -> list[zmq.Socket]:
 def hello_flood(args: argparse.Namespace, once: bool) -> dict:
     ctx = zmq.Context()
     socks = dealers(args, ctx)
-    hello = P.ClientHandshake(P.secret_key("66" * 32)).hello()
+    # our HELLO, in the wire version asked for (an older KVStore's, to measure it)
+    hello = [P.HEADER.pack(args.wire_version, P.HELLO, 0, 0, 0, 0, 0, 0, 0, 0) + bytes(P.MAC_SIZE),
+             bytes(P.NONCE_SIZE)]
     sent = answers = 0
     deadline = time.monotonic() + args.seconds
     while True:
@@ -208,12 +225,14 @@ def hello_flood(args: argparse.Namespace, once: bool) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["hello-flood", "hello-burst", "big-frame", "null-stream",
-                                     "slow-frames"])
+                                     "null-frame", "slow-frames"])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--count", type=int, default=300)
     ap.add_argument("--token", default=None, help="ZeroMQ's PLAIN password (the gate's token)")
+    ap.add_argument("--wire-version", type=int, default=P.VERSION,
+                    help="the protocol version of the HELLOs (default: this checkout's)")
     args = ap.parse_args()
     started = time.monotonic()
     if args.mode == "hello-flood":
@@ -224,6 +243,8 @@ def main() -> None:
         out = big_frame(args)
     elif args.mode == "null-stream":
         out = null_stream(args)
+    elif args.mode == "null-frame":
+        out = null_frame(args)
     else:
         out = slow_frames(args)
     out.update(mode=args.mode, seconds=round(time.monotonic() - started, 2))

@@ -107,8 +107,8 @@ def test_memory_before_authentication_stays_bounded(job_factory, tmp_path: Path)
     victims = {"scheduler": job.port, "server-0": server_port}
     sampler = Sampler({n: job.procs[n].pid for n in victims})
     sampler.start()
-    attacks = [("big-frame", ()), ("big-frame", ("--token", TOKEN)), ("null-stream", ()),
-               ("slow-frames", ("--count", "200", "--seconds", "4"))]
+    attacks = [("null-frame", ()), ("big-frame", ()), ("big-frame", ("--token", TOKEN)),
+               ("null-stream", ()), ("slow-frames", ("--count", "200", "--seconds", "4"))]
     report = []
     for name, port in victims.items():
         for mode, extra in attacks:
