@@ -1,34 +1,36 @@
 #!/usr/bin/env python3
-"""KVStore push+pull throughput: our parameter server against raw TCP and MXNet's ps-lite.
+"""KVStore push+pull throughput and latency: our parameter server against ps-lite and raw TCP.
 
-Every configuration is a real job started through the launcher on this
-machine (``python -m launcher -n W -s S --launcher local ...``): a scheduler,
-S servers and W workers on loopback. Each worker pushes a float32 array and
-pulls the result, ``dist_sync``, after a warm-up; the time is rank 0's.
+Every configuration is a real job started through the launcher on this machine
+(``python -m launcher -n W -s S --launcher local ...``): a scheduler, S servers and W
+workers on loopback. Each worker pushes a float32 array and pulls the result,
+``dist_sync``, after a warm-up; the time is rank 0's (the workers run in lock-step).
 
     MB/s per worker = (bytes pushed + bytes pulled) / time
 
-Configurations: S = 1 and 2 servers (``--servers``), W = 2 workers, the
-payload MAC off and on (``PS_MAC_PAYLOAD``), and with ``--compare-mxnet``
-the same loop with ``mx.kv.create('dist_sync')`` in an MXNet 1.9.1 venv.
-The raw loopback TCP row is a two-process echo (send N bytes, get N bytes
-back) with plain sockets: the physical limit of this machine at that size.
-With ``--allreduce on`` (the default) the same loop also runs with
-``kvstore.create('dist_allreduce')`` under ``--tracker torch``: no servers, one
-gloo allreduce per push (trainer/collective.py), counted the same way; and the
-sizes gain LeNet's gradient (431,080 float32, what the trainer pushes per batch).
-Each configuration runs ``--repeat`` times, interleaved, and the best run per
-size is shown, because other load on a small machine only ever slows a run.
+and the round-trip latency of a 4 KB push+pull in microseconds. Configurations: W workers
+x S servers (``--grid``, default W = 2, 4, 8 and S = 1, 2, 4), ours and, with
+``--compare-mxnet``, the same loop with ``mx.kv.create('dist_sync')`` in an MXNet 1.9.1
+venv (ps-lite). The raw TCP column is what this machine does without any parameter server
+at the same scale: W client processes, each echoing the same bytes through one of S echo
+processes with plain sockets, all at once; its MB/s per client bounds what any parameter
+server can reach here (on a 2-core machine, W + S busy processes share two cores). With
+``--allreduce on`` (the default) the same loop also runs with
+``kvstore.create('dist_allreduce')`` under ``--tracker torch`` for each W: no servers, one
+gloo allreduce per push (trainer/collective.py), counted the same way, in a table beside
+push+pull with one server; the sizes gain LeNet's gradient (431,080 float32, what the trainer
+pushes per batch). Each configuration runs ``--repeat`` times, interleaved, and the best run
+is shown, because other load on a small machine only ever slows a run.
 
 Examples:
-    python scripts/bench_kvstore.py                     # ours, S=1,2, MAC off/on, raw TCP
-    python scripts/bench_kvstore.py --compare-mxnet --repeat 3
-    python scripts/bench_kvstore.py --sizes 4K,1M --servers 1 --mac off
-    python scripts/bench_kvstore.py --servers 1 --mac off --sizes lenet   # push+pull beside allreduce
+    python scripts/bench_kvstore.py --compare-mxnet             # the grid, beside ps-lite
+    python scripts/bench_kvstore.py --grid 2x1,2x2 --sizes 4K,1M,16M,64M
+    python scripts/bench_kvstore.py --grid 2x1 --mac on         # with the payload MAC
+    python scripts/bench_kvstore.py --grid 2x1 --sizes lenet    # push+pull beside allreduce
 
-This file is also the worker program of each job (``--worker``); in that mode
-it imports only the KVStore under test (``trainer.kvstore`` or ``mxnet``),
-which turns the scheduler and server processes into their roles.
+This file is also the worker program of each job (``--worker``); in that mode it imports
+only the KVStore under test (``trainer.kvstore`` or ``mxnet``), which turns the scheduler
+and server processes into their roles.
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_SIZES = "4K,64K,1M,16M,64M"
+DEFAULT_SIZES = "4K,64K,1M,16M"
+DEFAULT_GRID = "2x1,2x2,2x4,4x1,4x2,4x4,8x1,8x2,8x4"
+LATENCY_SIZE = 4 << 10
 #: LeNet's parameters (trainer/models.py; train_mnist's summary reports them): one gradient's floats
 LENET_PARAMS = 431_080
 MXNET_PYTHON = "/opt/mxnet-venv/bin/python"
@@ -81,6 +85,14 @@ def show_size(n: int) -> str:
 def iterations(size: int, budget: int) -> int:
     """Timed iterations for one size: the same on every worker (sync jobs run in lock-step)."""
     return max(5, min(1000, budget // size))
+
+
+def parse_grid(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        w, _, s = item.strip().partition("x")
+        out.append((int(w), int(s)))
+    return out
 
 
 # --- worker mode -------------------------------------------------------------------------------
@@ -149,56 +161,94 @@ def worker_main(args: argparse.Namespace) -> None:
 # --- raw TCP -------------------------------------------------------------------------------------
 
 
-def _echo_server(listener: socket.socket, sizes: list[int], budget: int) -> None:
-    conn, _ = listener.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for size in sizes:
-        buf = bytearray(size)
-        view = memoryview(buf)
-        for _ in range(WARMUP + iterations(size, budget)):
-            got = 0
-            while got < size:
-                got += conn.recv_into(view[got:], size - got)
-            conn.sendall(view)
-    conn.close()
+def _echo_server(listener: socket.socket, clients: int, sizes: list[int], budget: int) -> None:
+    """Echo every size's iterations back to each of ``clients`` connections, one thread each."""
+    import threading
 
-
-def raw_tcp(sizes: list[int], budget: int) -> dict[int, float]:
-    """Seconds per echo (send ``size`` bytes, receive them back) over loopback TCP."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    proc = mp.get_context("fork").Process(target=_echo_server, args=(listener, sizes, budget))
-    proc.start()
-    sock = socket.create_connection(listener.getsockname())
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    out = {}
-    try:
+    def serve(conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for size in sizes:
-            data = bytearray(size)
-            back = bytearray(size)
-            view = memoryview(back)
-            iters = iterations(size, budget)
-            for i in range(WARMUP + iters):
-                if i == WARMUP:
-                    t = time.perf_counter()
-                sock.sendall(data)
+            buf = bytearray(size)
+            view = memoryview(buf)
+            for _ in range(WARMUP + iterations(size, budget)):
                 got = 0
                 while got < size:
-                    got += sock.recv_into(view[got:], size - got)
-            out[size] = (time.perf_counter() - t) / iters
-    finally:
-        sock.close()
+                    n = conn.recv_into(view[got:], size - got)
+                    if not n:
+                        return
+                    got += n
+                conn.sendall(view)
+        conn.close()
+
+    threads = []
+    for _ in range(clients):
+        conn, _ = listener.accept()
+        t = threading.Thread(target=serve, args=(conn,))
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+
+
+def _echo_client(address: tuple[str, int], sizes: list[int], budget: int, barrier: Any,
+                 results: Any, index: int) -> None:
+    sock = socket.create_connection(address)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    out = {}
+    for size in sizes:
+        data = bytearray(size)
+        back = bytearray(size)
+        view = memoryview(back)
+        iters = iterations(size, budget)
+        barrier.wait()
+        for i in range(WARMUP + iters):
+            if i == WARMUP:
+                t = time.perf_counter()
+            sock.sendall(data)
+            got = 0
+            while got < size:
+                got += sock.recv_into(view[got:], size - got)
+        out[size] = (time.perf_counter() - t) / iters
+    sock.close()
+    results[index] = out
+
+
+def raw_tcp(sizes: list[int], budget: int, workers: int, servers: int) -> dict[int, float]:
+    """Seconds per echo (send ``size`` bytes, receive them back) over loopback TCP for W
+    clients at once through S echo processes; the mean over the clients."""
+    ctx = mp.get_context("fork")
+    listeners = []
+    procs = []
+    for s in range(servers):
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(workers)
+        clients = len(range(s, workers, servers))
+        procs.append(ctx.Process(target=_echo_server, args=(listener, clients, sizes, budget)))
+        listeners.append(listener)
+    barrier = ctx.Barrier(workers)
+    manager = ctx.Manager()
+    results = manager.dict()
+    for w in range(workers):
+        address = listeners[w % servers].getsockname()
+        procs.append(ctx.Process(target=_echo_client, args=(address, sizes, budget, barrier, results, w)))
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(600)
+    for listener in listeners:
         listener.close()
-        proc.join(30)
-    return out
+    got = [results[w] for w in range(workers) if w in results]
+    manager.shutdown()
+    return {size: sum(r[size] for r in got) / len(got) for size in sizes} if got else {}
 
 
 # --- driver --------------------------------------------------------------------------------------
 
 
 def run_job(python: str, servers: int, workers: int, mac: bool, mxnet: bool,
-            args: argparse.Namespace, workdir: Path, allreduce: bool = False) -> dict[int, float] | None:
+            args: argparse.Namespace, workdir: Path, repo: Path = REPO,
+            allreduce: bool = False) -> dict[int, float] | None:
     result = workdir / f"result-{time.monotonic_ns()}.json"
     job = ["--tracker", "torch"] if allreduce else ["-s", str(servers)]
     cmd = [sys.executable, "-m", "launcher", "-n", str(workers), *job,
@@ -209,7 +259,7 @@ def run_job(python: str, servers: int, workers: int, mac: bool, mxnet: bool,
     if mxnet:
         cmd.append("--mxnet")
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH")) if p)
     log = workdir / "last-job.log"
     with open(log, "w") as f:
         try:
@@ -234,19 +284,22 @@ def best(runs: list[dict[int, float] | None]) -> dict[int, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated: 4K,64K,1M,16M,64M")
-    ap.add_argument("--servers", default="1,2", help="server counts to run (default 1,2)")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--mac", default="off,on", help="payload MAC settings to run (off,on)")
+    ap.add_argument("--sizes", default=DEFAULT_SIZES,
+                    help="comma-separated, e.g. 4K,64K,1M,16M (4K is shown as a latency)")
+    ap.add_argument("--grid", default=DEFAULT_GRID, help="WxS configurations: workers x servers")
+    ap.add_argument("--mac", default="off", help="payload MAC settings of ours to run: off, on, off,on")
     ap.add_argument("--op", choices=("push+pull", "pushpull"), default="push+pull",
                     help="ours: push then pull (as MXNet), or one pushpull call")
     ap.add_argument("--compare-mxnet", action="store_true",
                     help="also run the same loop with MXNet 1.9.1's dist_sync (ps-lite)")
     ap.add_argument("--mxnet-python", default=os.environ.get("PSLAUNCH_MXNET_PYTHON", MXNET_PYTHON))
+    ap.add_argument("--before", metavar="DIR", help="also run another checkout's KVStore (under "
+                    "this launcher), for example the commit before a change, as a column 'before'")
+    ap.add_argument("--no-raw-tcp", action="store_true", help="skip the raw TCP column")
     ap.add_argument("--repeat", type=int, default=1, help="runs per configuration; best shown")
-    ap.add_argument("--budget", type=parse_size, default=parse_size("256M"),
+    ap.add_argument("--budget", type=parse_size, default=parse_size("128M"),
                     help="bytes per worker and size to time (iterations = budget / size, 5..1000)")
-    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--allreduce", choices=("on", "off"), default="on",
                     help="also run dist_allreduce (torch.distributed, no servers) under --tracker torch")
     ap.add_argument("--json", help="also write the numbers to this file")
@@ -262,74 +315,101 @@ def main() -> None:
     if args.allreduce == "on" and "lenet" not in args.sizes.lower():
         args.sizes += ",lenet"
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    servers = [int(s) for s in args.servers.split(",")]
+    grid = parse_grid(args.grid)
     macs = [m.strip() == "on" for m in args.mac.split(",")]
     if args.compare_mxnet and not os.path.exists(args.mxnet_python):
         sys.exit(f"bench: no MXNet python at {args.mxnet_python}; pass --mxnet-python")
-    configs: list[tuple[str, int, bool, bool]] = []
-    for s in servers:
-        for mac in macs:
-            configs.append((f"ours S={s}" + (" MAC" if mac else ""), s, mac, False))
-        if args.compare_mxnet:
-            configs.append((f"mxnet S={s}", s, False, True))
-    runs: dict[str, list[dict[int, float] | None]] = {name: [] for name, *_ in configs}
-    tcp_runs = []
+    systems: list[tuple[str, bool, bool]] = [("ours" + (" MAC" if mac else ""), mac, False) for mac in macs]
+    if args.before:
+        systems.append(("before", False, False))
+    if args.compare_mxnet:
+        systems.append(("MXNet", False, True))
+    runs: dict[tuple[str, int, int], list[dict[int, float] | None]] = {}
+    tcp_runs: dict[tuple[int, int], list[dict[int, float] | None]] = {}
     started = time.time()
+    load0 = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-kv-") as tmp:
         for rep in range(args.repeat):
-            tcp_runs.append(raw_tcp(sizes, args.budget))
-            for name, s, mac, mx in configs:
-                python = args.mxnet_python if mx else sys.executable
-                print(f"[{rep + 1}/{args.repeat}] {name} ...", file=sys.stderr, flush=True)
-                runs[name].append(run_job(python, s, args.workers, mac, mx, args, Path(tmp)))
+            for w, s in grid:
+                if not args.no_raw_tcp:
+                    tcp_runs.setdefault((w, s), []).append(raw_tcp(sizes, args.budget, w, s))
+                for name, mac, mx in systems:
+                    python = args.mxnet_python if mx else sys.executable
+                    print(f"[{rep + 1}/{args.repeat}] W={w} S={s} {name} ...", file=sys.stderr, flush=True)
+                    repo = Path(args.before).resolve() if name == "before" else REPO
+                    runs.setdefault((name, w, s), []).append(
+                        run_job(python, s, w, mac, mx, args, Path(tmp), repo))
             if args.allreduce == "on":
-                print(f"[{rep + 1}/{args.repeat}] allreduce ...", file=sys.stderr, flush=True)
-                runs.setdefault("allreduce", []).append(
-                    run_job(sys.executable, 0, args.workers, False, False, args, Path(tmp), allreduce=True))
-    tcp = best(tcp_runs)
-    table = {name: best(r) for name, r in runs.items()}
+                for w in sorted({w for w, _ in grid}):
+                    print(f"[{rep + 1}/{args.repeat}] W={w} allreduce ...", file=sys.stderr, flush=True)
+                    runs.setdefault(("allreduce", w, 0), []).append(
+                        run_job(sys.executable, 0, w, False, False, args, Path(tmp), allreduce=True))
+    table = {k: best(v) for k, v in runs.items()}
+    tcp = {k: best(v) for k, v in tcp_runs.items()}
+    names = [n for n, _, _ in systems]
 
     def mbs(size: int, t: float | None) -> str:
-        return "-" if t is None else f"{2 * size / t / 1e6:8.0f}"
+        return "-" if t is None else f"{2 * size / t / 1e6:,.0f}"
 
-    def ms(t: float | None) -> str:
-        return "-" if t is None else f"{t * 1e3:8.3f}"
-
-    print(f"\nKVStore push+pull, dist_sync, {args.workers} workers, float32, "
-          f"op={args.op}, best of {args.repeat}; MB/s per worker = (pushed + pulled) / time")
-    print(f"load average at start: {os.getloadavg()[0]:.2f}, cores: {os.cpu_count()}")
-    for s in servers:
-        names = [n for n, srv, *_ in configs if srv == s]
-        head = f"{'size':>6} | {'raw TCP':>8}"
-        for n in names:
-            head += f" | {n + ' MB/s':>17} {'ms/it':>8}"
+    print(f"\nKVStore push+pull, dist_sync, float32, op={args.op}, best of {args.repeat}; "
+          "MB/s per worker = (pushed + pulled) / time")
+    print(f"load average at start: {load0[0]:.2f}, at the end: {os.getloadavg()[0]:.2f}; "
+          f"cores: {os.cpu_count()}; {time.time() - started:.0f} s in all")
+    for size in sizes:
+        if size == LATENCY_SIZE:
+            continue
+        print(f"\n{show_size(size)}: MB/s per worker")
+        head = "| W | S |" + ("" if args.no_raw_tcp else " raw TCP |") + "".join(f" {n} |" for n in names)
         if args.compare_mxnet:
-            head += " | ours/mxnet"
-        print(f"\nS = {s}\n{head}\n{'-' * len(head)}")
-        for size in sizes:
-            row = f"{show_size(size):>6} | {mbs(size, tcp.get(size)):>8}"
+            head += " ours / MXNet |"
+        print(head)
+        print("| ---: | ---: |" + " ---: |" * (head.count("|") - 3))
+        for w, s in grid:
+            row = f"| {w} | {s} |"
+            if not args.no_raw_tcp:
+                row += f" {mbs(size, tcp.get((w, s), {}).get(size))} |"
             for n in names:
-                t = table[n].get(size)
-                row += f" | {mbs(size, t):>17} {ms(t):>8}"
+                row += f" {mbs(size, table[(n, w, s)].get(size))} |"
             if args.compare_mxnet:
-                ours, theirs = table[f"ours S={s}"].get(size), table[f"mxnet S={s}"].get(size)
-                row += f" | {theirs / ours:9.2f}x" if ours and theirs else " |         -"
+                ours, theirs = table[(names[0], w, s)].get(size), table[("MXNet", w, s)].get(size)
+                row += f" {theirs / ours:.2f}x |" if ours and theirs else " - |"
             print(row)
-    if "allreduce" in table:
-        ps = f"ours S={servers[0]}"
-        head = f"{'size':>6} | {'raw TCP':>8} | {ps + ' MB/s':>17} {'ms/it':>8} | {'allreduce MB/s':>17} {'ms/it':>8}"
-        print(f"\nNo servers: dist_allreduce under --tracker torch (gloo), {args.workers} workers, the same loop "
-              f"beside push+pull with {servers[0]} server(s)\n{head}\n{'-' * len(head)}")
+    if LATENCY_SIZE in sizes:
+        print("\n4 KB push+pull: round trip in microseconds (lower is better)")
+        head = "| W | S |" + ("" if args.no_raw_tcp else " raw TCP |") + "".join(f" {n} |" for n in names)
+        if args.compare_mxnet:
+            head += " MXNet / ours |"
+        print(head)
+        print("| ---: | ---: |" + " ---: |" * (head.count("|") - 3))
+
+        def us(t: float | None) -> str:
+            return "-" if t is None else f"{t * 1e6:,.0f}"
+
+        for w, s in grid:
+            row = f"| {w} | {s} |"
+            if not args.no_raw_tcp:
+                row += f" {us(tcp.get((w, s), {}).get(LATENCY_SIZE))} |"
+            for n in names:
+                row += f" {us(table[(n, w, s)].get(LATENCY_SIZE))} |"
+            if args.compare_mxnet:
+                ours, theirs = table[(names[0], w, s)].get(LATENCY_SIZE), table[("MXNet", w, s)].get(LATENCY_SIZE)
+                row += f" {theirs / ours:.2f}x |" if ours and theirs else " - |"
+            print(row)
+    if any(k[0] == "allreduce" for k in table):
+        print(f"\nNo servers: dist_allreduce under --tracker torch (gloo), beside push+pull with one server "
+              f"({names[0]}); MB/s per worker")
+        print("| size | W | push+pull, S=1 | allreduce |\n| ---: | ---: | ---: | ---: |")
         for size in sizes:
-            t_ps, t_ar = table[ps].get(size), table["allreduce"].get(size)
-            print(f"{show_size(size):>6} | {mbs(size, tcp.get(size)):>8} | {mbs(size, t_ps):>17} {ms(t_ps):>8} "
-                  f"| {mbs(size, t_ar):>17} {ms(t_ar):>8}")
-    print(f"\nraw TCP: one client echoing over loopback with plain sockets (no ZeroMQ, no server "
-          f"work); {time.time() - started:.0f} s in all")
+            for w in sorted({w for w, _ in grid}):
+                ps = table.get((names[0], w, 1), {}).get(size)
+                print(f"| {show_size(size)} | {w} | {mbs(size, ps)} | {mbs(size, table[('allreduce', w, 0)].get(size))} |")
+    print("\nraw TCP: W client processes echoing through S echo processes with plain sockets, all "
+          "at once (no ZeroMQ, no server work): what this machine moves at that scale")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "sizes": sizes, "raw_tcp": tcp, "runs": {k: v for k, v in table.items()},
-            "workers": args.workers, "op": args.op, "repeat": args.repeat}, indent=1))
+            "sizes": sizes, "grid": grid, "raw_tcp": {f"{w}x{s}": v for (w, s), v in tcp.items()},
+            "runs": {f"{n} {w}x{s}": v for (n, w, s), v in table.items()},
+            "op": args.op, "repeat": args.repeat}, indent=1))
 
 
 if __name__ == "__main__":

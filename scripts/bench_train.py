@@ -1,32 +1,38 @@
 #!/usr/bin/env python3
-"""Benchmark train_mnist: samples/s per worker for lenet and mlp, beside MXNet 1.9.1 in the same run.
+"""Benchmark train_mnist: samples/s per worker beside MXNet 1.9.1, the start-up, and the step.
 
-For each network and batch size it runs, one after the other:
+Three tables, each measured side by side in one run (``--before DIR`` adds another checkout's
+trainer, for example the commit before a change, as a column of its own):
 
-* ``local``: one process, ``--kv-store local``, all cores;
-* ``dist_sync`` and ``dist_async``: two workers and one server on the local
-  launcher (``python -m launcher -n 2 -s 1 --launcher local``);
-* ``dist_allreduce``: two workers and no server, the gradients summed with
-  torch.distributed's allreduce (``python -m launcher -n 2 --tracker torch``;
-  MXNet has no such store, so that row is ours only);
+1. **Training**: samples/s per worker (the mean over the workers, from each epoch's time)
+   and the final validation accuracy, for each network, batch size and kv-store:
+   ``local`` (one process, all cores) and ``dist_sync``/``dist_async`` (two workers and one
+   server on the local launcher, ``python -m launcher -n 2 -s 1``), ``dist_allreduce`` (two
+   workers and no server, the gradients summed with torch.distributed's allreduce:
+   ``python -m launcher -n 2 --tracker torch``; MXNet has no such store: ours only); ours
+   (``scripts/train_mnist.py``) and MXNet's own training (``scripts/bench_train_mxnet.py``)
+   with the same settings. By default one full epoch (60,000 examples). MXNet alone gets
+   ``OMP_NUM_THREADS`` = the cores (its best here); under the launcher every process gets one.
+2. **Enter to first batch** (``--first-batch N``): ``pslaunch -n 2 -s 1 ... --kv-store
+   dist_sync``, from starting the command until every worker has logged its first
+   Speedometer line (``--disp-batches 1``, after batch 1 in both trainers), median of N runs,
+   interleaved.
+3. **The step** (``--step``): in one process, the trainer's whole step after backward
+   (gradients out of the model, ``kv.pushpull``, weights back, gradients cleared) against a
+   fused multi-tensor SGD step with momentum and weight decay (``torch.optim.SGD(foreach=True)``
+   and its ``zero_grad``) on the same model, ``local`` and ``device`` stores, mlp and lenet at
+   batch 64: the median over rounds of the mean of 300 steps, interleaved.
 
-first ours (``scripts/train_mnist.py``), then, when an MXNet 1.9.1 Python is
-found, MXNet's own training (``scripts/bench_train_mxnet.py``) with the same
-settings, and prints one table: samples/s per worker (the mean over the
-workers, from each epoch's time), the ratio ours/MXNet, and the final
-validation accuracy of each. MXNet runs alone with ``OMP_NUM_THREADS`` set to
-the core count (its best on this machine); under the launcher every process
-gets one thread, ours as MXNet's.
+Examples::
 
-Short runs (the default: one epoch of 19,200 examples, 300 batches of 64 on one
-worker) measure speed; for the accuracy targets run two full epochs::
+    python scripts/bench_train.py                                 # training table, full epochs
+    python scripts/bench_train.py --first-batch 5 --step --no-training
+    python scripts/bench_train.py --before /tmp/old-checkout --repeat 2
+    python scripts/bench_train.py --mxnet none                    # ours only
+    python scripts/bench_train.py --modes dist_sync,dist_allreduce --networks lenet
 
-    python scripts/bench_train.py                                   # the speed table
-    python scripts/bench_train.py --networks lenet --batch-sizes 64 --num-examples 60000 --num-epochs 2
-    python scripts/bench_train.py --mxnet none                      # ours only
-
-Close other work first: the numbers are only as quiet as the machine (``--repeat 3``
-keeps the fastest of three runs of each case; the table ends with the load average).
+Close other work first: the numbers are only as quiet as the machine (``--repeat 3`` keeps
+the fastest of three runs of each case; every table ends with the load average).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 import time
@@ -72,9 +80,8 @@ def run(argv: list[str], env: dict[str, str], timeout: float) -> tuple[list[dict
     return out, wall, tail
 
 
-def command(python: str, script: str, mode: str, args: list[str]) -> list[str]:
-    kv = "local" if mode == "local" else mode
-    inner = [python, str(REPO / "scripts" / script), "--kv-store", kv, *args]
+def command(python: str, script: Path, mode: str, args: list[str]) -> list[str]:
+    inner = [python, str(script), "--kv-store", mode, *args]
     if mode == "local":
         return inner
     if mode == "dist_allreduce":  # no servers: the torch tracker's rendezvous, gloo's allreduce
@@ -82,29 +89,30 @@ def command(python: str, script: str, mode: str, args: list[str]) -> list[str]:
     return [sys.executable, "-m", "launcher", "-n", "2", "-s", "1", "--launcher", "local", *inner]
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--networks", default="lenet,mlp")
-    p.add_argument("--batch-sizes", default="64,128")
-    p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--num-examples", type=int, default=19200)
-    p.add_argument("--num-epochs", type=int, default=1)
-    p.add_argument("--mxnet", default=None, help="MXNet's python, or 'none' (default: found automatically)")
-    p.add_argument("--data-dir", default=None, help="train_mnist's --data-dir")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
-    p.add_argument("--repeat", type=int, default=1, help="run each case this many times, keep the fastest")
-    p.add_argument("--json", default=None, help="also write the rows to this file")
-    a = p.parse_args()
+def contenders(a: argparse.Namespace) -> list[tuple[str, str, Path]]:
+    """``(name, python, script)`` of each trainer in the comparison."""
+    out = [("ours", sys.executable, REPO / "scripts" / "train_mnist.py")]
+    if a.before:
+        out.append(("before", sys.executable, Path(a.before).resolve() / "scripts" / "train_mnist.py"))
     mxnet = find_mxnet(a.mxnet)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if mxnet:
+        out.append(("mxnet", mxnet, REPO / "scripts" / "bench_train_mxnet.py"))
+    return out
+
+
+def base_env() -> dict[str, str]:
     env = dict(os.environ)
     env[pc.PYTHONPATH] = os.pathsep.join([str(REPO)] + [x for x in env.get(pc.PYTHONPATH, "").split(os.pathsep) if x])
     env.pop(pc.OMP_NUM_THREADS, None)
+    return env
 
+
+# --- 1. training ------------------------------------------------------------------------------
+
+
+def training(a: argparse.Namespace, who: list[tuple[str, str, Path]], cores: int) -> list[dict[str, Any]]:
     rows = []
-    load0 = _load()
-    print(f"# bench_train: {cores} cores, {a.num_epochs} epoch(s) of {a.num_examples} examples, MXNet: {mxnet or 'not run'}",
-          flush=True)
+    env = base_env()
     for network in a.networks.split(","):
         for batch in (int(b) for b in a.batch_sizes.split(",")):
             for mode in a.modes.split(","):
@@ -113,49 +121,213 @@ def main() -> int:
                 if a.data_dir:
                     common += ["--data-dir", a.data_dir]
                 row: dict[str, Any] = {"network": network, "batch": batch, "mode": mode}
-                for who, python, script in (("ours", sys.executable, "train_mnist.py"),
-                                            ("mxnet", mxnet, "bench_train_mxnet.py")):
-                    if python is None or (who == "mxnet" and mode == "dist_allreduce"):
-                        continue
-                    run_env = dict(env)
-                    if who == "mxnet" and mode == "local":
-                        run_env[pc.OMP_NUM_THREADS] = str(cores)
-                    best: list[dict[str, Any]] | None = None
-                    try:
-                        for _ in range(a.repeat):
-                            summaries, wall, _ = run(command(python, script, mode, common), run_env, a.timeout)
-                            if best is None or _mean(s["samples_per_sec"] for s in summaries) > _mean(
-                                    s["samples_per_sec"] for s in best):
-                                best = summaries
-                    except (RuntimeError, subprocess.TimeoutExpired) as e:
-                        print(f"# {network} batch {batch} {mode} ({who}) FAILED: {e}", flush=True)
-                        row[f"{who}_error"] = str(e)
-                        continue
-                    summaries = best or []
-                    row[who] = _mean(s["samples_per_sec"] for s in summaries)
-                    row[f"{who}_acc"] = _mean(s["validation_accuracy"] for s in summaries)
-                    row[f"{who}_wall"] = round(wall, 2)
-                    row[f"{who}_runs"] = summaries
-                if row.get("ours") and row.get("mxnet"):
-                    row["ratio"] = row["ours"] / row["mxnet"]
+                best: dict[str, list[dict[str, Any]]] = {}
+                for _ in range(a.repeat):  # interleaved: each contender once per round
+                    for name, python, script in who:
+                        if f"{name}_error" in row or (name == "mxnet" and mode == "dist_allreduce"):
+                            continue
+                        run_env = dict(env)
+                        if name == "mxnet" and mode == "local":
+                            run_env[pc.OMP_NUM_THREADS] = str(cores)
+                        try:
+                            summaries, _, _ = run(command(python, script, mode, common), run_env, a.timeout)
+                        except (RuntimeError, subprocess.TimeoutExpired) as e:
+                            print(f"# {network} batch {batch} {mode} ({name}) FAILED: {e}", flush=True)
+                            row[f"{name}_error"] = str(e)
+                            continue
+                        if name not in best or _speed(summaries) > _speed(best[name]):
+                            best[name] = summaries
+                for name, summaries in best.items():
+                    row[name] = _speed(summaries)
+                    row[f"{name}_acc"] = _mean(s["validation_accuracy"] for s in summaries)
                 rows.append(row)
-                if a.json:
-                    Path(a.json).write_text(json.dumps(rows, indent=1))
-                print(f"# {network} batch {batch} {mode}: ours {_fmt(row.get('ours'), '.0f')}/s, "
-                      f"MXNet {_fmt(row.get('mxnet'), '.0f')}/s", flush=True)
+                print(f"# {network} batch {batch} {mode}: "
+                      + ", ".join(f"{n} {_fmt(row.get(n), '.0f')}/s" for n, _, _ in who), flush=True)
+    names = [n for n, _, _ in who]
     print()
-    print("| network | batch | kv-store (workers) | ours samples/s per worker | MXNet 1.9.1 | ours / MXNet "
-          "| ours val. acc. | MXNet val. acc. |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    print(f"Training: samples/s per worker, {a.num_epochs} epoch(s) of {a.num_examples} examples, best of {a.repeat}")
+    head = "| network | batch | kv-store (workers) | " + " | ".join(_label(n) for n in names)
+    ratios = [n for n in names if n != "mxnet"] if "mxnet" in names else []
+    head += "".join(f" | {_label(n)} / MXNet" for n in ratios)
+    head += "".join(f" | {_label(n)} val. acc." for n in names) + " |"
+    print(head)
+    print("| --- | ---: | --- |" + " ---: |" * (2 * len(names) + len(ratios)))
     for r in rows:
-        who = {"local": "local (1)", "dist_allreduce": "dist_allreduce (2, --tracker torch)"}.get(
+        who_ = {"local": "local (1)", "dist_allreduce": "dist_allreduce (2, --tracker torch)"}.get(
             r["mode"], f"{r['mode']} (2 + 1 server)")
-        ours_failed, mx_failed = "ours_error" in r, "mxnet_error" in r
-        print(f"| {r['network']} | {r['batch']} | {who} | {_fmt(r.get('ours'), ',.0f', ours_failed)} "
-              f"| {_fmt(r.get('mxnet'), ',.0f', mx_failed)} | {_fmt(r.get('ratio'), '.2f')} "
-              f"| {_fmt(r.get('ours_acc'), '.4f', ours_failed)} | {_fmt(r.get('mxnet_acc'), '.4f', mx_failed)} |")
+        cells = [_fmt(r.get(n), ",.0f", f"{n}_error" in r) for n in names]
+        cells += [_fmt(r[n] / r["mxnet"] if r.get(n) and r.get("mxnet") else None, ".2f") for n in ratios]
+        cells += [_fmt(r.get(f"{n}_acc"), ".4f", f"{n}_error" in r) for n in names]
+        print(f"| {r['network']} | {r['batch']} | {who_} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def _speed(summaries: list[dict[str, Any]]) -> float:
+    return _mean(s["samples_per_sec"] for s in summaries)
+
+
+# --- 2. Enter to first batch -----------------------------------------------------------------
+
+
+def first_batch(a: argparse.Namespace, who: list[tuple[str, str, Path]]) -> dict[str, list[float]]:
+    """Seconds from starting ``pslaunch -n 2 -s 1 ... dist_sync`` until every worker has logged
+    its first Speedometer line (``--disp-batches 1``: the end of its batch 1 in both trainers)."""
+    env = base_env()
+    args = ["--network", "lenet", "--num-epochs", "1", "--num-examples", "1280", "--disp-batches", "1"]
+    if a.data_dir:
+        args += ["--data-dir", a.data_dir]
+    pattern = re.compile(r"^\[worker (\d+)\].*Epoch\[0\] Batch \[")
+    times: dict[str, list[float]] = {n: [] for n, _, _ in who}
+    for _ in range(a.first_batch):
+        for name, python, script in who:
+            enter = time.perf_counter()
+            proc = subprocess.Popen(command(python, script, "dist_sync", args), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+            seen: dict[str, float] = {}
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                m = pattern.match(line)
+                if m and m.group(1) not in seen:
+                    seen[m.group(1)] = time.perf_counter() - enter
+                    if len(seen) == 2:
+                        times[name].append(max(seen.values()))
+            if proc.wait(a.timeout) != 0 or len(seen) != 2:
+                print(f"# first batch ({name}) FAILED: exit {proc.returncode}", flush=True)
+    print()
+    print(f"Enter to first batch: pslaunch -n 2 -s 1 ... --kv-store dist_sync (lenet), until both "
+          f"workers logged their first batch line; median of {a.first_batch} (min - max)")
+    print("| trainer | Enter to first batch |")
+    print("| --- | ---: |")
+    for name, vals in times.items():
+        if vals:
+            print(f"| {_label(name)} | {statistics.median(vals):.2f} s ({min(vals):.2f} - {max(vals):.2f}) |")
+    return times
+
+
+# --- 3. the step -------------------------------------------------------------------------------
+
+
+def step_child(repo: str, network: str, kvtype: str, rounds: int) -> None:
+    """Measure one (network, kv-store) pair in this process with the trainer in ``repo``."""
+    sys.path.insert(0, repo)
+    import torch
+
+    from trainer import kvstore
+    from trainer.fit import Replicas, TrainConfig, optimizer_spec
+
+    torch.set_num_threads(1)
+    rep = Replicas(network, [torch.device("cpu")], 0, None)
+    kv = kvstore.create(kvtype)
+    keys = list(range(len(rep.names)))
+    kv.init(keys, rep.weights[0])
+    kv.pull(keys, rep.outs())
+    kv.set_optimizer(optimizer_spec(TrainConfig(network=network), kvtype, 1, 938, rep.names))
+    x, y = torch.rand(64, 1, 28, 28), torch.randint(0, 10, (64,))
+    rep.forward_backward(x, y, [slice(0, 64)])
+    params = list(rep.model.parameters())
+    grads = [p.grad.clone() for p in params]
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-4, foreach=True)
+
+    def set_grads() -> None:  # what backward does, in both
+        for p, g in zip(params, grads):
+            p.grad = g
+
+    def ours() -> None:
+        kv.pushpull(keys, rep.grads(), rep.outs())
+        rep.zero_grad()
+        set_grads()
+
+    def fused() -> None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        set_grads()
+
+    res: dict[str, list[float]] = {"ours": [], "fused": []}
+    for _ in range(rounds):
+        for name, f in (("ours", ours), ("fused", fused)):
+            for _ in range(20):
+                f()
+            t = time.perf_counter()
+            for _ in range(300):
+                f()
+            res[name].append((time.perf_counter() - t) / 300 * 1e6)
+    print(json.dumps({k: statistics.median(v) for k, v in res.items()}))
+
+
+def steps(a: argparse.Namespace, who: list[tuple[str, str, Path]]) -> None:
+    repos = [(n, script.parent.parent) for n, _, script in who if n != "mxnet"]
+    rows = []
+    for network in ("mlp", "lenet"):
+        for kvtype in ("local", "device"):
+            row = [network, kvtype]
+            for _, repo in repos:
+                out = subprocess.run([sys.executable, __file__, "--step-child", str(repo), network, kvtype,
+                                      str(a.step_rounds)], capture_output=True, text=True, timeout=600)
+                got = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
+                row.append(got)
+            rows.append(row)
+    print()
+    print("The step after backward, batch 64, one thread: microseconds (median of rounds of 300 steps); "
+          "fused = torch.optim.SGD(foreach=True) step + zero_grad")
+    head = "| network | kv-store |" + "".join(f" {_label(n)}: whole step | fused SGD | ratio |" for n, _ in repos)
+    print(head)
+    print("| --- | --- |" + " ---: | ---: | ---: |" * len(repos))
+    for network, kvtype, *results in rows:
+        cells = []
+        for got in results:
+            if got is None:
+                cells += ["failed", "-", "-"]
+            else:
+                cells += [f"{got['ours']:.0f}", f"{got['fused']:.0f}", f"{got['ours'] / got['fused']:.2f}"]
+        print(f"| {network} | {kvtype} | " + " | ".join(cells) + " |")
+
+
+# --- main ---------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--step-child":
+        step_child(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--networks", default="lenet,mlp")
+    p.add_argument("--batch-sizes", default="64")
+    p.add_argument("--modes", default="local,dist_sync", help=f"from {','.join(MODES)}")
+    p.add_argument("--num-examples", type=int, default=60000)
+    p.add_argument("--num-epochs", type=int, default=1)
+    p.add_argument("--mxnet", default=None, help="MXNet's python, or 'none' (default: found automatically)")
+    p.add_argument("--before", default=None, metavar="DIR",
+                   help="another checkout whose trainer runs beside ours (a column 'before')")
+    p.add_argument("--data-dir", default=None, help="train_mnist's --data-dir")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    p.add_argument("--repeat", type=int, default=1, help="run each case this many times, keep the fastest")
+    p.add_argument("--no-training", action="store_true", help="skip the training table")
+    p.add_argument("--first-batch", type=int, default=0, metavar="N",
+                   help="also measure Enter to first batch, N runs each")
+    p.add_argument("--step", action="store_true", help="also measure the step against fused SGD")
+    p.add_argument("--step-rounds", type=int, default=7)
+    p.add_argument("--json", default=None, help="also write the training rows to this file")
+    a = p.parse_args()
+    who = contenders(a)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    load0 = _load()
+    print(f"# bench_train: {cores} cores; " + ", ".join(f"{n}: {py} {s}" for n, py, s in who), flush=True)
+    failed = False
+    if not a.no_training:
+        rows = training(a, who, cores)
+        failed = any(k.endswith("_error") for r in rows for k in r)
+        if a.json:
+            Path(a.json).write_text(json.dumps(rows, indent=1))
+    if a.first_batch:
+        first_batch(a, who)
+    if a.step:
+        steps(a, who)
     print(f"\nload average before/after: {load0} / {_load()}")
-    return 1 if any(k.endswith("_error") for r in rows for k in r) else 0
+    return 1 if failed else 0
+
+
+def _label(name: str) -> str:
+    return {"ours": "ours", "before": "before", "mxnet": "MXNet 1.9.1"}.get(name, name)
 
 
 def _load() -> str:

@@ -71,8 +71,31 @@ def run_role() -> NoReturn:
     role(())
 
 
+class _TorchForeach:
+    """Multi-tensor operations (torch's ``_foreach_*``): one call for a list of tensors."""
+
+    @staticmethod
+    def mul_(xs: list[torch.Tensor], scalar: float) -> None:
+        torch._foreach_mul_(xs, scalar)
+
+    @staticmethod
+    def mul(xs: list[torch.Tensor], scalar: float) -> list[torch.Tensor]:
+        return list(torch._foreach_mul(xs, scalar))
+
+    @staticmethod
+    def add_(xs: list[torch.Tensor], ys: list[torch.Tensor], alpha: float) -> None:
+        torch._foreach_add_(xs, ys, alpha=alpha)
+
+    @staticmethod
+    def clamp_(xs: list[torch.Tensor], lo: float, hi: float) -> None:
+        torch._foreach_clamp_min_(xs, lo)
+        torch._foreach_clamp_max_(xs, hi)
+
+
 class _TorchOps(ArrayOps):
     """The optimizer's array functions for torch tensors (any device)."""
+
+    foreach = _TorchForeach()
 
     @staticmethod
     def zeros_like(a: Any) -> Any:
@@ -89,6 +112,10 @@ class _TorchOps(ArrayOps):
     @staticmethod
     def clip_(a: Any, bound: float) -> Any:
         return a.clamp_(-bound, bound)
+
+    @staticmethod
+    def scale_into(a: Any, scalar: float, out: Any) -> Any:
+        return torch.mul(a, scalar, out=out)
 
 
 TORCH_OPS = _TorchOps()
@@ -116,7 +143,12 @@ def _group(key: Any, value: Any, what: str) -> list[tuple[Key, list[torch.Tensor
     if isinstance(key, (list, tuple)):
         if not isinstance(value, (list, tuple)) or len(value) != len(key):
             raise KVConfigError(f"{len(key)} keys need a list of {len(key)} {what}s")
-        return [(_check_key(k), _devices(v, what)) for k, v in zip(key, value)]
+        out = []
+        for k, v in zip(key, value):  # the training loop's case first: no isinstance chains
+            if type(k) is not int and type(k) is not str:
+                k = _check_key(k)
+            out.append((k, [v] if type(v) is torch.Tensor else _devices(v, what)))
+        return out
     return [(_check_key(key), _devices(value, what))]
 
 
@@ -124,7 +156,7 @@ def _devices(v: Any, what: str) -> list[torch.Tensor]:
     items = list(v) if isinstance(v, (list, tuple)) else [v]
     if not items:
         raise KVConfigError(f"an empty list is not a {what}")
-    out = [_tensor(t, what) for t in items]
+    out = [t if type(t) is torch.Tensor else _tensor(t, what) for t in items]
     shape = out[0].shape
     for t in out[1:]:
         if t.shape != shape:
@@ -308,26 +340,41 @@ class _LocalStore(KVStore):
         return s
 
     def push(self, key: Any, value: Any, priority: int = 0) -> None:
+        keys, stored, merged = [], [], []
+        cpu = None if self._on_device else torch.device("cpu")
         for k, vals in _group(key, value, "value"):
-            stored = self._stored(k)
-            if vals[0].shape != stored.shape:
-                raise KVConfigError(f"key {k!r} holds shape {tuple(stored.shape)}, got "
+            s = self._stored(k)
+            if vals[0].shape != s.shape:
+                raise KVConfigError(f"key {k!r} holds shape {tuple(s.shape)}, got "
                                     f"{tuple(vals[0].shape)}")
-            merged = _sum(vals, None if self._on_device else torch.device("cpu"))
-            merged = merged.to(stored.device)
-            if self._updater is not None:
-                self._updater(k, stored, merged.to(stored.dtype))
+            if len(vals) == 1:  # read as it is (the updater leaves it alone), or converted
+                m = vals[0].detach().to(s.device, s.dtype)
             else:
-                stored.copy_(merged)
+                m = _sum(vals, cpu).to(s.device, s.dtype)
+            keys.append(k)
+            stored.append(s)
+            merged.append(m)
+        if self._updater is not None:
+            if len(set(keys)) == len(keys):  # one multi-tensor step for every key
+                self._updater.update_many(keys, stored, merged)
+            else:  # a key twice in one call: one step after the other, as MXNet does
+                for k, s, m in zip(keys, stored, merged):
+                    self._updater(k, s, m.clone())
+        else:
+            for s, m in zip(stored, merged):
+                s.copy_(m)
 
     def pull(self, key: Any, out: Any, priority: int = 0) -> None:
+        outs_all, srcs = [], []
         for k, outs in _group(key, out, "out"):
             stored = self._stored(k)
             for o in outs:
                 if o.shape != stored.shape:
                     raise KVConfigError(f"key {k!r} holds shape {tuple(stored.shape)}, but the "
                                         f"out tensor has {tuple(o.shape)}")
-                o.copy_(stored)
+                outs_all.append(o)
+                srcs.append(stored)
+        torch._foreach_copy_(outs_all, srcs)
 
     def set_optimizer(self, spec: dict[str, Any]) -> None:
         try:

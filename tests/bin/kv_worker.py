@@ -16,6 +16,7 @@ Scenarios:
     stall      after one round every worker writes ``ready-<rank>``; rank 1 then
                sleeps (the test kills or stops it) while the others wait in pushpull.
     gate       like stall, but every worker waits for a file ``go``, then finishes.
+    big        like gate, then a 256 MB float32 array is pushed and pulled (its sum checked).
     fail       rank 1 raises an exception mid-run.
     noop       create the store and close it.
     noclose    sync, without closing the store: the end of the program does it.
@@ -193,6 +194,19 @@ def scenario_gate(kv: kvstore.KVStore, out: dict) -> None:
         time.sleep(0.05)
     kv.pushpull(0, torch.ones(4), got)
     expect(bool((got == kv.num_workers).all()), f"after the gate: {got.tolist()}")
+
+
+def scenario_big(kv: kvstore.KVStore, out: dict) -> None:
+    scenario_gate(kv, out)
+    n = (256 << 20) // 4
+    value = torch.full((n,), float(kv.rank + 1))
+    kv.init("big", value)
+    got = torch.zeros(n)
+    kv.push("big", value)
+    kv.pull("big", got)
+    total = kv.num_workers * (kv.num_workers + 1) / 2
+    expect(bool((got == total).all()), f"256 MB: {got[:3].tolist()} ... {got[-3:].tolist()}")
+    out["big"] = [float(got[0]), float(got[-1]), int(got.numel())]
 
 
 def scenario_fail(kv: kvstore.KVStore, out: dict) -> None:

@@ -105,9 +105,24 @@ def test_port_range_is_honoured(job, tmp_path: Path) -> None:
     assert len(ports) == 2 and len(set(ports)) == 2 and all(lo <= p <= lo + 20 for p in ports)
 
 
+# ZMTP 3.0's greeting with the NULL mechanism: a ZeroMQ peer that does not run the gate.
+ZMTP_NULL_GREETING = b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
+
+
+def _dealer(ctx: zmq.Context, port: int, token: bytes | None) -> zmq.Socket:
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    if token is not None:  # ZeroMQ's PLAIN handshake, as the job's own processes do it
+        d.setsockopt(zmq.PLAIN_USERNAME, b"pslaunch")
+        d.setsockopt(zmq.PLAIN_PASSWORD, token)
+    d.connect(f"tcp://127.0.0.1:{port}")
+    return d
+
+
 def test_hostile_peers_are_never_served(job, tmp_path: Path) -> None:
-    """Bare TCP connections, garbage, a wrong secret and forged messages against the
-    scheduler and a server of a running job: all dropped, the job still succeeds."""
+    """Bare TCP connections, garbage, strangers at the gate, and a peer that has the
+    gate's token but not the secret (as if it had read the token off the wire), against
+    the scheduler and a server of a running job: all refused, the job still succeeds."""
     j = job(command=worker_command("gate", "--out", str(tmp_path)),
             env={pc.VERBOSE: "1"}).start()
     for rank in range(2):
@@ -117,21 +132,29 @@ def test_hostile_peers_are_never_served(job, tmp_path: Path) -> None:
             time.sleep(0.05)
     server_port = int(re.search(r"Bind to role=server, ip=127\.0\.0\.1, port=(\d+)",
                                 j.output("server-0")).group(1))
+    fake = P.Session(os.urandom(32), os.urandom(32))
+    forged = [[fake.seal(P.PULL, count=0), b""], [fake.seal(P.FINALIZE)], [b"\x01" * 68, b"x"]]
     for port in (j.port, server_port):
         # the launcher's probe: connect and close; then raw garbage
         socket.create_connection(("127.0.0.1", port)).close()
         with socket.create_connection(("127.0.0.1", port)) as s:
             s.sendall(os.urandom(4096))
+        with socket.create_connection(("127.0.0.1", port)) as s:  # ZeroMQ without the gate
+            s.sendall(ZMTP_NULL_GREETING)
+            s.recv(64)
         ctx = zmq.Context()
-        d = ctx.socket(zmq.DEALER)
-        d.setsockopt(zmq.LINGER, 0)
-        d.connect(f"tcp://127.0.0.1:{port}")
-        # no handshake: forged data and control messages
-        fake = P.Session(os.urandom(32), os.urandom(32))
-        d.send_multipart([fake.seal(P.PULL, key=0), b""])
-        d.send_multipart([fake.seal(P.FINALIZE)])
-        d.send_multipart([b"\x01" * 68, b"x"])
-        # a handshake with the wrong secret, then a forged proof
+        # strangers: no PLAIN handshake at all, or another job's token
+        for token in (None, P.gate_token(P.secret_key("77" * 32))):
+            d = _dealer(ctx, port, token)
+            for frames in forged:
+                d.send_multipart(frames)
+            d.send_multipart(P.ClientHandshake(P.secret_key("77" * 32)).hello())
+            assert not d.poll(1000), "a stranger got an answer"
+            d.close(0)
+        # the right token, the wrong secret: forged messages, a handshake, a forged proof
+        d = _dealer(ctx, port, P.gate_token(P.secret_key(SECRET)))
+        for frames in forged:
+            d.send_multipart(frames)
         hs = P.ClientHandshake(P.secret_key("77" * 32))
         d.send_multipart(hs.hello())
         assert d.poll(5000), "no challenge"
@@ -149,5 +172,11 @@ def test_hostile_peers_are_never_served(job, tmp_path: Path) -> None:
     assert set(codes.values()) == {0}, j.outputs()
     for name in ("scheduler", "server-0"):
         text = j.output(name)
-        assert "dropped a message from unauthenticated peer" in text, text
-        assert re.search(r"dropped \d+ invalid messages \(.*auth-failed: 1", text), text
+        assert "refused or dropped a connection from 127.0.0.1" in text, text
+        counts = re.search(r"refused or dropped \d+ connections or messages \((.*)\)", text)
+        assert counts, text
+        for reason in ("auth-failed: 1", "gate-refused: 1", "gate-failed: ", "unauthenticated: "):
+            assert reason in counts.group(1), text
+        # the last line at PS_VERBOSE=1 says what happened before authentication
+        assert re.search(r"is stopped \(\d+ connections accepted, \d+ authenticated, \d+ closed "
+                         r"during ZeroMQ's handshake; refused or dropped: .*gate-refused: 1", text)

@@ -121,6 +121,8 @@ def test_ps_verbose_2_logs_every_message(tmp_path: Path) -> None:
     run, results = launch(tmp_path, "optim", env={pc.VERBOSE: "2"})
     ok(run, results)
     text = run.stdout + run.stderr
-    assert re.search(r"W\[0\] => S\[0\]: cmd=PUSH key=0 part=0 bytes=24", text), text
+    # one item: a 16-byte index and 6 float32
+    assert re.search(r"W\[0\] => S\[0\]: cmd=PUSH key=0 part=0 items=1 bytes=40", text), text
     assert re.search(r"S\[0\] <= worker 1 \(pid \d+ on 127\.0\.0\.1\): cmd=PUSH", text), text
-    assert re.search(r"W\[1\] <= S\[0\]: cmd=REPLY key=0 part=0 req=\d+ seq=\d+ bytes=24", text)
+    assert re.search(r"W\[1\] <= S\[0\]: cmd=VALUES key=0 part=0 req=\d+ seq=\d+ items=1 "
+                     r"bytes=40", text), text

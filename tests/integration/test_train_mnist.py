@@ -134,6 +134,27 @@ def test_scheduler_and_server_exit_0_without_parameter_servers() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("role", ["scheduler", "server"])
+def test_scheduler_and_server_start_without_what_only_a_worker_needs(role: str) -> None:
+    # python -X importtime lists every import on stderr; the role gives up after 1 s alone
+    import pscontract as pc
+
+    env = H.child_env(**pc.contract(role, root_uri="127.0.0.1", root_port=9, num_workers=1,
+                                    num_servers=1, secret="ab" * 32, start_timeout=1, job_id="j",
+                                    task_id=None if role == "scheduler" else 1,
+                                    cluster=None if role == "scheduler" else "local",
+                                    node_host=None if role == "scheduler" else "127.0.0.1"))
+    proc = subprocess.run([*H.train_argv("--kv-store", "dist_sync")[:1], "-X", "importtime",
+                           *H.train_argv("--kv-store", "dist_sync")[1:]],
+                          capture_output=True, text=True, timeout=50, env=env, cwd=H.REPO)
+    assert proc.returncode == 1, proc.stderr  # alone: it times out, as it should
+    imported = set(re.findall(r"^import time:\s+\d+ \|\s+\d+ \|\s+(\S+)$", proc.stderr, re.M))
+    assert f"trainer.kv.{role}" in imported, proc.stderr
+    assert not imported & {"torch", "trainer.models", "trainer.data", "trainer.fit", "tqdm",
+                           "matplotlib"}, sorted(imported)
+
+
+@pytest.mark.timeout(60)
 def test_gpus_without_cuda_is_one_line() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

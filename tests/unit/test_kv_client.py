@@ -13,7 +13,7 @@ from trainer.kv import client as C
 from trainer.kv import protocol as P
 from trainer.kv.client import KeyInfo, wd_mult_to_ids, wd_mult_to_keys
 from trainer.kv.errors import KVConfigError
-from trainer.kv.placement import Part
+from trainer.kv.placement import Part, Placement
 from trainer.kv.transport import CLEAN_LINGER_MS, Verbose
 
 KEYS = {"fc1_weight": KeyInfo(0, 1, 4, [Part(0, 0, 0, 4)]),
@@ -87,8 +87,6 @@ def test_dist_async_push_without_an_optimizer_fails_at_once() -> None:
 
 def _bare_client(rank: int = 1) -> C.KVClient:
     """A KVClient without a job, for the checks that come before any I/O."""
-    from trainer.kv.placement import Placement
-
     kv = C.KVClient.__new__(C.KVClient)
     kv.closed, kv.aborted, kv.asynchronous, kv.has_optimizer = False, None, False, False
     kv.rank, kv.keys, kv.placement = rank, {}, Placement(2)
@@ -112,32 +110,59 @@ def test_a_dist_async_barrier_first_confirms_this_workers_pushes(monkeypatch) ->
     kv = _bare_client()
     kv.asynchronous, kv.has_optimizer, kv._flags = True, True, P.F_ASYNC
     kv.links = ["link0", "link1"]
-    kv._req, kv._pending, kv._latest, kv._stash = 0, {}, {}, {}
+    kv._req, kv._pending, kv._latest, kv._stash, kv._plans = 0, {}, {}, {}, {}
     kv._unconfirmed = {}
+    kv._deferred_error = None
     kv.placement.bigarray_bound = 100
     kv.keys = {"big": KeyInfo(0, 1, 200, kv.placement.assign([(200, 4)])[0]),
                "small": KeyInfo(1, 1, 3, [Part(1, 0, 0, 3)])}
     sent: list[tuple] = []
 
-    def fake_send(link, cmd, kind, batch, dest=None, key=0, part=0, **kw):
-        sent.append((link, cmd, key, part, None if dest is None else dest.size))
+    def fake_send(link, cmd, kind, batch, targets=None, count=0, flags=0, payload=()):
+        items = list(P.ITEM.iter_unpack(payload[0]))
+        sent.append((link, cmd, items, [len(p) for p in payload[1:]]))
         if batch is not None:
             batch.left += 1
+        return len(sent)
 
     def fake_wait(batch):
         sent.append(("wait", batch.left))
 
     monkeypatch.setattr(kv, "_send", fake_send)
     monkeypatch.setattr(kv, "_wait", fake_wait)
-    monkeypatch.setattr(kv, "_wait_trackers", lambda t: None)
-    monkeypatch.setattr(kv, "_raise_errors", lambda b=None: None)
     kv.push(["big", "small"], [np.zeros(200, np.float32), np.zeros(3, np.float32)])
-    assert [(s[0], s[1]) for s in sent] == [("link0", P.PUSH), ("link1", P.PUSH),
-                                            ("link1", P.PUSH)]
+    # one message per server: server 1 gets part 1 of "big" and "small" together
+    assert sent == [("link0", P.PUSH, [(0, 0, 100, 1)], [100]),
+                    ("link1", P.PUSH, [(0, 1, 100, 1), (1, 0, 3, 1)], [100, 3])]
     sent.clear()
     kv._confirm_pushes()
-    # server 0 holds part 0 of "big" (100 elements); server 1 holds "small" (3)
-    assert sent == [("link0", P.PULL, 0, 0, 100), ("link1", P.PULL, 1, 0, 3), ("wait", 2)]
+    # server 0 holds part 0 of "big" (100 elements); server 1's smallest is "small" (3)
+    assert sent == [("link0", P.PULL, [(0, 0, 100, 1)], []),
+                    ("link1", P.PULL, [(1, 0, 3, 1)], []), ("wait", 2)]
     sent.clear()
     kv._confirm_pushes()  # nothing pushed since: nothing to confirm
     assert sent == []
+
+
+def test_a_plan_batches_per_server_and_streams_big_arrays(monkeypatch) -> None:
+    kv = _bare_client()
+    kv.links = ["link0", "link1"]
+    kv._plans = {}
+    kv.placement = Placement(2, bigarray_bound=10**9)  # not split across the servers
+    names = ["w1", "b1", "big", "b2"]
+    sizes = [(1000, 4), (10, 4), (3 << 20, 4), (5, 4)]  # big: 12 MB, 12 chunks of 1 MB
+    for name, p, (n, _) in zip(names, kv.placement.assign(sizes), sizes):
+        kv.keys[name] = KeyInfo(len(kv.keys), 1, n, p)
+    plan = kv._plan(names)
+    assert kv._plan(names) is plan  # built once per list of keys
+    servers = [out.server for out in plan]
+    big_server = kv.keys["big"].parts[0].server
+    # the big array's server gets it in messages of about BATCH_BYTES (4 MB: 4 chunks);
+    # the other server gets every small key in one message
+    assert servers.count(big_server) == 3 and servers.count(1 - big_server) == 1
+    small = next(out for out in plan if out.server != big_server)
+    assert sorted(pos for pos, *_ in small.items) == [0, 1, 3]
+    chunks = [item for out in plan if out.server == big_server for item in out.items]
+    assert [(lo, hi) for _, lo, hi, _, _ in chunks] == [(i << 18, (i + 1) << 18) for i in range(12)]
+    with pytest.raises(KVConfigError, match="key 'nope' is not initialised"):
+        kv._plan(["w1", "nope"])

@@ -143,6 +143,49 @@ def test_numpy_and_torch_agree(name: str) -> None:
     np.testing.assert_allclose(w_t.numpy(), w_np, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("spec", [
+    {"name": "sgd", "learning_rate": 0.05, "momentum": 0.9, "wd": 1e-3, "rescale_grad": 0.25,
+     "wd_mult": {"b": 0.0}, "lr_scheduler": {"name": "multifactor", "step": [2], "factor": 0.1}},
+    {"name": "sgd", "learning_rate": 0.05, "wd": 1e-3, "rescale_grad": 0.25, "wd_mult": {"b": 0.0}},
+    {"name": "sgd", "learning_rate": 0.05, "momentum": 0.5, "rescale_grad": 2.0, "clip_gradient": 0.3},
+    {"name": "adam", "learning_rate": 0.01, "wd": 1e-3},  # no multi-tensor step: one key at a time
+], ids=["momentum-wd-schedule", "plain-wd", "clip", "adam"])
+def test_a_multi_tensor_step_matches_one_key_at_a_time(spec: dict) -> None:
+    rng = np.random.default_rng(5)
+    keys = ["w", "b", "v"]
+    shapes = [(5, 3), (5,), (2, 2)]
+    fused = [torch.ones(s) for s in shapes]
+    single = [torch.ones(s) for s in shapes]
+    up_fused = Updater(create_optimizer(spec), TORCH_OPS)
+    up_single = Updater(create_optimizer(spec), TORCH_OPS)
+    for _ in range(4):
+        grads = [torch.from_numpy(rng.normal(size=s).astype(np.float32)) for s in shapes]
+        kept = [g.clone() for g in grads]
+        up_fused.update_many(keys, fused, grads)
+        assert all(torch.equal(g, k) for g, k in zip(grads, kept))  # gradients only read
+        for k, w, g in zip(keys, single, grads):
+            up_single(k, w, g.clone())
+    for a, b in zip(fused, single):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert up_fused.counts == up_single.counts and up_fused.num_update == up_single.num_update
+    for k in keys:
+        for name, st in up_single.states[k].items():
+            torch.testing.assert_close(up_fused.states[k][name], st, rtol=1e-6, atol=1e-7)
+
+
+def test_a_key_twice_in_one_local_push_steps_twice() -> None:
+    from trainer import kvstore
+
+    kv = kvstore.create("local")
+    kv.init("w", torch.zeros(2))
+    kv.set_optimizer({"name": "sgd", "learning_rate": 1.0, "momentum": 0.5})
+    kv.push(["w", "w"], [torch.ones(2), torch.ones(2)])
+    out = torch.empty(2)
+    kv.pull("w", out)
+    # mom1 = -1, w1 = -1; mom2 = -0.5 - 1 = -1.5, w2 = -2.5
+    assert out.tolist() == [-2.5, -2.5]
+
+
 def test_spec_round_trips_through_json() -> None:
     spec = {"name": "sgd", "learning_rate": 0.05, "momentum": 0.9, "wd": 1e-4,
             "wd_mult": {"1": 0.0}, "rescale_grad": 1 / 128, "clip_gradient": None,

@@ -46,6 +46,9 @@ def frames_of(session: P.Session, cmd: int, payload: list, **kw) -> list:
 # --- round trips ------------------------------------------------------------------------------
 
 TENSOR = np.arange(12, dtype=np.float32)
+INDEX = P.pack_index([(3, 1, 12, 1)])  # key 3, part 1, 12 elements of float32
+INDEX2 = P.pack_index([(3, 1, 12, 1), (4, 0, 2, 2)])
+PAIR = np.arange(2, dtype=np.float64)
 MESSAGES = [
     (P.REGISTER, dict(), [P.dumps({"role": "worker", "task_id": 0})]),
     (P.READY, dict(), [P.dumps({"rank": 0, "servers": [["127.0.0.1", 1]]})]),
@@ -56,11 +59,11 @@ MESSAGES = [
     (P.ABORT, dict(), [P.dumps({"reason": "worker 1 died"})]),
     (P.FINALIZE, dict(), []),
     (P.DONE, dict(), []),
-    (P.INIT, dict(key=3, part=1, req=7, dtype=1, count=12), [TENSOR]),
-    (P.PUSH, dict(key=3, req=8, dtype=1, count=12, flags=P.F_PULL), [TENSOR]),
-    (P.PUSH, dict(key=3, req=9, dtype=1, count=12, flags=P.F_ASYNC), [TENSOR]),
-    (P.PULL, dict(key=3, req=10), []),
-    (P.REPLY, dict(key=3, req=10, dtype=1, count=12), [TENSOR]),
+    (P.INIT, dict(key=3, part=1, req=7, count=1), [INDEX, TENSOR]),
+    (P.PUSH, dict(key=3, req=8, count=1, flags=P.F_PULL), [INDEX, TENSOR]),
+    (P.PUSH, dict(key=3, req=9, count=2, flags=P.F_ASYNC), [INDEX2, TENSOR, PAIR]),
+    (P.PULL, dict(key=3, req=10, count=2), [INDEX2]),
+    (P.VALUES, dict(key=3, req=10, count=1), [INDEX, TENSOR]),
     (P.REPLY, dict(req=11), []),
     (P.REPLY, dict(req=12, status=P.ST_ERROR), [b"key 3 was never initialised"]),
     (P.REPLY, dict(req=13), [P.dumps({"slots": []}), TENSOR]),
@@ -84,38 +87,74 @@ def test_round_trip_of_every_message_type(mac_payload: bool) -> None:
             assert [bytes(memoryview(f)) for f in msg.frames] == [bytes(memoryview(p)) for p in payload]
             if cmd in (P.REGISTER, P.READY, P.FAIL, P.ABORT, P.SET_OPTIMIZER):
                 assert msg.json() == P.load_json(payload[0])
+            if cmd in P.BATCH_COMMANDS:
+                assert msg.items == list(P.ITEM.iter_unpack(payload[0]))
     covered = {cmd for cmd, _, _ in MESSAGES} | {P.AUTH_OK}
     assert covered == P.SEALED_COMMANDS
 
 
 def test_payload_mac_flag_follows_the_sender() -> None:
     client, server, _ = pair(mac_payload=False)
-    msg = server.open(frames_of(client, P.PUSH, [TENSOR], dtype=1, count=12))
+    msg = server.open(frames_of(client, P.PUSH, [INDEX, TENSOR], count=1))
     assert not msg.flags & P.F_MAC
-    # Control messages and text/JSON replies always carry a payload MAC.
+    # Control messages and replies always carry a payload MAC.
     assert server.open(frames_of(client, P.REGISTER, [b"{}"])).flags & P.F_MAC
     assert client.open(frames_of(server, P.REPLY, [b"oops"], status=P.ST_ERROR)).flags & P.F_MAC
     macced, server2, _ = pair(mac_payload=True)
-    assert server2.open(frames_of(macced, P.PUSH, [TENSOR], dtype=1, count=12)).flags & P.F_MAC
+    assert server2.open(frames_of(macced, P.PUSH, [INDEX, TENSOR], count=1)).flags & P.F_MAC
 
 
-def test_payload_tampering_is_caught_only_with_a_payload_mac() -> None:
+def test_tensor_data_tampering_is_caught_only_with_a_payload_mac() -> None:
     for mac_payload in (False, True):
         client, server, _ = pair(mac_payload)
-        head = client.seal(P.PUSH, dtype=1, count=12, payload=[TENSOR])
+        head = client.seal(P.PUSH, count=1, payload=[INDEX, TENSOR])
         evil = TENSOR.copy()
         evil[0] = 99
         if mac_payload:
             with pytest.raises(P.ProtocolError, match="bad-mac"):
-                server.open([head, evil])
+                server.open([head, INDEX, evil])
         else:
-            assert server.open([head, evil]).frames[0] is evil  # header MAC only: by design
+            assert server.open([head, INDEX, evil]).frames[1] is evil  # data unMAC'd: by design
 
 
-def test_digest_reuse_matches() -> None:
+def test_the_index_of_a_batch_is_always_authenticated() -> None:
+    client, server, _ = pair(mac_payload=False)
+    head = client.seal(P.PUSH, count=1, payload=[INDEX, TENSOR])
+    other = P.pack_index([(4, 1, 12, 1)])  # the same sizes, another key
+    with pytest.raises(P.ProtocolError, match="bad-mac"):
+        server.open([head, other, TENSOR])
+    assert server.open([head, INDEX, TENSOR]).items == [(3, 1, 12, 1)]
+
+
+def test_the_mac_reads_a_frame_as_it_is_now() -> None:
+    # A server sends the values it holds, updated in place between two answers (and
+    # pyzmq's Frame.bytes would give the first copy it made).
+    import zmq
+
     client, server, _ = pair(mac_payload=True)
-    d = P.payload_digest([TENSOR])
-    assert server.open([client.seal(P.PUSH, dtype=1, count=12, payload=[TENSOR], digest=d), TENSOR])
+    value = zmq.Frame(np.zeros(6, np.float32).tobytes())
+    index = P.pack_index([(0, 0, 6, 1)])
+    for step in range(3):
+        assert value.bytes is not None
+        np.frombuffer(value.buffer, np.float32)[:] = step  # the optimizer's in-place update
+        head = server.seal(P.VALUES, count=1, payload=[index, value])
+        got = client.open([head, index, value.buffer.tobytes()])
+        assert np.frombuffer(got.frames[1], np.float32).tolist() == [step] * 6
+
+
+def test_short_covered_frames_enter_the_mac_as_they_are_long_ones_hashed() -> None:
+    assert P.mac_input([INDEX]) == struct.pack("<Q", 16) + INDEX
+    assert P.mac_input([]) == b""
+    big = np.zeros(1024, np.float32)
+    assert P.mac_input([INDEX, big]) == P.payload_digest([INDEX, big])  # 4 KB: hashed
+    assert len(P.mac_input([INDEX, big])) == 32
+    client, server, _ = pair(mac_payload=True)
+    head = client.seal(P.PUSH, count=1, payload=[P.pack_index([(0, 0, 1024, 1)]), big])
+    evil = big.copy()
+    evil[-1] = 1
+    with pytest.raises(P.ProtocolError, match="bad-mac"):
+        server.open([head, P.pack_index([(0, 0, 1024, 1)]), evil])
+    assert server.open([head, P.pack_index([(0, 0, 1024, 1)]), big]).items == [(0, 0, 1024, 1)]
 
 
 # --- the handshake ------------------------------------------------------------------------------
@@ -182,15 +221,21 @@ def test_replay_is_rejected() -> None:
 def test_version_and_structure_checks() -> None:
     client, server, _ = pair()
     head = bytearray(client.seal(P.HEARTBEAT))
-    head[0] = 2
+    head[0] = 1
     with pytest.raises(P.ProtocolError, match="version"):
         server.open([bytes(head)])
-    with pytest.raises(P.ProtocolError, match="malformed"):
-        server.open(frames_of(client, P.PUSH, [TENSOR], dtype=1, count=13))
-    with pytest.raises(P.ProtocolError, match="malformed"):
-        server.open(frames_of(client, P.PUSH, [TENSOR], dtype=99, count=12))
-    with pytest.raises(P.ProtocolError, match="malformed"):
-        server.open(frames_of(client, P.REGISTER, []))
+    bad = [
+        (P.PUSH, [P.pack_index([(3, 1, 13, 1)]), TENSOR], 1),  # 13 elements said, 12 sent
+        (P.PUSH, [P.pack_index([(3, 1, 12, 99)]), TENSOR], 1),  # unknown dtype
+        (P.PUSH, [INDEX, TENSOR], 2),  # the count says 2 items
+        (P.PUSH, [INDEX2, TENSOR], 2),  # one data frame missing
+        (P.PULL, [INDEX, TENSOR], 1),  # a pull carries no data
+        (P.VALUES, [], 0),  # no index
+        (P.REGISTER, [], 0),
+    ]
+    for cmd, payload, count in bad:
+        with pytest.raises(P.ProtocolError, match="malformed"):
+            server.open(frames_of(client, cmd, payload, count=count))
     # A failed message does not advance the sequence: the next good one passes.
     assert server.open(frames_of(client, P.HEARTBEAT, [])).cmd == P.HEARTBEAT
 
@@ -205,7 +250,80 @@ def test_pending_handshakes_are_bounded() -> None:
     acceptor = P.Acceptor(SECRET, max_pending=4)
     for i in range(50):
         acceptor.receive(struct.pack("<I", i), P.ClientHandshake(SECRET).hello())
-    assert len(acceptor._pending) == 4
+    assert acceptor.pending == 4
+    assert acceptor.drops.counts == {"handshake-evicted": 46}
+
+
+def complete(acceptor: P.Acceptor, hs: P.ClientHandshake, rid: bytes, challenge: list) -> bool:
+    """Answer a challenge; True when the acceptor then authenticates the peer."""
+    hs.answer(challenge)
+    acceptor.receive(rid, hs.auth_frames, "10.0.0.1")
+    return rid in acceptor.peers
+
+
+def test_a_flood_from_one_address_evicts_its_own_handshakes_first() -> None:
+    acceptor = P.Acceptor(SECRET, max_pending=64, max_per_address=16)
+    real = P.ClientHandshake(SECRET)
+    acceptor.receive(b"real", real.hello(), "10.0.0.1")
+    (_, challenge), = acceptor.outbox
+    for i in range(1000):  # an attacker's HELLOs from another host
+        acceptor.receive(struct.pack("<I", i), P.ClientHandshake(OTHER).hello(), "10.6.6.6")
+    assert acceptor.pending == 17
+    assert complete(acceptor, real, b"real", challenge)
+
+
+def test_a_flood_from_the_same_address_is_survived_by_repeating_the_hello() -> None:
+    acceptor = P.Acceptor(SECRET, max_pending=64, max_per_address=16)
+    real = P.ClientHandshake(SECRET)
+    acceptor.receive(b"real", real.hello(), "10.0.0.1")
+    for i in range(100):
+        acceptor.receive(struct.pack("<I", i), P.ClientHandshake(OTHER).hello(), "10.0.0.1")
+    acceptor.outbox.clear()
+    # evicted: its AUTH is not answered ...
+    stale = P.ClientHandshake(SECRET)
+    acceptor.receive(b"real", stale.hello(), "10.0.0.1")  # (stands for the evicted one)
+    for i in range(100, 200):
+        acceptor.receive(struct.pack("<I", i), P.ClientHandshake(OTHER).hello(), "10.0.0.1")
+    (_, old), *_ = acceptor.outbox
+    acceptor.outbox.clear()
+    assert not complete(acceptor, stale, b"real", old)
+    assert acceptor.outbox == []  # nothing to say: the handshake is unknown
+    # ... so the real peer repeats its HELLO (a new nonce) and completes at once
+    again = P.ClientHandshake(SECRET)
+    acceptor.receive(b"real", again.hello(), "10.0.0.1")
+    (_, challenge), = acceptor.outbox
+    assert complete(acceptor, again, b"real", challenge)
+
+
+def test_a_repeated_hello_replaces_the_handshake_and_stale_challenges_are_recognised() -> None:
+    acceptor = P.Acceptor(SECRET)
+    first, second = P.ClientHandshake(SECRET), P.ClientHandshake(SECRET)
+    acceptor.receive(b"r", first.hello())
+    acceptor.receive(b"r", second.hello())
+    assert acceptor.pending == 1
+    (_, c1), (_, c2) = acceptor.outbox
+    assert not second.matches(c1, [first])  # the answer to our earlier HELLO: ignore it
+    assert second.matches(c2, [first])
+    with pytest.raises(P.AuthError, match="bad-proof"):
+        second.answer(c1)
+    second.answer(c2)
+    acceptor.receive(b"r", second.auth_frames)
+    assert b"r" in acceptor.peers
+
+
+def test_handshakes_expire() -> None:
+    now = [100.0]
+    acceptor = P.Acceptor(SECRET, clock=lambda: now[0])
+    acceptor.receive(b"old", P.ClientHandshake(SECRET).hello(), "a")
+    now[0] += P.HANDSHAKE_SECONDS + 1
+    acceptor.receive(b"new", P.ClientHandshake(SECRET).hello(), "b")
+    assert acceptor.pending == 1 and acceptor.drops.counts == {"handshake-expired": 1}
+
+
+def test_gate_token_is_derived_from_the_secret() -> None:
+    token = P.gate_token(SECRET)
+    assert token == P.gate_token(SECRET) != P.gate_token(OTHER)
+    assert len(token) == 64 and SECRET.hex().encode() not in token
 
 
 # --- fuzzing: 10,000+ cases, nothing accepted, nothing raised but ProtocolError ---------------
@@ -258,8 +376,8 @@ def fuzz_mutated_messages(data: st.DataObject) -> None:
     how = data.draw(st.sampled_from(["flip", "truncate", "extend", "drop", "add", "swap"]))
     if how == "flip":
         i = data.draw(st.integers(0, len(frames) - 1))
-        # a flipped payload byte is only caught when the payload is MAC'd
-        if i > 0 and not (P.HEADER.unpack_from(frames[0])[2] & P.F_MAC):
+        # a flipped data byte of a batch is only caught when all its payload is MAC'd
+        if i > 1 and not (P.HEADER.unpack_from(frames[0])[2] & P.F_MAC):
             i = 0
         if not frames[i]:
             frames[i] = b"\x00"
@@ -285,10 +403,12 @@ def fuzz_mutated_messages(data: st.DataObject) -> None:
         other_cmd, other_kw, other_payload = data.draw(st.sampled_from(MESSAGES))
         other = frames_of(client, other_cmd, other_payload, **other_kw)
         frames[0] = bytes(other[0])  # another (unsent) message's header on this payload
-        same = [bytes(memoryview(f)) for f in other[1:]] == frames[1:]
-        if same or not P.HEADER.unpack_from(frames[0])[2] & P.F_MAC:
-            # that header is valid for this payload (the same one, or a tensor
-            # payload without a MAC, by design): break it instead
+        other_payload = [bytes(memoryview(f)) for f in other[1:]]
+        covered = len(other_payload) if P.HEADER.unpack_from(frames[0])[2] & P.F_MAC else 1
+        if other_payload[:covered] == frames[1:][:covered]:
+            # that header is valid for this payload (the same covered frames: the same
+            # message, or a batch with the same index whose data is not MAC'd, by
+            # design): break it instead
             frames[0] = frames[0][:-1] + bytes([frames[0][-1] ^ 1])
     with pytest.raises(P.ProtocolError):
         server.open(frames)

@@ -45,21 +45,29 @@ def peer(name: str) -> P.Peer:
 W0, W1 = peer("w0"), peer("w1")
 
 
+def batch(cmd: int, items: list[tuple[int, int, int, int]], data: list[bytes], req: int = 0,
+          flags: int = 0) -> P.Message:
+    index = P.pack_index(items)
+    return P.Message(cmd, flags, 0, items[0][0] if items else 0, 0, req, 0, 0, len(items),
+                     [zmq.Frame(index), *(zmq.Frame(d) for d in data)], items)
+
+
 def tensor_msg(cmd: int, values: list[float], key: int = 0, req: int = 0, flags: int = 0) -> P.Message:
     a = np.asarray(values, np.float32)
-    return P.Message(cmd, flags, 1, key, 0, req, 0, 0, a.size, [zmq.Frame(a.tobytes())])
+    return batch(cmd, [(key, 0, a.size, 1)], [a.tobytes()], req, flags)
 
 
-def pull_msg(key: int = 0, req: int = 0, flags: int = 0) -> P.Message:
-    return P.Message(P.PULL, flags, 0, key, 0, req, 0, 0, 0, [])
+def pull_msg(key: int = 0, req: int = 0, flags: int = 0, count: int = 2) -> P.Message:
+    return batch(P.PULL, [(key, 0, count, 1)], [], req, flags)
 
 
 def json_msg(cmd: int, obj: Any, req: int = 0) -> P.Message:
     return P.Message(cmd, P.F_MAC, 0, 0, 0, req, 0, 0, 0, [zmq.Frame(json.dumps(obj).encode())])
 
 
-def values(reply: dict[str, Any]) -> list[float]:
-    return np.frombuffer(reply["data"][0], np.float32).tolist()
+def values(reply: dict[str, Any], item: int = 0) -> list[float]:
+    assert reply["cmd"] == P.VALUES, reply
+    return np.frombuffer(reply["data"][1 + item], np.float32).tolist()
 
 
 @pytest.fixture
@@ -145,8 +153,9 @@ def test_async_needs_an_optimizer_then_applies_each_push(shard) -> None:
 
 @pytest.mark.parametrize("make, expected", [
     (lambda: tensor_msg(P.PUSH, [1, 1], key=9), b"key 9 (part 0) was never initialised"),
-    (lambda: tensor_msg(P.PUSH, [1, 1, 1]), b"has 3 elements of <f4, but init gave 2"),
+    (lambda: tensor_msg(P.PUSH, [1, 1, 1]), b"has 3 elements of <f4 here, but init gave 2"),
     (lambda: pull_msg(key=9), b"was never initialised"),
+    (lambda: pull_msg(count=5), b"has 5 elements of <f4 here, but init gave 2"),
     (lambda: json_msg(P.SET_OPTIMIZER, {"name": "rmsprop"}), b"unknown optimizer 'rmsprop'"),
 ])
 def test_bad_requests_get_one_line_errors(shard, make, expected: bytes) -> None:
@@ -200,7 +209,7 @@ def test_a_failed_round_still_serves_the_next_rounds_requests() -> None:
 
     def ints(cmd: int, v: list[int], req: int) -> P.Message:
         a = np.asarray(v, np.int32)  # an optimizer cannot update integers: every round fails
-        return P.Message(cmd, 0, 4, 0, 0, req, 0, 0, a.size, [zmq.Frame(a.tobytes())])
+        return batch(cmd, [(0, 0, a.size, 4)], [a.tobytes()], req)
 
     s.handle(W0, ints(P.INIT, [0, 0], 1))
     s.handle(W0, json_msg(P.SET_OPTIMIZER, {"name": "sgd", "learning_rate": 0.5}))
@@ -213,3 +222,36 @@ def test_a_failed_round_still_serves_the_next_rounds_requests() -> None:
     replies = rec.take()
     assert [(r["req"], r["status"]) for r in replies] == [(11, P.ST_ERROR), (21, P.ST_ERROR)]
     assert b"the optimizer failed on key 0" in replies[0]["data"][0]
+
+
+def test_a_batch_gets_one_answer_when_its_last_item_completes() -> None:
+    rec = Recorder()
+    s = Shard(num_workers=2, mac_payload=False, send=rec)
+    two = [(0, 0, 2, 1), (1, 0, 1, 1)]
+    s.handle(W0, batch(P.INIT, two, [np.zeros(2, np.float32).tobytes(),
+                                     np.zeros(1, np.float32).tobytes()], req=1))
+    assert [r["cmd"] for r in rec.take()] == [P.REPLY]
+    f32 = lambda *v: np.asarray(v, np.float32).tobytes()  # noqa: E731
+    s.handle(W0, batch(P.PUSH, two, [f32(1, 1), f32(5)], req=10))
+    # w1 pushes key 0 alone, then key 1: w0's answer waits for both rounds
+    s.handle(W1, batch(P.PUSH, [(0, 0, 2, 1)], [f32(2, 2)], req=20))
+    assert [(r["to"], r["req"], values(r)) for r in rec.take()] == [("w1", 20, [3, 3])]
+    s.handle(W1, batch(P.PUSH, [(1, 0, 1, 1)], [f32(6)], req=21))
+    replies = rec.take()
+    assert [(r["to"], r["req"]) for r in replies] == [("w0", 10), ("w1", 21)]
+    assert values(replies[0], 0) == [3, 3] and values(replies[0], 1) == [11]
+    assert replies[0]["data"][0] == P.pack_index(two)  # the request's own index
+    assert replies[0]["count"] == 2
+
+
+def test_an_item_that_fails_fails_its_whole_batch_but_not_the_rounds() -> None:
+    rec = Recorder()
+    s = Shard(num_workers=1, mac_payload=False, send=rec)
+    s.handle(W0, tensor_msg(P.INIT, [0, 0], req=1))
+    rec.take()
+    f32 = lambda *v: np.asarray(v, np.float32).tobytes()  # noqa: E731
+    s.handle(W0, batch(P.PUSH, [(0, 0, 2, 1), (7, 0, 2, 1)], [f32(1, 1), f32(1, 1)], req=10))
+    (r,) = rec.take()
+    assert r["status"] == P.ST_ERROR and b"key 7 (part 0) was never initialised" in r["data"][0]
+    s.handle(W0, pull_msg(req=11))
+    assert values(rec.take()[0]) == [1, 1]  # key 0's round went through

@@ -13,6 +13,11 @@ pair socket, which the main thread polls together with its server sockets,
 so a blocked push or pull sees an abort at once. If the main thread is busy
 elsewhere when the job is aborted, the control thread ends the process (exit
 status 1) after a short grace period: no worker outlives a failed job.
+
+Messages: a call sends one tensor batch per server (several for more than
+:data:`~trainer.kv.protocol.BATCH_BYTES` of data), planned once per list of
+keys (:meth:`KVClient._plan`) and reused, so a training step costs a few
+messages whatever the number of parameters.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import struct
 import threading
 import time
 from collections.abc import Hashable, Sequence
@@ -33,22 +39,35 @@ import pscontract as pc
 from pscontract import ClusterEnv
 
 from . import protocol as P
-from .errors import KVAbortError, KVAuthError, KVConfigError, KVStoreError, KVTimeoutError
+from .errors import (
+    KVAbortedByScheduler,
+    KVAbortError,
+    KVAuthError,
+    KVConfigError,
+    KVStoreError,
+    KVTimeoutError,
+)
 from .node import SchedulerSession
 from .placement import Part, Placement
-from .transport import CLEAN_LINGER_MS, Link, Verbose, node_address
+from .transport import CLEAN_LINGER_MS, Link, Verbose, handshake_all, node_address
 
 logger = logging.getLogger(__name__)
 
 #: Seconds the control thread waits for the main thread to act on an abort.
 ABORT_GRACE = 1.0
-#: Pushes of at least this many bytes are sent without a copy; smaller ones are
-#: copied by ZeroMQ at once, which costs less than pyzmq's zero-copy bookkeeping.
-_ZERO_COPY_MIN = 4 << 20
+#: Data frames from this size on go without pyzmq's copy (which allocates fresh memory for
+#: every message and costs ten times a copy into a buffer of ours); smaller ones it copies.
+_ZERO_COPY_MIN = 64 << 10
+#: A server link closed without an abort from the scheduler: give up after this long.
+LOST_LINK_GRACE = 3.0
+#: Plans (messages per list of keys) kept per client.
+_MAX_PLANS = 256
 
 _ACK, _VALUE, _JSON, _STASH = 0, 1, 2, 3
+_FIRST_ITEM = struct.Struct("<II")
 _ERRORS: dict[str, type[KVStoreError]] = {
-    cls.__name__: cls for cls in (KVAbortError, KVAuthError, KVTimeoutError, KVConfigError)}
+    cls.__name__: cls for cls in (KVAbortError, KVAbortedByScheduler, KVAuthError,
+                                  KVTimeoutError, KVConfigError)}
 _pipe_ids = itertools.count()
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # ints: enum arithmetic is slow
 
@@ -61,6 +80,21 @@ class KeyInfo:
     code: int
     count: int
     parts: list[Part]
+
+
+class _Out:
+    """One planned message to one server: its index and where each item comes from.
+
+    ``items`` holds ``(position in the call's key list, lo, hi, whole, (key id, part))``.
+    """
+
+    __slots__ = ("server", "index", "items")
+
+    def __init__(self, server: int, index: bytes, items: list[tuple[int, int, int, bool,
+                                                                     tuple[int, int]]]) -> None:
+        self.server = server
+        self.index = index
+        self.items = items
 
 
 class _Batch:
@@ -183,6 +217,7 @@ class _Control(threading.Thread):
                     # A DONE or ABORT may have arrived just before the connection closed.
                     self._from_scheduler()
                     if not self.done:
+                        self.sched.blame(reason)
                         raise KVAbortError(reason)
                 next_tick = self.sched.next_due(now)
             elif self.done:
@@ -203,7 +238,8 @@ class _Control(threading.Thread):
                     reason = msg.json().get("reason")
                 except P.ProtocolError:
                     reason = None
-                raise KVAbortError(f"the scheduler aborted the job: {reason or 'no reason given'}")
+                raise KVAbortedByScheduler("the scheduler aborted the job: "
+                                           f"{reason or 'no reason given'}")
 
     def _abort(self, reason: str, kind: str = "KVAbortError") -> None:
         self._to_main(b"abort", f"{kind}:{reason}".encode())
@@ -278,9 +314,11 @@ class KVClient:
         while ready is None:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise KVTimeoutError(f"no address book from the scheduler at {env.root_uri}:"
-                                     f"{env.root_port} within {env.start_timeout:g} s "
-                                     f"({pc.START_TIMEOUT}): is it running and reachable?")
+                reason = (f"no address book from the scheduler at {env.root_uri}:{env.root_port} "
+                          f"within {env.start_timeout:g} s ({pc.START_TIMEOUT}): is it running "
+                          "and reachable?")
+                self._control.sched.blame(reason)
+                raise KVTimeoutError(reason)
             if self._pipe.poll(min(left, 0.5) * 1000):
                 kind, data = self._pipe.recv_multipart()
                 if kind == b"abort":
@@ -295,8 +333,8 @@ class KVClient:
             self.links.append(Link(self.ctx, host, int(port), self.secret,
                                    f"server {r} at {host}:{port}", f"S[{r}]",
                                    env.mac_payload, self.v))
+        handshake_all(self.links, deadline)
         for link in self.links:
-            link.handshake(deadline)
             link.send_json(P.REGISTER, {"rank": self.rank, "pid": os.getpid(), "host": self.host})
         self.v("is connected to others")
         self._poller = zmq.Poller()
@@ -308,17 +346,20 @@ class KVClient:
         self._pending: dict[int, tuple[int, _Batch | None, Any]] = {}
         self._req = 0
         self._deferred_error: str | None = None
+        self._lost_since: float | None = None
         # dist_sync: the server answers every push with the value of its round.
-        # (key id, part) -> the request id of our latest push there, and its answer
+        # (key id, part) -> the request id of our latest push there, and its value
         # once it arrived; the pull that usually follows takes it from here
         # instead of asking again.
         self._latest: dict[tuple[int, int], int] = {}
-        self._stash: dict[tuple[int, int], P.Message] = {}
+        self._stash: dict[tuple[int, int], Any] = {}
         # dist_async: server -> the smallest (elements, key id, part, dtype code) this
         # worker pushed there since its last barrier (plain async pushes get no reply).
         self._unconfirmed: dict[int, tuple[int, int, int, int]] = {}
         self.keys: dict[Hashable, KeyInfo] = {}
         self.placement = Placement(self.num_servers, env.bigarray_bound)
+        self._plans: dict[tuple[Hashable, ...], list[_Out]] = {}
+        self._staging: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
 
     # --- receiving ------------------------------------------------------------------------
     def _on_pipe(self) -> None:
@@ -340,7 +381,10 @@ class KVClient:
 
     def _poll(self, timeout_ms: float) -> None:
         pending = self._pending
-        for sock, _ in self._poller.poll(timeout_ms):
+        events = self._poller.poll(timeout_ms)
+        if not events:
+            self._check_links()
+        for sock, _ in events:
             if sock is self._pipe:
                 self._on_pipe()
                 continue
@@ -358,11 +402,18 @@ class KVClient:
                     else:
                         link.drops.drop("unexpected", link.name)
                     continue
-                kind, batch, dest = entry
+                kind, batch, targets = entry
                 if kind == _STASH:
-                    if self._latest.get(dest) == msg.req:
-                        self._stash[dest] = msg
-                    elif msg.status != P.ST_OK:
+                    # The values (or the error, as text) wait for the pull that follows.
+                    latest, stash, req = self._latest, self._stash, msg.req
+                    if msg.status != P.ST_OK or msg.cmd != P.VALUES:
+                        got: Sequence[Any] = [f"{link.name}: {msg.text() or 'a bad reply'}"] * len(targets)
+                    else:
+                        got = msg.data
+                    for slot, value in zip(targets, got):
+                        if latest.get(slot) == req:
+                            stash[slot] = value
+                    if msg.status != P.ST_OK and not any(latest.get(t) == req for t in targets):
                         self._deferred_error = self._deferred_error or f"{link.name}: {msg.text()}"
                     continue
                 if msg.status != P.ST_OK:
@@ -372,17 +423,38 @@ class KVClient:
                     else:
                         batch.error = batch.error or text
                 elif kind == _VALUE:
-                    if (msg.count != dest.size or not msg.dtype
-                            or P.DTYPES[msg.dtype][0] != dest.dtype.str):
-                        text = f"{link.name} sent {msg.count} elements for a {dest.size}-element pull"
-                        if batch is not None:
-                            batch.error = batch.error or text
-                    else:
-                        np.copyto(dest, np.frombuffer(msg.frames[0].buffer, dest.dtype))
+                    text = self._copy_values(link, msg, targets)
+                    if text is not None and batch is not None:
+                        batch.error = batch.error or text
                 elif kind == _JSON and batch is not None:
                     batch.results.append(msg)
                 if batch is not None:
                     batch.left -= 1
+
+    @staticmethod
+    def _copy_values(link: Link, msg: P.Message, dests: Sequence[np.ndarray]) -> str | None:
+        """Copy a VALUES answer into ``dests``; the reason when it does not fit them."""
+        items = msg.items
+        if msg.cmd != P.VALUES or items is None or len(items) != len(dests):
+            return f"{link.name} sent a reply that does not answer the request"
+        for (_, _, count, code), frame, dest in zip(items, msg.data, dests):
+            if count != dest.size or P.DTYPES[code][0] != dest.dtype.str:
+                return f"{link.name} sent {count} elements for a {dest.size}-element pull"
+            np.copyto(dest, np.frombuffer(frame.buffer, dest.dtype))
+        return None
+
+    def _check_links(self) -> None:
+        """Raise when a server link closed and no abort explains it within a grace period
+        (the scheduler names a dead server to everyone; this catches anything else)."""
+        lost = [link for link in self.links if link.peer_closed()]
+        if not lost:
+            return
+        now = time.monotonic()
+        if self._lost_since is None:
+            self._lost_since = now
+        elif now - self._lost_since > LOST_LINK_GRACE:
+            self.aborted = f"lost the connection to {lost[0].name}"
+            raise KVAbortError(self.aborted)
 
     def _check(self) -> None:
         if self.aborted:
@@ -403,25 +475,86 @@ class KVClient:
             raise KVStoreError(text)
 
     def _send(self, link: Link, cmd: int, kind: int | None, batch: _Batch | None,
-              dest: Any = None, key: int = 0, part: int = 0, dtype: int = 0, count: int = 0,
-              flags: int = 0, payload: Sequence[Any] = (), track: bool = False,
-              copy: bool = False) -> Any:
-        """Send a request; ``kind`` None means no reply is expected (a plain push)."""
+              targets: Any = None, count: int = 0, flags: int = 0,
+              payload: Sequence[Any] = ()) -> int:
+        """Send a request; ``kind`` None means no reply is expected (a plain push).
+        Returns the request id."""
         self._req = req = (self._req + 1) & 0xFFFFFFFF
         if kind is not None:
-            self._pending[req] = (kind, batch, dest)
+            self._pending[req] = (kind, batch, targets)
             if batch is not None:
                 batch.left += 1
-        return link.send(cmd, key, part, req, 0, dtype, count, flags, payload, track=track,
-                         copy=copy)
+        key = part = 0
+        if cmd in P.BATCH_COMMANDS and count:  # the first item, for PS_VERBOSE=2 lines
+            key, part = _FIRST_ITEM.unpack_from(payload[0])
+        link.send(cmd, key, part, req, 0, 0, count, flags, payload, copy=False)
+        return req
 
-    def _wait_trackers(self, trackers: list[Any]) -> None:
-        for t in trackers:
-            while not t.done:
-                try:
-                    t.wait(0.05)
-                except zmq.NotDone:
-                    self._poll(0)
+    def _stage(self, slot: tuple[int, int], view: np.ndarray) -> np.ndarray:
+        """A copy of ``view`` in a buffer of ours, sent without a further copy.
+
+        One buffer per (key, part), reused once the request that last carried it has
+        been answered (the server had all of it then); else a new one (always, for a
+        plain dist_async push, which is never answered).
+        """
+        if self.asynchronous:  # a plain async push is never answered: never known sent
+            return view.copy()
+        entry = self._staging.get(slot)
+        if (entry is not None and entry[1] not in self._pending
+                and entry[0].shape == view.shape and entry[0].dtype == view.dtype):
+            buf = entry[0]
+            np.copyto(buf, view)
+        else:
+            buf = view.copy()
+        self._staging[slot] = (buf, self._req + 1)  # the id of the request about to go
+        return buf
+
+    # --- planning -----------------------------------------------------------------------------
+    def _plan(self, keys: Sequence[Hashable]) -> list[_Out]:
+        """The messages for a call on ``keys``: per server, its parts of those keys in order,
+        cut into messages of about BATCH_BYTES (built once per list of keys)."""
+        k = tuple(keys)
+        plan = self._plans.get(k)
+        if plan is not None:
+            return plan
+        per_server: list[list[tuple[int, Part, KeyInfo]]] = [[] for _ in self.links]
+        for pos, key in enumerate(k):
+            info = self.keys.get(key)
+            if info is None:
+                raise KVConfigError(f"key {key!r} is not initialised: call kv.init({key!r}, "
+                                    "value) first, on every worker")
+            for part in info.parts:
+                per_server[part.server].append((pos, part, info))
+        plan = []
+        for server, entries in enumerate(per_server):
+            items: list[tuple[int, int, int, bool, tuple[int, int]]] = []
+            index: list[tuple[int, int, int, int]] = []
+            size = 0
+            for pos, part, info in entries:
+                n = part.hi - part.lo
+                items.append((pos, part.lo, part.hi, n == info.count, (info.id, part.index)))
+                index.append((info.id, part.index, n, info.code))
+                size += n * P.DTYPES[info.code][1]
+                if size >= P.BATCH_BYTES:
+                    plan.append(_Out(server, P.pack_index(index), items))
+                    items, index, size = [], [], 0
+            if items:
+                plan.append(_Out(server, P.pack_index(index), items))
+        if len(self._plans) < _MAX_PLANS:
+            self._plans[k] = plan
+        return plan
+
+    def _check_arrays(self, keys: Sequence[Hashable], arrays: Sequence[np.ndarray]) -> None:
+        keys_info = self.keys
+        for key, arr in zip(keys, arrays):
+            info = keys_info.get(key)
+            if info is None:
+                raise KVConfigError(f"key {key!r} is not initialised: call kv.init({key!r}, "
+                                    "value) first, on every worker")
+            if arr.size != info.count:
+                raise KVConfigError(f"key {key!r} holds {info.count} elements, got {arr.size}")
+            if P.DTYPE_CODES.get(arr.dtype.str) != info.code:
+                raise KVConfigError(f"key {key!r} holds {P.DTYPES[info.code][0]}, got {arr.dtype}")
 
     # --- the API -------------------------------------------------------------------------------
     def init(self, keys: Sequence[Hashable], arrays: Sequence[np.ndarray]) -> None:
@@ -437,25 +570,17 @@ class KVClient:
         parts = self.placement.assign([(a.size, a.itemsize) for _, a, _ in new])
         for (key, arr, code), p in zip(new, parts):
             self.keys[key] = KeyInfo(len(self.keys), code, arr.size, p)
-        if self.rank == 0:
+        if self.rank == 0 and new:
             batch = _Batch()
-            for key, arr, _ in new:
-                info = self.keys[key]
-                for part in info.parts:
-                    view = arr[part.lo:part.hi]
-                    self._send(self.links[part.server], P.INIT, _ACK, batch, key=info.id,
-                               part=part.index, dtype=info.code, count=view.size, payload=[view])
+            arrays = [arr for _, arr, _ in new]
+            for out in self._plan([key for key, _, _ in new]):
+                payload: list[Any] = [out.index]
+                for pos, lo, hi, whole, _ in out.items:
+                    payload.append(arrays[pos] if whole else arrays[pos][lo:hi])
+                self._send(self.links[out.server], P.INIT, _ACK, batch,
+                           count=len(out.items), payload=payload)
             self._wait(batch)
         self.barrier()
-
-    def _info(self, key: Hashable, arr: np.ndarray) -> KeyInfo:
-        info = self.keys.get(key)
-        if info is None:
-            raise KVConfigError(f"key {key!r} is not initialised: call kv.init({key!r}, value) "
-                                "first, on every worker")
-        if arr.size != info.count:
-            raise KVConfigError(f"key {key!r} holds {info.count} elements, got {arr.size}")
-        return info
 
     def push(self, keys: Sequence[Hashable], arrays: Sequence[np.ndarray],
              dests: Sequence[np.ndarray] | None = None, owned: bool = False) -> None:
@@ -464,10 +589,9 @@ class KVClient:
         dist_sync: the server answers each push with the value of its round,
         which the next pull of that key uses (see :meth:`pull`); errors are
         raised by the next call that waits. dist_async: a plain push gets no
-        reply unless it fails. Arrays of 4 MB and more are
-        sent without a copy; then, unless ``owned`` says they are scratch
-        buffers of ours, this call returns once ZeroMQ is done reading them,
-        so the caller may change them as soon as it returns.
+        reply unless it fails. The caller may change the arrays as soon as this
+        returns: a plain push copies them (unless ``owned`` says they are scratch
+        buffers of the caller's, left alone until the next call).
         """
         self._check()
         if self.asynchronous and not self.has_optimizer:
@@ -475,49 +599,51 @@ class KVClient:
             # shows at a later call: say it here, at the push that is wrong.
             raise KVConfigError("dist_async needs an optimizer on the servers: call "
                                 "kv.set_optimizer(...) on every worker before the first push")
+        self._check_arrays(keys, arrays)
+        plan = self._plan(keys)
         batch = _Batch() if dests is not None else None
         flags = self._flags | (P.F_PULL if dests is not None else 0)
         if dests is not None:
-            kind = _VALUE
+            kind: int | None = _VALUE
         else:
             kind = None if self.asynchronous else _STASH
         latest, stash = self._latest, self._stash
-        trackers = []
-        for i, (key, arr) in enumerate(zip(keys, arrays)):
-            info = self._info(key, arr)
-            code = dtype_code(arr.dtype)
-            if code != info.code:
-                raise KVConfigError(f"key {key!r} holds {P.DTYPES[info.code][0]}, got {arr.dtype}")
-            dest = dests[i] if dests is not None else None
-            for part in info.parts:
-                whole = len(info.parts) == 1
-                view = arr if whole else arr[part.lo:part.hi]
-                slot = (info.id, part.index)
-                if kind == _STASH:
-                    target: Any = slot
-                else:
-                    target = None if dest is None else (dest if whole else dest[part.lo:part.hi])
+        links = self.links
+        # A pushpull waits for its answer, and the server answers once it has all the
+        # data: the caller's arrays can go as they are. A plain push returns at once, and
+        # the caller may change its arrays then: big ones go through buffers of ours.
+        stage = kind != _VALUE and not owned
+        for out in plan:
+            payload: list[Any] = [out.index]
+            targets: list[Any] = []
+            for pos, lo, hi, whole, slot in out.items:
+                arr = arrays[pos]
+                view = arr if whole else arr[lo:hi]
+                if stage and view.nbytes >= _ZERO_COPY_MIN:
+                    view = self._stage(slot, view)
+                payload.append(view)
+                if kind == _VALUE:
+                    d = dests[pos]  # type: ignore[index]
+                    targets.append(d if whole else d[lo:hi])
                     latest.pop(slot, None)  # this request's answer is the newest
                     stash.pop(slot, None)
-                zero_copy = view.nbytes >= _ZERO_COPY_MIN
-                t = self._send(self.links[part.server], P.PUSH, kind, batch, target,
-                               key=info.id, part=part.index, dtype=code, count=view.size,
-                               flags=flags, payload=[view], copy=not zero_copy,
-                               track=zero_copy and not owned and dests is None)
-                if kind == _STASH:
-                    latest[slot] = self._req
+                elif kind == _STASH:
+                    targets.append(slot)
+            req = self._send(links[out.server], P.PUSH, kind, batch, targets,
+                             count=len(out.items), flags=flags, payload=payload)
+            if kind == _STASH:
+                for slot in targets:
+                    latest[slot] = req
                     stash.pop(slot, None)
-                elif kind is None:  # a plain dist_async push
-                    mark = (view.size, info.id, part.index, code)
-                    old = self._unconfirmed.get(part.server)
+            elif kind is None:  # plain dist_async pushes: remember one to confirm them
+                for pos, lo, hi, _, (key_id, part) in out.items:
+                    mark = (hi - lo, key_id, part, self.keys[keys[pos]].code)
+                    old = self._unconfirmed.get(out.server)
                     if old is None or mark < old:
-                        self._unconfirmed[part.server] = mark
-                if t is not None and not t.done:
-                    trackers.append(t)
+                        self._unconfirmed[out.server] = mark
         if batch is not None:
             self._wait(batch)
         else:
-            self._wait_trackers(trackers)
             self._raise_errors()
 
     def pull(self, keys: Sequence[Hashable], dests: Sequence[np.ndarray]) -> None:
@@ -528,34 +654,39 @@ class KVClient:
         request: the pull waits for that answer.
         """
         self._check()
+        self._check_arrays(keys, dests)
+        plan = self._plan(keys)
         batch = _Batch()
         latest, stash = self._latest, self._stash
-        kept: list[tuple[tuple[int, int], np.ndarray, Link]] = []
-        for key, dest in zip(keys, dests):
-            info = self._info(key, dest)
-            whole = len(info.parts) == 1
-            for part in info.parts:
-                view = dest if whole else dest[part.lo:part.hi]
-                slot = (info.id, part.index)
+        kept: list[tuple[tuple[int, int], np.ndarray]] = []
+        for out in plan:
+            index: list[tuple[int, int, int, int]] | None = None
+            targets = []
+            for n, (pos, lo, hi, whole, slot) in enumerate(out.items):
+                d = dests[pos]
+                view = d if whole else d[lo:hi]
                 if slot in latest:
-                    kept.append((slot, view, self.links[part.server]))
-                else:
-                    self._send(self.links[part.server], P.PULL, _VALUE, batch, view,
-                               key=info.id, part=part.index, flags=self._flags)
-        for slot, _, _ in kept:
+                    kept.append((slot, view))
+                    if index is None:  # not every item is asked for: a smaller index
+                        index = [tuple(x) for x in P.ITEM.iter_unpack(out.index[:n * P.ITEM.size])]
+                    continue
+                targets.append(view)
+                if index is not None:
+                    index.append(P.ITEM.unpack_from(out.index, n * P.ITEM.size))
+            if targets:
+                packed = out.index if index is None else P.pack_index(index)
+                self._send(self.links[out.server], P.PULL, _VALUE, batch, targets,
+                           count=len(targets), flags=self._flags, payload=[packed])
+        for slot, _ in kept:
             while slot not in stash:
                 self._poll(500)
-        for slot, view, link in kept:
-            msg = stash.pop(slot)
+        for slot, view in kept:
+            value = stash.pop(slot)
             del latest[slot]
-            if msg.status != P.ST_OK:
-                batch.error = batch.error or f"{link.name}: {msg.text()}"
-            elif (msg.count != view.size or not msg.dtype
-                    or P.DTYPES[msg.dtype][0] != view.dtype.str):
-                batch.error = batch.error or (f"{link.name} sent {msg.count} elements for a "
-                                              f"{view.size}-element pull")
+            if isinstance(value, str):
+                batch.error = batch.error or value
             else:
-                np.copyto(view, np.frombuffer(msg.frames[0].buffer, view.dtype))
+                np.copyto(view, np.frombuffer(value.buffer, view.dtype))
         self._wait(batch)
 
     def barrier(self, group: int = P.GROUP_WORKERS) -> None:
@@ -577,7 +708,7 @@ class KVClient:
 
         They get no reply, and the barrier travels through the scheduler, so
         another worker's pull could overtake them. A server serves a connection
-        in order: the answer to a pull of the smallest array we pushed there
+        in order: the answer to a pull of the smallest part we pushed there
         comes after those pushes were applied.
         """
         if not self._unconfirmed:
@@ -585,8 +716,8 @@ class KVClient:
         batch = _Batch()
         for server, (count, key_id, part, code) in sorted(self._unconfirmed.items()):
             scratch = np.empty(count, P.DTYPES[code][0])
-            self._send(self.links[server], P.PULL, _VALUE, batch, scratch, key=key_id,
-                       part=part, flags=self._flags)
+            self._send(self.links[server], P.PULL, _VALUE, batch, [scratch], count=1,
+                       flags=self._flags, payload=[P.pack_index([(key_id, part, count, code)])])
         self._unconfirmed.clear()
         self._wait(batch)
 

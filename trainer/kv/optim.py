@@ -33,7 +33,16 @@ class OptimizerError(ValueError):
 
 
 class ArrayOps:
-    """The array functions the optimizers need, for numpy arrays (the default)."""
+    """The array functions the optimizers need, for numpy arrays (the default).
+
+    ``foreach`` is None, or an object whose methods apply one operation to a
+    list of arrays in one call (torch's ``_foreach_*``): ``mul_(xs, scalar)``,
+    ``mul(xs, scalar)`` (new arrays), ``add_(xs, ys, alpha)`` (``x += alpha * y``)
+    and ``clamp_(xs, lo, hi)``; with it, :meth:`Updater.update_many` runs one
+    multi-array step for all keys instead of one per key.
+    """
+
+    foreach: Any = None
 
     @staticmethod
     def zeros_like(a: Any) -> Any:
@@ -50,6 +59,11 @@ class ArrayOps:
     @staticmethod
     def clip_(a: Any, bound: float) -> Any:
         return np.clip(a, -bound, bound, out=a)
+
+    @staticmethod
+    def scale_into(a: Any, scalar: float, out: Any) -> Any:
+        """``out = scalar * a`` without a temporary array."""
+        return np.multiply(a, scalar, out=out)
 
 
 NUMPY_OPS = ArrayOps()
@@ -230,15 +244,63 @@ class SGD(Optimizer):
 
     def step(self, weight: Any, grad: Any, state: dict[str, Any], lr: float, wd: float,
              count: int, ops: ArrayOps) -> None:
-        self._prepare(weight, grad, wd, ops)
-        grad *= lr
+        # MXNet's mom = momentum * mom - lr * (rescale * grad + wd * weight), weight += mom,
+        # in passes over the arrays without a temporary (grad, ours, holds the wd term):
+        # on a server these arrays are megabytes, and a temporary costs its page faults.
+        scale = self.rescale_grad
+        if self.clip_gradient is not None:
+            grad *= scale
+            ops.clip_(grad, self.clip_gradient)
+            scale = 1.0
+        grad *= -lr * scale
         mom = state.get("mom")
         if mom is None:
-            weight -= grad
+            if wd:  # the decay from the weight before this step
+                weight *= 1.0 - lr * wd
+            weight += grad
+            return
+        mom *= self.hyper["momentum"]
+        mom += grad
+        if wd:
+            ops.scale_into(weight, -lr * wd, grad)
+            mom += grad
+        weight += mom
+
+    def step_many(self, weights: list[Any], grads: list[Any], states: list[dict[str, Any]],
+                  lr: float, wds: list[float], ops: ArrayOps) -> None:
+        """:meth:`step` for many keys with one ``lr`` (``wds``: each key's weight decay),
+        in a few multi-array calls: ``ops.foreach``.
+
+        The same arithmetic with MXNet's meaning, arranged so that ``grads`` are
+        only read: ``mom = momentum * mom - lr * (rescale * grad + wd * weight)``,
+        ``weight += mom`` (without momentum ``weight -= lr * (...)``).
+        """
+        f = ops.foreach
+        scale = self.rescale_grad
+        if self.clip_gradient is not None:
+            grads = f.mul(grads, scale)
+            f.clamp_(grads, -self.clip_gradient, self.clip_gradient)
+            scale = 1.0
+        decay: dict[float, tuple[list[Any], list[Any]]] = {}
+        momentum = self.hyper["momentum"]
+        targets = [st["mom"] for st in states] if momentum else weights
+        for wd, target, weight in zip(wds, targets, weights):
+            if wd:
+                pair = decay.get(wd)
+                if pair is None:
+                    pair = decay[wd] = ([], [])
+                pair[0].append(target)
+                pair[1].append(weight)
+        if momentum:
+            f.mul_(targets, momentum)
+            f.add_(targets, grads, -lr * scale)
+            for wd, (moms, ws) in decay.items():
+                f.add_(moms, ws, -lr * wd)
+            f.add_(weights, targets, 1.0)
         else:
-            mom *= self.hyper["momentum"]
-            mom -= grad
-            weight += mom
+            for wd, (ws, _) in decay.items():  # w - lr * wd * w, from the weight before
+                f.mul_(ws, 1.0 - lr * wd)
+            f.add_(weights, grads, -lr * scale)
 
 
 class NAG(Optimizer):
@@ -338,6 +400,42 @@ class Updater:
         opt = self.optimizer
         wd = opt.key_wd(key if self.wd_key is None else self.wd_key(key))
         opt.step(weight, grad, state, opt.lr(self.num_update), wd, count, self.ops)
+
+    def update_many(self, keys: list[Hashable], weights: list[Any], grads: list[Any]) -> None:
+        """:meth:`__call__` for several keys at once; ``grads`` are left as they are.
+
+        With multi-array functions (``ops.foreach``) and an optimizer that has
+        ``step_many`` (sgd), the keys are grouped by learning rate and weight decay
+        and each group takes one multi-array step; otherwise one key at a time.
+        """
+        opt = self.optimizer
+        step_many = getattr(opt, "step_many", None)
+        if step_many is None or self.ops.foreach is None:
+            for key, weight, grad in zip(keys, weights, grads):
+                self(key, weight, grad.clone() if hasattr(grad, "clone") else grad.copy())
+            return
+        # keys grouped by learning rate (one group unless their update counts differ)
+        groups: dict[float, tuple[list[Any], list[Any], list[dict[str, Any]], list[float]]] = {}
+        begin = opt.begin_num_update
+        counts, states, wd_key = self.counts, self.states, self.wd_key
+        for key, weight, grad in zip(keys, weights, grads):
+            count = counts.get(key, begin) + 1
+            counts[key] = count
+            if count > self.num_update:
+                self.num_update = count
+            state = states.get(key)
+            if state is None:
+                state = states[key] = opt.create_state(weight, self.ops)
+            lr = opt.lr(self.num_update)
+            group = groups.get(lr)
+            if group is None:
+                group = groups[lr] = ([], [], [], [])
+            group[0].append(weight)
+            group[1].append(grad)
+            group[2].append(state)
+            group[3].append(opt.key_wd(key if wd_key is None else wd_key(key)))
+        for lr, (ws, gs, sts, wds) in groups.items():
+            step_many(ws, gs, sts, lr, wds, self.ops)
 
     def get_states(self) -> dict[Hashable, tuple[int, dict[str, Any]]]:
         """``{key: (count, {state name: array})}`` for every key updated so far."""

@@ -6,7 +6,9 @@ alternating weight and bias that sends every weight to server 0 when S = 2
 bytes so far, largest arrays first within one ``init`` call, which is the
 classic longest-processing-time greedy rule. Arrays with at least
 ``bigarray_bound`` elements are cut into ``S`` contiguous parts with MXNet's
-sizes, part ``i`` on server ``i``.
+sizes, part ``i`` on server ``i``. On the wire no part is bigger than
+:data:`~trainer.kv.protocol.CHUNK_BYTES`: a bigger one is cut again into
+chunks, numbered on (part indices are per key, in order), on the same server.
 
 Every worker calls ``init`` with the same keys, shapes and order, so every
 worker computes the same placement without asking anyone.
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from .protocol import CHUNK_BYTES
 
 
 @dataclass(frozen=True)
@@ -41,14 +45,22 @@ class Placement:
     Args:
         num_servers: S, at least 1.
         bigarray_bound: arrays with at least this many elements are split.
+        chunk_bytes: the largest part on the wire.
     """
 
-    def __init__(self, num_servers: int, bigarray_bound: int = 1_000_000) -> None:
+    def __init__(self, num_servers: int, bigarray_bound: int = 1_000_000,
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
         if num_servers < 1:
             raise ValueError("a placement needs at least one server")
         self.num_servers = num_servers
         self.bigarray_bound = bigarray_bound
+        self.chunk_bytes = chunk_bytes
         self.loads = [0] * num_servers
+
+    def _chunks(self, server: int, lo: int, hi: int, itemsize: int, first: int) -> list[Part]:
+        step = max(1, self.chunk_bytes // itemsize)
+        return [Part(server, first + i, a, min(a + step, hi))
+                for i, a in enumerate(range(lo, hi, step))] or [Part(server, first, lo, hi)]
 
     def assign(self, sizes: Sequence[tuple[int, int]]) -> list[list[Part]]:
         """Place arrays given as ``(elements, itemsize)``; returns their parts, in input order."""
@@ -57,13 +69,13 @@ class Placement:
         for i in order:
             n, itemsize = sizes[i]
             if n >= self.bigarray_bound and self.num_servers > 1:
-                parts = []
+                parts: list[Part] = []
                 for s, (lo, hi) in enumerate(split_bounds(n, self.num_servers)):
-                    parts.append(Part(s, s, lo, hi))
+                    parts += self._chunks(s, lo, hi, itemsize, len(parts))
                     self.loads[s] += (hi - lo) * itemsize
                 result[i] = parts
             else:
                 s = min(range(self.num_servers), key=lambda j: (self.loads[j], j))
                 self.loads[s] += n * itemsize
-                result[i] = [Part(s, 0, 0, n)]
+                result[i] = self._chunks(s, 0, n, itemsize, 0)
         return result

@@ -11,7 +11,7 @@ from typing import NoReturn
 
 from pscontract import ClusterEnv, ClusterEnvError
 
-from .errors import KVStoreError
+from .errors import KVAbortedByScheduler, KVConfigError, KVStoreError, own_rank, report_cause
 from .transport import check_dist_env, setup_logging
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,10 @@ def run_role(argv: Sequence[str] = ()) -> NoReturn:
             from .server import run
         run(env, secret)
     except KVStoreError as e:
+        # A usage error says everything in its one line; an abort the scheduler sent
+        # repeats the cause it named.
+        if not isinstance(e, (KVAbortedByScheduler, KVConfigError)):
+            report_cause(str(e), env.role, own_rank(env.role, env.task_id, env.num_workers))
         logger.error("%s: error: %s", who, e)
         sys.exit(1)
     except KeyboardInterrupt:

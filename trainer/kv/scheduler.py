@@ -32,7 +32,7 @@ import pscontract as pc
 from pscontract import ClusterEnv
 
 from . import protocol as P
-from .errors import KVAbortError
+from .errors import KVAbortError, own_rank, report_cause
 from .transport import CLEAN_LINGER_MS, Hub, Verbose, scheduler_address
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,12 @@ class NodeInfo:
         rank = "" if self.rank < 0 else f" {self.rank}"
         task = "" if self.task_id is None else f"task {self.task_id}, "
         return f"{self.role}{rank} ({task}pid {self.pid} on {self.host})"
+
+    def culprit(self, num_workers: int) -> tuple[str, int | None]:
+        """``(role, rank)`` for a cause line: the rank given, or the one its task id implies."""
+        if self.rank >= 0:
+            return self.role, self.rank
+        return self.role, own_rank(self.role, self.task_id, num_workers)
 
 
 def assign_ranks(nodes: list[NodeInfo], num_workers: int) -> None:
@@ -104,30 +110,37 @@ class Scheduler:
                  P.GROUP_ALL: ("worker", "server")}[group]
         return [n for n in self.nodes.values() if n.role in roles]
 
-    def _missing(self) -> str:
+    def _missing(self) -> tuple[str, tuple[str, int | None] | None]:
+        """Who has not registered, in words, and the first of them as ``(role, rank)``."""
         have = [n for n in self.nodes.values()]
         ids = {n.task_id for n in have if n.task_id is not None}
         total = self.env.num_workers + self.env.num_servers
         if ids or not have:
-            names = []
+            names, first = [], None
             for t in range(total):
                 if t in ids:
                     continue
                 if t < self.env.num_workers:
                     names.append(f"worker {t} (task {t})")
+                    first = first or ("worker", t)
                 else:
                     names.append(f"server {t - self.env.num_workers} (task {t})")
+                    first = first or ("server", t - self.env.num_workers)
             if names and len(names) + len(have) == total:
-                return ", ".join(names)
-        parts = []
+                return ", ".join(names), first
+        parts, role_missing = [], None
         for role in ("worker", "server"):
             got = sum(1 for n in have if n.role == role)
             if got < self.expected[role]:
                 parts.append(f"{self.expected[role] - got} of {self.expected[role]} {role}s")
-        return " and ".join(parts) or "nobody"
+                role_missing = role_missing or (role, None)
+        return " and ".join(parts) or "nobody", role_missing
 
-    def abort(self, reason: str) -> None:
-        """Tell every node to abort with ``reason``, then raise KVAbortError."""
+    def abort(self, reason: str, culprit: tuple[str, int | None] | None = None) -> None:
+        """Name the cause (``culprit``: ``(role, rank)`` of the process at fault), tell
+        every node to abort with ``reason``, then raise KVAbortError."""
+        role, rank = culprit if culprit is not None else (None, None)
+        report_cause(reason, role, rank)
         for rid in list(self.nodes):
             self.hub.send_json(self.nodes[rid].peer, P.ABORT, {"reason": reason})
         self.v("is stopping (aborted)")
@@ -155,7 +168,8 @@ class Scheduler:
         for other in self.nodes.values():
             if node.task_id is not None and other.task_id == node.task_id:
                 self.abort(f"{node.name} and {other.name} both have {pc.TASK_ID}={node.task_id}: "
-                           "every process of the job needs its own task id")
+                           "every process of the job needs its own task id",
+                           node.culprit(self.env.num_workers))
         self.nodes[peer.rid] = node
         peer.label = node.name
         peer.info = node
@@ -222,7 +236,8 @@ class Scheduler:
         elif cmd == P.FAIL:
             info = msg.json()
             reason = info.get("reason") if isinstance(info, dict) else None
-            self.abort(f"{node.name} failed: {reason or 'no reason given'}")
+            self.abort(f"{node.name} failed: {reason or 'no reason given'}",
+                       node.culprit(self.env.num_workers))
         elif cmd == P.FINALIZE:
             node.finalized = True
             done = sum(1 for n in self.nodes.values() if n.finalized)
@@ -240,15 +255,18 @@ class Scheduler:
     def _check_timers(self, now: float) -> None:
         env = self.env
         if not self.ready and now - self.started > env.start_timeout:
+            missing, first = self._missing()
             self.abort(f"timed out after {env.start_timeout:g} s ({pc.START_TIMEOUT}) waiting for "
-                       f"{self._missing()} to register with the scheduler at "
-                       f"{self.host}:{env.root_port}: check that they started and can reach it")
+                       f"{missing} to register with the scheduler at "
+                       f"{self.host}:{env.root_port}: check that they started and can reach it",
+                       first)
         timeout = env.heartbeat_timeout
         if timeout > 0 and env.heartbeat_interval > 0:
             for n in self.nodes.values():
                 if not n.finalized and now - n.last_seen > timeout:
                     self.abort(f"{n.name} sent no heartbeat for {timeout:g} s "
-                               f"({pc.HEARTBEAT_TIMEOUT}): it hangs, or its host is unreachable")
+                               f"({pc.HEARTBEAT_TIMEOUT}): it hangs, or its host is unreachable",
+                               n.culprit(self.env.num_workers))
 
     # --- main loop ----------------------------------------------------------------------
     def run(self) -> None:
@@ -258,15 +276,15 @@ class Scheduler:
             self.hub.bind(self.host, env.root_port, what="the scheduler")
             self.v("Bind to role=scheduler, ip=%s, port=%d", self.host, env.root_port)
             poller = zmq.Poller()
-            poller.register(self.hub.sock, zmq.POLLIN)
-            assert self.hub.monitor is not None
-            poller.register(self.hub.monitor, zmq.POLLIN)
+            for sock in self.hub.sockets():
+                poller.register(sock, zmq.POLLIN)
             tick = 0.5
             if env.heartbeat_interval > 0:
                 tick = min(tick, env.heartbeat_interval)
             while True:
                 poller.poll(tick * 1000)
                 now = time.monotonic()
+                self.hub.service(now)
                 # Map closed connections to peers before reading messages, so a new
                 # peer that got a recycled fd is never blamed; handle them after the
                 # messages, so a FAIL sent just before dying is what gets reported.
@@ -281,19 +299,22 @@ class Scheduler:
                         continue
                     if done:
                         self.v("is stopping")
+                        stats = self.hub.stats()
                         self.hub.close(CLEAN_LINGER_MS)
-                        self.v("is stopped")
                         self._report_drops()
+                        self.v("is stopped (%s)", stats)
                         return
                 for peer in gone:
                     self.hub.forget(peer)
                     node = self.nodes.get(peer.rid)
                     if node is not None and not node.finalized:
                         self.abort(f"{node.name} disconnected before the end of the job: it "
-                                   "exited or was killed (see its output)")
+                                   "exited or was killed (see its output)",
+                                   node.culprit(self.env.num_workers))
                 self._check_timers(now)
         except BaseException:
             self._report_drops()
+            self.v("is stopped (%s)", self.hub.stats())
             self.hub.close(1000)
             raise
         finally:
@@ -301,7 +322,7 @@ class Scheduler:
 
     def _report_drops(self) -> None:
         if self.hub.drops.total:
-            logger.warning("%s dropped %d invalid messages (%s)", self.v.who,
+            logger.warning("%s refused or dropped %d connections or messages (%s)", self.v.who,
                            self.hub.drops.total, self.hub.drops.summary())
 
 

@@ -1,17 +1,20 @@
 """A server: holds a shard of the keys and applies the updates (numpy, no torch).
 
-Each stored array is a :class:`Slot` keyed by ``(key id, part)``. Requests:
+Each stored array is a :class:`Slot` keyed by ``(key id, part)``. Requests are
+tensor batches (:mod:`trainer.kv.protocol`): every item of a request is served
+as below, and the request gets one answer when all its items are done: a
+``VALUES`` message with every value in the request's order, or one error.
 
-* ``INIT``: rank 0 sets the initial value.
+* ``INIT``: rank 0 sets the initial values.
 * ``PUSH`` in **sync** mode: the pushes of all workers for a slot are summed
   (into the first pushed buffer, in place); when the last one arrives the
   optimizer runs once on the sum (or the sum becomes the value when there is
   no optimizer), then every push of the round (pushpull or not) and every held
-  pull is answered with the new value: the worker keeps it for the pull that
-  nearly always follows a push, which then costs no request. A worker's second
-  push before the round completes waits for the next round.
+  pull gets the new value: the worker keeps it for the pull that nearly always
+  follows a push, which then costs no request. A worker's second push of a slot
+  before the round completes waits for the next round.
 * ``PUSH`` in **async** mode (``F_ASYNC``): applied at once; an optimizer is
-  required; no reply unless it fails, or it asks for the value (``F_PULL``).
+  required; no answer unless it fails, or it asks for the values (``F_PULL``).
 * ``PULL``: answered at once from the value, or held until the round
   completes when the same worker has pushed into the current round.
 * ``SET_OPTIMIZER`` (JSON spec), ``GET_STATES``/``SET_STATES``, ``STOP``.
@@ -22,8 +25,8 @@ and sending a received frame again only shares its reference-counted buffer
 (no copy, and none of pyzmq's zero-copy bookkeeping). In sync mode that is
 safe because a value is only changed when a round completes, and a round
 cannot complete before every worker has pushed again, which each does after it
-has received its previous reply. Async replies are copies, taken as they are
-sent.
+has received its previous answer (a worker that pushes twice without waiting
+never reads the first answer). Async answers are copies, taken as they are sent.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import pscontract as pc
 from pscontract import ClusterEnv
 
 from . import protocol as P
-from .errors import KVAbortError, KVTimeoutError
+from .errors import KVAbortedByScheduler, KVAbortError, KVTimeoutError
 from .node import SchedulerSession
 from .optim import OptimizerError, Updater, create_optimizer
 from .transport import CLEAN_LINGER_MS, Hub, Verbose, node_address
@@ -47,6 +50,7 @@ from .transport import CLEAN_LINGER_MS, Hub, Verbose, node_address
 logger = logging.getLogger(__name__)
 
 _NP_DTYPES = {code: np.dtype(name) for code, (name, _) in P.DTYPES.items()}
+_PUSH, _PULL = 0, 1
 
 
 class Slot:
@@ -63,19 +67,51 @@ class Slot:
         self.merged: np.ndarray | None = None
         self.merged_frame: zmq.Frame | None = None
         self.pushed: set[bytes] = set()
-        self.pending: list[tuple[P.Peer, int, int]] = []
-        self.backlog: list[tuple[P.Peer, P.Message]] = []
+        #: (answer, item) of every push and pull that gets this round's value
+        self.pending: list[tuple[Answer, int]] = []
+        #: requests of the next round: (kind, answer, item, data frame)
+        self.backlog: list[tuple[int, Answer, int, Any]] = []
+
+    def queued(self, rid: bytes) -> bool:
+        """True when a request of this peer waits for the slot's next round."""
+        return any(a.peer.rid == rid for _, a, _, _ in self.backlog)
 
 
-def _key_id(slot_key: Any) -> int:
-    """The key id of a ``(key id, part)`` state key: ``wd_mult`` is keyed by key id
-    (the worker translates its keys, see :func:`trainer.kv.client.wd_mult_to_ids`)."""
-    return slot_key[0]
+class Answer:
+    """The answer to one request: filled item by item, sent when the last is done.
 
+    Args:
+        shard: the shard that sends it.
+        peer, msg: the request.
+        wanted: send the values (False: a plain async push, answered only on error).
+        snapshot: copy the values as they are sent (async: others change them in place).
+    """
 
-def _queued(slot: Slot, rid: bytes) -> bool:
-    """True when a request of this peer waits for the slot's next round."""
-    return any(p.rid == rid for p, _ in slot.backlog)
+    __slots__ = ("shard", "peer", "msg", "values", "left", "error", "wanted", "snapshot")
+
+    def __init__(self, shard: Shard, peer: P.Peer, msg: P.Message, wanted: bool = True,
+                 snapshot: bool = False) -> None:
+        self.shard = shard
+        self.peer = peer
+        self.msg = msg
+        n = len(msg.items or ())
+        self.values: list[Any] = [None] * n
+        self.left = n
+        self.error: str | None = None
+        self.wanted = wanted
+        self.snapshot = snapshot
+
+    def set(self, i: int, value: Any) -> None:
+        self.values[i] = value
+        self.left -= 1
+        if not self.left:
+            self.shard._answer(self)
+
+    def fail(self, i: int, text: str) -> None:
+        self.error = self.error or text
+        self.left -= 1
+        if not self.left:
+            self.shard._answer(self)
 
 
 class Shard:
@@ -88,8 +124,8 @@ class Shard:
     Args:
         num_workers: workers per sync round.
         mac_payload: MAC the tensor payloads of replies.
-        send: ``send(peer, cmd, key, part, req, status=, dtype=, count=, payload=,
-            digest=, copy=)``.
+        send: ``send(peer, cmd, key, part, req, status=, dtype=, count=, flags=, payload=,
+            copy=)``.
         who: the server's name in log lines.
     """
 
@@ -129,86 +165,94 @@ class Shard:
         logger.warning("%s refused %s from %s: %s", self.who,
                        P.COMMAND_NAMES.get(msg.cmd, msg.cmd), peer.label, text)
         self.send(peer, P.REPLY, msg.key, msg.part, msg.req, status=P.ST_ERROR,
-                      payload=[text.encode()])
+                  payload=[text.encode()])
 
-    def _send_value(self, peer: P.Peer, key: int, part: int, req: int, slot: Slot,
-                    digest: bytes | None, snapshot: bool = False) -> None:
-        """Send the slot's value: its frame as it is, or (``snapshot``) a copy taken now."""
-        self.send(peer, P.REPLY, key, part, req, dtype=slot.code, count=slot.count,
-                      payload=[slot.value if snapshot else slot.frame], digest=digest,
-                      copy=snapshot)
+    def _answer(self, a: Answer) -> None:
+        msg = a.msg
+        if a.error is not None:
+            self._error(a.peer, msg, a.error)
+            return
+        if not a.wanted:
+            return
+        # The answer's index is the request's: the same items, in the same order. Shared
+        # buffers (received frames), or for a snapshot arrays that ZeroMQ copies now.
+        self.send(a.peer, P.VALUES, msg.key, msg.part, msg.req, count=len(a.values),
+                  payload=[msg.frames[0], *a.values], copy=a.snapshot)
 
-    def _slot(self, peer: P.Peer, msg: P.Message) -> Slot | None:
-        slot = self.slots.get((msg.key, msg.part))
+    def _slot(self, a: Answer, i: int, key: int, part: int, count: int, code: int) -> Slot | None:
+        slot = self.slots.get((key, part))
         if slot is None:
-            self._error(peer, msg, f"key {msg.key} (part {msg.part}) was never initialised on this "
-                        "server: every worker must call init with the same keys in the same order")
+            a.fail(i, f"key {key} (part {part}) was never initialised on this server: every "
+                   "worker must call init with the same keys in the same order")
+        elif (code and code != slot.code) or (count and count != slot.count):
+            spec = P.DTYPES.get(code, ("?", 0))[0]
+            a.fail(i, f"key {key} (part {part}) has {count} elements of {spec} here, but init "
+                   f"gave {slot.count} of {P.DTYPES[slot.code][0]}: workers disagree on shapes "
+                   "or key order")
+            return None
         return slot
 
     # --- data plane ------------------------------------------------------------------------
     def _init(self, peer: P.Peer, msg: P.Message) -> None:
-        slot = self.slots.get((msg.key, msg.part))
-        if slot is not None and (slot.pushed or slot.backlog):
-            self._error(peer, msg, f"key {msg.key} was initialised again during a push round")
-            return
-        self.slots[(msg.key, msg.part)] = Slot(msg.frames[0], msg.dtype)
-        self._ack(peer, msg)
+        a = Answer(self, peer, msg, wanted=False)
+        for i, ((key, part, _, code), frame) in enumerate(zip(msg.items or (), msg.data)):
+            slot = self.slots.get((key, part))
+            if slot is not None and (slot.pushed or slot.backlog):
+                a.fail(i, f"key {key} was initialised again during a push round")
+            else:
+                self.slots[(key, part)] = Slot(frame, code)
+                a.set(i, None)
+        if a.error is None:
+            self._ack(peer, msg)
 
     def _push(self, peer: P.Peer, msg: P.Message) -> None:
-        slot = self._slot(peer, msg)
-        if slot is None:
+        asynchronous = bool(msg.flags & P.F_ASYNC)
+        a = Answer(self, peer, msg, wanted=not asynchronous or bool(msg.flags & P.F_PULL),
+                   snapshot=asynchronous)
+        if asynchronous and self.updater is None:
+            for i in range(a.left):
+                a.fail(i, "dist_async needs an optimizer on the servers: call "
+                       "kv.set_optimizer(...) before the first push")
             return
-        if msg.dtype != slot.code or msg.count != slot.count:
-            self._error(peer, msg, f"push of key {msg.key} has {msg.count} elements of "
-                        f"{P.DTYPES[msg.dtype][0]}, but init gave {slot.count} of "
-                        f"{P.DTYPES[slot.code][0]}: workers disagree on shapes or key order")
-            return
-        grad = np.frombuffer(msg.frames[0].buffer, _NP_DTYPES[msg.dtype])
-        if msg.flags & P.F_ASYNC:
-            self._push_async(peer, msg, slot, grad)
-            return
-        rid = peer.rid
-        if rid in slot.pushed or _queued(slot, rid):  # its next round (keep its order)
-            slot.backlog.append((peer, msg))
+        for i, ((key, part, count, code), frame) in enumerate(zip(msg.items or (), msg.data)):
+            slot = self._slot(a, i, key, part, count, code)
+            if slot is None:
+                continue
+            if asynchronous:
+                self._push_async(a, i, key, part, slot, frame)
+            else:
+                self._push_sync(a, i, key, part, slot, frame)
+
+    def _push_sync(self, a: Answer, i: int, key: int, part: int, slot: Slot, frame: Any) -> None:
+        rid = a.peer.rid
+        if rid in slot.pushed or slot.queued(rid):  # its next round (keep its order)
+            slot.backlog.append((_PUSH, a, i, frame))
             return
         slot.pushed.add(rid)
+        grad = np.frombuffer(frame.buffer, _NP_DTYPES[slot.code])
         if slot.merged is None:
             slot.merged = grad
-            slot.merged_frame = msg.frames[0]
+            slot.merged_frame = frame
         else:
             slot.merged += grad
         # Every push is answered with the round's value: a pull nearly always
         # follows, and this spares it a request and a round trip.
-        slot.pending.append((peer, msg.req, 1))
+        slot.pending.append((a, i))
         if len(slot.pushed) >= self.num_workers:
-            self._complete(msg.key, msg.part, slot)
+            self._complete(key, part, slot)
 
-    def _push_async(self, peer: P.Peer, msg: P.Message, slot: Slot, grad: np.ndarray) -> None:
-        if self.updater is None:
-            self._error(peer, msg, "dist_async needs an optimizer on the servers: call "
-                        "kv.set_optimizer(...) before the first push")
-            return
+    def _push_async(self, a: Answer, i: int, key: int, part: int, slot: Slot, frame: Any) -> None:
         if slot.pushed:
-            self._error(peer, msg, "a dist_async push arrived during a dist_sync round: every "
-                        "worker must create the same kvstore type")
+            a.fail(i, "a dist_async push arrived during a dist_sync round: every worker must "
+                   "create the same kvstore type")
             return
+        grad = np.frombuffer(frame.buffer, _NP_DTYPES[slot.code])
         try:
-            self.updater((msg.key, msg.part), slot.value, grad)
+            self.updater((key, part), slot.value, grad)  # type: ignore[misc]
         except (TypeError, ValueError) as e:
-            self._error(peer, msg, f"the optimizer failed on key {msg.key}: {e}")
+            a.fail(i, f"the optimizer failed on key {key}: {e}")
             return
-        if msg.flags & P.F_PULL:
-            self._send_async_value(peer, msg, slot)
-
-    def _send_async_value(self, peer: P.Peer, msg: P.Message, slot: Slot) -> None:
-        # Other workers' pushes change the value in place at any time: send a copy.
-        if self.mac_payload:
-            value = slot.value.copy()
-            self.send(peer, P.REPLY, msg.key, msg.part, msg.req, dtype=slot.code,
-                          count=slot.count, payload=[value], digest=P.payload_digest([value]),
-                          copy=True)
-        else:
-            self._send_value(peer, msg.key, msg.part, msg.req, slot, None, snapshot=True)
+        a.set(i, slot.value)
 
     def _complete(self, key: int, part: int, slot: Slot) -> None:
         merged, frame = slot.merged, slot.merged_frame
@@ -227,35 +271,41 @@ class Shard:
         slot.pending = []
         if failed is not None:
             logger.warning("%s %s", self.who, failed)
-            for peer, req, _ in pending:
-                self.send(peer, P.REPLY, key, part, req, status=P.ST_ERROR,
-                          payload=[failed.encode()])
+            for a, i in pending:
+                a.fail(i, failed)
         else:
-            digest = None
-            if pending and self.mac_payload:
-                digest = P.payload_digest([slot.value])
-            for peer, req, _ in pending:
-                self._send_value(peer, key, part, req, slot, digest)
+            value = slot.frame
+            for a, i in pending:
+                a.set(i, value)
         # the next round's requests, failed round or not: nobody waits forever
         if slot.backlog:
             backlog = slot.backlog
             slot.backlog = []
-            for peer, msg in backlog:
-                self.handle(peer, msg)
+            for kind, a, i, data in backlog:
+                if kind == _PUSH:
+                    self._push_sync(a, i, key, part, slot, data)
+                else:
+                    self._pull_item(a, i, slot)
 
     def _pull(self, peer: P.Peer, msg: P.Message) -> None:
-        slot = self._slot(peer, msg)
-        if slot is None:
-            return
-        if _queued(slot, peer.rid):  # after this worker's queued push
-            slot.backlog.append((peer, msg))
-        elif peer.rid in slot.pushed:
-            slot.pending.append((peer, msg.req, 1))
-        elif msg.flags & P.F_ASYNC:
-            self._send_async_value(peer, msg, slot)
+        asynchronous = bool(msg.flags & P.F_ASYNC)
+        a = Answer(self, peer, msg, snapshot=asynchronous)
+        for i, (key, part, count, code) in enumerate(msg.items or ()):
+            slot = self._slot(a, i, key, part, count, code)
+            if slot is not None:
+                if asynchronous:
+                    a.set(i, slot.value)
+                else:
+                    self._pull_item(a, i, slot)
+
+    def _pull_item(self, a: Answer, i: int, slot: Slot) -> None:
+        rid = a.peer.rid
+        if slot.queued(rid):  # after this worker's queued push
+            slot.backlog.append((_PULL, a, i, None))
+        elif rid in slot.pushed:
+            slot.pending.append((a, i))
         else:
-            digest = P.payload_digest([slot.value]) if self.mac_payload else None
-            self._send_value(peer, msg.key, msg.part, msg.req, slot, digest)
+            a.set(i, slot.frame)
 
     # --- control ------------------------------------------------------------------------------
     def _set_optimizer(self, peer: P.Peer, msg: P.Message) -> None:
@@ -277,7 +327,7 @@ class Shard:
                 frames.extend(np.ascontiguousarray(arrays[n]) for n in names)
         # copy=True: a snapshot, since later pushes update the states in place
         self.send(peer, P.REPLY, msg.key, msg.part, msg.req, payload=[P.dumps(meta), *frames],
-                      copy=True)
+                  copy=True)
 
     def _set_states(self, peer: P.Peer, msg: P.Message) -> None:
         if not msg.frames:
@@ -316,6 +366,13 @@ class Shard:
             return
         self.updater.set_states(states)
         self._ack(peer, msg)
+
+
+def _key_id(slot_key: Any) -> int:
+    """The key id of a ``(key id, part)`` state key: ``wd_mult`` is keyed by key id
+    (the worker translates its keys, see :func:`trainer.kv.client.wd_mult_to_ids`)."""
+    return slot_key[0]
+
 
 class Server:
     """The server role. :meth:`run` returns once the job is done and raises on failure.
@@ -369,7 +426,7 @@ class Server:
             self.v("is connected to others")
         elif msg.cmd == P.ABORT:
             info = msg.json()
-            raise KVAbortError(f"the scheduler aborted the job: {info.get('reason')}")
+            raise KVAbortedByScheduler(f"the scheduler aborted the job: {info.get('reason')}")
         elif msg.cmd == P.DONE:
             return True
         return False
@@ -382,18 +439,27 @@ class Server:
             host = node_address(env)
             port = self.hub.bind(host, port_range=env.port_range, what="this server")
             self.v("Bind to role=server, ip=%s, port=%d", host, port)
-            self.sched.connect(started + env.start_timeout, "server", host, port)
+            hub = self.hub
+            # While it connects, the server keeps its own gate and connection bounds going.
+            gate = [s for s in hub.sockets() if s is not hub.sock]
+            self.sched.connect(started + env.start_timeout, "server", host, port,
+                               service=hub.service, also=gate)
             poller = zmq.Poller()
-            hub_sock, sched_sock = self.hub.sock, self.sched.sock
-            poller.register(hub_sock, zmq.POLLIN)
+            hub_sock, sched_sock = hub.sock, self.sched.sock
+            for sock in hub.sockets():
+                poller.register(sock, zmq.POLLIN)
             poller.register(sched_sock, zmq.POLLIN)
             if self.sched.monitor is not None:
                 poller.register(self.sched.monitor, zmq.POLLIN)
             monitor = self.sched.monitor
             next_tick = 0.0
             while True:
-                events = poller.poll(max(0.0, next_tick - time.monotonic()) * 1000)
+                events = poller.poll(max(0.0, min(next_tick, hub.next_sweep)
+                                         - time.monotonic()) * 1000)
                 due = False
+                if len(events) > 1 or (events and events[0][0] is not hub_sock) or (
+                        time.monotonic() >= hub.next_sweep):
+                    hub.service()
                 for sock, _ in events:
                     if sock is hub_sock:
                         for peer, msg in self.hub.receive():
@@ -413,10 +479,13 @@ class Server:
                         # A DONE or ABORT may have arrived just before the connection closed.
                         if self._from_scheduler():
                             return self._finish()
+                        self.sched.blame(reason)
                         raise KVAbortError(reason)
                     if self.rank < 0 and now - started > env.start_timeout + 5:
-                        raise KVTimeoutError(f"{self.sched.name} sent no address book within "
-                                             f"{env.start_timeout:g} s ({pc.START_TIMEOUT})")
+                        reason = (f"{self.sched.name} sent no address book within "
+                                  f"{env.start_timeout:g} s ({pc.START_TIMEOUT})")
+                        self.sched.blame(reason)
+                        raise KVTimeoutError(reason)
                     next_tick = self.sched.next_due(now)
         except KVAbortError:
             self._report_drops()
@@ -447,10 +516,11 @@ class Server:
         return done
 
     def _finish(self) -> None:
-        self.v("is stopped")
         self._report_drops()
+        stats = self.hub.stats()
         self.hub.close(CLEAN_LINGER_MS)
         self.sched.close(CLEAN_LINGER_MS)
+        self.v("is stopped (%s)", stats)
 
     def _report_drops(self) -> None:
         drops = P.DropCounter()
@@ -458,8 +528,8 @@ class Server:
         for k, n in self.sched.link.drops.counts.items():
             drops.counts[k] = drops.counts.get(k, 0) + n
         if drops.total:
-            logger.warning("%s dropped %d invalid messages (%s)", self.v.who, drops.total,
-                           drops.summary())
+            logger.warning("%s refused or dropped %d connections or messages (%s)", self.v.who,
+                           drops.total, drops.summary())
 
 
 def run(env: ClusterEnv, secret: bytes) -> None:
