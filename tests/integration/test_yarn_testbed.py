@@ -177,7 +177,8 @@ def test_unknown_queue_is_refused_in_one_line(job) -> None:
     assert "Traceback" not in r.stderr
     probes = read_probes(job["probes"])
     assert set(probes) <= {"scheduler"}, sorted(probes)   # the local scheduler at most: no container ran
-    assert_no_orphans(all_pids(probes), timeout=10)
+    if probes:
+        assert_no_orphans(all_pids(probes), timeout=10)
 
 
 # --- failure, Ctrl-C, kill -9 ------------------------------------------------------------------------
