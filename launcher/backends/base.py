@@ -208,5 +208,10 @@ class Backend:
         (SIGTERM, ``--kill-grace``, SIGKILL). The default: nothing, the backend stopped it."""
         return ProcGroup()
 
+    def helper_pids(self) -> set[int]:
+        """The launcher's own helper processes of this backend (skein's driver, salloc): not the
+        job's, so the sweep of processes that left their groups leaves them to :meth:`close`."""
+        return set()
+
     def close(self) -> None:
         """Release sessions and connections. Idempotent."""

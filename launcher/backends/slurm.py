@@ -730,6 +730,9 @@ class SlurmBackend(BatchBackend):
             raise LaunchError(f"scontrol show job {job} failed: {_one_line(r.stderr or r.stdout)}")
         return parse_job(r.stdout, job)
 
+    def helper_pids(self) -> set[int]:
+        return {self._salloc.pid} if self._salloc is not None else set()
+
     def _allocate(self) -> Allocation:
         """``salloc --no-shell``; wait (at most ``--start-timeout``) until Slurm grants it."""
         argv = build_salloc(self.spec, _which("salloc") or "salloc")

@@ -528,6 +528,10 @@ class YarnBackend(BatchBackend):
             log.warning("could not kill YARN application %s: %s; run: %s", self.app_id,
                         " ".join(str(e).split()), shlex.join(kill_command(self.app_id)))
 
+    def helper_pids(self) -> set[int]:
+        proc = getattr(self._client, "_proc", None)  # skein's driver (a Java process), when this client started it
+        return {proc.pid} if proc is not None and getattr(proc, "pid", None) else set()
+
     def release(self) -> None:
         """Stop skein's driver; remove the local copies of the bundle and the task file."""
         if self.app_id is not None:

@@ -92,6 +92,7 @@ class Supervisor:
         self.first: Optional[ProcessHandle] = None
         self.tracker: Optional[trackers.TrackerHandle] = None  # a collective job's (--tracker), not a process
         self._ids = (os.urandom(32).hex(), os.urandom(6).hex())  # (secret, job id): secrets.token_hex's way
+        self._backend: Optional[Backend] = None  # while an attempt runs
         self._watch: Optional[addr.SchedulerWatch] = None  # while the job starts: who gets the port
         self._wake = threading.Event()  # set when a process's output ends: look now, not at the next tick
         self.console.on_stream_end = self._wake.set
@@ -137,6 +138,7 @@ class Supervisor:
         spec = self.spec
         outcome: Optional[tuple[str, int]] = None
         with self.backend_cls(spec, self.console, self.watchdog) as backend:
+            self._backend = backend
             try:
                 backend.check()
                 addresses = dict(backend.prepare())
@@ -177,6 +179,7 @@ class Supervisor:
                         self.tracker.close()  # only now: a worker may need it until it exits
                 if lost:
                     self._forget_attempt()
+                self._backend = None
         if outcome[0] == PORT_LOST and not lost:  # the last attempt: report the scheduler's failure
             self.first = self.scheduler
             return "failure", (self.scheduler.exit_code if self.scheduler else None) or 1
@@ -208,6 +211,8 @@ class Supervisor:
         child (the watchdog excepted); otherwise each is found by its ``PSLAUNCH_PROCESS``."""
         if self.adopt_orphans:
             keep = {self.watchdog.pid} if self.watchdog is not None and self.watchdog.pid else set()
+            if self._backend is not None:
+                keep |= self._backend.helper_pids()  # the launcher's own helpers (skein's driver, salloc)
             n = kill_children(keep=keep)
         elif self.plan is not None:
             n = kill_marked(f"{self.plan.job_id}/")
