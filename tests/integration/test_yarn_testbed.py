@@ -23,8 +23,16 @@ from pathlib import Path
 
 import pytest
 from support import trainer as H
-from support.helpers import (BIN, all_pids, assert_no_orphans, pid_alive, pslaunch_argv, read_probes, run_pslaunch,
-                             wait_for)
+from support.helpers import (
+    BIN,
+    all_pids,
+    assert_no_orphans,
+    pid_alive,
+    pslaunch_argv,
+    read_probes,
+    run_pslaunch,
+    wait_for,
+)
 from support.yarn_testbed import (
     app_status,
     apps_named,
