@@ -489,11 +489,17 @@ wait_nodes() {  # wait_nodes N...: until each node answers; resume a down one; t
     done
     for i in "$@"; do
         name=$(node_name "$i")
+        if ! node_idle "$name" && [ -n "$(timeout 10 squeue -h -w "$name" -o %i 2>/dev/null)" ]; then
+            # a test cluster's set-up: jobs left on it by an earlier run (a killed test) go
+            note "$name is $(node_state "$name") with jobs of an earlier run: cancelling them"
+            # shellcheck disable=SC2046  # one word per job id
+            timeout 20 scancel --full --quiet $(timeout 10 squeue -h -w "$name" -o %i) 2>/dev/null || true
+        fi
         if ! poll "$WAIT" node_idle "$name"; then
             timeout 10 sinfo -N -l >&2 || true
             timeout 10 scontrol show node "$name" >&2 || true
             log_tail "$(slurmd_log "$i")" "$LOGS/slurmctld.log"
-            fail "node $name is not idle after ${WAIT}s (state: $(node_state "$name"))"
+            fail "node $name is not idle after ${WAIT}s (state: $(node_state "$name"); jobs: $(timeout 10 squeue -h -o '%i %T %N' 2>/dev/null | tr '\n' ';'))"
         fi
     done
 }
