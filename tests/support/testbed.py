@@ -498,7 +498,7 @@ def _start_sshd(tb: Testbed, h: TestHost) -> None:
     cfg.write_text(_SSHD_CONFIG.format(hostkey=hostdir / "ssh_host_ed25519_key",
                                        authorized_keys=tb.authorized_keys) + extra)
     tmp_mount = "mount -t tmpfs -o mode=1777 tmpfs /tmp"
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]  # (tests/support/testbed.py)
     if Path("/tmp") in repo.parents:
         # A checkout under /tmp (a CI clone, say) stays visible through the host's private /tmp:
         # the job runs the checkout's venv in the checkout's directory on every host.
