@@ -118,8 +118,10 @@ def is_listening(host: str, port: int, timeout: float = 0.2) -> bool:
         return False
 
 
-def _listen_inodes(port: int) -> Optional[set[str]]:
-    """Socket inodes listening on TCP ``port`` (from /proc/net), or None without /proc."""
+def _listen_inodes(port: int, host: str = "") -> Optional[set[str]]:
+    """Socket inodes listening on TCP ``port`` where a bind of ``host`` would collide with them
+    (the same address, or either side a wildcard; any address when ``host`` is empty), from
+    /proc/net; None without /proc. A listener on another address of the port is no rival."""
     inodes: set[str] = set()
     found_table = False
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -130,23 +132,40 @@ def _listen_inodes(port: int) -> Optional[set[str]]:
                 for line in f:
                     fields = line.split()
                     # local_address is HEXIP:HEXPORT, st 0A is LISTEN, inode is field 9
-                    if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    if len(fields) <= 9 or fields[3] != "0A":
+                        continue
+                    hexip, hexport = fields[1].rsplit(":", 1)
+                    if int(hexport, 16) == port and _collides(_proc_ip(hexip), host):
                         inodes.add(fields[9])
         except OSError:
             continue
     return inodes if found_table else None
 
 
+def _proc_ip(hexip: str) -> str:
+    """/proc/net/tcp's address (IPv4: one little-endian word; IPv6: four), as text; an IPv6
+    address that maps an IPv4 one (``::ffff:a.b.c.d``) as the IPv4 address."""
+    raw = bytes.fromhex(hexip)
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    if len(raw) == 16 and raw[:12] == bytes(10) + b"\xff\xff":
+        raw = raw[12:]
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw)
+
+
+def _collides(listening: str, host: str) -> bool:
+    return not host or listening in (host, "0.0.0.0", "::") or host in ("0.0.0.0", "::")
+
+
 def listener(pgid: int, host: str, port: int) -> str:
     """Who listens on TCP ``port``: ``"ours"`` (a process of group ``pgid``, the scheduler's),
-    ``"foreign"`` (someone else: the port was taken between our probe and the scheduler's bind;
-    a successful connect alone would not tell us), or ``"none"``.
+    ``"foreign"`` (another process holds it: the port was taken between our probe and the
+    scheduler's bind; a successful connect alone would not tell us), or ``"none"``.
 
     Reads ``/proc/net/tcp*`` and, only when something listens, the group leader's descriptors
     (then its group's): cheap enough to ask every few milliseconds while a job starts. Without
     ``/proc``, a connect decides between ``"ours"`` and ``"none"``.
     """
-    inodes = _listen_inodes(port)
+    inodes = _listen_inodes(port, host)
     if inodes is None:
         return "ours" if is_listening(host, port) else "none"
     if not inodes:
@@ -156,6 +175,11 @@ def listener(pgid: int, host: str, port: int) -> str:
         return "ours"
     if any(_holds(pid, targets) for pid in group_members(pgid) if pid != pgid):
         return "ours"
+    # a rival holds it: a process we can see. A listener that no process holds is one being
+    # closed (it was seen in the table a moment before its owner let go); a rival we may not
+    # look at (another user's) is judged when the scheduler fails to bind (see SchedulerWatch)
+    if not any(_holds(int(d), targets) for d in os.listdir("/proc") if d.isdigit()):
+        return "none"
     return "foreign"
 
 

@@ -1,0 +1,82 @@
+"""Who holds the scheduler's port while a job starts (launcher/run/addresses.py), on real sockets."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launcher.run.addresses import SchedulerWatch, _proc_ip, listener
+
+
+def test_proc_net_addresses() -> None:
+    assert _proc_ip("0100007F") == "127.0.0.1"
+    assert _proc_ip("0A01CA0A") == "10.202.1.10"
+    assert _proc_ip("00000000000000000000000000000000") == "::"
+    assert _proc_ip("0000000000000000FFFF00000100007F") == "127.0.0.1"  # ::ffff:127.0.0.1
+    assert _proc_ip("00000000000000000000000001000000") == "::1"
+
+
+def listening_on(host: str, port: int = 0) -> socket.socket:
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    s.bind((host, port))
+    s.listen()
+    return s
+
+
+def test_a_listener_on_another_address_of_the_port_is_no_rival() -> None:
+    # a scheduler on 127.0.0.1 and someone else's listener on 127.0.0.2, same port: the port
+    # is free for the scheduler (its bind succeeds), so it is not "foreign" (a lost race)
+    other = listening_on("127.0.0.2")
+    port = other.getsockname()[1]
+    try:
+        assert listener(os.getpgid(0), "127.0.0.1", port) == "none"
+        assert listener(os.getpgid(0), "127.0.0.2", port) == "ours"   # this process holds it
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+        try:
+            assert listener(child.pid, "127.0.0.2", port) == "foreign"   # held, not by the child's group
+            assert listener(child.pid, "0.0.0.0", port) == "foreign"     # a wildcard bind collides too
+            assert listener(child.pid, "127.0.0.1", port) == "none"
+        finally:
+            child.kill()
+            child.wait()
+    finally:
+        other.close()
+
+
+def test_a_wildcard_listener_collides_with_every_address() -> None:
+    other = listening_on("0.0.0.0")
+    port = other.getsockname()[1]
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        assert listener(child.pid, "127.0.0.1", port) == "foreign"
+    finally:
+        child.kill()
+        child.wait()
+        other.close()
+
+
+@pytest.mark.timeout(20)
+def test_the_watch_says_up_beside_a_listener_on_another_address() -> None:
+    # what a job on one address saw while a process of an earlier job still listened on the same
+    # port of another address: a "lost" verdict, and a needless restart on the next port
+    other = listening_on("127.0.0.2")
+    port = other.getsockname()[1]
+    code = (f"import socket, time; s = socket.socket(); time.sleep(0.3); s.bind(('127.0.0.1', {port})); "
+            "s.listen(); time.sleep(30)")
+    sched = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        watch = SchedulerWatch(sched.pid, "127.0.0.1", port).start()
+        end = time.monotonic() + 10
+        while watch.verdict is None and time.monotonic() < end:
+            time.sleep(0.01)
+        watch.stop()
+        assert watch.verdict == "up"
+    finally:
+        sched.kill()
+        sched.wait()
+        other.close()
