@@ -7,7 +7,8 @@ with ``scripts/train_mnist.py --network mlp --kv-store dist_sync`` over one epoc
 the scheduler on a known port. The attack aims at the scheduler's port: floods
 from a second before the job starts, memory attacks once the scheduler listens. Each row
 says what the job did (exit code, seconds from start to exit, its last line) and the
-scheduler's peak RSS growth while attacked, sampled every 10 ms from /proc.
+scheduler's peak RSS while attacked, sampled every 10 ms from /proc (the row ``none``, the
+same job unattacked, is the reference: a scheduler's own growth while it imports and serves).
 
 ``--repo DIR`` runs another checkout's launcher and trainer (for example the commit before
 the KV protocol's hardening) under the same attacks; the attack speaks that checkout's wire
@@ -136,7 +137,7 @@ def run_row(repo: Path, name: str, version: int, timeout: float) -> dict:
     reader.join(5)
     last = next((x.strip() for x in reversed(lines) if x.startswith("pslaunch:")), "")
     said = [x.strip() for x in lines if "refused or dropped" in x or "pslaunch-cause" in x][:1]
-    return {"row": name, "code": code, "seconds": took, "rss_growth_mb": peak - base, "last": last,
+    return {"row": name, "code": code, "seconds": took, "rss_peak_mb": peak, "rss_growth_mb": peak - base, "last": last,
             "kv_said": said[0] if said else ""}
 
 
@@ -151,10 +152,10 @@ def main() -> int:
     rows = [run_row(repo, r, version, a.timeout) for r in a.rows.split(",")]
     print(f"\nAttacks on the scheduler's port of a real job ({repo}, KV wire version {version}); load average "
           f"{os.getloadavg()[0]:.2f}")
-    print("| attack | exit code | seconds | scheduler RSS growth | the job's last line |")
+    print("| attack | exit code | seconds | scheduler peak RSS | the job's last line |")
     print("| --- | ---: | ---: | ---: | --- |")
     for r in rows:
-        print(f"| {r['row']} | {r['code']} | {r['seconds']:.1f} | {r['rss_growth_mb']:.0f} MB | {r['last'][:110]} |")
+        print(f"| {r['row']} | {r['code']} | {r['seconds']:.1f} | {r['rss_peak_mb']:.0f} MB | {r['last'][:110]} |")
     for r in rows:
         if r["kv_said"]:
             print(f"  {r['row']}: {r['kv_said'][:200]}")
