@@ -29,8 +29,7 @@ import torch
 
 import pscontract as pc
 from trainer.kv.errors import KVConfigError
-from trainer.kv.optim import OptimizerError, Updater, create_optimizer
-from trainer.kvstore import TORCH_OPS, Key, KVStore, _group, _sum
+from trainer.kvstore import Key, _group, _InProcessUpdates, _sum
 
 TYPE = "dist_allreduce"
 _NEEDED = (pc.TORCH_RANK, pc.WORLD_SIZE, pc.MASTER_ADDR, pc.MASTER_PORT)
@@ -55,7 +54,7 @@ def worker_gpus(gpus: Sequence[int], environ: Mapping[str, str]) -> list[int]:
     return list(gpus[local * share:(local + 1) * share])
 
 
-class AllreduceStore(KVStore):
+class AllreduceStore(_InProcessUpdates):
     """``dist_allreduce`` (see the module docstring). Create it with ``kvstore.create``."""
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
@@ -157,38 +156,12 @@ class AllreduceStore(KVStore):
                                         f"{tuple(o.shape)}")
                 o.copy_(stored)
 
-    def set_optimizer(self, spec: dict[str, Any]) -> None:
-        try:
-            opt = create_optimizer(spec)
-        except OptimizerError as e:
-            raise KVConfigError(str(e)) from None
-        self._spec = opt.to_spec()
-        self._updater = Updater(opt, TORCH_OPS)
-
-    def get_optimizer_states(self) -> dict[str, Any]:
-        if self._updater is None:
-            return self._states_dict(None, {})
-        per_key = {k: (c, {n: a.detach().to("cpu", copy=True) for n, a in arrays.items()})
-                   for k, (c, arrays) in self._updater.get_states().items()}
-        return self._states_dict(self._spec, per_key)
-
     def set_optimizer_states(self, states: dict[str, Any]) -> None:
         if self._started:  # rank 0's copy wins, as on the parameter servers
             box = [states if self._rank == 0 else None]
             self._dist.broadcast_object_list(box, src=0)
             states = box[0]
-        spec, per_key = self._parse_states(states)
-        if self._updater is None:
-            if spec is None:
-                raise KVConfigError("no optimizer: call kv.set_optimizer(...) first")
-            self.set_optimizer(spec)
-        assert self._updater is not None
-        restored = {}
-        for k, (count, arrays) in per_key.items():
-            stored = self._stored(k)
-            restored[k] = (count, {n: a.to(stored.device, stored.dtype, copy=True).reshape(stored.shape)
-                                   for n, a in arrays.items()})
-        self._updater.set_states(restored)
+        super().set_optimizer_states(states)
 
     def barrier(self) -> None:
         if self._started:

@@ -316,7 +316,44 @@ class KVStore:
         return states.get("optimizer"), per_key
 
 
-class _LocalStore(KVStore):
+class _InProcessUpdates(KVStore):
+    """A store whose optimizer runs in this process (``local``, ``device``, ``dist_allreduce``):
+    the updater and its states live here; a subclass says where a key's value is (``_stored``)."""
+
+    def _stored(self, k: Key) -> torch.Tensor:
+        raise NotImplementedError
+
+    def set_optimizer(self, spec: dict[str, Any]) -> None:
+        try:
+            opt = create_optimizer(spec)
+        except OptimizerError as e:
+            raise KVConfigError(str(e)) from None
+        self._spec = opt.to_spec()
+        self._updater = Updater(opt, TORCH_OPS)
+
+    def get_optimizer_states(self) -> dict[str, Any]:
+        if self._updater is None:
+            return self._states_dict(None, {})
+        per_key = {k: (c, {n: a.detach().to("cpu", copy=True) for n, a in arrays.items()})
+                   for k, (c, arrays) in self._updater.get_states().items()}
+        return self._states_dict(self._spec, per_key)
+
+    def set_optimizer_states(self, states: dict[str, Any]) -> None:
+        spec, per_key = self._parse_states(states)
+        if self._updater is None:
+            if spec is None:
+                raise KVConfigError("no optimizer: call kv.set_optimizer(...) first")
+            self.set_optimizer(spec)
+        assert self._updater is not None
+        restored = {}
+        for k, (count, arrays) in per_key.items():
+            stored = self._stored(k)
+            restored[k] = (count, {n: a.to(stored.device, stored.dtype, copy=True).reshape(
+                stored.shape) for n, a in arrays.items()})
+        self._updater.set_states(restored)
+
+
+class _LocalStore(_InProcessUpdates):
     """``local`` and ``device``: one process, several devices."""
 
     def __init__(self, kvtype: str) -> None:
@@ -376,34 +413,6 @@ class _LocalStore(KVStore):
                 srcs.append(stored)
         torch._foreach_copy_(outs_all, srcs)
 
-    def set_optimizer(self, spec: dict[str, Any]) -> None:
-        try:
-            opt = create_optimizer(spec)
-        except OptimizerError as e:
-            raise KVConfigError(str(e)) from None
-        self._spec = opt.to_spec()
-        self._updater = Updater(opt, TORCH_OPS)
-
-    def get_optimizer_states(self) -> dict[str, Any]:
-        if self._updater is None:
-            return self._states_dict(None, {})
-        per_key = {k: (c, {n: a.detach().to("cpu", copy=True) for n, a in arrays.items()})
-                   for k, (c, arrays) in self._updater.get_states().items()}
-        return self._states_dict(self._spec, per_key)
-
-    def set_optimizer_states(self, states: dict[str, Any]) -> None:
-        spec, per_key = self._parse_states(states)
-        if self._updater is None:
-            if spec is None:
-                raise KVConfigError("no optimizer: call kv.set_optimizer(...) first")
-            self.set_optimizer(spec)
-        assert self._updater is not None
-        restored = {}
-        for k, (count, arrays) in per_key.items():
-            stored = self._stored(k)
-            restored[k] = (count, {n: a.to(stored.device, stored.dtype, copy=True).reshape(
-                stored.shape) for n, a in arrays.items()})
-        self._updater.set_states(restored)
 
 
 # Open dist stores, kept alive until closed: a store the program dropped without
