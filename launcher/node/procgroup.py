@@ -152,16 +152,7 @@ def kill_children(sig=signal.SIGKILL, keep=()):
             break
         for p in pids:
             signalled.add(p)
-            try:
-                pgid = os.getpgid(p)
-            except OSError:
-                pgid = 0
-            if pgid > 1 and pgid != os.getpgid(0):
-                signal_group(pgid, sig)
-            try:
-                os.kill(p, sig)
-            except OSError:
-                pass
+            _signal_with_group(p, sig)
         _reap_any()
     return len(signalled)
 
@@ -204,17 +195,22 @@ def kill_marked(prefix, sig=signal.SIGKILL):
     """Signal every live process of :func:`marked` ``prefix``, and its group; the number signalled."""
     pids = marked(prefix)
     for pid in pids:
-        try:
-            pgid = os.getpgid(pid)
-        except OSError:
-            pgid = 0
-        if pgid > 1 and pgid != os.getpgid(0):
-            signal_group(pgid, sig)
-        try:
-            os.kill(pid, sig)
-        except OSError:
-            pass
+        _signal_with_group(pid, sig)
     return len(pids)
+
+
+def _signal_with_group(pid, sig):
+    """``sig`` to ``pid`` and to its process group (unless that group is ours)."""
+    try:
+        pgid = os.getpgid(pid)
+    except OSError:
+        pgid = 0
+    if pgid > 1 and pgid != os.getpgid(0):
+        signal_group(pgid, sig)
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        pass
 
 
 def _reap_any():
