@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from launcher.run import addresses
 from launcher.run.addresses import SchedulerWatch, _proc_ip, listener
 
 
@@ -26,6 +27,42 @@ def listening_on(host: str, port: int = 0) -> socket.socket:
     s.bind((host, port))
     s.listen()
     return s
+
+
+def test_netlink_and_proc_list_the_same_listeners() -> None:
+    # the watch asks the kernel's socket diagnostics (cheap on a host with many connections);
+    # /proc/net/tcp* is the fallback: both must see IPv4, IPv6 and v4-mapped listeners alike
+    socks = [listening_on("127.0.0.1"), listening_on("::1")]
+    dual = socket.socket(socket.AF_INET6)
+    dual.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    dual.bind(("::", 0))
+    dual.listen()
+    socks.append(dual)
+    connected = socket.create_connection(("127.0.0.1", socks[0].getsockname()[1]))  # not a listener
+    try:
+        diag, proc = addresses._diag_listeners(), addresses._proc_listeners()
+        assert diag is not None and proc is not None
+        assert sorted(diag) == sorted(proc)
+        ports = {(ip, port) for ip, port, _ in diag}
+        assert ("127.0.0.1", socks[0].getsockname()[1]) in ports
+        assert ("::1", socks[1].getsockname()[1]) in ports
+        assert ("::", dual.getsockname()[1]) in ports
+        assert addresses._listen_inodes(dual.getsockname()[1], "127.0.0.1")  # a wildcard collides
+        assert not addresses._listen_inodes(socks[1].getsockname()[1], "127.0.0.1")
+    finally:
+        connected.close()
+        for s in socks:
+            s.close()
+
+
+def test_without_socket_diagnostics_proc_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    other = listening_on("127.0.0.1")
+    monkeypatch.setattr(addresses, "_diag_broken", True)
+    try:
+        assert addresses._listen_inodes(other.getsockname()[1], "127.0.0.1")
+        assert listener(os.getpgid(0), "127.0.0.1", other.getsockname()[1]) == "ours"
+    finally:
+        other.close()
 
 
 def test_a_listener_on_another_address_of_the_port_is_no_rival() -> None:
