@@ -61,6 +61,7 @@ class LocalProcess(ProcessHandle):
             watchdog.watch(self.pgid)
         pump.add(out_r, output.stdout.feed, output.stdout.close)
         pump.add(err_r, output.stderr.feed, output.stderr.close)
+        pump.watch_exit(self.pid, output.process_ended)
 
     def _poll(self) -> int | None:
         return self._popen.poll()

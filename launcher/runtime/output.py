@@ -169,6 +169,12 @@ class ProcOutput:
         self.stdout = LineStream(self, err=False)
         self.stderr = LineStream(self, err=True)
 
+    def process_ended(self) -> None:
+        """The process has ended (its output may still be in its pipes): look at it now."""
+        hook = self.console.on_stream_end
+        if hook is not None:
+            hook()
+
     def emit(self, line: str, err: bool) -> None:
         redact = self.console.redact
         if redact is not None:
@@ -243,8 +249,14 @@ class LineStream:
             hook()
 
 
+def _PIDFD(data: bytes) -> None:
+    """The feed of a pidfd's entry in :class:`PipePump`: a marker, never called."""
+    raise AssertionError("a pidfd has no data")
+
+
 class PipePump:
-    """One thread that moves bytes from many local pipes into their line streams."""
+    """One thread that moves bytes from many local pipes into their line streams, and says
+    at once when a watched process has ended (a pidfd per process, where Linux has them)."""
 
     def __init__(self) -> None:
         self._sel = selectors.DefaultSelector()
@@ -264,6 +276,19 @@ class PipePump:
             self._pending.append((fd, feed, close))
         self._wake()
 
+    def watch_exit(self, pid: int, ended: Callable[[], None]) -> None:
+        """Call ``ended`` from the pump's thread when child ``pid`` has ended (it is not reaped:
+        the exit status stays for whoever polls it). A process closes its output a moment
+        before it exits, so the end of its output alone would leave the supervisor to find
+        the exit at its next look, 20 ms later. Without pidfds (Linux < 5.3), nothing."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            return
+        with self._lock:
+            self._pending.append((pidfd, _PIDFD, ended))
+        self._wake()
+
     def _wake(self) -> None:
         try:
             os.write(self._wfd, b"x")
@@ -276,7 +301,8 @@ class PipePump:
                 for fd, feed, close in self._pending:
                     self._sel.register(fd, selectors.EVENT_READ, (feed, close))
                 self._pending.clear()
-                if self._stopping and len(self._sel.get_map()) == 1:
+                if self._stopping and all(k.data is None or k.data[0] is _PIDFD
+                                          for k in self._sel.get_map().values()):
                     break
             for key, _ in self._sel.select(timeout=0.5):
                 if key.data is None:
@@ -286,6 +312,11 @@ class PipePump:
                         pass
                     continue
                 feed, close = key.data
+                if feed is _PIDFD:
+                    self._sel.unregister(key.fd)
+                    os.close(key.fd)
+                    close()
+                    continue
                 try:
                     chunk = os.read(key.fd, 65536)
                 except BlockingIOError:
@@ -298,6 +329,9 @@ class PipePump:
                     self._sel.unregister(key.fd)
                     os.close(key.fd)
                     close()
+        for key in list(self._sel.get_map().values()):
+            if key.data is not None and key.data[0] is _PIDFD:
+                os.close(key.fd)
         self._sel.close()
         os.close(self._rfd)
         os.close(self._wfd)

@@ -85,6 +85,34 @@ def test_pipe_pump_delivers_and_closes() -> None:
     assert out.getvalue().decode().splitlines() == ["[worker 0] one", "[worker 0] two"]
 
 
+def test_pipe_pump_says_when_a_process_ends_not_when_its_output_does() -> None:
+    # a process that closes its output and goes on running: no word until it really ends; then
+    # at once (a pidfd), and its exit status is still there for the supervisor's poll
+    import subprocess
+    import sys
+    import threading
+
+    child = subprocess.Popen([sys.executable, "-c", "import os, sys, time; os.close(1); os.close(2); "
+                              "sys.stdin.read(); sys.exit(7)"], stdin=subprocess.PIPE,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ended = threading.Event()
+    pump = PipePump()
+    try:
+        pump.watch_exit(child.pid, ended.set)
+        assert not ended.wait(0.3)
+        assert child.stdin is not None
+        child.stdin.close()
+        t0 = time.monotonic()
+        assert ended.wait(10)
+        took = time.monotonic() - t0
+        assert child.poll() == 7
+        assert took < 5, took  # liveness: the moment it ends, not at some later look
+    finally:
+        child.kill()
+        child.wait()
+        pump.stop()
+
+
 def test_redaction_covers_console_log_file_and_tail(tmp_path) -> None:
     from launcher.spec.env import Redactor
 
