@@ -17,8 +17,8 @@ def main(argv: Optional[Sequence[str]] = None, prog_name: str = "pslaunch") -> i
         code = doctor_main(args[1:])
     else:
         from .common import invoke
-        from .run import run_command
-        code = invoke(run_command, args, prog_name, "pslaunch --help")
+        from .run import command_for
+        code = invoke(command_for(args), args, prog_name, "pslaunch --help")
     if argv is None:
         sys.stdout.flush()
         sys.exit(code)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import click
 import pytest
+from support.helpers import REPO
 
 from launcher import backends, cli
 from launcher.cli import common, run
@@ -195,10 +199,54 @@ def test_an_unknown_backend_is_one_line_naming_the_available_ones() -> None:
 
 
 def test_every_backend_option_is_a_cli_option_and_a_yaml_key() -> None:
-    params = {p.name for p in run.run_command.params}
+    params = {p.name for p in run.with_backend_options().params}
     for cls in backends.classes():
         for o in cls.options:
             assert o.param in params, (cls.name, o.param)
+
+
+@pytest.mark.parametrize("args", [
+    ["-n", "2", "python", "train.py", "--ssh-user", "x"],   # the job's own options are not ours
+    ["-n2", "-s", "1", "--launcher=local", "--", "./job.sh"],
+    ["--num-workers", "2", "--kill-grace", "3", "-H", "h1,h2", "sleep", "1"],
+    ["-n", "1", "--dry-run", "true"],
+])
+def test_a_job_without_backend_options_skips_importing_them(args) -> None:
+    # what the shortcut leaves out must be what these arguments cannot name: parsing with the
+    # core options alone gives the same values as parsing with every option
+    core = run.command_for(args)
+    core_values = core.make_context("pslaunch", list(args)).params
+    full_values = run.with_backend_options().make_context("pslaunch", list(args)).params
+    assert {k: v for k, v in full_values.items() if k in core_values} == core_values
+    assert len(core.params) < len(run.with_backend_options().params) or core is run.run_command
+
+
+@pytest.mark.parametrize("args", [
+    ["-n", "2", "--ssh-user", "alice", "-H", "h1", "true"],
+    ["-n", "2", "--slurm-nodes=2", "true"],
+    ["--config", "job.yaml"],
+    ["--help"],
+    ["-h"],
+    ["-n", "2", "--num-worker", "3", "true"],                 # a typo: click names the real option
+])
+def test_arguments_that_may_name_a_backend_option_get_every_option(args) -> None:
+    assert run.command_for(args) is run.with_backend_options()
+    assert len(run.command_for(args).params) > run._CORE_PARAMS
+
+
+def test_a_local_job_imports_no_other_backend() -> None:
+    code = ("import sys; from launcher.cli import main; rc = main(['-n', '1', '-s', '1', '--dry-run', 'true']); "
+            "print(rc, sorted(m for m in sys.modules if m.startswith('launcher.backends.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=REPO).stdout.strip().splitlines()[-1]
+    assert out == "0 ['launcher.backends.base', 'launcher.backends.local']", out
+
+
+def test_a_backend_option_after_the_shortcut_is_still_an_option_not_a_command() -> None:
+    # the same process first parses a core-only job, then one with a backend option
+    assert cli.main(["-n", "1", "-s", "0", "--dry-run", "true"]) == 0
+    assert cli.main(["-n", "1", "-s", "0", "--launcher", "ssh", "-H", "h1", "--ssh-user", "alice",
+                     "--accept-new-host-keys", "--dry-run", "true"]) == 0
 
 
 def test_help_teaches(capsys) -> None:
