@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import zmq
+from support.helpers import REPO
 
 from pscontract import ClusterEnv
 from trainer.kv import protocol as P
@@ -54,3 +55,43 @@ def test_the_secret_is_required_unless_waived() -> None:
     with pytest.raises(KVConfigError, match="PSLAUNCH_SECRET is not set") as e:
         check_dist_env(ENV)
     assert "\n" not in str(e.value)
+
+
+_FAULTS = """
+import ctypes, resource, sys
+if sys.argv[1] == "bulk":
+    from trainer.kv.transport import bulk_context
+    bulk_context().term()
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+def parts():  # what a 16 MB array's parts cost: 16 messages of 1 MB, written, then freed
+    blocks = [libc.malloc(1 << 20) for _ in range(16)]
+    for b in blocks:
+        ctypes.memset(b, 1, 1 << 20)
+    for b in blocks:
+        libc.free(b)
+parts()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    parts()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.parametrize("mode, environ, many", [
+    ("plain", {}, True),
+    ("bulk", {}, False),
+    ("bulk", {"MALLOC_TRIM_THRESHOLD_": "131072"}, True),   # the user's setting wins
+])
+def test_a_bulk_context_keeps_freed_message_memory(mode, environ, many) -> None:
+    # glibc returns freed 1 MB messages to the kernel and faults them in again, page by page;
+    # the KV server's and client's context keeps them (16 MB push+pull a third faster)
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", _FAULTS, mode], env={**env, **environ}, cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    faults = int(out.stdout.strip() or -1)
+    assert (faults > 20 * 4096 // 2) if many else (0 <= faults < 4096), (faults, out.stderr)

@@ -49,7 +49,7 @@ from .errors import (
 )
 from .node import SchedulerSession
 from .placement import Part, Placement
-from .transport import CLEAN_LINGER_MS, Link, Verbose, handshake_all, node_address
+from .transport import CLEAN_LINGER_MS, Link, Verbose, bulk_context, handshake_all, node_address
 
 logger = logging.getLogger(__name__)
 
@@ -290,7 +290,7 @@ class KVClient:
         self.aborted: str | None = None
         self.v = Verbose(env.verbose, "W[?]")
         self.host = node_address(env)
-        self.ctx = zmq.Context()
+        self.ctx = bulk_context()
         endpoint = f"inproc://kv-control-{os.getpid()}-{next(_pipe_ids)}"
         self._pipe = self.ctx.socket(zmq.PAIR)
         self._pipe.setsockopt(zmq.LINGER, 0)

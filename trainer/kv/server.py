@@ -45,7 +45,7 @@ from . import protocol as P
 from .errors import KVAbortedByScheduler, KVAbortError, KVTimeoutError
 from .node import SchedulerSession
 from .optim import OptimizerError, Updater, create_optimizer
-from .transport import CLEAN_LINGER_MS, Hub, Verbose, node_address
+from .transport import CLEAN_LINGER_MS, Hub, Verbose, bulk_context, node_address
 
 logger = logging.getLogger(__name__)
 
@@ -385,7 +385,7 @@ class Server:
     def __init__(self, env: ClusterEnv, secret: bytes) -> None:
         self.env = env
         self.v = Verbose(env.verbose, "S[?]")
-        self.ctx = zmq.Context()
+        self.ctx = bulk_context()
         self.hub = Hub(self.ctx, secret, env.mac_payload, self.v)
         self.sched = SchedulerSession(self.ctx, env, secret, self.v)
         self.shard = Shard(env.num_workers, env.mac_payload, self.hub.send, self.v.who)
