@@ -17,11 +17,9 @@ doctor`` embeds it in its remote checks.
 
 from __future__ import annotations
 
-import ctypes
-import json
 import socket
 import sys
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     import ipaddress
@@ -43,33 +41,41 @@ class Iface(NamedTuple):
         return ipaddress.IPv4Interface(f"{self.address}/{self.prefixlen}").network
 
 
-class _SockaddrIn(ctypes.Structure):
-    _fields_ = [("sin_family", ctypes.c_ushort), ("sin_port", ctypes.c_uint16),
-                ("sin_addr", ctypes.c_ubyte * 4), ("sin_zero", ctypes.c_ubyte * 8)]
+def _structs() -> tuple[Any, Any]:
+    """ctypes' ``struct sockaddr_in`` and ``struct ifaddrs`` (built on first use: importing
+    ctypes costs every launch 2 ms, and most jobs never look at an interface)."""
+    import ctypes
 
+    class SockaddrIn(ctypes.Structure):
+        _fields_ = [("sin_family", ctypes.c_ushort), ("sin_port", ctypes.c_uint16),
+                    ("sin_addr", ctypes.c_ubyte * 4), ("sin_zero", ctypes.c_ubyte * 8)]
 
-class _Ifaddrs(ctypes.Structure):
-    pass
+    class Ifaddrs(ctypes.Structure):
+        pass
 
+    Ifaddrs._fields_ = [
+        ("ifa_next", ctypes.POINTER(Ifaddrs)),
+        ("ifa_name", ctypes.c_char_p),
+        ("ifa_flags", ctypes.c_uint),
+        ("ifa_addr", ctypes.POINTER(SockaddrIn)),
+        ("ifa_netmask", ctypes.POINTER(SockaddrIn)),
+        ("ifa_ifu", ctypes.c_void_p),
+        ("ifa_data", ctypes.c_void_p),
+    ]
+    return SockaddrIn, Ifaddrs
 
-_Ifaddrs._fields_ = [
-    ("ifa_next", ctypes.POINTER(_Ifaddrs)),
-    ("ifa_name", ctypes.c_char_p),
-    ("ifa_flags", ctypes.c_uint),
-    ("ifa_addr", ctypes.POINTER(_SockaddrIn)),
-    ("ifa_netmask", ctypes.POINTER(_SockaddrIn)),
-    ("ifa_ifu", ctypes.c_void_p),
-    ("ifa_data", ctypes.c_void_p),
-]
 
 _IFF_UP = 0x1
 
 
 def interfaces() -> list[Iface]:
     """Every IPv4 address of every interface that is up, in ``getifaddrs`` order."""
+    import ctypes
+
+    _, ifaddrs = _structs()
     # dlopen(NULL): the C library is already loaded; find_library("c") would run ldconfig.
     libc = ctypes.CDLL(None, use_errno=True)
-    head = ctypes.POINTER(_Ifaddrs)()
+    head = ctypes.POINTER(ifaddrs)()
     if libc.getifaddrs(ctypes.byref(head)) != 0:
         raise NetifError(f"getifaddrs failed: errno {ctypes.get_errno()}")
     out: list[Iface] = []
@@ -204,6 +210,8 @@ def guess_host_ip(mode: str = "auto") -> str:
 
 def _main(argv: list[str]) -> int:
     """``netif.py SPEC``: print ``{"address": ..., "interface": ...}`` or ``{"error": ...}``."""
+    import json
+
     try:
         ifaces = interfaces()
         result = {"interfaces": [list(i) for i in ifaces]}

@@ -135,3 +135,30 @@ def test_a_cause_line_is_kept() -> None:
     p = console.proc("scheduler", "scheduler", "scheduler")
     p.stderr.feed(b"starting\npslaunch-cause: worker 1: no heartbeat for 10.0s\npslaunch-cause: - later\n")
     assert p.cause == ("worker", 1, "no heartbeat for 10.0s")
+
+
+def test_the_status_line_width(monkeypatch) -> None:
+    import pty
+
+    from launcher.run import progress
+
+    monkeypatch.setenv("COLUMNS", "57")
+    assert progress._terminal_columns() == 57
+    monkeypatch.delenv("COLUMNS")
+    master, slave = pty.openpty()
+    try:
+        import fcntl
+        import struct
+        import sys
+        import termios
+
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 133, 0, 0))
+        monkeypatch.setattr(sys, "__stdout__", os.fdopen(os.dup(slave), "w"))
+        assert progress._terminal_columns() == 133
+        sys.__stdout__.close()
+        monkeypatch.setattr(sys, "__stdout__", open(os.devnull, "w"))
+        assert progress._terminal_columns() == 100  # no terminal
+        sys.__stdout__.close()
+    finally:
+        os.close(master)
+        os.close(slave)
