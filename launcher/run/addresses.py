@@ -3,8 +3,9 @@
 ``DMLC_PS_ROOT_URI`` is, in order: this host's address on ``DMLC_INTERFACE``; ``--host-ip``
 (an address, or dmlc's guesses ``ip``/``dns``); 127.0.0.1 when everything runs on this
 machine; else the address that routes to the first host. The port is the first free one of
-``--port-range``; whether the scheduler really listens on it is checked against ``/proc``
-(someone else may take the port between the check and the scheduler's bind).
+``--port-range``; whether the scheduler really listens on it is checked against the kernel's
+list of listening sockets and ``/proc`` (someone else may take the port between the check and
+the scheduler's bind).
 """
 
 from __future__ import annotations
@@ -233,9 +234,10 @@ def listener(pgid: int, host: str, port: int) -> str:
     ``"foreign"`` (another process holds it: the port was taken between our probe and the
     scheduler's bind; a successful connect alone would not tell us), or ``"none"``.
 
-    Reads ``/proc/net/tcp*`` and, only when something listens, the group leader's descriptors
-    (then its group's): cheap enough to ask every few milliseconds while a job starts. Without
-    ``/proc``, a connect decides between ``"ours"`` and ``"none"``.
+    Asks the kernel for the listening sockets (netlink; ``/proc/net/tcp*`` where that is
+    refused) and, only when something listens, reads the group leader's descriptors (then its
+    group's): cheap enough to ask every few milliseconds while a job starts. Without either, a
+    connect decides between ``"ours"`` and ``"none"``.
     """
     inodes = _listen_inodes(port, host)
     if inodes is None:
