@@ -95,3 +95,24 @@ def test_a_bulk_context_keeps_freed_message_memory(mode, environ, many) -> None:
                          capture_output=True, text=True, timeout=60)
     faults = int(out.stdout.strip() or -1)
     assert (faults > 20 * 4096 // 2) if many else (0 <= faults < 4096), (faults, out.stderr)
+
+
+def test_a_hub_told_a_message_waits_never_blocks_when_none_does() -> None:
+    # the server reads its first message after a poll without asking ZeroMQ first; a poll that
+    # woke for nothing (or a message another read took) must not hang the server
+    import threading
+
+    from trainer.kv.transport import Hub, Verbose
+
+    ctx = zmq.Context()
+    hub = Hub(ctx, b"k" * 32, False, Verbose(0, "S[0]"))
+    try:
+        hub.bind("127.0.0.1", 0)
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(hub.receive(ready=True)), daemon=True)
+        t.start()
+        t.join(10)
+        assert not t.is_alive() and got == [[]]
+    finally:
+        hub.close()
+        ctx.term()

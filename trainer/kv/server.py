@@ -462,7 +462,7 @@ class Server:
                     hub.service()
                 for sock, _ in events:
                     if sock is hub_sock:
-                        for peer, msg in self.hub.receive():
+                        for peer, msg in self.hub.receive(ready=True):
                             try:
                                 self._dispatch(peer, msg)
                             except P.ProtocolError as e:
