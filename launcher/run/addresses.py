@@ -161,7 +161,7 @@ def _diag_listeners() -> Optional[list[tuple[str, int, str]]]:
                                       _NLM_F_REQUEST | _NLM_F_DUMP, seq, 0) + body, (0, 0))
                 if not _read_diag_dump(nl, seq, found):
                     raise OSError("no end of the socket list")
-    except (OSError, struct.error, ValueError):
+    except (OSError, AttributeError, struct.error, ValueError):  # (AttributeError: not Linux)
         _diag_broken = True
         return None
     return found

@@ -256,7 +256,8 @@ def _tune(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.HANDSHAKE_IVL, int(P.HANDSHAKE_SECONDS * 1000))
     # pyzmq sends a frame of 64 KB or more without copying it, through a thread that tracks
     # when ZeroMQ is done with it: 17 us a frame, more than copying 64 KB. Copy below 128 KB
-    # (a 64 KB push+pull: 375 -> 349 us; at 256 KB not copying stays faster).
+    # (a 64 KB push+pull: 418 -> 356 us, median of 5 interleaved; at 256 KB not copying stays
+    # faster).
     sock.copy_threshold = _COPY_BELOW
 
 
