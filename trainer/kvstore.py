@@ -297,6 +297,16 @@ class KVStore:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.close()
 
+    def _adopt_optimizer(self, spec: dict[str, Any]) -> Any:
+        """The optimizer ``spec`` describes (a one-line KVConfigError if it is not one); its
+        normalized spec becomes this store's, for get_optimizer_states()."""
+        try:
+            opt = create_optimizer(spec)
+        except OptimizerError as e:
+            raise KVConfigError(str(e)) from None
+        self._spec = opt.to_spec()
+        return opt
+
     @staticmethod
     def _states_dict(spec: dict[str, Any] | None, per_key: dict[Any, tuple[int, dict[str, Any]]]
                      ) -> dict[str, Any]:
@@ -324,12 +334,7 @@ class _InProcessUpdates(KVStore):
         raise NotImplementedError
 
     def set_optimizer(self, spec: dict[str, Any]) -> None:
-        try:
-            opt = create_optimizer(spec)
-        except OptimizerError as e:
-            raise KVConfigError(str(e)) from None
-        self._spec = opt.to_spec()
-        self._updater = Updater(opt, TORCH_OPS)
+        self._updater = Updater(self._adopt_optimizer(spec), TORCH_OPS)
 
     def get_optimizer_states(self) -> dict[str, Any]:
         if self._updater is None:
@@ -412,7 +417,6 @@ class _LocalStore(_InProcessUpdates):
                 outs_all.append(o)
                 srcs.append(stored)
         torch._foreach_copy_(outs_all, srcs)
-
 
 
 # Open dist stores, kept alive until closed: a store the program dropped without
@@ -581,11 +585,7 @@ class _DistStore(KVStore):
         self._fan_out(out_groups, dests)
 
     def set_optimizer(self, spec: dict[str, Any]) -> None:
-        try:
-            opt = create_optimizer(spec)
-        except OptimizerError as e:
-            raise KVConfigError(str(e)) from None
-        self._spec = opt.to_spec()
+        self._adopt_optimizer(spec)
         self._client.set_optimizer(self._spec)
 
     def get_optimizer_states(self) -> dict[str, Any]:

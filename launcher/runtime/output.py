@@ -249,11 +249,6 @@ class LineStream:
             hook()
 
 
-def _PIDFD(data: bytes) -> None:
-    """The feed of a pidfd's entry in :class:`PipePump`: a marker, never called."""
-    raise AssertionError("a pidfd has no data")
-
-
 class PipePump:
     """One thread that moves bytes from many local pipes into their line streams, and says
     at once when a watched process has ended (a pidfd per process, where Linux has them)."""
@@ -264,7 +259,8 @@ class PipePump:
         self._rfd, self._wfd = os.pipe()
         os.set_blocking(self._wfd, False)
         self._sel.register(self._rfd, selectors.EVENT_READ, None)
-        self._pending: list[tuple[int, Callable[[bytes], None], Callable[[], None]]] = []
+        # (fd, feed, close): a pipe's bytes go to feed and its end to close; feed None is a pidfd
+        self._pending: list[tuple[int, Optional[Callable[[bytes], None]], Callable[[], None]]] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="pslaunch-pump", daemon=True)
         self._thread.start()
@@ -286,7 +282,7 @@ class PipePump:
         except (AttributeError, OSError):
             return
         with self._lock:
-            self._pending.append((pidfd, _PIDFD, ended))
+            self._pending.append((pidfd, None, ended))  # (no feed: a pidfd has no data)
         self._wake()
 
     def _wake(self) -> None:
@@ -301,7 +297,7 @@ class PipePump:
                 for fd, feed, close in self._pending:
                     self._sel.register(fd, selectors.EVENT_READ, (feed, close))
                 self._pending.clear()
-                if self._stopping and all(k.data is None or k.data[0] is _PIDFD
+                if self._stopping and all(k.data is None or k.data[0] is None
                                           for k in self._sel.get_map().values()):
                     break
             for key, _ in self._sel.select(timeout=0.5):
@@ -312,7 +308,7 @@ class PipePump:
                         pass
                     continue
                 feed, close = key.data
-                if feed is _PIDFD:
+                if feed is None:  # a pidfd: the process has ended
                     self._sel.unregister(key.fd)
                     os.close(key.fd)
                     close()
@@ -330,7 +326,7 @@ class PipePump:
                     os.close(key.fd)
                     close()
         for key in list(self._sel.get_map().values()):
-            if key.data is not None and key.data[0] is _PIDFD:
+            if key.data is not None and key.data[0] is None:
                 os.close(key.fd)
         self._sel.close()
         os.close(self._rfd)
