@@ -5,8 +5,12 @@ work is done below (``launcher.run``).
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Optional, Sequence
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # pragma: no cover
+    from typing import Optional, Sequence
 
 
 def main(argv: Optional[Sequence[str]] = None, prog_name: str = "pslaunch") -> int:
@@ -16,9 +20,20 @@ def main(argv: Optional[Sequence[str]] = None, prog_name: str = "pslaunch") -> i
         from .doctor import main as doctor_main
         code = doctor_main(args[1:])
     else:
-        from .common import invoke
-        from .run import command_for
-        code = invoke(command_for(args), args, prog_name, "pslaunch --help")
+        from .quick import parse
+
+        kw = parse(args, os.environ)
+        if kw is not None:  # a plain job: no click (see .quick)
+            from .common import guarded
+            from .job import run as run_job
+
+            environ = dict(os.environ)
+            code = guarded(lambda: run_job(kw, environ))
+        else:
+            from .clickutil import invoke
+            from .run import command_for
+
+            code = invoke(command_for(args), args, prog_name, "pslaunch --help")
     if argv is None:
         sys.stdout.flush()
         sys.exit(code)

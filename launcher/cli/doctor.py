@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Sequence
 
 import click
 
@@ -13,13 +12,12 @@ from ..backends.base import Backend
 from ..errors import ConfigError
 from ..run.doctor import run_doctor
 from ..spec.hosts import read_hosts
-from .common import (
-    add_backend_options,
-    configure_logging,
-    invoke,
-    parse_env_item,
-    parse_port_range_option,
-)
+from .clickutil import add_backend_options, invoke
+from .common import configure_logging, parse_env_item, parse_port_range_option
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # pragma: no cover
+    from typing import Any, Sequence
 
 #: doctor checks what an ssh job needs, over the ssh backend's connection settings
 SSH = backends.get("ssh")

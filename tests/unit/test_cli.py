@@ -10,7 +10,7 @@ import pytest
 from support.helpers import REPO
 
 from launcher import backends, cli
-from launcher.cli import common, run
+from launcher.cli import common, job, run
 from launcher.errors import BackendUnavailableError, ConfigError
 from launcher.run.addresses import scheduler_address
 
@@ -24,7 +24,7 @@ def spec_of(args: list[str]):
         return 0
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(run, "execute", fake_execute)
+        mp.setattr(job, "execute", fake_execute)
         code = cli.main(args)
     assert code == 0, code
     return captured["spec"]

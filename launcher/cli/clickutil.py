@@ -1,0 +1,92 @@
+"""click's side of the command line: the value types of pslaunch's options, backend options as
+click options, and :func:`invoke` (click's outcomes as exit codes). Imported only when click
+parses (``--help``, a backend's option, a YAML config, ``doctor``); a plain job is parsed by
+:mod:`.quick`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import click
+
+from ..backends.base import BackendOption
+from .common import fail, guarded
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # pragma: no cover
+    from typing import Any, Iterable, Optional, Sequence
+
+
+class FiniteFloat(click.ParamType):
+    """A float that is a real number of seconds: ``nan`` and ``inf`` are refused (a ``nan``
+    deadline never passes, and ``inf`` waits for ever)."""
+
+    name = "float"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{str(value)[:40]!r} is not a number", param, ctx)
+        if not math.isfinite(number):
+            shown = repr(str(value)) if len(str(value)) <= 40 else f"a {len(str(value)):,}-character value"
+            self.fail(f"{shown} is not a finite number", param, ctx)
+        return number
+
+
+class BoundedInt(click.types.IntParamType):
+    """An int of at most 9 digits: a huge number can only be a mistake, and C libraries (protobuf,
+    DRMAA) overflow on it."""
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> int:
+        text = str(value).strip()
+        if len(text.lstrip("+-")) > 9 and text.lstrip("+-").isdigit():
+            self.fail(f"a number of {len(text.lstrip('+-'))} digits is far too large", param, ctx)
+        return int(super().convert(value, param, ctx))
+
+
+FINITE_FLOAT = FiniteFloat()
+BOUNDED_INT = BoundedInt()
+
+
+# --- backend options as click options ------------------------------------------------------------
+
+_KINDS = {"str": str, "int": BOUNDED_INT, "float": FINITE_FLOAT}
+
+
+def click_option(opt: BackendOption, backend: str) -> click.Option:
+    """The click option for one backend option (its help says which backend it is for)."""
+    help_text = f"{backend}: {opt.help}"
+    if opt.kind == "flag":
+        return click.Option([*opt.flags, opt.param], is_flag=True, default=bool(opt.default), help=help_text)
+    if opt.kind == "multiple":
+        return click.Option([*opt.flags, opt.param], multiple=True, metavar=opt.metavar, help=help_text)
+    return click.Option([*opt.flags, opt.param], type=_KINDS[opt.kind], default=opt.default, metavar=opt.metavar,
+                        show_default=opt.show_default, help=help_text)
+
+
+def add_backend_options(command: click.Command, backends: Iterable[tuple[str, Sequence[BackendOption]]]) -> None:
+    """Append every backend's options to ``command`` (before ``--version`` and the arguments)."""
+    cut = next((i for i, p in enumerate(command.params) if isinstance(p, click.Argument) or p.name == "version"),
+               len(command.params))
+    extra = [click_option(o, name) for name, options in backends for o in options]
+    command.params[cut:cut] = extra
+
+
+def invoke(command: click.Command, args: list[str], prog_name: str, help_hint: str) -> int:
+    """Run a click command and map every outcome to an exit code and at most one line on stderr."""
+    def work() -> int:
+        try:
+            command.main(args=args, prog_name=prog_name, standalone_mode=False)
+            return 0
+        except click.exceptions.Exit as e:
+            return e.exit_code
+        except click.exceptions.Abort:
+            return fail("aborted", 130)
+        except click.UsageError as e:
+            return fail(f"{e.format_message()} (see {help_hint})", 2)
+        except click.ClickException as e:
+            return fail(e.format_message(), e.exit_code)
+
+    return guarded(work)

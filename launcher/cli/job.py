@@ -1,0 +1,142 @@
+"""A job's options (as click or :mod:`.quick` parsed them) to a validated, frozen JobSpec, and the
+spec to a run or a dry run. No click here: a plain job's whole path to its first process imports
+only what starting it needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import pscontract as pc
+
+from .. import backends
+from ..errors import ConfigError
+from ..spec.hosts import read_hosts
+from ..spec.job import JobSpec, parse_memory_mb
+from .common import configure_logging, parse_env_item, parse_port_range_option
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # pragma: no cover
+    from typing import Any, Mapping, Optional
+
+log = logging.getLogger("launcher")
+
+
+def run(kw: Mapping[str, Any], environ: Mapping[str, str]) -> int:
+    """Build the spec from parsed options, then run it (or its dry run): the exit code."""
+    spec = build_spec(kw, environ)
+    configure_logging(spec.log_level, spec.log_file)
+    if not spec.dry_run:  # (the dry run lists them with the plan)
+        for note in backends.get(spec.launcher).notes(spec):
+            log.warning("%s", note)
+    return execute(spec)
+
+
+def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
+    """Turn parsed option values into a validated, frozen :class:`JobSpec`."""
+    command = tuple(kw.get("command") or ())
+    if command and command[0] == "--":
+        command = command[1:]
+    n = kw["num_workers"]
+    tracker = kw.get("tracker")
+    s = kw["num_servers"] if kw.get("num_servers") is not None else (n if tracker in (None, "ps") else 0)
+    hostfile = kw.get("hostfile")
+    hosts = read_hosts(hostfile) if hostfile else ()
+    launcher = kw.get("launcher") or ("ssh" if hostfile else "local")
+    backend = backends.get(launcher)
+    env = tuple(parse_env_item(e, "--env", environ, True) for e in kw.get("env") or ())
+    env_server = tuple(parse_env_item(e, "--env-server", environ, False) for e in kw.get("env_server") or ())
+    env_worker = tuple(parse_env_item(e, "--env-worker", environ, False) for e in kw.get("env_worker") or ())
+    for role_env in (env_server, env_worker):
+        try:  # what the processes would refuse at start is refused before anything starts
+            pc.heartbeat_settings({**environ, **dict(env), **dict(role_env)})
+        except pc.ClusterEnvError as e:
+            raise ConfigError(str(e)) from None
+    spec = JobSpec(
+        command=command, num_workers=n, num_servers=s, launcher=launcher, hosts=hosts, hostfile=hostfile,
+        sync_dst_dir=kw.get("sync_dst_dir"), env=env, env_server=env_server, env_worker=env_worker,
+        environ=tuple(sorted(environ.items())), host_ip=kw.get("host_ip"),
+        log_level=str(kw.get("log_level") or "INFO").upper(), log_file=kw.get("log_file"),
+        queue=kw.get("queue"), jobname=kw.get("jobname"),
+        worker_cores=kw.get("worker_cores", 1), server_cores=kw.get("server_cores", 1),
+        worker_memory_mb=parse_memory_mb(kw["worker_memory"], "--worker-memory") if kw.get("worker_memory") else None,
+        server_memory_mb=parse_memory_mb(kw["server_memory"], "--server-memory") if kw.get("server_memory") else None,
+        dry_run=bool(kw.get("dry_run")), log_dir=kw.get("log_dir"), summary_json=kw.get("summary_json"),
+        port_range=parse_port_range_option("9091-9998" if kw.get("port_range") is None else kw["port_range"]),
+        start_timeout=kw.get("start_timeout", 60.0), kill_grace=kw.get("kill_grace", 10.0),
+        timeout=kw.get("timeout"), workdir=os.getcwd(), p3=bool(kw.get("p3")), progress=not kw.get("no_progress"),
+        options=backend.make_options(kw), tracker=tracker, tracker_python=kw.get("tracker_python"),
+    )
+    backend.check_spec(spec)
+    return spec
+
+
+def _probe_write(path: str) -> Optional[str]:
+    """Create and remove ``path``: None if that worked, else why not."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as e:
+        return e.strerror or str(e)
+    os.close(fd)
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    return None
+
+
+def check_outputs(spec: JobSpec, create: bool) -> None:
+    """``--log-dir`` and ``--summary-json`` can be written, checked before anything starts.
+
+    With ``create`` (a real run) the log directory is created and a file is written in each
+    place and removed again (the only proof that works for root, read-only mounts and /proc);
+    a dry run only looks.
+    """
+    if spec.log_dir:
+        d = spec.log_dir
+        if os.path.exists(d) and not os.path.isdir(d):
+            raise ConfigError(f"--log-dir {d} is a file, not a directory; give a directory (it is created)")
+        if create:
+            try:
+                os.makedirs(d, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(f"--log-dir {d}: cannot create it: {e.strerror or e}") from None
+            why = _probe_write(os.path.join(d, f".pslaunch-probe-{os.getpid()}"))
+            if why:
+                raise ConfigError(f"--log-dir {d}: cannot write there: {why}")
+        else:
+            parent = os.path.abspath(d)
+            while not os.path.exists(parent):
+                parent = os.path.dirname(parent)
+            if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+                raise ConfigError(f"--log-dir {d}: cannot create or write it ({parent} is not a writable directory)")
+    if spec.summary_json:
+        path = spec.summary_json
+        if os.path.isdir(path):
+            raise ConfigError(f"--summary-json {path} is a directory; give a file name")
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise ConfigError(f"--summary-json {path}: the directory {parent} does not exist")
+        why = _probe_write(f"{path}.tmp{os.getpid()}") if create else (
+            None if os.access(parent, os.W_OK | os.X_OK) else "permission denied")
+        if why:
+            raise ConfigError(f"--summary-json {path}: cannot write there: {why}")
+
+
+def execute(spec: JobSpec) -> int:
+    """Run (or dry-run) the job; return the exit code."""
+    from .. import trackers
+    from ..run.report import format_dry_run
+    from ..run.supervisor import dry_run_plan, run_job
+
+    check_outputs(spec, create=not spec.dry_run)
+    if spec.dry_run:
+        backend = backends.get(spec.launcher)
+        plan = dry_run_plan(spec, backend)
+        extra = [f"warning: {note}" for note in backend.notes(spec)] + backend.dry_run(spec, plan)
+        sys.stdout.write(format_dry_run(spec, plan, extra, inherits=not backend.remote,
+                                        tracker=trackers.describe(spec, plan)) + "\n")
+        return 0
+    return run_job(spec, adopt_orphans=True).exit_code
