@@ -26,18 +26,18 @@ from .procgroup import group_alive, kill_marked, marked, signal_group, stop_grou
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
     import subprocess
-    from typing import Optional, Sequence
+    from typing import BinaryIO, Optional, Sequence
 
 
-def main() -> int:
-    """The watchdog process: read commands from stdin until ``done`` or EOF."""
+def main(stdin: Optional[BinaryIO] = None) -> int:
+    """The watchdog process: read commands from ``stdin`` (default: standard input) until ``done`` or EOF."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     grace = 10.0
     groups: set[int] = set()
     marks: list[str] = []
     commands: list[list[str]] = []
-    stdin = sys.stdin.buffer
+    stdin = sys.stdin.buffer if stdin is None else stdin
     while True:
         line = stdin.readline()
         if not line:
@@ -87,35 +87,37 @@ def main() -> int:
 class Client:
     """The starting side: one watchdog process, told about every group as soon as it exists.
 
-    A watchdog that cannot start (no Python at the expected path) leaves the client working
-    without one: the groups are then stopped only by the normal teardown.
+    ``fork``: the watchdog is a fork of this process (no second interpreter to start: 10 ms of
+    a core, on a 2-core machine, that the job's own start-up would wait for) while this process
+    runs no other thread (the launcher, before its job starts); else ``python`` (default: this
+    one) runs this module. A watchdog that cannot start leaves the client working without
+    one: the groups are then stopped only by the normal teardown.
     """
 
-    def __init__(self, grace: float, python: str = "") -> None:
-        import subprocess
+    def __init__(self, grace: float, python: str = "", fork: bool = False) -> None:
         import threading
 
-        from . import command  # (the package's __init__: where node programs are)
-
         self._lock = threading.Lock()
-        self._proc: Optional[subprocess.Popen] = None
+        self._stdin: Optional[BinaryIO] = None
+        self._proc: Optional[subprocess.Popen] = None  # (a started one; a fork has only its pid)
         self.pid: Optional[int] = None
         try:
-            self._proc = subprocess.Popen(
-                command("watchdog", python), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+            if fork and threading.active_count() == 1:
+                self.pid, self._stdin = _fork()
+            else:
+                self._proc = _start(python)
+                self.pid, self._stdin = self._proc.pid, self._proc.stdin
         except OSError:
             return
-        self.pid = self._proc.pid
         self._send(f"grace {max(1.0, grace)}")
 
     def _send(self, line: str) -> None:
         with self._lock:
-            if self._proc is None or self._proc.stdin is None:
+            if self._stdin is None:
                 return
             try:
-                self._proc.stdin.write(line.encode() + b"\n")
-                self._proc.stdin.flush()
+                self._stdin.write(line.encode() + b"\n")
+                self._stdin.flush()
             except (BrokenPipeError, ValueError, OSError):
                 pass
 
@@ -139,43 +141,111 @@ class Client:
     def close(self, wait: bool = False) -> None:
         """Normal end: the watchdog reads ``done`` and exits without touching anything.
 
-        Not waited for unless ``wait`` (the launcher's exit would pay the watchdog's start-up
-        time); the ``done`` line stays in the pipe until the watchdog reads it.
+        A started watchdog is not waited for unless ``wait`` (the launcher's exit would pay its
+        start-up time; the ``done`` line stays in the pipe until it reads it, and ``subprocess``
+        reaps it later). A forked one is always waited for: it has nothing to start, and nothing
+        else would reap it.
         """
         self._send("done")
-        proc = self._proc
-        if proc is None:
+        with self._lock:
+            stdin, self._stdin = self._stdin, None
+        if stdin is None or self.pid is None:
             return
         try:
-            assert proc.stdin is not None
-            proc.stdin.close()
+            stdin.close()
         except OSError:
             pass
-        if wait:
-            if not _ended_within(proc, 5.0):
-                proc.kill()
-            proc.wait()
-        else:
-            proc.poll()
+        if self._proc is not None and not wait:
+            self._proc.poll()
+            return
+        import os
+
+        if not _ended_within(self.pid, 5.0):
+            try:
+                os.kill(self.pid, 9)
+            except ProcessLookupError:
+                pass
+        if self._proc is not None:
+            self._proc.wait()
+            return
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
 
 
-def _ended_within(proc: subprocess.Popen, seconds: float) -> bool:
-    """Whether child ``proc`` ends within ``seconds``, told the moment it does by a pidfd
-    (``Popen.wait(timeout)`` sleeps in growing steps, up to 50 ms past the exit)."""
-    import os
-    import select
+def _start(python: str) -> subprocess.Popen:
+    """This module as a program of ``python``, in its own session, reading its stdin."""
     import subprocess
 
+    from . import command  # (the package's __init__: where node programs are)
+
+    return subprocess.Popen(command("watchdog", python), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+
+
+def _fork() -> tuple[int, BinaryIO]:
+    """A fork of this process that runs :func:`main` in its own session: (pid, its stdin).
+
+    The child keeps nothing of its parent's but the read end of the pipe: every other descriptor
+    is closed (it would hold the parent's output pipes open after the parent ended), stdout and
+    stderr go to ``/dev/null``, and each signal that the parent may catch is back to its default.
+    It leaves with ``os._exit``: no parent's ``atexit``, buffers or ``finally`` run twice.
+    """
+    import os
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child; tests see what it does)
+        code = 1
+        try:
+            os.setsid()
+            null = os.open(os.devnull, os.O_RDWR)
+            os.dup2(r, 0)
+            os.dup2(null, 1)
+            os.dup2(null, 2)
+            os.closerange(3, _max_fd())
+            for sig in (signal.SIGTERM, signal.SIGQUIT, signal.SIGALRM, signal.SIGUSR1, signal.SIGUSR2,
+                        signal.SIGCHLD, signal.SIGPIPE):
+                signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_SETMASK, ())
+            code = main(os.fdopen(0, "rb"))
+        finally:
+            os._exit(code)
+    os.close(r)
+    return pid, os.fdopen(w, "wb")
+
+
+def _max_fd() -> int:
+    import os
+
     try:
-        pidfd = os.pidfd_open(proc.pid)
+        return int(os.sysconf("SC_OPEN_MAX"))
+    except (OSError, ValueError):
+        return 65536
+
+
+def _ended_within(pid: int, seconds: float) -> bool:
+    """Whether child ``pid`` ends within ``seconds``, told the moment it does by a pidfd (a wait
+    in steps would sleep past the exit); not reaped."""
+    import os
+    import select
+    import time
+
+    try:
+        pidfd = os.pidfd_open(pid)
     except ProcessLookupError:
         return True
-    except (AttributeError, OSError):  # no pidfds (Linux < 5.3)
-        try:
-            proc.wait(timeout=seconds)
-            return True
-        except subprocess.TimeoutExpired:
-            return False
+    except (AttributeError, OSError):  # no pidfds (Linux < 5.3): look every 10 ms
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                    return True
+            except ChildProcessError:
+                return True
+            time.sleep(0.01)
+        return False
     try:
         return bool(select.select([pidfd], [], [], seconds)[0])
     finally:

@@ -29,7 +29,6 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Mapping, Optional
 
 from .. import backends, trackers
 from ..backends.base import Backend
@@ -45,6 +44,10 @@ from . import addresses as addr
 from . import report
 from .progress import Progress
 from .signals import Interrupted, Signals
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # pragma: no cover
+    from typing import Any, Mapping, Optional
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +115,7 @@ class Supervisor:
             become_subreaper()
         try:
             if self.use_watchdog:
-                self.watchdog = Watchdog(spec.kill_grace)
+                self.watchdog = Watchdog(spec.kill_grace, fork=True)
             port = spec.port_range[0] - 1
             for attempt in range(1, MAX_PORT_ATTEMPTS + 1):
                 outcome = self._attempt(attempt, port)

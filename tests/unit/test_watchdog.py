@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -61,3 +62,64 @@ def test_the_watchdog_process_imports_only_what_reading_commands_needs() -> None
             "print(sorted(m for m in ('json', 'subprocess', 'threading', 'typing') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+FORKED_OWNER = """
+import os, subprocess, sys, time
+sys.path.insert(0, {repo!r})
+from launcher.node.watchdog import Client
+keep = os.open(os.devnull, os.O_RDONLY)  # a descriptor of the owner's: the fork must not hold it
+wd = Client(1, fork=True)
+sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+wd.watch(sleeper.pid)
+print(wd.pid, sleeper.pid, flush=True)
+if sys.argv[1] == "die":
+    sys.stdin.readline()  # (the test looks at the watchdog first)
+    os.kill(os.getpid(), 9)
+wd.close()
+print("closed", flush=True)
+"""
+
+
+def _forked_owner(how: str) -> tuple[subprocess.Popen, int, int]:
+    owner = subprocess.Popen([sys.executable, "-c", FORKED_OWNER.format(repo=str(REPO)), how],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None
+    wd_pid, sleeper_pid = map(int, owner.stdout.readline().split())
+    return owner, wd_pid, sleeper_pid
+
+
+def test_a_forked_watchdog_keeps_only_its_pipe_and_kills_groups_when_its_owner_is_killed() -> None:
+    owner, wd_pid, sleeper_pid = _forked_owner("die")
+    try:
+        # its own session; standard input the pipe, stdout and stderr /dev/null, nothing else open
+        # (a copy of the owner's output pipe would keep it open after the owner has gone)
+        assert os.getsid(wd_pid) == wd_pid
+        fds = {int(fd): os.readlink(f"/proc/{wd_pid}/fd/{fd}") for fd in os.listdir(f"/proc/{wd_pid}/fd")}
+        assert sorted(fds) == [0, 1, 2] and fds[0].startswith("pipe:"), fds
+        assert fds[1] == fds[2] == os.devnull
+        with open(f"/proc/{wd_pid}/cmdline", "rb") as f:  # a fork: no second interpreter started
+            assert f.read() == open(f"/proc/{owner.pid}/cmdline", "rb").read()
+        owner.stdin.write("go\n")
+        owner.stdin.flush()
+        assert owner.wait(timeout=10) == -9
+        assert owner.stdout.read() == ""  # EOF at once: the fork held no copy of this pipe
+        assert_no_orphans([sleeper_pid], timeout=5)  # only the watchdog can have stopped it
+    finally:
+        for pid in (sleeper_pid, wd_pid):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_forked_watchdog_told_done_exits_and_is_reaped_leaving_groups_alone() -> None:
+    owner, wd_pid, sleeper_pid = _forked_owner("close")
+    try:
+        assert owner.stdout.readline().strip() == "closed"
+        assert not pid_alive(wd_pid)  # exited on "done", and reaped by close() (no zombie)
+        assert not os.path.exists(f"/proc/{wd_pid}")
+        assert pid_alive(sleeper_pid)
+        assert owner.wait(timeout=10) == 0
+    finally:
+        os.kill(sleeper_pid, 9)
