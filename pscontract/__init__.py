@@ -19,8 +19,13 @@ backend (Grid Engine's, skein's, MPI's) live with the code that uses them.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+
+from .records import field as _field
+from .records import record as _record
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # pragma: no cover
+    from typing import Mapping, Sequence
 
 # --- the dmlc / ps-lite contract -------------------------------------------
 ROLE = "DMLC_ROLE"
@@ -225,7 +230,7 @@ def rabit_contract(*, tracker_uri: str, tracker_port: int, task_id: int, num_wor
     return env
 
 
-@dataclass(frozen=True)
+@_record
 class HostRank:
     """A worker's place in a torch job, numbered host by host as torchrun numbers it."""
 
@@ -424,7 +429,7 @@ def parse_port_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-@dataclass(frozen=True)
+@_record
 class ClusterEnv:
     """The contract as one process reads it. Built by :meth:`from_environ`."""
 
@@ -436,7 +441,7 @@ class ClusterEnv:
     task_id: int | None = None
     node_host: str | None = None
     interface: str | None = None
-    secret: str | None = field(default=None, repr=False)  # never in a log or traceback
+    secret: str | None = _field(default=None, repr=False)  # never in a log or traceback
     insecure: bool = False
     job_id: str | None = None
     cluster: str | None = None

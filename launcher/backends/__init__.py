@@ -9,9 +9,10 @@ with its module and class; a module is imported on first use, and its optional d
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
 
 from ..errors import BackendUnavailableError
+
+TYPE_CHECKING = False
 
 if TYPE_CHECKING:  # pragma: no cover
     from .base import Backend

@@ -24,10 +24,8 @@ builders of commands and job templates live in the backend's module, for golden 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Optional, Sequence
-
 import pscontract as pc
+from pscontract.records import record
 
 from ..errors import ConfigError
 from ..node.watchdog import Client as Watchdog
@@ -36,8 +34,12 @@ from ..runtime.output import Console
 from ..spec.job import Host, JobSpec
 from ..spec.plan import Plan, ProcSpec
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # pragma: no cover
+    from typing import Any, ClassVar, Mapping, Optional, Sequence
 
-@dataclass(frozen=True)
+
+@record
 class BackendOption:
     """One option of a backend, as the CLI and the YAML config know it.
 
@@ -63,7 +65,7 @@ class BackendOption:
         return self.flags[0].lstrip("-").replace("-", "_")
 
 
-@dataclass(frozen=True)
+@record
 class NoOptions:
     """The options of a backend that has none."""
 

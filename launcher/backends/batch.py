@@ -24,7 +24,6 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Sequence
 
 import pscontract as pc
 
@@ -36,7 +35,10 @@ from ..spec.job import JobSpec, Role
 from ..spec.plan import ProcSpec, placement_env
 from .base import Backend
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
+    from typing import Any, ClassVar, Mapping, Optional, Sequence
+
     from ..runtime.hub import Hub
 
 log = logging.getLogger(__name__)

@@ -46,10 +46,9 @@ import shlex
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 import pscontract as pc
-from pscontract import netif
+from pscontract import netif, records
 
 from .. import node
 from ..errors import ConfigError, LauncherError, LaunchError
@@ -61,7 +60,10 @@ from ..spec.plan import Plan, ProcSpec, place
 from ..transport.options import SSHOptions
 from .base import Backend, BackendOption
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
+    from typing import Mapping, Optional, Sequence
+
     import paramiko
 
     from ..transport.ssh import HostSession, Target
@@ -774,7 +776,7 @@ class SSHBackend(Backend):
                 host = self.by_line[p.host]
                 extra = pc.torch_sockets(p.env, host.interface)  # (a torch job: gloo and NCCL on that network)
                 if extra:
-                    p = dataclasses.replace(p, env={**p.env, **extra})
+                    p = records.replace(p, env={**p.env, **extra})
                 h = SSHProcess(p, self.console.proc(p.name, p.label, str(p.role)), host, i)
                 handles.append(h)
                 per_host.setdefault(id(host), (host, []))[1].append(h)

@@ -18,7 +18,10 @@ from __future__ import annotations
 import base64
 import json
 import zlib
-from typing import Any, Mapping, Optional
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # pragma: no cover
+    from typing import Any, Mapping, Optional
 
 # The rank table, as one environment value.
 TABLE = "PSLAUNCH_MPI_TABLE"

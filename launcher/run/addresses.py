@@ -15,7 +15,6 @@ import os
 import socket
 import struct
 import threading
-from typing import TYPE_CHECKING, Mapping, Optional
 
 from pscontract import netif
 
@@ -23,7 +22,10 @@ from ..errors import ConfigError, LaunchError
 from ..runtime.handle import group_members
 from ..spec.job import Host, JobSpec
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
+    from typing import Mapping, Optional
+
     from ..backends.base import Backend
 
 log = logging.getLogger(__name__)

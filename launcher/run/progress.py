@@ -20,11 +20,15 @@ import os
 import re
 import sys
 import threading
-from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional, Sequence
+
+from pscontract.records import record
 
 from ..runtime.handle import ProcessHandle
 from ..runtime.output import Console, is_terminal
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # pragma: no cover
+    from typing import Iterable, Mapping, Optional, Sequence
 
 #: how often the line is redrawn, at most (seconds)
 INTERVAL = 0.5
@@ -37,7 +41,7 @@ _METRIC_RE = re.compile(r"([A-Za-z][\w-]*)=([0-9.eE+-]+)")
 _VALIDATION_RE = re.compile(r"Epoch\[(\d+)\]\s+Validation-([\w-]+)=([0-9.eE+-]+)")
 
 
-@dataclass(frozen=True)
+@record
 class Latest:
     """What worker 0 last reported."""
 

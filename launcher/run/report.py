@@ -8,15 +8,18 @@ import json
 import logging
 import os
 import shlex
-from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from pscontract import NODE_HOST
+from pscontract.records import record
 
 from ..runtime.handle import ProcessHandle, ProcRecord, describe_exit
 from ..spec import env as jobenv
 from ..spec.job import JobSpec
 from ..spec.plan import Plan
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # pragma: no cover
+    from typing import Optional, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +27,7 @@ log = logging.getLogger(__name__)
 REASONS = ("success", "failure", "signal", "timeout")
 
 
-@dataclass(frozen=True)
+@record
 class JobResult:
     """The outcome: ``exit_code`` is what the launcher exits with; ``cause`` what a process of the
     job said stopped it (``{"process", "reason", "reported_by"}``), if one did."""
@@ -52,7 +55,7 @@ def redactor(plan: Optional[Plan]) -> jobenv.Redactor:
     return jobenv.Redactor(p.env[k] for p in plan.all for k in secret if k in p.env)
 
 
-@dataclass(frozen=True)
+@record
 class Cause:
     """Why the job stopped, as a process of the job said (``pslaunch-cause:``; see
     :func:`pscontract.cause_line`): the process at fault (None: none of the job's), the reason,

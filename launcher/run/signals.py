@@ -14,9 +14,12 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from typing import Optional
 
 from ..runtime.handle import spawning
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # pragma: no cover
+    from typing import Optional
 
 log = logging.getLogger(__name__)
 

@@ -14,12 +14,16 @@ import contextlib
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass
-from typing import Iterable, Iterator, Mapping, Optional
+
+from pscontract.records import asdict, record
 
 from ..node.procgroup import group_alive
 from ..spec.plan import ProcSpec
 from .output import ProcOutput
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # pragma: no cover
+    from typing import Iterable, Iterator, Mapping, Optional
 
 _spawning = 0
 
@@ -59,7 +63,7 @@ def describe_exit(code: int) -> str:
     return f"was killed by {sig} (exit code {code})" if sig else f"exited with code {code}"
 
 
-@dataclass
+@record(frozen=False)
 class ProcRecord:
     """What ``--summary-json`` says about one process."""
 

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import os
 import resource
-from dataclasses import dataclass
-from typing import Optional
+
+from pscontract.records import record
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # pragma: no cover
+    from typing import Optional
 
 #: open files the launcher keeps for itself (its own pipes, the watchdog, logs, sockets)
 RESERVED_FDS = 64
@@ -19,7 +23,7 @@ RESERVED_FDS = 64
 FDS_PER_PROCESS = 2
 
 
-@dataclass(frozen=True)
+@record
 class Capacity:
     """At most ``processes`` more processes here; ``limit`` names the binding limit and its fix."""
 

@@ -16,10 +16,13 @@ runs, error reports or the summary.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 import pscontract as pc
+from pscontract.records import record
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # pragma: no cover
+    from typing import Iterable, Mapping
 
 FORWARD_PREFIXES = ("PS_", "DMLC_", "OMP_", "KMP_", "MXNET_", "AWS_")
 FORWARD_NAMES = frozenset({"PYTHONPATH", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES"})
@@ -109,7 +112,7 @@ def forwarded(environ: Mapping[str, str], extra_names: Iterable[str] = (),
     }
 
 
-@dataclass(frozen=True)
+@record
 class Composed:
     """A process's final environment and the names whose other values lost to the contract."""
 

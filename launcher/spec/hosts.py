@@ -30,10 +30,13 @@ import os
 import re
 import stat
 import sys
-from typing import BinaryIO, Iterable, Optional
 
 from ..errors import ConfigError
 from .job import MAX_PROCESSES, Host
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # pragma: no cover
+    from typing import BinaryIO, Iterable, Optional
 
 MAX_HOSTFILE_BYTES = 1024 * 1024  # 1 MiB: tens of thousands of hosts
 MAX_LINE = 4096

@@ -11,12 +11,15 @@ from __future__ import annotations
 import enum
 import math
 import re
-from dataclasses import dataclass
-from typing import Any, Optional
 
 import pscontract as pc
+from pscontract.records import record
 
 from ..errors import ConfigError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # pragma: no cover
+    from typing import Any, Optional
 
 #: The most servers plus workers one job may have, on any backend: a bound that keeps a typo
 #: (``-n 1000000``) from planning or forking without end. A backend may allow fewer (the local
@@ -37,7 +40,7 @@ class Role(str, enum.Enum):
         return self.value
 
 
-@dataclass(frozen=True)
+@record
 class Host:
     """One hostfile line: ``[user@]name[:port] [slots=N]``.
 
@@ -62,7 +65,7 @@ class Host:
         return f"{text}:{self.port}" if self.port else text
 
 
-@dataclass(frozen=True)
+@record
 class JobSpec:
     """Everything the launcher needs to run one job. Frozen and validated.
 

@@ -14,17 +14,20 @@ Nothing here touches the network or the file system.
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
 
 import pscontract as pc
+from pscontract.records import field, record
 
 from ..errors import ConfigError
 from . import env as jobenv
 from .job import Host, JobSpec, Role
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # pragma: no cover
+    from typing import Mapping, Optional, Sequence
 
-@dataclass(frozen=True)
+
+@record
 class Slot:
     """One process's place: role, rank, task id and host (``None`` = this machine)."""
 
@@ -34,7 +37,7 @@ class Slot:
     host: Optional[Host]
 
 
-@dataclass(frozen=True)
+@record
 class ProcSpec:
     """One process to start. ``env`` is the job's variables for it (see :class:`Plan`).
 
@@ -114,7 +117,7 @@ def by_host(slots: Sequence[Slot]) -> tuple[Slot, ...]:
         Slot(Role.WORKER, rank, rank, host) for rank, host in renumbered)
 
 
-@dataclass(frozen=True)
+@record
 class Plan:
     """A job ready to start: the scheduler (if any), then servers, then workers.
 

@@ -110,7 +110,10 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Generator, Iterable, Optional
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # pragma: no cover
+    from typing import Callable, Generator, Iterable, Optional
 
 MAGIC = 0xFF99
 _INT = struct.Struct("=i")  # native byte order, exactly 4 bytes

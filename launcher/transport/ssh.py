@@ -39,13 +39,15 @@ import shlex
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
 from ..errors import BackendUnavailableError, LaunchError
 from ..spec.job import Host
 from .options import SSHOptions
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
+    from typing import Callable, Iterable, Optional, Sequence
+
     import paramiko
 
 log = logging.getLogger(__name__)

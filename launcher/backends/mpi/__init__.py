@@ -14,15 +14,14 @@ environment, and runs the user command; the command need not be an MPI program.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shlex
 import subprocess
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 import pscontract as pc
+from pscontract import records
 
 from ...errors import BackendUnavailableError, ConfigError, LaunchError
 from ...node.watchdog import Client as Watchdog
@@ -32,7 +31,10 @@ from ...spec.job import JobSpec
 from ...spec.plan import Plan, ProcSpec
 from ..base import Backend, BackendOption
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
+    from typing import Mapping, Optional, Sequence
+
     from ...runtime.hub import Hub
     from .command import MPIInfo, RankLayout
     from .job import MPIJob
@@ -78,7 +80,7 @@ class MPIBackend(Backend):
     def check_spec(cls, spec: JobSpec) -> None:
         # --sync-dst-dir is not refused but ignored, with a warning (as dmlc's mpi launcher did);
         # hostfile lines mpirun cannot express are refused by check()
-        super().check_spec(dataclasses.replace(spec, sync_dst_dir=None))
+        super().check_spec(records.replace(spec, sync_dst_dir=None))
 
     @classmethod
     def all_here(cls, spec: JobSpec) -> bool:
@@ -197,7 +199,7 @@ class MPIBackend(Backend):
         )
 
         # With hosts, each wrapper works DMLC_NODE_HOST out on its node (the plan shows a guess).
-        procs = [dataclasses.replace(p, env={k: v for k, v in p.env.items() if k != pc.NODE_HOST})
+        procs = [records.replace(p, env={k: v for k, v in p.env.items() if k != pc.NODE_HOST})
                  if p.host is not None else p for p in plan.procs]
         if not procs:
             return []
