@@ -57,6 +57,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     fail_skips_under_ci(item, outcome.get_result(), dict(os.environ))
 
 
+@pytest.fixture(autouse=True)
+def _launcher_messages_through_logging() -> Iterable[None]:
+    """A test that ran ``pslaunch`` in-process (``cli.main``) sent the launcher's messages straight
+    to stderr (``launcher.logs.configure``); the next test gets them through ``logging`` again,
+    as any program that never configured them (``caplog`` sees them)."""
+    from launcher import logs
+
+    yield
+    logs._direct = None
+
+
 @pytest.fixture
 def probe(tmp_path: Path) -> Callable[..., list[str]]:
     """``probe("--sleep", "5")`` -> the argv of tests/bin/probe.py writing into a fresh dir (``probe.dir``)."""

@@ -44,7 +44,6 @@ agent is not connected.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import re
@@ -54,7 +53,7 @@ from dataclasses import dataclass, field
 
 import pscontract as pc
 
-from .. import node
+from .. import logs, node
 from ..errors import BackendUnavailableError, ConfigError, LaunchError
 from ..runtime.handle import spawn_guard
 from ..runtime.output import ProcOutput
@@ -67,7 +66,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Any, Callable, Mapping, Optional, Sequence
 
-log = logging.getLogger(__name__)
+log = logs.getLogger(__name__)
 
 # What libdrmaa needs in the launcher's environment (and Grid Engine's own variables).
 SGE_ROOT = "SGE_ROOT"

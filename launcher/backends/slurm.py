@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 import math
 import os
 import re
@@ -67,7 +66,7 @@ from dataclasses import dataclass, field
 
 import pscontract as pc
 
-from .. import node
+from .. import logs, node
 from ..errors import BackendUnavailableError, ConfigError, LaunchError
 from ..runtime.handle import spawn_guard
 from ..runtime.output import ProcOutput
@@ -80,7 +79,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Any, Callable, Mapping, Optional, Sequence
 
-log = logging.getLogger(__name__)
+log = logs.getLogger(__name__)
 
 #: The variable of srun's environment that carries the task document (see the module docstring).
 TASK_ENV = "PSLAUNCH_TASK"

@@ -52,7 +52,6 @@ ID``, printed at the end).
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import re
 import shlex
@@ -60,7 +59,7 @@ from dataclasses import dataclass
 
 import pscontract as pc
 
-from .. import node
+from .. import logs, node
 from ..errors import BackendUnavailableError, ConfigError, LaunchError
 from ..runtime.handle import spawn_guard
 from ..runtime.output import ProcOutput
@@ -74,7 +73,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Any, Callable, Mapping, Optional, Sequence
 
-log = logging.getLogger(__name__)
+log = logs.getLogger(__name__)
 
 DEFAULT_MEMORY_MB = 1024
 NODE_PYTHON = "python3"

@@ -15,11 +15,11 @@ Exit codes are mapped only in :func:`guarded` and :func:`.clickutil.invoke`.
 
 from __future__ import annotations
 
-import logging
 import sys
 
 import pscontract as pc
 
+from .. import logs
 from ..errors import ConfigError, LauncherError
 from ..spec import env as jobenv
 
@@ -68,43 +68,13 @@ def parse_port_range_option(text: str) -> tuple[int, int]:
 # --- logging ----------------------------------------------------------------------------------------
 
 
-class _Formatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        msg = record.getMessage()
-        if record.levelno >= logging.ERROR:
-            return f"pslaunch: error: {msg}"
-        if record.levelno >= logging.WARNING:
-            return f"pslaunch: warning: {msg}"
-        if record.levelno <= logging.DEBUG:
-            return f"pslaunch: [{record.name}] {msg}"
-        return f"pslaunch: {msg}"
-
-
-class _StderrHandler(logging.StreamHandler):
-    """stderr, around the live status line when one is shown (it must not end up inside a message)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        from ..runtime.output import around_status
-
-        around_status(lambda: super(_StderrHandler, self).emit(record))
-
-
 def configure_logging(level: str, log_file: Optional[str] = None) -> None:
-    """The launcher's own messages go to stderr (and ``--log-file``), prefixed ``pslaunch:``."""
-    root = logging.getLogger("launcher")
-    root.handlers.clear()
-    root.setLevel(getattr(logging, level.upper(), logging.INFO))
-    root.propagate = False
-    handler = _StderrHandler(sys.stderr)
-    handler.setFormatter(_Formatter())
-    root.addHandler(handler)
-    if log_file:
-        try:
-            fh = logging.FileHandler(log_file, encoding="utf-8")
-        except OSError as e:
-            raise ConfigError(f"cannot open --log-file {log_file}: {e.strerror or e}") from None
-        fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        root.addHandler(fh)
+    """The launcher's own messages go to stderr (and ``--log-file``), prefixed ``pslaunch:``
+    (:mod:`launcher.logs`)."""
+    try:
+        logs.configure(level, log_file)
+    except OSError as e:
+        raise ConfigError(f"cannot open --log-file {log_file}: {e.strerror or e}") from None
 
 
 # --- running a command --------------------------------------------------------------------------------

@@ -5,13 +5,12 @@ only what starting it needs.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
 import pscontract as pc
 
-from .. import backends
+from .. import backends, logs
 from ..errors import ConfigError
 from ..spec.hosts import read_hosts
 from ..spec.job import JobSpec, parse_memory_mb
@@ -21,7 +20,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Any, Mapping, Optional
 
-log = logging.getLogger("launcher")
+log = logs.getLogger("launcher")
 
 
 def run(kw: Mapping[str, Any], environ: Mapping[str, str]) -> int:

@@ -10,7 +10,6 @@ the scheduler's bind).
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import struct
@@ -18,6 +17,7 @@ import threading
 
 from pscontract import netif
 
+from .. import logs
 from ..errors import ConfigError, LaunchError
 from ..runtime.handle import group_members
 from ..spec.job import Host, JobSpec
@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from ..backends.base import Backend
 
-log = logging.getLogger(__name__)
+log = logs.getLogger(__name__)
 
 
 def is_literal_host_ip(value: Optional[str]) -> bool:

@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import logging
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 
-from .. import backends, node
+from .. import backends, logs, node
 from ..errors import ConfigError, LauncherError
 from ..spec import env as jobenv
 from ..spec.job import Host, JobSpec
@@ -48,7 +47,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Any, Optional, Sequence
 
-log = logging.getLogger(__name__)
+log = logs.getLogger(__name__)
 
 COLUMNS = ("ssh", "python3", "cwd", "program", "imports", "interface", "port", "reach")
 MIN_PYTHON = (3, 7)  # pscontract/netif.py, run by python3 on the hosts; the process wrapper itself needs 3.5

@@ -4,14 +4,12 @@ and the dry run's plan. Pure functions of data, except the two that write (log a
 
 from __future__ import annotations
 
-import json
-import logging
 import os
-import shlex
 
 from pscontract import NODE_HOST
 from pscontract.records import record
 
+from .. import logs
 from ..runtime.handle import ProcessHandle, ProcRecord, describe_exit
 from ..spec import env as jobenv
 from ..spec.job import JobSpec
@@ -21,7 +19,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Optional, Sequence
 
-log = logging.getLogger(__name__)
+log = logs.getLogger(__name__)
 
 #: Why a job ended.
 REASONS = ("success", "failure", "signal", "timeout")
@@ -128,6 +126,8 @@ def write_summary(path: str, spec: JobSpec, plan: Optional[Plan], result: JobRes
         "end_time": result.end_time,
         "processes": [r.to_dict() for r in result.records],
     }
+    import json  # (here: only a --summary-json needs it)
+
     text = redactor(plan)(json.dumps(doc, indent=2))
     tmp = f"{path}.tmp{os.getpid()}"
     try:
@@ -145,6 +145,8 @@ def format_dry_run(spec: JobSpec, plan: Plan, extra: Sequence[str] = (), inherit
     ``inherits``: the processes also get the launcher's own environment beneath these.
     ``tracker``: what the job's tracker is (``launcher.trackers.describe``), for a collective job.
     """
+    import shlex  # (here: only a dry run needs it)
+
     lo, hi = spec.port_range
     out = [f"pslaunch dry run ({spec.launcher}): 1 scheduler, {spec.num_servers} server(s), "
            f"{spec.num_workers} worker(s); nothing is started" if plan.scheduler else

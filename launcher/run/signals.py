@@ -11,17 +11,17 @@ syncing, waiting for the scheduler to listen or for a batch system to run the ta
 
 from __future__ import annotations
 
-import logging
 import signal
 import threading
 
+from .. import logs
 from ..runtime.handle import spawning
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Optional
 
-log = logging.getLogger(__name__)
+log = logs.getLogger(__name__)
 
 #: The launcher's exit code per signal (the shell's 128+N).
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}

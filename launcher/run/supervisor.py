@@ -24,13 +24,12 @@ backend's class.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import threading
 import time
 
-from .. import backends, trackers
+from .. import backends, logs, trackers
 from ..backends.base import Backend
 from ..errors import LaunchError
 from ..node.procgroup import become_subreaper, has_children, kill_children, kill_marked
@@ -49,7 +48,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Any, Mapping, Optional
 
-log = logging.getLogger(__name__)
+log = logs.getLogger(__name__)
 
 POLL_INTERVAL = 0.02
 MAX_PORT_ATTEMPTS = 5

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import signal
 import socket
@@ -16,7 +15,7 @@ import time
 
 import pscontract as pc
 
-from .. import node
+from .. import logs, node
 from ..errors import LaunchError
 from ..node.procgroup import signal_group
 from ..node.watchdog import Client as Watchdog
@@ -32,7 +31,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Any, Optional, Sequence
 
-log = logging.getLogger("launcher.trackers")
+log = logs.getLogger("launcher.trackers")
 
 # After closing a child's stdin, how long it may take to exit before SIGTERM: it exits at once when
 # it reads the end of file, but not while it still imports torch or xgboost (the job may have ended

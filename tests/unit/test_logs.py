@@ -1,0 +1,62 @@
+"""The launcher's messages read the same written straight to stderr and through ``logging``, and a
+plain job's launcher imports neither ``logging`` nor click, dataclasses or typing."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+from support.helpers import REPO
+
+from launcher import logs
+
+MESSAGES = [(logs.DEBUG, "looked at %d things", (3,)), (logs.INFO, "starting %s", ("2 workers",)),
+            (logs.WARNING, "the launcher sets %s itself", ("DMLC_ROLE",)), (logs.ERROR, "failed: 100%", ())]
+
+
+def _say(log: logs.Logger) -> None:
+    log.debug("looked at %d things", 3)
+    log.info("starting %s", "2 workers")
+    log.warning("the launcher sets %s itself", "DMLC_ROLE")
+    log.error("failed: 100%")
+
+
+@pytest.mark.parametrize("level", ["DEBUG", "INFO", "WARNING", "ERROR"])
+def test_direct_lines_are_the_logging_lines(level, tmp_path, capsys) -> None:
+    log = logs.getLogger("launcher.run.supervisor")
+    logs.configure(level)  # straight to stderr
+    assert log.isEnabledFor(logs.DEBUG) == (level == "DEBUG")
+    _say(log)
+    direct = capsys.readouterr().err
+    logs.configure(level, str(tmp_path / "launcher.log"))  # through logging (and the file)
+    _say(log)
+    through_logging = capsys.readouterr().err
+    logging.getLogger("launcher").handlers.clear()
+    expected = [logs.line(lv, "launcher.run.supervisor", msg % args if args else msg)
+                for lv, msg, args in MESSAGES if lv >= logs.LEVELS[level]]
+    assert direct.splitlines() == through_logging.splitlines() == expected
+    assert expected[-1] == "pslaunch: error: failed: 100%"
+    if level == "DEBUG":
+        assert expected[0] == "pslaunch: [launcher.run.supervisor] looked at 3 things"
+    written = (tmp_path / "launcher.log").read_text().splitlines()
+    assert len(written) == len(expected) and written[-1].endswith("ERROR launcher.run.supervisor: failed: 100%")
+
+
+def test_an_unconfigured_launcher_logs_through_logging(caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="launcher"):
+        logs.getLogger("launcher.x").warning("through %s", "logging")
+    assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
+        ("launcher.x", logging.WARNING, "through logging")]
+
+
+def test_a_plain_job_imports_no_logging_click_dataclasses_or_typing(tmp_path) -> None:
+    code = ("import atexit, sys; "
+            "atexit.register(lambda: print(sorted(m for m in ('logging', 'click', 'dataclasses', 'typing', "
+            "'inspect', 'json') if m in sys.modules), flush=True)); "
+            "from launcher.cli import main; sys.argv = ['pslaunch', '-n', '2', '-s', '1', 'true']; main()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+    assert out.stderr.splitlines()[-1].startswith("pslaunch: all 4 processes exited 0 in ")
