@@ -29,24 +29,26 @@ import signal
 import threading
 import time
 
-from .. import backends, logs, trackers
+from .. import backends, logs
 from ..backends.base import Backend
 from ..errors import LaunchError
 from ..node.procgroup import become_subreaper, has_children, kill_children, kill_marked
 from ..node.watchdog import Client as Watchdog
 from ..runtime.handle import ProcessHandle, ProcGroup
 from ..runtime.local import LocalProcess
-from ..runtime.output import Console, PipePump
+from ..runtime.output import Console, PipePump, is_terminal
 from ..spec.job import Host, JobSpec
 from ..spec.plan import Plan, ProcSpec, build_plan
 from . import addresses as addr
 from . import report
-from .progress import Progress
 from .signals import Interrupted, Signals
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Any, Mapping, Optional
+
+    from .. import trackers
+    from .progress import Progress
 
 log = logs.getLogger(__name__)
 
@@ -98,7 +100,7 @@ class Supervisor:
         self._watch: Optional[addr.SchedulerWatch] = None  # while the job starts: who gets the port
         self._wake = threading.Event()  # set when a process's output ends: look now, not at the next tick
         self.console.on_stream_end = self._wake.set
-        self.progress = Progress.create(  # the live status line (a terminal only; --no-progress)
+        self.progress = _progress(  # the live status line (a terminal only; --no-progress)
             self.console, spec.progress, {"scheduler": int(spec.has_scheduler), "server": spec.num_servers,
                                           "worker": spec.num_workers}, self.start_time)
 
@@ -245,7 +247,11 @@ class Supervisor:
         secret, job_id = self._ids
         lo, hi = spec.port_range
         here = root_uri if self.backend_cls.all_here(spec) else None
-        tracker = trackers.create(spec, self.console, self.watchdog)
+        tracker = None
+        if spec.collective:  # (the trackers are imported only for a collective job's)
+            from .. import trackers
+
+            tracker = trackers.create(spec, self.console, self.watchdog)
         if tracker is not None:  # a collective job: its tracker serves where the scheduler would run
             self.tracker = trackers.TrackerHandle(tracker)  # (held before it starts: close() always reaches it)
             port = tracker.start(root_uri)
@@ -412,6 +418,15 @@ class Supervisor:
         if self.spec.summary_json:
             report.write_summary(self.spec.summary_json, self.spec, self.plan, result)
         return result
+
+
+def _progress(console: Console, enabled: bool, expected: Mapping[str, int], start: float) -> Optional[Progress]:
+    """:meth:`.progress.Progress.create`, imported only where a status line can be shown."""
+    if not enabled or not is_terminal(console.stdout):
+        return None
+    from .progress import Progress
+
+    return Progress.create(console, enabled, expected, start)
 
 
 def run_job(spec: JobSpec, console: Optional[Console] = None, adopt_orphans: bool = False) -> report.JobResult:
