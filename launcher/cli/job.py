@@ -126,12 +126,13 @@ def check_outputs(spec: JobSpec, create: bool) -> None:
 
 def execute(spec: JobSpec) -> int:
     """Run (or dry-run) the job; return the exit code."""
-    from .. import trackers
-    from ..run.report import format_dry_run
     from ..run.supervisor import dry_run_plan, run_job
 
     check_outputs(spec, create=not spec.dry_run)
     if spec.dry_run:
+        from .. import trackers
+        from ..run.report import format_dry_run
+
         backend = backends.get(spec.launcher)
         plan = dry_run_plan(spec, backend)
         extra = [f"warning: {note}" for note in backend.notes(spec)] + backend.dry_run(spec, plan)

@@ -111,7 +111,8 @@ def spawn(argv: list[str], env: dict[str, str], cwd: str | None, out_w: int, err
 
     None where posix_spawn cannot do the same (another working directory, an output descriptor
     below 3): then the caller uses Popen. The program is looked up on ``env``'s ``PATH`` as Popen
-    does (the first error that is not "not found" wins); descriptors this process inherited
+    does (the first error that is not "not found" wins, directories without the file are skipped
+    with a stat); descriptors this process inherited
     are made close-on-exec once, which is what ``close_fds`` does for each child (ours are).
     Saves importing ``subprocess`` and 0.2 ms a process.
     """
@@ -130,16 +131,17 @@ def spawn(argv: list[str], env: dict[str, str], cwd: str | None, out_w: int, err
     actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
                (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)]
     first_error: OSError | None = None
-    last_error: OSError | None = None
     for candidate in candidates:
+        if len(candidates) > 1 and not os.path.isfile(candidate):
+            continue  # (a stat, not a whole vfork and exec, for each directory that lacks it)
         try:
             return os.posix_spawn(candidate, argv, env, file_actions=actions, setsid=True, setsigdef=_RESTORED)
-        except (FileNotFoundError, NotADirectoryError) as e:
-            last_error = e
+        except (FileNotFoundError, NotADirectoryError):
+            pass
         except OSError as e:
             if first_error is None:
                 first_error = e
-    raise first_error or last_error or FileNotFoundError(2, "No such file or directory", program)
+    raise first_error or FileNotFoundError(2, "No such file or directory", program)
 
 
 def _seal_inherited() -> None:
