@@ -18,8 +18,6 @@ backend (Grid Engine's, skein's, MPI's) live with the code that uses them.
 
 from __future__ import annotations
 
-import re
-
 from .records import field as _field
 from .records import record as _record
 
@@ -354,7 +352,7 @@ def _fmt_seconds(value: float) -> str:
 #: the scheduler) says why in one line of its stderr that starts with this. The launcher finds it in
 #: the output and names the culprit in its report, instead of whoever happened to exit first.
 CAUSE_PREFIX = "pslaunch-cause: "
-_CAUSE_RE = re.compile(r"pslaunch-cause: (?:(scheduler|server|worker)(?: (\d+))?|-): (.+)")
+_CAUSE_PATTERN = r"pslaunch-cause: (?:(scheduler|server|worker)(?: (\d+))?|-): (.+)"
 
 
 def cause_line(reason: str, role: str | None = None, rank: int | None = None) -> str:
@@ -372,7 +370,12 @@ def cause_line(reason: str, role: str | None = None, rank: int | None = None) ->
 def parse_cause(line: str) -> tuple[str | None, int | None, str] | None:
     """``(role, rank, reason)`` of a :func:`cause_line` (``(None, None, reason)`` for ``-``); None for
     any other line."""
-    m = _CAUSE_RE.fullmatch(line.strip())
+    line = line.strip()
+    if not line.startswith(CAUSE_PREFIX):
+        return None
+    import re  # (here: a launcher imports this module before its first process starts; re costs 2 ms)
+
+    m = re.fullmatch(_CAUSE_PATTERN, line)
     if not m:
         return None
     return m.group(1), (int(m.group(2)) if m.group(2) else None), m.group(3)
@@ -420,10 +423,10 @@ def heartbeat_settings(environ: Mapping[str, str]) -> tuple[float, float]:
 
 def parse_port_range(text: str) -> tuple[int, int]:
     """``"9000-9100"`` -> ``(9000, 9100)``; raises ValueError with the rule on bad input."""
-    m = re.fullmatch(r"\s*(\d{1,5})\s*-\s*(\d{1,5})\s*", text or "")
-    if not m:
+    parts = [p.strip() for p in (text or "").split("-")]  # (LOW-HIGH, spaces allowed: no re needed)
+    if len(parts) != 2 or not all(0 < len(p) <= 5 and p.isdecimal() for p in parts):
         raise ValueError(f"bad port range {text!r}: expected LOW-HIGH, for example 9091-9998")
-    lo, hi = int(m.group(1)), int(m.group(2))
+    lo, hi = int(parts[0]), int(parts[1])
     if not (1 <= lo <= hi <= 65535):
         raise ValueError(f"bad port range {text!r}: need 1 <= LOW <= HIGH <= 65535")
     return lo, hi

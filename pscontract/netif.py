@@ -18,7 +18,6 @@ doctor`` embeds it in its remote checks.
 from __future__ import annotations
 
 import collections
-import socket
 import sys
 
 TYPE_CHECKING = False  # (typing costs every launch 2 ms; its names are only for annotations)
@@ -76,6 +75,7 @@ _IFF_UP = 0x1
 def interfaces() -> list[Iface]:
     """Every IPv4 address of every interface that is up, in ``getifaddrs`` order."""
     import ctypes
+    import socket  # (here: importing this module stays cheap for a launch that reads no interface)
 
     _, ifaddrs = _structs()
     # dlopen(NULL): the C library is already loaded; find_library("c") would run ldconfig.
@@ -148,6 +148,8 @@ def interface_name(spec: str) -> str:
 
 def route_source(dest: str) -> str:
     """The local address the kernel would use to reach ``dest`` (no packet is sent)."""
+    import socket  # (here: importing this module stays cheap for a launch that reads no interface)
+
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         s.connect((dest, 9))
@@ -161,6 +163,7 @@ def route_source(dest: str) -> str:
 def resolve_ipv4(host: str) -> str:
     """``host`` as a dotted IPv4 address (zmq cannot bind or advertise a name)."""
     import ipaddress
+    import socket  # (here: importing this module stays cheap for a launch that reads no interface)
 
     try:
         ipaddress.IPv4Address(host)
@@ -193,6 +196,8 @@ def node_address(interface: str | None, scheduler: str | None, given: str | None
 
 def guess_host_ip(mode: str = "auto") -> str:
     """dmlc's ``--host-ip`` rules: ``auto``/``ip`` (name lookup), ``dns`` (FQDN) or a literal."""
+    import socket  # (here: importing this module stays cheap for a launch that reads no interface)
+
     if mode == "dns":
         return socket.getfqdn()
     if mode not in ("auto", "ip"):

@@ -8,7 +8,8 @@ the ssh wrapper imports this module on hosts with an old ``python3``.
 """
 
 import os
-import signal
+
+from . import sig as _sig  # (signal's names without importing enum: see .sig)
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -26,11 +27,11 @@ def signal_group(pgid, sig):
             pass
 
 
-def stop_group(pgid, sig=signal.SIGTERM):
+def stop_group(pgid, sig=_sig.SIGTERM):
     """Ask group ``pgid`` to stop: ``sig`` (SIGTERM), then SIGCONT, so that a stopped process (SIGSTOP,
     a debugger, Ctrl-Z) gets the signal now instead of when someone resumes it."""
     signal_group(pgid, sig)
-    signal_group(pgid, signal.SIGCONT)
+    signal_group(pgid, _sig.SIGCONT)
 
 
 def group_alive(pgid):
@@ -51,7 +52,7 @@ def exit_status(pid):
     try:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:
-        return -signal.SIGKILL
+        return -_sig.SIGKILL
     if info is None or info.si_pid == 0:
         return None
     if info.si_code == os.CLD_EXITED:
@@ -138,7 +139,7 @@ def has_children():
     return True
 
 
-def kill_children(sig=signal.SIGKILL, keep=()):
+def kill_children(sig=_sig.SIGKILL, keep=()):
     """Signal the group of every live child of this process (and the child itself), except ``keep``.
 
     For a subreaper this reaches every descendant that escaped its group: each is our child
@@ -191,7 +192,7 @@ def marked(prefix):
     return found
 
 
-def kill_marked(prefix, sig=signal.SIGKILL):
+def kill_marked(prefix, sig=_sig.SIGKILL):
     """Signal every live process of :func:`marked` ``prefix``, and its group; the number signalled."""
     pids = marked(prefix)
     for pid in pids:

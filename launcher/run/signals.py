@@ -11,10 +11,10 @@ syncing, waiting for the scheduler to listen or for a batch system to run the ta
 
 from __future__ import annotations
 
-import signal
 import threading
 
 from .. import logs
+from ..node import sig
 from ..runtime.handle import spawning
 
 TYPE_CHECKING = False
@@ -24,14 +24,14 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logs.getLogger(__name__)
 
 #: The launcher's exit code per signal (the shell's 128+N).
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
+EXIT_CODES = {sig.SIGINT: 130, sig.SIGTERM: 143, sig.SIGHUP: 129}
 
 
 class Interrupted(Exception):
     """A signal arrived while the job was starting."""
 
     def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
+        super().__init__(sig.name(signum))
         self.signum = signum
 
 
@@ -50,14 +50,14 @@ class Signals:
         if threading.current_thread() is not threading.main_thread():
             log.debug("not on the main thread: signals are not handled")
             return
-        for sig in EXIT_CODES:
-            self._old[sig] = signal.signal(sig, self.handle)
-        self._old[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._on_alarm)
+        for signum in EXIT_CODES:
+            self._old[signum] = sig.signal(signum, self.handle)
+        self._old[sig.SIGALRM] = sig.signal(sig.SIGALRM, self._on_alarm)
 
     def alarm(self, seconds: float) -> None:
         """Raise ``Interrupted(SIGALRM)`` after ``seconds`` (0: cancel); only on the main thread."""
-        if signal.SIGALRM in self._old:
-            signal.setitimer(signal.ITIMER_REAL, max(0.0, seconds))
+        if sig.SIGALRM in self._old:
+            sig.setitimer(sig.ITIMER_REAL, max(0.0, seconds))
 
     def _on_alarm(self, signum: int, frame: object = None) -> None:
         self.timed_out = True
@@ -70,8 +70,8 @@ class Signals:
 
     def restore(self) -> None:
         self.alarm(0)
-        for sig, old in self._old.items():
-            signal.signal(sig, old)  # type: ignore[arg-type]
+        for signum, old in self._old.items():
+            sig.signal(signum, old)  # type: ignore[arg-type]
         self._old.clear()
 
     def handle(self, signum: int, frame: object = None) -> None:
@@ -80,9 +80,9 @@ class Signals:
             self.first = signum
         if self.count == 1:
             log.warning("%s received: stopping every process (again to kill at once)",
-                        signal.Signals(signum).name)
+                        sig.name(signum))
         elif self.count == 2:
-            log.warning("%s received again: killing every process", signal.Signals(signum).name)
+            log.warning("%s received again: killing every process", sig.name(signum))
         if self.raise_now:
             if spawning():
                 self.deferred = signum  # raised by check() once the child is registered
@@ -98,11 +98,11 @@ class Signals:
 
     def describe(self) -> str:
         """The first signal by name: ``SIGINT (Ctrl-C)``, ``SIGTERM``, ``SIGHUP (the terminal closed)``."""
-        sig = self.first or signal.SIGINT
-        name = signal.Signals(sig).name
-        hint = {signal.SIGINT: " (Ctrl-C)", signal.SIGHUP: " (the terminal closed)"}.get(sig, "")
+        signum = self.first or sig.SIGINT
+        name = sig.name(signum)
+        hint = {sig.SIGINT: " (Ctrl-C)", sig.SIGHUP: " (the terminal closed)"}.get(signum, "")
         return f"{name}{hint}"
 
     @property
     def exit_code(self) -> int:
-        return EXIT_CODES.get(self.first or signal.SIGINT, 130)
+        return EXIT_CODES.get(self.first or sig.SIGINT, 130)

@@ -25,13 +25,13 @@ backend's class.
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 
 from .. import backends, logs
 from ..backends.base import Backend
 from ..errors import LaunchError
+from ..node import sig
 from ..node.procgroup import become_subreaper, has_children, kill_children, kill_marked
 from ..node.watchdog import Client as Watchdog
 from ..runtime.handle import ProcessHandle, ProcGroup
@@ -166,7 +166,7 @@ class Supervisor:
                     self.signals.check()
                 outcome = self._monitor()
             except Interrupted as e:
-                outcome = ("timeout", EXIT_TIMEOUT) if e.signum == signal.SIGALRM else \
+                outcome = ("timeout", EXIT_TIMEOUT) if e.signum == sig.SIGALRM else \
                     ("signal", self.signals.exit_code)
             finally:
                 if self._watch is not None:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import time
 
 from pscontract.records import asdict, record
 
+from ..node import sig
 from ..node.procgroup import group_alive
 from ..spec.plan import ProcSpec
 from .output import ProcOutput
@@ -53,7 +53,7 @@ def signal_name(code: int | None) -> str | None:
     if code is None or code <= 128 or code > 128 + 64:
         return None
     try:
-        return signal.Signals(code - 128).name
+        return sig.name(code - 128)
     except ValueError:
         return None
 

@@ -27,7 +27,6 @@ most :data:`~launcher.spec.job.MAX_PROCESSES`.
 from __future__ import annotations
 
 import os
-import re
 import stat
 import sys
 
@@ -43,8 +42,8 @@ MAX_LINE = 4096
 MAX_NAME = 253  # a DNS name's limit
 MAX_USER = 256
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
-_USER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+_NAME_RE = r"^[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?$"  # (compiled by re's cache on first use:
+_USER_RE = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$"  # a job without hosts never imports re)
 _KNOWN_KEYS = ("slots",)
 
 
@@ -64,7 +63,9 @@ def parse_host(token: str, where: str = "<host>") -> Host:
         user, _, token = token.rpartition("@")
         if len(user) > MAX_USER:
             raise ConfigError(f"{where}: a user name of {len(user)} characters is too long (at most {MAX_USER})")
-        if not _USER_RE.match(user):
+        import re
+
+        if not re.match(_USER_RE, user):
             raise ConfigError(f"{where}: bad user name {user!r} (letters, digits, '.', '_', '-'; not starting with '-')")
     port = None
     if token.startswith("["):
@@ -87,7 +88,9 @@ def parse_host(token: str, where: str = "<host>") -> Host:
         name = token
     if len(name) > MAX_NAME:
         raise ConfigError(f"{where}: a host name of {len(name)} characters is too long (at most {MAX_NAME})")
-    if ":" not in name and not _NAME_RE.match(name):
+    import re
+
+    if ":" not in name and not re.match(_NAME_RE, name):
         raise ConfigError(f"{where}: bad host name {name!r} (letters, digits, '.', '-', '_'; not starting with '-')")
     return Host(name=name, port=port, user=user, origin=where)
 

@@ -8,9 +8,7 @@ backend never sees an impossible value. A backend's own options are its own froz
 
 from __future__ import annotations
 
-import enum
 import math
-import re
 
 import pscontract as pc
 from pscontract.records import record
@@ -19,7 +17,7 @@ from ..errors import ConfigError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
-    from typing import Any, Optional
+    from typing import Any, ClassVar, Optional
 
 #: The most servers plus workers one job may have, on any backend: a bound that keeps a typo
 #: (``-n 1000000``) from planning or forking without end. A backend may allow fewer (the local
@@ -29,15 +27,42 @@ MAX_PROCESSES = 20_000
 MAX_CORES = 4096
 
 
-class Role(str, enum.Enum):
-    SCHEDULER = "scheduler"
-    SERVER = "server"
-    WORKER = "worker"
-    #: the tracker of a collective job (``--tracker`` other than ps), run by the launcher
-    TRACKER = "tracker"
+class Role(str):
+    """A process's role: :attr:`SCHEDULER`, :attr:`SERVER`, :attr:`WORKER` or :attr:`TRACKER` (the
+    launcher's tracker of a collective job). Each is a ``str`` (``"worker"``) and one object, as an
+    enum's members are (``role is Role.WORKER``; ``Role("worker")`` is it, any other text is a
+    ValueError), without importing ``enum`` (3 ms of a launch).
+    """
+
+    __slots__ = ()
+    SCHEDULER: ClassVar[Role]
+    SERVER: ClassVar[Role]
+    WORKER: ClassVar[Role]
+    TRACKER: ClassVar[Role]
+
+    def __new__(cls, value: str) -> Role:
+        try:
+            return _ROLES[value]
+        except (KeyError, TypeError):
+            raise ValueError(f"{value!r} is not a valid Role") from None
+
+    @property
+    def value(self) -> str:
+        return str.__str__(self)
 
     def __str__(self) -> str:
-        return self.value
+        return str.__str__(self)
+
+    def __repr__(self) -> str:
+        return f"Role.{self.upper()}"
+
+    def __reduce__(self) -> tuple:
+        return (Role, (str(self),))
+
+
+_ROLES: dict[str, Role] = {name: str.__new__(Role, name) for name in ("scheduler", "server", "worker", "tracker")}
+Role.SCHEDULER, Role.SERVER, Role.WORKER, Role.TRACKER = (_ROLES[n] for n in ("scheduler", "server", "worker",
+                                                                              "tracker"))
 
 
 @record
@@ -203,6 +228,8 @@ class JobSpec:
         """The job name: ``--jobname`` or ``pslaunch-<program>``."""
         if self.jobname:
             return self.jobname
+        import re  # (here and below: re costs a launch 2 ms, and most jobs never need it)
+
         prog = re.sub(r"[^A-Za-z0-9_.-]", "_", self.command[0].rsplit("/", 1)[-1])
         return f"pslaunch-{prog}"
 
@@ -221,6 +248,8 @@ MAX_MEMORY_MB = 1 << 30
 
 def parse_memory_mb(text: str, option: str) -> int:
     """dmlc's memory strings: ``"1g"`` -> 1024, ``"512m"`` -> 512 (also ``"1.5G"``)."""
+    import re
+
     m = re.fullmatch(r"\s*(\d{1,12}(?:\.\d{1,6})?)\s*([gGmM])[bB]?\s*", str(text)[:100])
     if not m:
         raise ConfigError(f"{option} {_short(text)!r}: give a size ending in g or m, for example 2g or 512m")

@@ -51,12 +51,29 @@ def test_an_unconfigured_launcher_logs_through_logging(caplog) -> None:
         ("launcher.x", logging.WARNING, "through logging")]
 
 
-def test_a_plain_job_imports_no_logging_click_dataclasses_or_typing(tmp_path) -> None:
-    code = ("import atexit, sys; "
+def test_a_plain_job_imports_none_of_what_it_does_not_need(tmp_path) -> None:
+    # (what the interpreter had before, the test suite's network guard among it, does not count)
+    code = ("import atexit, sys; before = set(sys.modules); "
             "atexit.register(lambda: print(sorted(m for m in ('logging', 'click', 'dataclasses', 'typing', "
-            "'inspect', 'json') if m in sys.modules), flush=True)); "
+            "'inspect', 'json', 're', 'enum', 'socket', 'signal', 'subprocess') "
+            "if m in sys.modules and m not in before), flush=True)); "
             "from launcher.cli import main; sys.argv = ['pslaunch', '-n', '2', '-s', '1', 'true']; main()")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
     assert out.stderr.splitlines()[-1].startswith("pslaunch: all 4 processes exited 0 in ")
+
+
+def test_node_sig_is_signals_names_without_enum() -> None:
+    import signal
+
+    from launcher.node import sig
+
+    for name in ("SIGTERM", "SIGKILL", "SIGINT", "SIGHUP", "SIGALRM", "SIGPIPE", "SIG_IGN", "SIG_DFL", "SIG_SETMASK",
+                 "ITIMER_REAL"):
+        assert getattr(sig, name) == getattr(signal, name), name
+    for fn in ("signal", "pthread_sigmask", "setitimer", "getsignal"):
+        assert callable(getattr(sig, fn)), fn
+    assert sig.name(9) == "SIGKILL" and sig.name(sig.SIGTERM) == "SIGTERM"
+    with pytest.raises(ValueError):
+        sig.name(1000)
