@@ -76,7 +76,10 @@ def _value(kind: Any, text: str) -> Any:
         whole, _, part = text.partition(".")
         if not (whole.isascii() and whole.isdigit() and (not part or (part.isascii() and part.isdigit()))):
             raise _Decline
-        return float(text)
+        number = float(text)
+        if number - number != 0.0:  # (not finite: 400 digits are inf, for click's type to refuse)
+            raise _Decline
+        return number
     if kind == "log_level":
         if text.upper() not in LOG_LEVELS:
             raise _Decline

@@ -89,6 +89,7 @@ DECLINED = [
     ["-n", "-1", "true"], ["-n", "1_0", "true"], ["-n", "+2", "true"], ["-n", "1234567890", "true"],
     ["-n", "٣", "true"],  # (a digit, but not ASCII)
     ["-n", "1", "--timeout", "1e3", "true"], ["-n", "1", "--timeout", "nan", "true"],
+    ["-n", "1", "--start-timeout", "1" * 400, "true"],  # (digits only, but float() makes it inf)
     ["-n", "1", "--env", "-x", "true"], ["-n", "1", "-H", "-", "true"],
     ["-n", "1", "--", "true"], ["-n", "1", "-", "true"], ["-n", "1"], ["-n"], [], ["true"],
     ["-n", "1", "--dry-run=yes", "true"], ["-n", "1", "--log-level", "verbose", "true"],
@@ -122,3 +123,28 @@ def test_the_same_mistake_gets_the_same_line_from_either_parser(capsys) -> None:
     assert cli.main(["-n", "0", "--ssh-key", "k", "true"]) == 2  # click reads this one
     click_err = capsys.readouterr().err
     assert quick_err == click_err == "pslaunch: error: -n/--num-workers must be at least 1, got 0\n"
+
+
+@pytest.mark.parametrize("args, environ", READ + [(a, {}) for a in DECLINED if a[-3:-1] != ["-H", "-"]] + [
+    (["-n", "1", "--start-timeout", "1" * 100_000, "true"], {}),
+    (["-n", "1", "--port-range", "9-8", "true"], {}), (["-n", "1", "--env", "1BAD=x", "true"], {}),
+    (["-n", "1", "--kill-grace", "0.5", "--env", "MISSING_IN_SHELL", "true"], {}),
+])
+def test_either_parser_gives_the_same_outcome(args, environ, capsys, monkeypatch) -> None:
+    from launcher import cli
+    from launcher.cli import job
+
+    monkeypatch.delenv("DMLC_SUBMIT_CLUSTER", raising=False)
+    monkeypatch.delenv("MISSING_IN_SHELL", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    outcomes = []
+    for through_click in (False, True):
+        with monkeypatch.context() as mp:
+            mp.setattr(job, "execute", lambda spec: print(repr(spec)) or 0)
+            if through_click:
+                mp.setattr(quick, "parse", lambda args, environ: None)
+            code = cli.main(list(args))
+        captured = capsys.readouterr()
+        outcomes.append((code, captured.out, captured.err))
+    assert outcomes[0] == outcomes[1]
