@@ -105,10 +105,15 @@ class Agent:
         tee: also write the command's output as it is to this process's stdout/stderr while
             the channel carries the records (a batch task's own files keep their content).
         prefix: the agent's name in its own messages (``pslaunch task``).
+        linger: after reporting that the command could not start, wait this long (at most) for
+            the launcher to stop the job (its stop command, a stop signal, or the channel's end)
+            before exiting: under mpirun, a rank that exits non-zero first makes mpirun print its
+            own abort banner before the launcher's report of the cause.
     """
 
     def __init__(self, ident: int, grace: float, channel: Optional[wire.Channel], *,
-                 fallback: str = "records", tee: bool = False, prefix: str = "pslaunch agent") -> None:
+                 fallback: str = "records", tee: bool = False, prefix: str = "pslaunch agent",
+                 linger: float = 0.0) -> None:
         if fallback not in ("records", "plain"):
             raise ValueError(f"unknown fallback {fallback!r}")
         self.ident = ident
@@ -117,6 +122,7 @@ class Agent:
         self.fallback = fallback
         self.tee = tee
         self.prefix = prefix
+        self.linger = linger
         self.child: Optional[subprocess.Popen] = None
         self.pending = PENDING
         self.kill_at: Optional[float] = None
@@ -298,9 +304,32 @@ class Agent:
     def _failed(self, message: str, code: int) -> int:
         self.error(message, code)
         if self.channel is not None:
+            if self.linger > 0:
+                self._await_stop(self.linger)
             self.channel.close()
             self.channel = None
         return code
+
+    def _await_stop(self, seconds: float) -> None:
+        """Until the launcher stops the job (a stop command or signal, or the channel's end), at most ``seconds``."""
+        assert self.channel is not None
+        deadline = time.monotonic() + seconds
+        sel = selectors.DefaultSelector()
+        sel.register(self.channel.fileno(), selectors.EVENT_READ)
+        try:
+            while not any(sig in _STOP_SIGNALS for sig in self.pending):
+                left = deadline - time.monotonic()
+                if left <= 0 or (sel.select(min(left, 0.05)) and self._stop_said()):
+                    return
+        finally:
+            sel.close()
+
+    def _stop_said(self) -> bool:
+        assert self.channel is not None
+        try:
+            return any(w in ("TERM", "INT", "KILL") for w in self.channel.commands())
+        except EOFError:
+            return True
 
     def _stop(self, sig: int) -> None:
         assert self.child is not None

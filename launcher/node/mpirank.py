@@ -40,6 +40,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from typing import Optional, Sequence
 
 PREFIX = "pslaunch rank wrapper"
+#: a rank whose command cannot start waits this long at most for the launcher to stop the job
+#: (mpirun would otherwise see it exit first and print its own abort banner before the cause)
+LINGER = 5.0
 
 
 def _rank(environ: dict[str, str]) -> tuple[int, Optional[int], object]:
@@ -108,7 +111,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except netif.NetifError as e:
             raise AgentError(f"on {socket.gethostname()}: cannot work out this node's address: {e}") from None
         agent = Agent(rank, float(table.get("grace", 10.0)), _connect(table, rank, env), fallback="records",
-                      prefix=PREFIX)
+                      prefix=PREFIX, linger=LINGER)
         code = agent.run(args, env, start={"addr": env[pc.NODE_HOST], "source": "mpi4py" if mpi else "env"})
     except AgentError as e:
         code = e.code
