@@ -111,9 +111,9 @@ def spawn(argv: list[str], env: dict[str, str], cwd: str | None, out_w: int, err
 
     None where posix_spawn cannot do the same (another working directory, an output descriptor
     below 3): then the caller uses Popen. The program is looked up on ``env``'s ``PATH`` as Popen
-    does (the first error that is not "not found" wins, directories without the file are skipped
-    with a stat); descriptors this process inherited
-    are made close-on-exec once, which is what ``close_fds`` does for each child (ours are).
+    does (the first error that is not "not found" wins; a directory without the file costs a
+    stat, not a vfork and exec). Descriptors this process inherited are made close-on-exec once,
+    which is what ``close_fds`` does for each child (ours are close-on-exec from the start).
     Saves importing ``subprocess`` and 0.2 ms a process.
     """
     global _sealed
