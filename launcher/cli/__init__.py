@@ -50,8 +50,9 @@ def exit_now(code: int) -> None:
     import threading
 
     run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)  # (CPython's; else a normal exit)
-    others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
-    if run_exitfuncs is None or any(t.is_alive() for t in others):
+    main_thread = threading.main_thread()
+    if run_exitfuncs is None or any(t is not main_thread and not t.daemon and t.is_alive()
+                                    for t in threading.enumerate()):
         sys.stdout.flush()
         sys.exit(code)
     run_exitfuncs()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pscontract as pc
 
-from .. import backends
+from .. import backends, logs
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,7 +52,7 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], Any, Any], ...] = (
     ("server_cores", ("--server-cores",), "int", 1),
     ("server_memory", ("--server-memory",), "str", None),
 )
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_LEVELS = tuple(logs.LEVELS)
 REQUIRED = ("num_workers",)
 
 _BY_FLAG = {flag: (name, kind) for name, flags, kind, _ in OPTIONS for flag in flags}

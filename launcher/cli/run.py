@@ -16,7 +16,7 @@ import click
 
 import pscontract as pc
 
-from .. import __version__, backends
+from .. import __version__, backends, logs
 from .clickutil import BOUNDED_INT, FINITE_FLOAT, add_backend_options
 from .config import load_config
 from .job import run as run_job
@@ -137,7 +137,7 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
 @click.option("--summary-json", default=None, metavar="FILE",
               help="Write one record per process (role, rank, host, pid, times, exit code, signal).")
 @click.option("--log-level", default="INFO", show_default=True,
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+              type=click.Choice(list(logs.LEVELS), case_sensitive=False),
               help="The launcher's own messages.")
 @click.option("--log-file", default=None, metavar="FILE", help="Also write the launcher's messages to FILE.")
 @click.option("--no-progress", is_flag=True, help="No live status line (processes running per role and host, "

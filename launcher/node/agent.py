@@ -54,6 +54,8 @@ if TYPE_CHECKING:  # pragma: no cover
 DRAIN_SECONDS = 0.5
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: the launcher's commands that stop the command
+_STOP_WORDS = ("TERM", "INT", "KILL")
 
 
 class AgentError(Exception):
@@ -234,7 +236,7 @@ class Agent:
                     words = channel.commands()
                 except EOFError:
                     raise AgentError("the launcher closed the connection before it sent the placement") from None
-                if any(w in ("TERM", "INT", "KILL") for w in words):
+                if any(w in _STOP_WORDS for w in words):
                     raise AgentError("stopped by the launcher before the command started", 143)
         finally:
             sel.close()
@@ -327,7 +329,7 @@ class Agent:
     def _stop_said(self) -> bool:
         assert self.channel is not None
         try:
-            return any(w in ("TERM", "INT", "KILL") for w in self.channel.commands())
+            return any(w in _STOP_WORDS for w in self.channel.commands())
         except EOFError:
             return True
 
