@@ -11,8 +11,10 @@ trainer, for example the commit before a change, as a column of its own):
    workers and no server, the gradients summed with torch.distributed's allreduce:
    ``python -m launcher -n 2 --tracker torch``; MXNet has no such store: ours only); ours
    (``scripts/train_mnist.py``) and MXNet's own training (``scripts/bench_train_mxnet.py``)
-   with the same settings. By default one full epoch (60,000 examples). MXNet alone gets
-   ``OMP_NUM_THREADS`` = the cores (its best here); under the launcher every process gets one.
+   with the same settings. By default one full epoch (60,000 examples). In one process each
+   contender runs with one thread and with all the cores (``--threads`` for ours,
+   ``OMP_NUM_THREADS`` for MXNet, whose lenet is faster with one) and keeps its best, which the
+   table names; under the launcher every process gets one thread.
 2. **Enter to first batch** (``--first-batch N``): ``pslaunch -n 2 -s 1 ... --kv-store
    dist_sync``, from starting the command until every worker has logged its first
    Speedometer line (``--disp-batches 1``, after batch 1 in both trainers), median of N runs,
@@ -121,28 +123,36 @@ def training(a: argparse.Namespace, who: list[tuple[str, str, Path]], cores: int
                 if a.data_dir:
                     common += ["--data-dir", a.data_dir]
                 row: dict[str, Any] = {"network": network, "batch": batch, "mode": mode}
-                best: dict[str, list[dict[str, Any]]] = {}
+                best: dict[str, tuple[list[dict[str, Any]], int | None]] = {}
+                # One process: each contender at its best, one thread or all the cores (MXNet's
+                # lenet is faster with one). Under the launcher every process gets one.
+                threads: tuple[int | None, ...] = (1, cores) if mode == "local" and cores > 1 else (None,)
                 for _ in range(a.repeat):  # interleaved: each contender once per round
-                    for name, python, script in who:
-                        if f"{name}_error" in row or (name == "mxnet" and mode == "dist_allreduce"):
-                            continue
-                        run_env = dict(env)
-                        if name == "mxnet" and mode == "local":
-                            run_env[pc.OMP_NUM_THREADS] = str(cores)
-                        try:
-                            summaries, _, _ = run(command(python, script, mode, common), run_env, a.timeout)
-                        except (RuntimeError, subprocess.TimeoutExpired) as e:
-                            print(f"# {network} batch {batch} {mode} ({name}) FAILED: {e}", flush=True)
-                            row[f"{name}_error"] = str(e)
-                            continue
-                        if name not in best or _speed(summaries) > _speed(best[name]):
-                            best[name] = summaries
-                for name, summaries in best.items():
+                    for t in threads:
+                        for name, python, script in who:
+                            if f"{name}_error" in row or (name == "mxnet" and mode == "dist_allreduce"):
+                                continue
+                            run_env, argv = dict(env), command(python, script, mode, common)
+                            if t is not None and name == "mxnet":
+                                run_env[pc.OMP_NUM_THREADS] = str(t)
+                            elif t is not None:
+                                argv += ["--threads", str(t)]
+                            try:
+                                summaries, _, _ = run(argv, run_env, a.timeout)
+                            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                                print(f"# {network} batch {batch} {mode} ({name}) FAILED: {e}", flush=True)
+                                row[f"{name}_error"] = str(e)
+                                continue
+                            if name not in best or _speed(summaries) > _speed(best[name][0]):
+                                best[name] = (summaries, t)
+                for name, (summaries, t) in best.items():
                     row[name] = _speed(summaries)
                     row[f"{name}_acc"] = _mean(s["validation_accuracy"] for s in summaries)
+                    row[f"{name}_threads"] = t
                 rows.append(row)
                 print(f"# {network} batch {batch} {mode}: "
-                      + ", ".join(f"{n} {_fmt(row.get(n), '.0f')}/s" for n, _, _ in who), flush=True)
+                      + ", ".join(f"{n} {_fmt(row.get(n), '.0f')}/s" + _threads(row, n) for n, _, _ in who),
+                      flush=True)
     names = [n for n, _, _ in who]
     print()
     print(f"Training: samples/s per worker, {a.num_epochs} epoch(s) of {a.num_examples} examples, best of {a.repeat}")
@@ -155,11 +165,17 @@ def training(a: argparse.Namespace, who: list[tuple[str, str, Path]], cores: int
     for r in rows:
         who_ = {"local": "local (1)", "dist_allreduce": "dist_allreduce (2, --tracker torch)"}.get(
             r["mode"], f"{r['mode']} (2 + 1 server)")
-        cells = [_fmt(r.get(n), ",.0f", f"{n}_error" in r) for n in names]
+        cells = [_fmt(r.get(n), ",.0f", f"{n}_error" in r) + _threads(r, n) for n in names]
         cells += [_fmt(r[n] / r["mxnet"] if r.get(n) and r.get("mxnet") else None, ".2f") for n in ratios]
         cells += [_fmt(r.get(f"{n}_acc"), ".4f", f"{n}_error" in r) for n in names]
         print(f"| {r['network']} | {r['batch']} | {who_} | " + " | ".join(cells) + " |")
     return rows
+
+
+def _threads(row: dict[str, Any], name: str) -> str:
+    """`` (2 threads)`` after a one-process speed: the thread count that was fastest."""
+    t = row.get(f"{name}_threads")
+    return "" if t is None else f" ({t} thread{'s' if t > 1 else ''})"
 
 
 def _speed(summaries: list[dict[str, Any]]) -> float:
