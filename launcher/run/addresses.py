@@ -24,7 +24,7 @@ from ..spec.job import Host, JobSpec
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
-    from typing import Mapping, Optional
+    from typing import Callable, Mapping, Optional
 
     from ..backends.base import Backend
 
@@ -285,14 +285,21 @@ class SchedulerWatch:
     holds it: taken between our probe and the scheduler's bind) or ``"died"`` (the scheduler
     ended with an error, and the port is free: not a race).
 
-    A thread looks every ``interval`` seconds, whatever the launcher is busy with (a backend's
-    ``start`` may take seconds), so a scheduler that died of a lost race is judged while the
-    port's new holder still has it. It peeks at the scheduler's exit with ``waitid(WNOWAIT)``,
-    leaving the exit status to whoever polls the process.
+    A thread looks whatever the launcher is busy with (a backend's ``start`` may take seconds):
+    first after ``interval`` seconds, then ever less often, up to every ``max_interval``. A look
+    costs a few hundred microseconds of CPU, and a ps-lite scheduler may import for seconds
+    before it listens, on cores its own job's processes need: every 10 ms, that was 110 ms of CPU
+    in 3 s. A rival that took the port is usually there from the start, and seen at the first
+    looks; a scheduler that dies is judged at once by :meth:`judge_now` (the supervisor calls it
+    when it sees the death), while the port's new holder still has it. It peeks at the
+    scheduler's exit with ``waitid(WNOWAIT)``, leaving the exit status to whoever polls the process.
     """
 
-    def __init__(self, pid: int, host: str, port: int, interval: float = 0.01) -> None:
-        self.pid, self.host, self.port, self.interval = pid, host, port, interval
+    def __init__(self, pid: int, host: str, port: int, interval: float = 0.01,
+                 max_interval: float = 0.16, on_verdict: Optional[Callable[[], None]] = None) -> None:
+        self.pid, self.host, self.port = pid, host, port
+        self.interval, self.max_interval = interval, max(interval, max_interval)
+        self.on_verdict = on_verdict  # called from the watch's thread when it reaches a verdict
         self.verdict: Optional[str] = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pslaunch-port-watch", daemon=True)
@@ -307,12 +314,27 @@ class SchedulerWatch:
             self._thread.join(1.0)
 
     def _run(self) -> None:
+        interval = self.interval
         while not self._stop.is_set():
             verdict = self.check()
             if verdict is not None:
-                self.verdict = verdict
+                if self.verdict is None:
+                    self.verdict = verdict
+                    if self.on_verdict is not None:
+                        self.on_verdict()
                 return
-            self._stop.wait(self.interval)
+            self._stop.wait(interval)
+            interval = min(interval * 2, self.max_interval)
+
+    def judge_now(self) -> Optional[str]:
+        """Look now, in the caller's thread (the scheduler has just ended: its verdict is due);
+        the verdict, which ends the watch."""
+        if self.verdict is None:
+            verdict = self.check()
+            if verdict is not None and self.verdict is None:
+                self.verdict = verdict
+                self._stop.set()
+        return self.verdict
 
     def check(self) -> Optional[str]:
         """One look: the verdict, or None while the scheduler runs and nobody listens yet."""

@@ -19,7 +19,7 @@ from ..runtime.handle import spawning
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
-    from typing import Optional
+    from typing import Callable, Optional
 
 log = logs.getLogger(__name__)
 
@@ -44,6 +44,7 @@ class Signals:
         self.raise_now = True
         self.deferred: Optional[int] = None
         self.timed_out = False
+        self.on_signal: Optional[Callable[[], None]] = None  # called by each handled signal
         self._old: dict[int, object] = {}
 
     def install(self) -> None:
@@ -76,6 +77,8 @@ class Signals:
 
     def handle(self, signum: int, frame: object = None) -> None:
         self.count += 1
+        if self.on_signal is not None:
+            self.on_signal()
         if self.first is None:
             self.first = signum
         if self.count == 1:

@@ -117,3 +117,62 @@ def test_the_watch_says_up_beside_a_listener_on_another_address() -> None:
         sched.kill()
         sched.wait()
         other.close()
+
+
+def _exited(code: int) -> subprocess.Popen:
+    """A 'scheduler' that has ended with ``code`` (not yet reaped: the watch peeks with WNOWAIT)."""
+    p = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"], start_new_session=True)
+    os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)
+    return p
+
+
+@pytest.mark.timeout(20)
+def test_judge_now_blames_the_rival_that_holds_the_port_when_the_scheduler_died() -> None:
+    # the supervisor judges a dead scheduler at once, not at the watch thread's next look
+    rival = listening_on("127.0.0.1")
+    port = rival.getsockname()[1]
+    sched = _exited(1)
+    try:
+        watch = SchedulerWatch(sched.pid, "127.0.0.1", port, interval=3600)  # the thread never looks
+        assert watch.judge_now() == "lost" and watch.verdict == "lost"
+        rival.close()
+        assert watch.judge_now() == "lost"  # a verdict stands
+        assert SchedulerWatch(sched.pid, "127.0.0.1", port, interval=3600).judge_now() == "died"
+    finally:
+        rival.close()
+        sched.wait()
+
+
+@pytest.mark.timeout(20)
+def test_the_watch_looks_ever_less_often_while_nobody_listens_and_still_sees_a_late_rival() -> None:
+    # a ps-lite scheduler imports for seconds before it listens: 10 ms looks cost 110 ms of CPU in
+    # 3 s on the cores the job needs; the looks back off to max_interval, and a rival that takes
+    # the port late is still seen within it
+    probe = listening_on("127.0.0.1")
+    port = probe.getsockname()[1]
+    probe.close()
+    sched = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    looks = []
+
+    class Counting(SchedulerWatch):
+        def check(self):  # type: ignore[override]
+            looks.append(time.monotonic())
+            return super().check()
+
+    watch = Counting(sched.pid, "127.0.0.1", port, interval=0.01, max_interval=0.16).start()
+    try:
+        time.sleep(1.5)
+        assert watch.verdict is None
+        gaps = [b - a for a, b in zip(looks, looks[1:])]
+        assert 5 <= len(looks) <= 20, looks  # every 10 ms, it was about 150
+        assert gaps[0] < 0.1 and max(gaps) < 0.5 and gaps[-1] > 0.1, gaps
+        rival = listening_on("127.0.0.1", port)
+        seen_by = time.monotonic() + 5
+        while watch.verdict is None and time.monotonic() < seen_by:
+            time.sleep(0.01)
+        rival.close()
+        assert watch.verdict == "lost"
+    finally:
+        watch.stop()
+        sched.kill()
+        sched.wait()

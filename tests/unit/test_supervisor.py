@@ -220,3 +220,75 @@ def test_a_ctrl_c_while_the_backend_waits_for_its_tasks_stops_what_it_started(tm
     for s in scripts.values():
         assert [e for _, e in s.events] == ["TERM", "KILL"]
         assert s.events[1][0] == pytest.approx(2.0, abs=0.05)  # at the second Ctrl-C, not after the grace
+
+
+# --- the real clock: how often the supervisor looks --------------------------------------------
+
+
+def test_wakeup_is_one_bit_that_wait_clears() -> None:
+    from launcher.run.supervisor import Wakeup
+
+    w = Wakeup()
+    assert w.wait(0.01) is False
+    w.set()
+    w.set()  # twice is once
+    assert w.wait(5) is True
+    assert w.wait(0.01) is False
+
+
+def test_a_handled_signal_wakes_the_supervisor() -> None:
+    from launcher.run.signals import Signals
+
+    s, calls = Signals(), []
+    s.raise_now = False  # the job runs: the handler only counts
+    s.on_signal = lambda: calls.append(1)
+    s.handle(signal.SIGTERM)
+    assert s.count == 1 and calls == [1]
+
+
+LOOK_COUNTER = """
+import sys
+from launcher.runtime.local import LocalProcess
+looks = [0]
+real_poll = LocalProcess.poll
+def poll(self):
+    looks[0] += 1
+    return real_poll(self)
+LocalProcess.poll = poll
+import atexit
+atexit.register(lambda: sys.stderr.write(f"LOOKS {looks[0]}\\n"))
+from launcher.cli import main
+main(prog_name="pslaunch")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_calm_local_job_is_looked_at_ever_less_often_and_its_end_is_seen_at_once(tmp_path) -> None:
+    # every 20 ms, a 2 s job was about 100 looks (each ~150 us of the CPU its processes need);
+    # a local child's end wakes the supervisor (pidfd), so backing off costs no fail-fast
+    import subprocess
+    import sys
+    import time
+
+    from support.helpers import REPO
+
+    job = tmp_path / "job.py"
+    job.write_text("import os, socket, time\n"
+                   "role = os.environ['DMLC_ROLE']\n"
+                   "if role == 'scheduler':\n"
+                   "    s = socket.socket()\n"
+                   "    s.bind((os.environ['DMLC_PS_ROOT_URI'], int(os.environ['DMLC_PS_ROOT_PORT'])))\n"
+                   "    s.listen()\n"
+                   "time.sleep(2 if role == 'worker' else 30)\n"
+                   "raise SystemExit(3 if role == 'worker' else 0)\n")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", LOOK_COUNTER, "-n", "1", "-s", "1", "--summary-json",
+                        str(tmp_path / "s.json"), sys.executable, str(job)],
+                       capture_output=True, text=True, timeout=50, cwd=REPO)
+    wall = time.monotonic() - t0
+    assert r.returncode == 3, r.stderr
+    looks = int(r.stderr.rsplit("LOOKS ", 1)[1].split()[0])
+    assert 3 * 5 <= looks <= 3 * 40, r.stderr  # (3 processes: one poll each per look)
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert doc["reason"] == "failure" and doc["exit_code"] == 3
+    assert wall < 10, wall  # (liveness only)
