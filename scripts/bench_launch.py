@@ -226,20 +226,24 @@ def bench_first_batch(a: argparse.Namespace, compare: bool) -> None:
             rows[mx_name] = {"pslaunch": [], "launch.py": []}
         ours = [sys.executable, os.path.join(REPO, "trainer", "train_mnist.py"), *TRAIN_ARGS]
         rows["our trainer"] = {"pslaunch": []}
-        for i in range(a.repeats):
-            for name, sides in rows.items():  # interleaved: the load changes hit both launchers alike
-                for side in sides:
-                    env = dict(os.environ, PYTHONPATH=REPO, BENCH_MARK=f"{os.getpid()}-{i}-{side}")
-                    if name == "our trainer":
-                        argv = [sys.executable, "-m", "launcher", "-n", "2", "-s", "1", *ours]
-                        cwd = REPO
-                    elif side == "pslaunch":
-                        argv = [sys.executable, "-m", "launcher", "-n", "2", "-s", "1", *mx]
-                        cwd = mx_cwd
-                    else:
-                        argv = _dmlc_argv(a.mxnet_python, "-n", "2", "-s", "1", "--launcher", "local", *mx)
-                        cwd = mx_cwd
-                    sides[side].append(first_batch(argv, cwd, env))
+        runs = [(name, side) for name, sides in rows.items() for side in sides]
+        for i in range(-1, a.repeats):  # -1: a warm-up round, not counted (the first run of a fresh
+            # copy pays for cold caches: twice the CPU in its workers)
+            # interleaved, each round in the other order: load changes and the run before hit all alike
+            for name, side in (runs if i % 2 == 0 else runs[::-1]):
+                env = dict(os.environ, PYTHONPATH=REPO, BENCH_MARK=f"{os.getpid()}-{i}-{side}")
+                if name == "our trainer":
+                    argv = [sys.executable, "-m", "launcher", "-n", "2", "-s", "1", *ours]
+                    cwd = REPO
+                elif side == "pslaunch":
+                    argv = [sys.executable, "-m", "launcher", "-n", "2", "-s", "1", *mx]
+                    cwd = mx_cwd
+                else:
+                    argv = _dmlc_argv(a.mxnet_python, "-n", "2", "-s", "1", "--launcher", "local", *mx)
+                    cwd = mx_cwd
+                took = first_batch(argv, cwd, env)
+                if i >= 0:
+                    rows[name][side].append(took)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(f"\nEnter to the first training batch (-n 2 -s 1, dist_sync, mlp, the first Speedometer line of a "
@@ -301,9 +305,11 @@ def main() -> int:
     try:
         for n in a.workers:
             ours, theirs = [], []
-            for _ in range(a.repeats):  # interleaved: the load changes hit both launchers alike
+            for r in range(a.repeats):  # interleaved, in turn first: load changes hit both alike
+                if compare and r % 2:
+                    theirs.append(bench_dmlc(a.mxnet_python, job, root, n))
                 ours.append(bench_pslaunch(job, root, n))
-                if compare:
+                if compare and not r % 2:
                     theirs.append(bench_dmlc(a.mxnet_python, job, root, n))
             row = [statistics.median(x[i] for x in ours) for i in range(3)]
             line = f"{n:>3} {2 * n + 1:>5} | {row[0] * 1000:>11.0f} ms {row[1] * 1000:>5.0f} ms {row[2] * 1000:>5.0f} ms"
