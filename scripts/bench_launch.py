@@ -226,24 +226,25 @@ def bench_first_batch(a: argparse.Namespace, compare: bool) -> None:
             rows[mx_name] = {"pslaunch": [], "launch.py": []}
         ours = [sys.executable, os.path.join(REPO, "trainer", "train_mnist.py"), *TRAIN_ARGS]
         rows["our trainer"] = {"pslaunch": []}
-        runs = [(name, side) for name, sides in rows.items() for side in sides]
-        for i in range(-1, a.repeats):  # -1: a warm-up round, not counted (the first run of a fresh
-            # copy pays for cold caches: twice the CPU in its workers)
-            # interleaved, each round in the other order: load changes and the run before hit all alike
-            for name, side in (runs if i % 2 == 0 else runs[::-1]):
-                env = dict(os.environ, PYTHONPATH=REPO, BENCH_MARK=f"{os.getpid()}-{i}-{side}")
-                if name == "our trainer":
-                    argv = [sys.executable, "-m", "launcher", "-n", "2", "-s", "1", *ours]
-                    cwd = REPO
-                elif side == "pslaunch":
-                    argv = [sys.executable, "-m", "launcher", "-n", "2", "-s", "1", *mx]
-                    cwd = mx_cwd
-                else:
-                    argv = _dmlc_argv(a.mxnet_python, "-n", "2", "-s", "1", "--launcher", "local", *mx)
-                    cwd = mx_cwd
-                took = first_batch(argv, cwd, env)
-                if i >= 0:
-                    rows[name][side].append(took)
+        # One program at a time (a run of one leaves the next a different machine: caches, memory),
+        # after an uncounted warm-up round (the first run of a fresh copy pays for cold caches:
+        # twice the CPU in its workers); its launchers interleaved, each round in the other order.
+        for name, sides in rows.items():
+            for i in range(-1, a.repeats):
+                for side in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
+                    env = dict(os.environ, PYTHONPATH=REPO, BENCH_MARK=f"{os.getpid()}-{i}-{side}")
+                    if name == "our trainer":
+                        argv = [sys.executable, "-m", "launcher", "-n", "2", "-s", "1", *ours]
+                        cwd = REPO
+                    elif side == "pslaunch":
+                        argv = [sys.executable, "-m", "launcher", "-n", "2", "-s", "1", *mx]
+                        cwd = mx_cwd
+                    else:
+                        argv = _dmlc_argv(a.mxnet_python, "-n", "2", "-s", "1", "--launcher", "local", *mx)
+                        cwd = mx_cwd
+                    took = first_batch(argv, cwd, env)
+                    if i >= 0:
+                        rows[name][side].append(took)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(f"\nEnter to the first training batch (-n 2 -s 1, dist_sync, mlp, the first Speedometer line of a "
