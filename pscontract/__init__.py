@@ -64,8 +64,8 @@ MAC_PAYLOAD = "PS_MAC_PAYLOAD"
 
 # --- general-purpose variables the launcher touches -------------------------
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
-# The trainer sets it to PASSIVE (unless set) when it runs several torch threads: spinning
-# OpenMP threads collapse throughput when other processes share the cores.
+# The trainer sets it to PASSIVE (unless set) when its job's threads on the host outnumber the
+# cores: spinning OpenMP threads collapse throughput when other processes want the same cores.
 OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
 PYTHONPATH = "PYTHONPATH"
 PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
