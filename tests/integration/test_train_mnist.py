@@ -79,6 +79,15 @@ def test_dist_sync_two_workers_equal_one_worker_with_double_batch(tmp_path: Path
     s0, s1 = H.summaries(dist.stdout)
     assert s0["batches_per_epoch"] == s1["batches_per_epoch"] == 5
     assert s0["validation_accuracy"] == s1["validation_accuracy"]  # the same weights on both workers
+    # every process of the job on this host: each worker keeps its own cores (the server floats)
+    cores = {w: c for w, c in re.findall(r"^\[worker (\d)\] .*torch thread\(s\), devices cpu(?:, cores ([\d,]+))?$",
+                                          dist.stdout + dist.stderr, re.M)}
+    assert sorted(cores) == ["0", "1"], dist.stderr
+    if len(os.sched_getaffinity(0)) >= 2:
+        mine = [set(map(int, cores[w].split(","))) for w in ("0", "1")]
+        assert all(mine) and not mine[0] & mine[1] and mine[0] | mine[1] <= os.sched_getaffinity(0), cores
+    else:
+        assert cores == {"0": "", "1": ""}, cores
     one = H.run_train(*common, "--kv-store", "local", "--batch-size", "128", "--model-prefix", str(tmp_path / "one"))
     assert one.returncode == 0, one.stderr
     assert H.summaries(one.stdout)[0]["batches_per_epoch"] == 5

@@ -154,3 +154,23 @@ def test_openmp_threads_sleep_only_when_they_outnumber_the_cores(monkeypatch: py
     finally:
         torch.set_num_threads(before)
     assert M.os.environ.get(pc.OMP_WAIT_POLICY) == policy
+
+
+@pytest.mark.parametrize(("env", "cores", "expected"), [
+    ({"DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "PSLAUNCH_LOCAL_PROCS": "3", "DMLC_TASK_ID": "0"}, 2, [0]),
+    ({"DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "PSLAUNCH_LOCAL_PROCS": "3", "DMLC_TASK_ID": "1"}, 2, [1]),
+    ({"DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "PSLAUNCH_LOCAL_PROCS": "3", "DMLC_TASK_ID": "1"}, 5, [2, 3]),
+    ({"DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "0", "PSLAUNCH_LOCAL_PROCS": "2", "DMLC_TASK_ID": "1"}, 2, [1]),
+    # another host has some of the job's processes: the task ids do not say who is here
+    ({"DMLC_NUM_WORKER": "4", "DMLC_NUM_SERVER": "2", "PSLAUNCH_LOCAL_PROCS": "3", "DMLC_TASK_ID": "2"}, 2, None),
+    ({"DMLC_NUM_WORKER": "3", "DMLC_NUM_SERVER": "0", "PSLAUNCH_LOCAL_PROCS": "3", "DMLC_TASK_ID": "0"}, 2, None),
+    ({"DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "1", "PSLAUNCH_LOCAL_PROCS": "2", "DMLC_TASK_ID": "0"}, 2, None),
+    ({"DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "PSLAUNCH_LOCAL_PROCS": "3", "DMLC_TASK_ID": "2"}, 2, None),
+    ({"DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "DMLC_TASK_ID": "0"}, 2, None),  # not under pslaunch
+    ({}, 2, None),
+])
+def test_worker_cores(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], cores: int,
+                      expected: list[int] | None) -> None:
+    monkeypatch.setattr(M.os, "sched_getaffinity", lambda pid: set(range(10, 10 + cores)))
+    want = None if expected is None else [10 + c for c in expected]
+    assert M.worker_cores(env) == want
