@@ -208,7 +208,7 @@ def worker_cores(environ: os._Environ[str] | dict[str, str] | None = None) -> li
     ``DMLC_NUM_SERVER`` = ``PSLAUNCH_LOCAL_PROCS``), when there are at least two workers and no
     more than the cores: worker ``DMLC_TASK_ID`` = i gets the i-th equal slice of the cores this
     process may use. The scheduler and servers, mostly idle, stay free. Two workers that the
-    kernel moved between two cores lost 7% of their speed (LeNet, dist_sync, 2 cores).
+    kernel moved between two cores were slower: dist_sync on 2 cores, mlp by 25%, LeNet by 3-7%.
     """
     environ = os.environ if environ is None else environ
     try:
