@@ -477,12 +477,22 @@ class YarnBackend(BatchBackend):
                 log.debug("YARN application %s: %s -> %s", self.app_id, self.app_state, state)
             self.app_state = state
             self.diagnostics = str(report.diagnostics or "")
-        if state == "RUNNING" and self._app is None:
-            self._app = self._client.connect(self.app_id, wait=False)
-        if self._app is not None and state == "RUNNING":
-            for c in self._app.get_containers(states=list(CONTAINER_STATES)):
-                self._update(str(c.service_name), int(c.instance), str(c.state), str(c.exit_message or ""),
-                             str(c.yarn_container_id or ""), str(c.yarn_node_http_address or ""))
+        try:
+            if state == "RUNNING" and self._app is None:
+                self._app = self._client.connect(self.app_id, wait=False)
+            containers = (self._app.get_containers(states=list(CONTAINER_STATES))
+                          if self._app is not None and state == "RUNNING" else [])
+        except ConnectionError as e:  # (skein's is one)
+            # The application master ended between the report and this call: it does once its
+            # containers have (a program missing on every node ends it at once). The next report
+            # says how; logged as an error, it was a second error line beside the real one.
+            log.debug("YARN application %s: its master is gone (%s); asking the report again",
+                      self.app_id, " ".join(str(e).split()))
+            self._app = None
+            return
+        for c in containers:
+            self._update(str(c.service_name), int(c.instance), str(c.state), str(c.exit_message or ""),
+                         str(c.yarn_container_id or ""), str(c.yarn_node_http_address or ""))
         outcome = app_outcome(state, final)
         if outcome is not None:
             with self.lock:
