@@ -29,6 +29,13 @@ def listening_on(host: str, port: int = 0) -> socket.socket:
     return s
 
 
+def wait_verdict(watch: SchedulerWatch, seconds: float) -> None:
+    """Until the watch has a verdict, at most ``seconds``."""
+    end = time.monotonic() + seconds
+    while watch.verdict is None and time.monotonic() < end:
+        time.sleep(0.01)
+
+
 def test_netlink_and_proc_list_the_same_listeners() -> None:
     # the watch asks the kernel's socket diagnostics (cheap on a host with many connections);
     # /proc/net/tcp* is the fallback: both must see IPv4, IPv6 and v4-mapped listeners alike
@@ -108,9 +115,7 @@ def test_the_watch_says_up_beside_a_listener_on_another_address() -> None:
     sched = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     try:
         watch = SchedulerWatch(sched.pid, "127.0.0.1", port).start()
-        end = time.monotonic() + 10
-        while watch.verdict is None and time.monotonic() < end:
-            time.sleep(0.01)
+        wait_verdict(watch, 10)
         watch.stop()
         assert watch.verdict == "up"
     finally:
@@ -167,9 +172,7 @@ def test_the_watch_looks_ever_less_often_while_nobody_listens_and_still_sees_a_l
         assert 5 <= len(looks) <= 20, looks  # every 10 ms, it was about 150
         assert gaps[0] < 0.1 and max(gaps) < 0.5 and gaps[-1] > 0.1, gaps
         rival = listening_on("127.0.0.1", port)
-        seen_by = time.monotonic() + 5
-        while watch.verdict is None and time.monotonic() < seen_by:
-            time.sleep(0.01)
+        wait_verdict(watch, 5)
         rival.close()
         assert watch.verdict == "lost"
     finally:
