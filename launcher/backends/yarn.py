@@ -432,6 +432,8 @@ class YarnBackend(BatchBackend):
         import tempfile
 
         self._tmp = tempfile.mkdtemp(prefix="pslaunch-yarn-")  # mode 0700
+        if self.watchdog is not None:  # the task file holds the job's secret: not left behind by kill -9
+            self.watchdog.on_abandon(["rm", "-rf", "--", self._tmp])
         wrapper = os.path.join(self._tmp, WRAPPER_ZIP)
         task_file = os.path.join(self._tmp, TASK_FILE)
         yp = build_yarn_plan(self.spec, procs, wrapper_zip=wrapper, task_file=task_file, hub=hub)

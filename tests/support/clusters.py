@@ -219,9 +219,14 @@ class YarnCluster(Cluster):
         if problem:
             pytest.skip(f"no YARN testbed: {problem}")
         self.name = f"pslt-{self.mark[:8]}"
+        self.tmp = out / "launcher-tmp"  # the launcher's TMPDIR: where its staging directory goes
+        self.tmp.mkdir(parents=True, exist_ok=True)
 
     def options(self) -> list[str]:
         return [*super().options(), "--host-ip", "127.0.0.1", "--jobname", self.name]
+
+    def env(self) -> dict:
+        return {**os.environ, "TMPDIR": str(self.tmp)}
 
     def check_record(self, name: str, rec: dict) -> None:
         assert rec["env"]["SKEIN_CONTAINER_ID"].startswith(name.split("-")[0] + "_")  # a skein container
@@ -230,7 +235,10 @@ class YarnCluster(Cluster):
         from support.yarn_testbed import apps_named
 
         apps = apps_named(self.name)
-        return [f"YARN applications named {self.name} still running: {', '.join(apps)}"] if apps else []
+        left = [f"YARN applications named {self.name} still running: {', '.join(apps)}"] if apps else []
+        staged = sorted(p.name for p in self.tmp.glob("pslaunch-yarn-*"))
+        return left + ([f"the launcher's staging directories (bundle, task file with the job's secret): "
+                        f"{', '.join(staged)}"] if staged else [])
 
 
 class SlurmCluster(Cluster):
