@@ -278,7 +278,7 @@ def _fake_mpirun(tmp_path, text: str) -> str:
 
 def test_cli_unknown_mpirun_is_a_one_line_error(tmp_path) -> None:
     fake = _fake_mpirun(tmp_path, "Totally Different MPI 9.9")
-    result = CliRunner().invoke(run.run_command, ["--launcher", "mpi", "--mpirun", fake, "-n", "1", "-s", "0",
+    result = CliRunner().invoke(run.with_backend_options(), ["--launcher", "mpi", "--mpirun", fake, "-n", "1", "-s", "0",
                                                   "true"], standalone_mode=False, catch_exceptions=True)
     assert isinstance(result.exception, BackendUnavailableError)
     assert "'Totally Different MPI 9.9'" in str(result.exception) and result.exception.exit_code == 2
@@ -344,7 +344,7 @@ def test_dry_run_shows_the_mpirun_command_without_secret_values(tmp_path, text, 
     hosts = tmp_path / "hosts"
     hosts.write_text("A\nB\nC\n")
     runner = CliRunner()
-    result = runner.invoke(run.run_command, [
+    result = runner.invoke(run.with_backend_options(), [
         "--launcher", "mpi", "--mpirun", fake, "-H", str(hosts), "-n", "3", "-s", "2", "--dry-run",
         "--env", "MY_TOKEN=hunter2", "--env-worker", "DB_PASSWORD=pw", "python", "train.py"],
         standalone_mode=False, env={"DMLC_INTERFACE": "lo"})
@@ -367,7 +367,7 @@ def test_dry_run_shows_the_mpirun_command_without_secret_values(tmp_path, text, 
 
 
 def test_dry_run_without_mpi_shows_both_forms(tmp_path) -> None:
-    result = CliRunner().invoke(run.run_command, ["--launcher", "mpi", "--mpirun", str(tmp_path / "none"),
+    result = CliRunner().invoke(run.with_backend_options(), ["--launcher", "mpi", "--mpirun", str(tmp_path / "none"),
                                                   "-n", "2", "-s", "1", "--dry-run", "prog"],
                                 standalone_mode=False)
     assert result.exit_code == 0, result.output
