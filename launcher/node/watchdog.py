@@ -10,7 +10,8 @@ one for every local process group; the node agent (:mod:`.agent`) uses one for i
 
 Protocol, one line each: ``grace SECONDS``, ``pgid N``, ``forget N``, ``mark PREFIX`` (also stop
 every process whose ``PSLAUNCH_PROCESS`` starts with PREFIX: what left its group with
-``setsid()``), ``cmd JSON-ARGV``, ``done``. Standard library only.
+``setsid()``), ``cmd JSON-ARGV``, ``remove GLOB`` (once everything is killed, remove what it
+matches: what a killed process could not), ``done``. Standard library only.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def main(stdin: Optional[BinaryIO] = None) -> int:
     groups: set[int] = set()
     marks: list[str] = []
     commands: list[list[str]] = []
+    removals: list[str] = []
     stdin = sys.stdin.buffer if stdin is None else stdin
     while True:
         line = stdin.readline()
@@ -52,6 +54,8 @@ def main(stdin: Optional[BinaryIO] = None) -> int:
                 groups.add(int(arg))
             elif word == "forget":
                 groups.discard(int(arg))
+            elif word == "remove" and arg:
+                removals.append(arg)
             elif word == "mark" and arg:
                 marks.append(arg)
             elif word == "cmd":
@@ -81,7 +85,33 @@ def main(stdin: Optional[BinaryIO] = None) -> int:
         signal_group(pgid, sig.SIGKILL)
     for prefix in marks:
         kill_marked(prefix)
+    remove_matching(removals)
     return 0
+
+
+def remove_matching(patterns: Sequence[str]) -> list[str]:
+    """Remove the files and directories that the glob ``patterns`` match, and each one's parent
+    directory once it is empty; returns what was removed."""
+    import glob
+    import os
+    import shutil
+
+    removed = []
+    for pattern in patterns:
+        for path in glob.glob(pattern):
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    continue
+            removed.append(path)
+            try:
+                os.rmdir(os.path.dirname(path))
+            except OSError:
+                pass
+    return removed
 
 
 class Client:
@@ -137,6 +167,11 @@ class Client:
         import json
 
         self._send("cmd " + json.dumps(list(argv)))
+
+    def remove_after_kill(self, pattern: str) -> None:
+        """If the client dies, remove what the glob ``pattern`` matches once every process is
+        killed (what they leave behind when killed), and its parent directory once empty."""
+        self._send("remove " + pattern.replace("\n", " "))
 
     def close(self, wait: bool = False) -> None:
         """Normal end: the watchdog reads ``done`` and exits without touching anything.

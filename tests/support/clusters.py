@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 import uuid
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -131,9 +132,23 @@ class MPICluster(Cluster):
         if path is None:
             pytest.skip(f"{impl}: mpirun not found (run scripts/deps/40-mpi.sh)")
         self.mpirun = path
+        # the launcher's TMPDIR, where Open MPI keeps its session directory (short: it holds
+        # unix sockets, whose paths are limited to 107 bytes)
+        self.tmp = Path(tempfile.mkdtemp(prefix="pslt-"))
 
     def options(self) -> list[str]:
         return [*super().options(), "--mpirun", self.mpirun]
+
+    def env(self) -> dict:
+        return {**os.environ, "TMPDIR": str(self.tmp)}
+
+    def backend_leftovers(self) -> list[str]:
+        left = sorted(str(p.relative_to(self.tmp)) for p in self.tmp.glob("*/*"))
+        return [f"mpirun's session directories in TMPDIR: {', '.join(left)}"] if left else []
+
+    def close(self) -> None:
+        super().close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 class SSHCluster(Cluster):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 from support.helpers import REPO, assert_no_orphans, pid_alive
 
@@ -31,15 +32,42 @@ def test_eof_without_done_kills_groups_and_runs_commands(tmp_path) -> None:
     assert marker.exists()
 
 
+def test_what_a_killed_process_leaves_is_removed_after_it_is_killed(tmp_path) -> None:
+    """``remove GLOB`` runs once the group is dead: a process that ignores SIGTERM and keeps
+    writing into its session directory (as mpirun does) cannot recreate it afterwards."""
+    session = tmp_path / "ompi.host.0" / "pid.123"
+    other = tmp_path / "ompi.other.0" / "pid.9"
+    other.mkdir(parents=True)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", "import os, signal, sys, time\n"
+         "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+         "while True:\n"
+         "    os.makedirs(sys.argv[1], exist_ok=True); open(sys.argv[1] + '/f', 'w').close(); time.sleep(0.01)",
+         str(session)], start_new_session=True)
+    wd = Watchdog(grace=1)
+    wd.watch(writer.pid)
+    wd.remove_after_kill(str(tmp_path / "ompi.*.0" / "pid.123"))
+    while not (session / "f").exists():
+        time.sleep(0.01)
+    wd._proc.stdin.close()
+    wd._proc.wait(timeout=10)
+    assert writer.wait(timeout=5) == -9  # it outlived SIGTERM's grace
+    assert not session.exists() and not session.parent.exists()  # its parent too, once empty
+    assert other.exists()  # what the pattern does not match stays
+
+
 def test_done_leaves_everything_alone(tmp_path) -> None:
     marker = tmp_path / "cleanup-ran"
+    kept = tmp_path / "session"
+    kept.mkdir()
     wd = Watchdog(grace=1)
     a = sleeper()
     wd.watch(a.pid)
     wd.on_abandon(["touch", str(marker)])
+    wd.remove_after_kill(str(kept))
     wd.close()
     assert wd._proc.wait(timeout=10) == 0  # it read "done" and exited on its own
-    assert pid_alive(a.pid) and not marker.exists()
+    assert pid_alive(a.pid) and not marker.exists() and kept.exists()
     a.kill()
     a.wait()
 

@@ -110,7 +110,7 @@ class MPIBackend(Backend):
         mpi_interface(self.info.impl, self.spec.interface, netif.interfaces())
 
     def start(self, procs: Sequence[ProcSpec]) -> ProcGroup:
-        from .command import HOSTFILE_PLACEHOLDER, mpirun_command, rank_layout
+        from .command import HOSTFILE_PLACEHOLDER, MPIImpl, mpirun_command, openmpi_session_dirs, rank_layout
         from .job import MPIGroup, MPIJob, MPIRank
 
         if self.info is None:
@@ -128,6 +128,8 @@ class MPIBackend(Backend):
             import tempfile
 
             self.tmpdir = tempfile.mkdtemp(prefix="pslaunch-mpi-")
+            if self.watchdog is not None:
+                self.watchdog.on_abandon(["rm", "-rf", "--", self.tmpdir])
             path = os.path.join(self.tmpdir, "hostfile")
             with open(path, "w", encoding="utf-8") as f:
                 f.write(hostfile_text)
@@ -145,6 +147,11 @@ class MPIBackend(Backend):
                                              stdout=out_w, stderr=err_w, start_new_session=True, close_fds=True)
                 if self.watchdog is not None:
                     self.watchdog.watch(job.popen.pid)
+                if self.info.impl is MPIImpl.OPENMPI:
+                    job.session_dirs = openmpi_session_dirs(job.popen.pid, env, os.getuid())
+                    if self.watchdog is not None:  # (killed, mpirun leaves it behind)
+                        for pattern in job.session_dirs:
+                            self.watchdog.remove_after_kill(pattern)
         except OSError as e:
             for fd in (out_r, err_r):
                 os.close(fd)

@@ -61,6 +61,20 @@ class MPIInfo:
     version: str
 
 
+def openmpi_session_dirs(pid: int, env: Mapping[str, str], uid: int) -> tuple[str, str]:
+    """Glob patterns of the session directory Open MPI's mpirun ``pid`` keeps on this machine
+    (4.x ``ompi.HOST.UID/pid.PID``, 5.x ``prte.HOST.UID/dvm.PID``, under the ``TMPDIR`` it runs
+    with). mpirun removes it when it exits, not when it is killed.
+
+    >>> openmpi_session_dirs(42, {"TMPDIR": "/scratch"}, 1000)
+    ('/scratch/ompi.*.1000/pid.42', '/scratch/prte.*.1000/dvm.42')
+    """
+    import glob
+
+    base = glob.escape(env.get("TMPDIR") or env.get("TEMP") or env.get("TMP") or "/tmp")
+    return (os.path.join(base, f"ompi.*.{uid}", f"pid.{pid}"), os.path.join(base, f"prte.*.{uid}", f"dvm.{pid}"))
+
+
 # --- implementation detection ----------------------------------------------------------
 
 

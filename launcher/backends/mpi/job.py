@@ -149,6 +149,8 @@ class MPIJob:
         self._out_closed = threading.Event()
         self._mpirun_closed = {False: False, True: False}
         self._exited_at: Optional[float] = None
+        #: glob patterns of Open MPI's session directory, removed if mpirun is killed
+        self.session_dirs: Sequence[str] = ()
 
     def attach(self, ranks: Sequence[MPIRank]) -> None:
         """The rank handles, in MPI rank order (they need the job first, the job needs them)."""
@@ -364,6 +366,11 @@ class MPIJob:
         if self.watchdog is not None:
             self.watchdog.forget(self.popen.pid)
         log.debug("mpirun (pid %d) exited with code %s", self.popen.pid, self.mpirun_code())
+        if self.mpirun_code() == 128 + signal.SIGKILL and self.session_dirs:
+            from ...node.watchdog import remove_matching
+
+            for d in remove_matching(self.session_dirs):
+                log.debug("removed %s (mpirun was killed)", d)
 
 
 
