@@ -504,3 +504,17 @@ def test_lost_exit_record_with_mpirun_0_means_0() -> None:
     job.popen.code = 0
     job.close(False)
     assert [r.poll() for r in ranks] == [0, 0, 0]
+
+
+def test_openmpi_session_dirs_follow_tmpdir(tmp_path) -> None:
+    assert mc.openmpi_session_dirs(42, {"TMPDIR": "/scratch"}, 1000) == (
+        "/scratch/ompi.*.1000/pid.42", "/scratch/prte.*.1000/dvm.42")
+    assert mc.openmpi_session_dirs(7, {}, 0) == ("/tmp/ompi.*.0/pid.7", "/tmp/prte.*.0/dvm.7")
+    # a TMPDIR with glob characters matches only itself
+    odd = tmp_path / "a[1]"
+    (odd / "ompi.h.0" / "pid.7").mkdir(parents=True)
+    (tmp_path / "a1" / "ompi.h.0" / "pid.7").mkdir(parents=True)
+    from launcher.node.watchdog import remove_matching
+
+    assert remove_matching(mc.openmpi_session_dirs(7, {"TMPDIR": str(odd)}, 0)) == [str(odd / "ompi.h.0" / "pid.7")]
+    assert not (odd / "ompi.h.0").exists() and (tmp_path / "a1" / "ompi.h.0" / "pid.7").exists()
