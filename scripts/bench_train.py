@@ -14,7 +14,12 @@ trainer, for example the commit before a change, as a column of its own):
    with the same settings. By default one full epoch (60,000 examples). In one process each
    contender runs with one thread and with all the cores (``--threads`` for ours,
    ``OMP_NUM_THREADS`` for MXNet, whose lenet is faster with one) and keeps its best, which the
-   table names; under the launcher every process gets one thread.
+   table names; under the launcher every process gets one thread. ``pair`` runs two workers
+   that never talk (``--kv-store local``, half the examples each, under the launcher): the
+   most that any two-worker job reaches on this machine. With ``local``, ``dist_sync`` and
+   ``pair`` a second table sets the lead over MXNet in one process (at each one's best, and
+   with one thread each, as a worker of the two-worker job has) beside the lead under
+   dist_sync, and each trainer's dist_sync speed as a share of its pair's.
 2. **Enter to first batch** (``--first-batch N``): ``pslaunch -n 2 -s 1 ... --kv-store
    dist_sync``, from starting the command until every worker has logged its first
    Speedometer line (``--disp-batches 1``, after batch 1 in both trainers), median of N runs,
@@ -32,6 +37,7 @@ Examples::
     python scripts/bench_train.py --before /tmp/old-checkout --repeat 2
     python scripts/bench_train.py --mxnet none                    # ours only
     python scripts/bench_train.py --modes dist_sync,dist_allreduce --networks lenet
+    python scripts/bench_train.py --modes local,dist_sync,pair --repeat 3    # the dist_sync lead
 
 Close other work first: the numbers are only as quiet as the machine (``--repeat 3`` keeps
 the fastest of three runs of each case; every table ends with the load average).
@@ -56,7 +62,7 @@ sys.path.insert(0, str(REPO))
 import pscontract as pc  # noqa: E402
 from trainer.summary import read_summaries  # noqa: E402
 
-MODES = ("local", "dist_sync", "dist_async", "dist_allreduce")
+MODES = ("local", "dist_sync", "dist_async", "dist_allreduce", "pair")
 MXNET_CANDIDATES = ("/opt/mxnet-venv/bin/python", str(REPO / ".venv-mxnet" / "bin" / "python"))
 
 
@@ -83,9 +89,11 @@ def run(argv: list[str], env: dict[str, str], timeout: float) -> tuple[list[dict
 
 
 def command(python: str, script: Path, mode: str, args: list[str]) -> list[str]:
-    inner = [python, str(script), "--kv-store", mode, *args]
+    inner = [python, str(script), "--kv-store", "local" if mode == "pair" else mode, *args]
     if mode == "local":
         return inner
+    if mode == "pair":  # two workers that never talk: no kvstore traffic, no server, no waiting
+        return [sys.executable, "-m", "launcher", "-n", "2", "-s", "0", "--launcher", "local", *inner]
     if mode == "dist_allreduce":  # no servers: the torch tracker's rendezvous, gloo's allreduce
         return [sys.executable, "-m", "launcher", "-n", "2", "--tracker", "torch", "--launcher", "local", *inner]
     return [sys.executable, "-m", "launcher", "-n", "2", "-s", "1", "--launcher", "local", *inner]
@@ -118,8 +126,10 @@ def training(a: argparse.Namespace, who: list[tuple[str, str, Path]], cores: int
     for network in a.networks.split(","):
         for batch in (int(b) for b in a.batch_sizes.split(",")):
             for mode in a.modes.split(","):
+                # a pair's workers each take half the examples, as those of a two-worker job do
+                examples = a.num_examples // 2 if mode == "pair" else a.num_examples
                 common = ["--network", network, "--batch-size", str(batch), "--num-epochs", str(a.num_epochs),
-                          "--num-examples", str(a.num_examples), "--disp-batches", "100000"]
+                          "--num-examples", str(examples), "--disp-batches", "100000"]
                 if a.data_dir:
                     common += ["--data-dir", a.data_dir]
                 row: dict[str, Any] = {"network": network, "batch": batch, "mode": mode}
@@ -145,6 +155,9 @@ def training(a: argparse.Namespace, who: list[tuple[str, str, Path]], cores: int
                                 continue
                             if name not in best or _speed(summaries) > _speed(best[name][0]):
                                 best[name] = (summaries, t)
+                            if t is not None:
+                                by = row.setdefault(f"{name}_by_threads", {})
+                                by[t] = max(by.get(t, 0.0), _speed(summaries))
                 for name, (summaries, t) in best.items():
                     row[name] = _speed(summaries)
                     row[f"{name}_acc"] = _mean(s["validation_accuracy"] for s in summaries)
@@ -163,13 +176,48 @@ def training(a: argparse.Namespace, who: list[tuple[str, str, Path]], cores: int
     print(head)
     print("| --- | ---: | --- |" + " ---: |" * (2 * len(names) + len(ratios)))
     for r in rows:
-        who_ = {"local": "local (1)", "dist_allreduce": "dist_allreduce (2, --tracker torch)"}.get(
-            r["mode"], f"{r['mode']} (2 + 1 server)")
+        who_ = {"local": "local (1)", "dist_allreduce": "dist_allreduce (2, --tracker torch)",
+                "pair": "pair: 2 x local, half each"}.get(r["mode"], f"{r['mode']} (2 + 1 server)")
         cells = [_fmt(r.get(n), ",.0f", f"{n}_error" in r) + _threads(r, n) for n in names]
         cells += [_fmt(r[n] / r["mxnet"] if r.get(n) and r.get("mxnet") else None, ".2f") for n in ratios]
         cells += [_fmt(r.get(f"{n}_acc"), ".4f", f"{n}_error" in r) for n in names]
         print(f"| {r['network']} | {r['batch']} | {who_} | " + " | ".join(cells) + " |")
+    if ratios:
+        leads(rows, ratios, cores)
     return rows
+
+
+def leads(rows: list[dict[str, Any]], names: list[str], cores: int) -> None:
+    """The lead over MXNet in one process (at its best, and with one thread each: what a
+    worker of a two-worker job on this machine has) beside the lead under dist_sync; and each
+    trainer's dist_sync speed as a share of its pair's (two processes that never talk, each
+    half the examples: the most any two-worker job reaches on this machine), which is what is
+    left after the kvstore's traffic and waiting."""
+    by = {(r["network"], r["batch"], r["mode"]): r for r in rows}
+    lines = []
+    for (network, batch, mode), r in by.items():
+        if mode != "dist_sync" or not r.get("mxnet"):
+            continue
+        local, pair = by.get((network, batch, "local"), {}), by.get((network, batch, "pair"), {})
+        for n in names:
+            if not r.get(n):
+                continue
+            one = (local.get(f"{n}_by_threads", {}).get(1), local.get("mxnet_by_threads", {}).get(1))
+            cells = [_fmt(local[n] / local["mxnet"] if local.get(n) and local.get("mxnet") else None, ".2f"),
+                     _fmt(one[0] / one[1] if all(one) else None, ".2f"),
+                     _fmt(r[n] / r["mxnet"], ".2f"),
+                     _fmt(r[n] / pair[n] if pair.get(n) else None, ".2f"),
+                     _fmt(r["mxnet"] / pair["mxnet"] if pair.get("mxnet") else None, ".2f")]
+            lines.append(f"| {network} | {batch} | {_label(n)} | " + " | ".join(cells) + " |")
+    if not lines:
+        return
+    print()
+    print(f"Lead over MXNet 1.9.1, and dist_sync as a share of the pair (2 workers + 1 server on {cores} cores)")
+    print("| network | batch | trainer | one process, best | one process, 1 thread each | dist_sync per worker "
+          "| dist_sync / pair | MXNet's dist_sync / its pair |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    for line in lines:
+        print(line)
 
 
 def _threads(row: dict[str, Any], name: str) -> str:
