@@ -11,17 +11,9 @@
 # on a CPU machine). numpy<2 for 2.0.3: its wheel was built against numpy 1.x.
 source "$(dirname "$0")/lib.sh"
 cd "$(dirname "$0")/../.."
-PIP=(-m pip install -q --disable-pip-version-check)
-
-if ! .venv-xgb20/bin/python -c 'import sys, xgboost; sys.exit(xgboost.__version__ != "2.0.3")' 2>/dev/null; then
-    log "creating .venv-xgb20 with xgboost==2.0.3"
-    python3 -m venv .venv-xgb20
-    .venv-xgb20/bin/python "${PIP[@]}" xgboost==2.0.3 "numpy<2" >&2
-fi
-if ! .venv-xgb30/bin/python -c 'import sys, xgboost; sys.exit(not xgboost.__version__.startswith("3.0."))' 2>/dev/null; then
-    log "creating .venv-xgb30 with xgboost-cpu==3.0.*"
-    python3 -m venv .venv-xgb30
-    .venv-xgb30/bin/python "${PIP[@]}" "xgboost-cpu==3.0.*" >&2
-fi
+test_venv .venv-xgb20 'import sys, xgboost; sys.exit(xgboost.__version__ != "2.0.3")' \
+    xgboost==2.0.3 "numpy<2"
+test_venv .venv-xgb30 'import sys, xgboost; sys.exit(not xgboost.__version__.startswith("3.0."))' \
+    "xgboost-cpu==3.0.*"
 echo "export PSLAUNCH_XGB20_PYTHON=$PWD/.venv-xgb20/bin/python"
 echo "export PSLAUNCH_XGB30_PYTHON=$PWD/.venv-xgb30/bin/python"

@@ -30,3 +30,31 @@ apt_install() {
         exit 1
     ) 9>/tmp/.pslaunch-apt.lock || die "apt-get install ${missing[*]} failed"
 }
+
+# test_venv DIR CHECK PIP-ARG...: make DIR (.venv-mxnet, ...) a virtualenv whose python passes
+# `python -c CHECK`, with PIP-ARG... installed. These venvs serve only the tests, so they live
+# in $PSLAUNCH_VENV_CACHE (default ~/.cache/pslaunch/venvs, one per Python and pins) and DIR
+# links there: a fresh clone on the same machine (CI) reuses them instead of installing them
+# again (a minute). A DIR of this checkout's own that passes CHECK is kept as it is.
+test_venv() {
+    local dir=$1 check=$2; shift 2
+    if [ -d "$dir" ] && [ ! -L "$dir" ] && "$dir/bin/python" -c "$check" 2>/dev/null; then
+        return 0
+    fi
+    local cache=${PSLAUNCH_VENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pslaunch/venvs}
+    local key target
+    key=$(printf '%s\n' "$(python3 --version 2>&1)" "$@" | sha256sum | cut -c1-12)
+    target="$cache/${dir#.venv-}-$key"
+    mkdir -p "$cache"
+    (
+        flock 9
+        if ! "$target/bin/python" -c "$check" 2>/dev/null; then
+            log "creating $target ($*)"
+            rm -rf "$target"
+            python3 -m venv "$target"
+            "$target/bin/python" -m pip install -q --disable-pip-version-check "$@" >&2
+        fi
+    ) 9>"$cache/.lock" || die "cannot create the venv $target"
+    rm -rf "$dir"
+    ln -s "$target" "$dir"
+}
