@@ -366,11 +366,13 @@ class MPIJob:
         if self.watchdog is not None:
             self.watchdog.forget(self.popen.pid)
         log.debug("mpirun (pid %d) exited with code %s", self.popen.pid, self.mpirun_code())
-        if self.mpirun_code() == 128 + signal.SIGKILL and self.session_dirs:
+        if self.mpirun_code() is not None and self.session_dirs:
+            # mpirun removes it on its way out, but not when a signal ends it first (SIGKILL, or
+            # a SIGTERM before its handlers are set: a lost port race stops it at once)
             from ...node.watchdog import remove_matching
 
             for d in remove_matching(self.session_dirs):
-                log.debug("removed %s (mpirun was killed)", d)
+                log.debug("removed %s (mpirun exited with code %s)", d, self.mpirun_code())
 
 
 
