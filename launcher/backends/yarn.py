@@ -409,7 +409,8 @@ class YarnBackend(BatchBackend):
             raise BackendUnavailableError(problem)
 
     def prepare(self) -> Mapping[Any, str]:
-        """Start skein's driver (Java). Node addresses are resolved by the wrapper on each node."""
+        """Connect to skein's global driver when one runs (``skein driver start``), else start a
+        driver of our own (Java: seconds). Node addresses are resolved by the wrapper on each node."""
         if self._skein is None:
             self._skein = importlib.import_module("skein")
         hadoop = os.environ.get(HADOOP_HOME, "")
@@ -420,7 +421,13 @@ class YarnBackend(BatchBackend):
             # skein runs `yarn classpath`; HADOOP_HOME/bin is where it lives
             os.environ[pc.PATH] = hadoop_bin + os.pathsep + os.environ.get(pc.PATH, "")
         try:
-            self._client = self._skein.Client(log=False)
+            self._client = self._skein.Client.from_global_driver()
+            log.debug("using skein's global driver at %s", self._client.address)
+        except Exception as e:  # noqa: BLE001 - none running, or a stale one: start our own
+            log.debug("no global skein driver (%s); starting one", " ".join(str(e).split()) or type(e).__name__)
+        try:
+            if self._client is None:
+                self._client = self._skein.Client(log=False)
         except Exception as e:  # noqa: BLE001 - skein raises several kinds; all mean "no driver"
             raise LaunchError(f"cannot start skein's driver (Java, HADOOP_HOME, HADOOP_CONF_DIR): "
                               f"{' '.join(str(e).split())}") from None

@@ -27,6 +27,7 @@ from support.helpers import (
     BIN,
     all_pids,
     assert_no_orphans,
+    free_port,
     pid_alive,
     pslaunch_argv,
     read_probes,
@@ -187,6 +188,35 @@ def test_unknown_queue_is_refused_in_one_line(job) -> None:
     assert set(probes) <= {"scheduler"}, sorted(probes)   # the local scheduler at most: no container ran
     if probes:
         assert_no_orphans(all_pids(probes), timeout=10)
+
+
+# --- skein's driver ----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_running_global_driver_is_used_and_left_running(job, skein_driver, monkeypatch) -> None:
+    """After ``skein driver start`` (the session's driver) a job starts no Java driver of its own."""
+    monkeypatch.setenv("SKEIN_CONFIG", skein_driver["SKEIN_CONFIG"])
+    driver = json.loads((Path(skein_driver["SKEIN_CONFIG"]) / "driver").read_text())
+    r = run_pslaunch("-n", "1", "-s", "1", *yarn_args(job, "--log-level", "debug"), *probe(job), timeout=110)
+    assert r.returncode == 0, r.stderr
+    assert f"using skein's global driver at {driver['address']}" in r.stderr, r.stderr
+    assert "starting one" not in r.stderr
+    assert app_status(app_of(r.stderr)) == ("FINISHED", "SUCCEEDED")
+    assert pid_alive(driver["pid"])  # not the launcher's to stop
+
+
+@pytest.mark.timeout(120)
+def test_a_stale_global_driver_file_means_a_driver_of_its_own(job, tmp_path, monkeypatch) -> None:
+    """A driver file left by a global driver that is gone: the job starts its own and succeeds."""
+    config = tmp_path / "skein"
+    config.mkdir()
+    (config / "driver").write_text(json.dumps({"address": f"127.0.0.1:{free_port()}", "pid": 2 ** 22 + 1}))
+    monkeypatch.setenv("SKEIN_CONFIG", str(config))
+    r = run_pslaunch("-n", "1", "-s", "1", *yarn_args(job, "--log-level", "debug"), *probe(job), timeout=110)
+    assert r.returncode == 0, r.stderr
+    assert "no global skein driver" in r.stderr and "using skein's global driver" not in r.stderr, r.stderr
+    assert app_status(app_of(r.stderr)) == ("FINISHED", "SUCCEEDED")
 
 
 # --- failure, Ctrl-C, kill -9 ------------------------------------------------------------------------
