@@ -226,13 +226,9 @@ class YarnCluster(Cluster):
     start_timeout = 90.0
     timeout = 20.0
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, driver_env: dict[str, str]) -> None:
         super().__init__(out)
-        from support.yarn_testbed import yarn_problem
-
-        problem = yarn_problem()
-        if problem:
-            pytest.skip(f"no YARN testbed: {problem}")
+        self.driver_env = driver_env  # the session's global skein driver (support.yarn_testbed.skein_driver)
         self.name = f"pslt-{self.mark[:8]}"
         self.tmp = out / "launcher-tmp"  # the launcher's TMPDIR: where its staging directory goes
         self.tmp.mkdir(parents=True, exist_ok=True)
@@ -241,7 +237,7 @@ class YarnCluster(Cluster):
         return [*super().options(), "--host-ip", "127.0.0.1", "--jobname", self.name]
 
     def env(self) -> dict:
-        return {**os.environ, "TMPDIR": str(self.tmp)}
+        return {**os.environ, **self.driver_env, "TMPDIR": str(self.tmp)}
 
     def check_record(self, name: str, rec: dict) -> None:
         assert rec["env"]["SKEIN_CONTAINER_ID"].startswith(name.split("-")[0] + "_")  # a skein container
@@ -249,7 +245,7 @@ class YarnCluster(Cluster):
     def backend_leftovers(self) -> list[str]:
         from support.yarn_testbed import apps_named
 
-        apps = apps_named(self.name)
+        apps = apps_named(self.name, self.driver_env)
         left = [f"YARN applications named {self.name} still running: {', '.join(apps)}"] if apps else []
         staged = sorted(p.name for p in self.tmp.glob("pslaunch-yarn-*"))
         return left + ([f"the launcher's staging directories (bundle, task file with the job's secret): "
@@ -424,7 +420,7 @@ def make_cluster(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> C
     if kind == "yarn":
         out = tmp_path / "probes"
         out.mkdir()
-        return YarnCluster(out)
+        return YarnCluster(out, request.getfixturevalue("skein_driver"))
     if kind in ("slurm", "slurm-alloc"):
         out = tmp_path / "probes"
         out.mkdir()

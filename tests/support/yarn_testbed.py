@@ -7,18 +7,25 @@ application by that; :func:`app_status` asks the testbed's ResourceManager how i
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import json
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Iterator
+
+import pytest
 
 from support.helpers import pid_alive, wait_for
 
 
+@functools.cache
 def yarn_problem() -> str | None:
-    """Why no YARN job can run here (one line), or None."""
+    """Why no YARN job can run here (one line), or None. Asked once per session: it starts a JVM."""
     for name in ("JAVA_HOME", "HADOOP_HOME", "HADOOP_CONF_DIR"):
         if not os.environ.get(name):
             return f"{name} is not set (eval \"$(scripts/setup-yarn.sh)\")"
@@ -76,6 +83,42 @@ def assert_nothing_left(app_id: str, timeout: float = 20.0) -> float:
     return time.monotonic() - t0
 
 
-def apps_named(name: str) -> list[str]:
-    """Applications the ResourceManager lists (running ones) under ``name``."""
+def apps_named(name: str, driver_env: dict[str, str] | None = None) -> list[str]:
+    """Applications the ResourceManager lists (submitted, accepted, running) under ``name``: through
+    the session's skein driver (``driver_env``, from :func:`skein_driver`: milliseconds), else
+    ``yarn application -list`` (a JVM)."""
+    if driver_env:
+        client = _driver_client(driver_env["SKEIN_CONFIG"])
+        return sorted(r.id for r in client.get_applications(states=["SUBMITTED", "ACCEPTED", "RUNNING"])
+                      if r.name == name)
     return [line.split("\t")[0] for line in yarn("application", "-list").splitlines() if f"\t{name}\t" in line]
+
+
+@functools.cache
+def _driver_client(config: str) -> object:
+    import skein
+
+    address = json.loads((Path(config) / "driver").read_text())["address"]
+    return skein.Client(address=address, security=skein.Security.from_directory(config))
+
+
+@pytest.fixture(scope="session")
+def skein_driver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A global skein driver for the session (``skein driver start``, as YARN users run one), in a
+    ``SKEIN_CONFIG`` of its own: the variables that make pslaunch use it.
+
+    skein's client uses a running global driver instead of starting its own, a JVM (3-5 s on 2
+    cores): the contract suite's YARN jobs use this one. ``tests/integration/test_yarn_testbed.py``
+    keeps the launcher starting and stopping its own driver.
+    """
+    problem = yarn_problem()
+    if problem:
+        pytest.skip(f"no YARN testbed: {problem}")
+    env = {**os.environ, "SKEIN_CONFIG": str(tmp_path_factory.mktemp("skein"))}
+    skein = [sys.executable, "-c", "import sys; from skein.cli import main; sys.exit(main())", "driver"]
+    r = subprocess.run([*skein, "start"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"skein driver start: {r.stdout}{r.stderr}"
+    try:
+        yield {"SKEIN_CONFIG": env["SKEIN_CONFIG"]}
+    finally:
+        subprocess.run([*skein, "stop"], env=env, capture_output=True, text=True, timeout=60)
