@@ -107,7 +107,7 @@ def skein_driver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
     """A global skein driver for the session (``skein driver start``, as YARN users run one), in a
     ``SKEIN_CONFIG`` of its own: the variables that make pslaunch use it.
 
-    skein's client uses a running global driver instead of starting its own, a JVM (3-5 s on 2
+    pslaunch uses a running global driver instead of starting one of its own, a JVM (3-5 s on 2
     cores): the contract suite's YARN jobs use this one. ``tests/integration/test_yarn_testbed.py``
     keeps the launcher starting and stopping its own driver.
     """

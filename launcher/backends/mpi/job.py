@@ -149,7 +149,7 @@ class MPIJob:
         self._out_closed = threading.Event()
         self._mpirun_closed = {False: False, True: False}
         self._exited_at: Optional[float] = None
-        #: glob patterns of Open MPI's session directory, removed if mpirun is killed
+        #: glob patterns of Open MPI's session directory, removed once mpirun has exited (see stop)
         self.session_dirs: Sequence[str] = ()
 
     def attach(self, ranks: Sequence[MPIRank]) -> None:
