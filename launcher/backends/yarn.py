@@ -425,13 +425,15 @@ class YarnBackend(BatchBackend):
             log.debug("using skein's global driver at %s", self._client.address)
         except Exception as e:  # noqa: BLE001 - none running, or a stale one: start our own
             log.debug("no global skein driver (%s); starting one", " ".join(str(e).split()) or type(e).__name__)
+            self._client = self._start_driver()
+        return {}
+
+    def _start_driver(self) -> Any:
         try:
-            if self._client is None:
-                self._client = self._skein.Client(log=False)
+            return self._skein.Client(log=False)
         except Exception as e:  # noqa: BLE001 - skein raises several kinds; all mean "no driver"
             raise LaunchError(f"cannot start skein's driver (Java, HADOOP_HOME, HADOOP_CONF_DIR): "
                               f"{' '.join(str(e).split())}") from None
-        return {}
 
     # -- submitting -------------------------------------------------------------------------------
 

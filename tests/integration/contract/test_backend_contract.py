@@ -77,8 +77,11 @@ def running_job(cluster: Cluster, *args: str, count: int):
     return p, probes
 
 
-def error_lines(stderr: str) -> list[str]:
-    return [x for x in stderr.splitlines() if x.startswith("pslaunch: error:")]
+def the_error_line(stderr: str) -> str:
+    """The one ``pslaunch: error:`` line of ``stderr`` (the whole output when there are more)."""
+    lines = [x for x in stderr.splitlines() if x.startswith("pslaunch: error:")]
+    assert len(lines) == 1, stderr
+    return lines[0]
 
 
 # --- the contract -----------------------------------------------------------------------------------
@@ -213,9 +216,7 @@ def test_missing_program_is_one_line(cluster: Cluster, servers: str) -> None:
     # with a scheduler, this machine finds out first; without one, the node that runs worker 0 does
     r = cluster.run("-n", "2", "-s", servers, "no-such-program-xyz")
     assert r.returncode == 127, r.stderr
-    lines = error_lines(r.stderr)
-    assert len(lines) == 1, r.stderr  # (the whole output when a second line comes)
-    (line,) = lines
+    line = the_error_line(r.stderr)
     assert "'no-such-program-xyz'" in line and "no such program" in line, line
     assert "Traceback" not in r.stderr and not re.search(r"^\[", r.stderr, re.M), r.stderr
     assert_nothing_left(cluster)
@@ -230,9 +231,7 @@ def test_a_program_that_is_not_executable_is_126(cluster: Cluster, servers: str)
     prog.chmod(0o644)
     r = cluster.run("-n", "2", "-s", servers, str(prog))
     assert r.returncode == 126, r.stderr
-    lines = error_lines(r.stderr)
-    assert len(lines) == 1, r.stderr  # (the whole output when a second line comes)
-    (line,) = lines
+    line = the_error_line(r.stderr)
     assert "not-executable.sh" in line and "permission denied" in line, line
     assert "Traceback" not in r.stderr and "ran" not in r.stdout, r.stderr
     assert_nothing_left(cluster)
