@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -120,6 +122,67 @@ def test_two_cpu_replicas_through_the_local_kvstore_step_like_one(mnist: MNIST) 
         results.append(reps.state_dict())
     for k in results[0]:
         torch.testing.assert_close(results[1][k], results[0][k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+class _Recorder:
+    """A real local kvstore that notes each push and pull (and whether backward was running)."""
+
+    def __init__(self, kv: kvstore.KVStore) -> None:
+        self.kv, self.calls = kv, []
+        self.in_backward = False
+
+    def push(self, keys, values, priority=0):  # noqa: ANN001, ANN201
+        self.calls.append(("push", list(keys), self.in_backward))
+        self.kv.push(keys, values, priority)
+
+    def pull(self, keys, out, priority=0):  # noqa: ANN001, ANN201
+        self.calls.append(("pull", list(keys), self.in_backward))
+        self.kv.pull(keys, out, priority)
+
+    def pushpull(self, keys, values, out, priority=0):  # noqa: ANN001, ANN201
+        self.calls.append(("pushpull", list(keys), self.in_backward))
+        self.kv.pushpull(keys, values, out, priority)
+
+
+def _three_steps(mnist: MNIST, network: str, overlapped: bool) -> tuple[dict[str, torch.Tensor], list[list[Any]]]:
+    """Three steps of ``network`` through a local kvstore: the weights, and each step's calls."""
+    x = torch.from_numpy(mnist.train_images[:64]).unsqueeze(1).float() / 255
+    y = torch.from_numpy(mnist.train_labels[:64].astype(np.int64))
+    reps = T.Replicas(network, [torch.device("cpu")], seed=2, channels_last=None)
+    store = kvstore.create("local")
+    keys = list(range(len(reps.names)))
+    store.init(keys, reps.weights[0])
+    store.set_optimizer(T.optimizer_spec(T.TrainConfig(network=network), "local", 1, 938))
+    kv = _Recorder(store)
+    steps = []
+    with T.Overlap(kv, reps.params[0], keys) if overlapped else contextlib.nullcontext() as overlap:
+        for _ in range(3):
+            kv.calls = []
+            kv.in_backward = True
+            reps.forward_backward(x, y, [slice(0, 64)])
+            kv.in_backward = False
+            if overlap is not None:
+                overlap.finish(keys, reps.grads(), reps.outs())
+            else:
+                kv.pushpull(keys, reps.grads(), reps.outs())
+            reps.zero_grad()
+            steps.append(kv.calls)
+    return reps.state_dict(), steps
+
+
+@pytest.mark.parametrize(("network", "calls"), [
+    # LeNet: fc2 and fc1 (1.6 MB) leave during backward, the convolutions after it, then one pull
+    ("lenet", [("push", [7, 6, 5, 4], True), ("push", [2, 3, 0, 1], False), ("pull", list(range(8)), False)]),
+    # the MLP's 0.4 MB in all is one bucket: one pushpull after backward, as without the overlap
+    ("mlp", [("pushpull", list(range(6)), False)]),
+])
+def test_overlap_pushes_big_layers_during_backward_and_steps_like_pushpull(
+        mnist: MNIST, network: str, calls: list[tuple[str, list[int], bool]]) -> None:
+    ref, _ = _three_steps(mnist, network, overlapped=False)
+    got, steps = _three_steps(mnist, network, overlapped=True)
+    assert steps == [calls] * 3
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
 # --- checkpoints ---------------------------------------------------------------------
