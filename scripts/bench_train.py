@@ -133,6 +133,7 @@ def training(a: argparse.Namespace, who: list[tuple[str, str, Path]], cores: int
                 if a.data_dir:
                     common += ["--data-dir", a.data_dir]
                 row: dict[str, Any] = {"network": network, "batch": batch, "mode": mode}
+                case_stat = _stat()
                 best: dict[str, tuple[list[dict[str, Any]], int | None]] = {}
                 # One process: each contender at its best, one thread or all the cores (MXNet's
                 # lenet is faster with one). Under the launcher every process gets one.
@@ -162,10 +163,11 @@ def training(a: argparse.Namespace, who: list[tuple[str, str, Path]], cores: int
                     row[name] = _speed(summaries)
                     row[f"{name}_acc"] = _mean(s["validation_accuracy"] for s in summaries)
                     row[f"{name}_threads"] = t
+                row["steal"] = _steal(case_stat)
                 rows.append(row)
                 print(f"# {network} batch {batch} {mode}: "
-                      + ", ".join(f"{n} {_fmt(row.get(n), '.0f')}/s" + _threads(row, n) for n, _, _ in who),
-                      flush=True)
+                      + ", ".join(f"{n} {_fmt(row.get(n), '.0f')}/s" + _threads(row, n) for n, _, _ in who)
+                      + f" (steal {row['steal']})", flush=True)
     names = [n for n, _, _ in who]
     print()
     print(f"Training: samples/s per worker, {a.num_epochs} epoch(s) of {a.num_examples} examples, best of {a.repeat}")
@@ -374,7 +376,7 @@ def main() -> int:
     a = p.parse_args()
     who = contenders(a)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    load0 = _load()
+    load0, stat0 = _load(), _stat()
     print(f"# bench_train: {cores} cores; " + ", ".join(f"{n}: {py} {s}" for n, py, s in who), flush=True)
     failed = False
     if not a.no_training:
@@ -386,12 +388,31 @@ def main() -> int:
         first_batch(a, who)
     if a.step:
         steps(a, who)
-    print(f"\nload average before/after: {load0} / {_load()}")
+    print(f"\nload average before/after: {load0} / {_load()}; CPU time taken by the hypervisor "
+          f"(steal): {_steal(stat0)} (on a VM, rows measured under different steal compare poorly)")
     return 1 if failed else 0
 
 
 def _label(name: str) -> str:
     return {"ours": "ours", "before": "before", "mxnet": "MXNet 1.9.1"}.get(name, name)
+
+
+def _stat() -> tuple[int, int] | None:
+    """``(steal, all)`` CPU ticks so far, from the first line of /proc/stat (None elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (ticks[7] if len(ticks) > 7 else 0), sum(ticks[:8])
+
+
+def _steal(since: tuple[int, int] | None) -> str:
+    """The share of CPU time the hypervisor took from this VM since ``since`` (``steal``)."""
+    now = _stat()
+    if since is None or now is None or now[1] <= since[1]:
+        return "unknown"
+    return f"{100 * (now[0] - since[0]) / (now[1] - since[1]):.0f}%"
 
 
 def _load() -> str:
