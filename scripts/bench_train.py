@@ -46,6 +46,7 @@ the fastest of three runs of each case; every table ends with the load average).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -54,7 +55,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -373,24 +374,50 @@ def main() -> int:
     p.add_argument("--step", action="store_true", help="also measure the step against fused SGD")
     p.add_argument("--step-rounds", type=int, default=7)
     p.add_argument("--json", default=None, help="also write the training rows to this file")
+    p.add_argument("--loopback-rate", default=None, metavar="RATE",
+                   help="as root: limit the loopback interface to RATE (tc's form: 1gbit) for the "
+                        "run, so that the job's traffic takes the time a real link's would; removed "
+                        "at the end (every program on this host shares the limit meanwhile)")
     a = p.parse_args()
     who = contenders(a)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     load0, stat0 = _load(), _stat()
     print(f"# bench_train: {cores} cores; " + ", ".join(f"{n}: {py} {s}" for n, py, s in who), flush=True)
     failed = False
-    if not a.no_training:
-        rows = training(a, who, cores)
-        failed = any(k.endswith("_error") for r in rows for k in r)
-        if a.json:
-            Path(a.json).write_text(json.dumps(rows, indent=1))
-    if a.first_batch:
-        first_batch(a, who)
-    if a.step:
-        steps(a, who)
+    with _loopback_rate(a.loopback_rate):
+        if not a.no_training:
+            rows = training(a, who, cores)
+            failed = any(k.endswith("_error") for r in rows for k in r)
+            if a.json:
+                Path(a.json).write_text(json.dumps(rows, indent=1))
+        if a.first_batch:
+            first_batch(a, who)
+        if a.step:
+            steps(a, who)
     print(f"\nload average before/after: {load0} / {_load()}; CPU time taken by the hypervisor "
           f"(steal): {_steal(stat0)} (on a VM, rows measured under different steal compare poorly)")
     return 1 if failed else 0
+
+
+@contextlib.contextmanager
+def _loopback_rate(rate: str | None) -> Iterator[None]:
+    """Loopback limited to ``rate`` (a tbf qdisc on ``lo``) while the block runs; nothing without."""
+    if not rate:
+        yield
+        return
+    add = ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate, "burst", "128kb", "latency", "50ms"]
+    try:
+        proc = subprocess.run(add, capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        sys.exit("bench_train: --loopback-rate needs tc (apt-get install iproute2)")
+    if proc.returncode != 0:
+        sys.exit(f"bench_train: --loopback-rate {rate}: {' '.join(add)} failed ({proc.stderr.strip()}); "
+                 "it needs root and a free root qdisc on lo")
+    print(f"# loopback limited to {rate} (tbf) for this run", flush=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True, timeout=30)
 
 
 def _label(name: str) -> str:
