@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +184,24 @@ def test_overlap_pushes_big_layers_during_backward_and_steps_like_pushpull(
     assert steps == [calls] * 3
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_overlap_leaves_sending_to_the_training_thread(mnist: MNIST) -> None:
+    # autograd runs a GPU's backward on a thread of its own: hooks there must not use the client
+    x = torch.from_numpy(mnist.train_images[:64]).unsqueeze(1).float() / 255
+    y = torch.from_numpy(mnist.train_labels[:64].astype(np.int64))
+    reps = T.Replicas("lenet", [torch.device("cpu")], seed=2, channels_last=None)
+    store = kvstore.create("local")
+    keys = list(range(len(reps.names)))
+    store.init(keys, reps.weights[0])
+    kv = _Recorder(store)
+    with T.Overlap(kv, reps.params[0], keys) as overlap:
+        elsewhere = threading.Thread(target=reps.forward_backward, args=(x, y, [slice(0, 64)]))
+        elsewhere.start()
+        elsewhere.join()
+        assert kv.calls == []
+        overlap.finish(keys, reps.grads(), reps.outs())
+    assert kv.calls == [("pushpull", keys, False)]
 
 
 # --- checkpoints ---------------------------------------------------------------------
