@@ -282,9 +282,8 @@ class Overlap:
 
     def __init__(self, kv: Any, params: Sequence[torch.nn.Parameter], keys: Sequence[int]) -> None:
         self.kv = kv
-        self.keys: list[int] = []
-        self.grads: list[torch.Tensor] = []
-        self.bytes = 0
+        self.params, self.all_keys = list(params), list(keys)
+        self._empty_bucket()
         self.pushed = False  # a bucket has left during this step's backward
         self.thread = threading.get_ident()
         self.handles = [p.register_post_accumulate_grad_hook(self._hook(k)) for p, k in zip(params, keys)]
@@ -300,31 +299,37 @@ class Overlap:
                 self._flush()
         return ready
 
+    def _empty_bucket(self) -> None:
+        self.keys: list[int] = []
+        self.grads: list[torch.Tensor] = []
+        self.bytes = 0
+
     def _flush(self) -> None:
         if self.keys:
             self.kv.push(self.keys, self.grads)
             self.pushed = True
-            self.keys, self.grads, self.bytes = [], [], 0
+            self._empty_bucket()
 
-    def finish(self, keys: list[int], grads: list[list[torch.Tensor]], outs: list[list[torch.Tensor]]) -> None:
+    def finish(self, outs: list[list[torch.Tensor]]) -> None:
         """Push the rest, then receive every key's new weights into ``outs``.
 
         When no bucket has left yet (a small model: all of it is one bucket), one
-        ``pushpull`` of ``grads`` does it, which costs less than a push and a pull.
+        ``pushpull`` of the gradients does it, which costs less than a push and a pull.
         """
         if not self.pushed:
-            self.keys, self.grads, self.bytes = [], [], 0
-            self.kv.pushpull(keys, grads, outs)
+            self._empty_bucket()
+            self.kv.pushpull(self.all_keys, [[p.grad] for p in self.params], outs)
             return
         self._flush()
         self.pushed = False
-        self.kv.pull(keys, outs)
+        self.kv.pull(self.all_keys, outs)
 
     def close(self) -> None:
         """Remove the hooks (the model trains on without them)."""
         for h in self.handles:
             h.remove()
-        self.keys, self.grads, self.bytes, self.pushed = [], [], 0, False
+        self._empty_bucket()
+        self.pushed = False
 
     def __enter__(self) -> Overlap:
         return self
@@ -607,7 +612,7 @@ def _train_epoch(cfg: TrainConfig, kv: Any, replicas: Replicas, keys: list[int],
             losses, correct = replicas.forward_backward(x, y, slices)
             t_kv = time.perf_counter()
             if overlap is not None:
-                overlap.finish(keys, replicas.grads(), replicas.outs())
+                overlap.finish(replicas.outs())
             else:
                 kv.pushpull(keys, replicas.grads(), replicas.outs())
             kv_time += time.perf_counter() - t_kv

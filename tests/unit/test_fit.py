@@ -145,8 +145,8 @@ class _Recorder:
         self.kv.pushpull(keys, values, out, priority)
 
 
-def _three_steps(mnist: MNIST, network: str, overlapped: bool) -> tuple[dict[str, torch.Tensor], list[list[Any]]]:
-    """Three steps of ``network`` through a local kvstore: the weights, and each step's calls."""
+def _one_cpu(mnist: MNIST, network: str) -> tuple[torch.Tensor, torch.Tensor, T.Replicas, list[int], _Recorder]:
+    """A batch of 64, one CPU replica of ``network``, its keys, and a recorded local kvstore holding them."""
     x = torch.from_numpy(mnist.train_images[:64]).unsqueeze(1).float() / 255
     y = torch.from_numpy(mnist.train_labels[:64].astype(np.int64))
     reps = T.Replicas(network, [torch.device("cpu")], seed=2, channels_last=None)
@@ -154,7 +154,12 @@ def _three_steps(mnist: MNIST, network: str, overlapped: bool) -> tuple[dict[str
     keys = list(range(len(reps.names)))
     store.init(keys, reps.weights[0])
     store.set_optimizer(T.optimizer_spec(T.TrainConfig(network=network), "local", 1, 938))
-    kv = _Recorder(store)
+    return x, y, reps, keys, _Recorder(store)
+
+
+def _three_steps(mnist: MNIST, network: str, overlapped: bool) -> tuple[dict[str, torch.Tensor], list[list[Any]]]:
+    """Three steps of ``network`` through a local kvstore: the weights, and each step's calls."""
+    x, y, reps, keys, kv = _one_cpu(mnist, network)
     steps = []
     with T.Overlap(kv, reps.params[0], keys) if overlapped else contextlib.nullcontext() as overlap:
         for _ in range(3):
@@ -163,7 +168,7 @@ def _three_steps(mnist: MNIST, network: str, overlapped: bool) -> tuple[dict[str
             reps.forward_backward(x, y, [slice(0, 64)])
             kv.in_backward = False
             if overlap is not None:
-                overlap.finish(keys, reps.grads(), reps.outs())
+                overlap.finish(reps.outs())
             else:
                 kv.pushpull(keys, reps.grads(), reps.outs())
             reps.zero_grad()
@@ -188,19 +193,13 @@ def test_overlap_pushes_big_layers_during_backward_and_steps_like_pushpull(
 
 def test_overlap_leaves_sending_to_the_training_thread(mnist: MNIST) -> None:
     # autograd runs a GPU's backward on a thread of its own: hooks there must not use the client
-    x = torch.from_numpy(mnist.train_images[:64]).unsqueeze(1).float() / 255
-    y = torch.from_numpy(mnist.train_labels[:64].astype(np.int64))
-    reps = T.Replicas("lenet", [torch.device("cpu")], seed=2, channels_last=None)
-    store = kvstore.create("local")
-    keys = list(range(len(reps.names)))
-    store.init(keys, reps.weights[0])
-    kv = _Recorder(store)
+    x, y, reps, keys, kv = _one_cpu(mnist, "lenet")
     with T.Overlap(kv, reps.params[0], keys) as overlap:
         elsewhere = threading.Thread(target=reps.forward_backward, args=(x, y, [slice(0, 64)]))
         elsewhere.start()
         elsewhere.join()
         assert kv.calls == []
-        overlap.finish(keys, reps.grads(), reps.outs())
+        overlap.finish(reps.outs())
     assert kv.calls == [("pushpull", keys, False)]
 
 
