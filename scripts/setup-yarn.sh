@@ -237,11 +237,14 @@ start_testbed() {
         LANG=C.UTF-8 HOME="$RUN" JAVA_HOME=$JAVA_HOME_17 HADOOP_HOME="$HADOOP" HADOOP_CONF_DIR="$CONF" \
         setsid "$JAVA_HOME_17/bin/java" -Xmx256m -cp "$CONF:$LIB/*:$TESTBED_JAR" \
         pslaunch.yarntestbed.YarnTestbed </dev/null >>"$LOG" 2>&1) &
-    echo $! >"$RUN/testbed.pid"   # setsid does not fork here: this is the JVM's pid
+    pid=$!   # setsid does not fork here: this becomes the JVM's pid
+    echo "$pid" >"$RUN/testbed.pid"
     echo "$id" >"$RUN/testbed.build"
     end=$(( $(date +%s) + WAIT ))
     until answers; do
-        if ! testbed_pid >/dev/null; then tail -n 30 "$LOG" >&2; fail "the testbed exited at start"; fi
+        # kill -0, not testbed_pid: until the exec chain (env, setsid) reaches java, the
+        # process's command line is not the JVM's yet, and that is no failure
+        if ! kill -0 "$pid" 2>/dev/null; then tail -n 30 "$LOG" >&2; fail "the testbed exited at start"; fi
         [ "$(date +%s)" -lt "$end" ] || { tail -n 30 "$LOG" >&2; fail "the testbed did not answer within ${WAIT}s"; }
         sleep 0.2
     done
