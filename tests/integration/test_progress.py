@@ -115,7 +115,8 @@ def job_args(tmp_path: Path, seconds: float = 3.0) -> list[str]:
 def env() -> dict:
     e = dict(os.environ)
     e["TERM"] = "xterm"
-    e.pop("NO_COLOR", None)
+    for name in ("NO_COLOR", "COLUMNS", "LINES"):  # the width is the pseudo-terminal's (pytest-xdist sets COLUMNS)
+        e.pop(name, None)
     return e
 
 
