@@ -163,7 +163,9 @@ def test_a_handshake_flood_keeps_no_node_out(job_factory, tmp_path: Path, token:
     results = {json.loads(p.read_text())["rank"]: json.loads(p.read_text())
                for p in tmp_path.glob("worker-*.json")}
     assert sorted(results) == [0, 1] and results[0]["sum"] == [6.0] * 4
-    assert elapsed < 40, job.outputs()  # liveness: PS_START_TIMEOUT is 60
+    # liveness: a node kept out past PS_START_TIMEOUT (60 s) fails the job, which the codes show;
+    # the whole job (its start under the flood, its work, its stop) ends well within 60 + 30 s
+    assert elapsed < 90, job.outputs()
     sched = job.output("scheduler")
     if token:
         assert sum(s["answers"] for s in stats) > 0  # the flood did reach our handshake
