@@ -3,6 +3,9 @@
 # (scripts/setup.sh), system packages and services for the backend tests
 # (scripts/install-test-deps.sh: sshd, rsync, MPI, Grid Engine, MXNet 1.9.1).
 # Needs root (apt-get, network namespaces, Grid Engine). Extra arguments go to pytest.
+# The tests run in PSLAUNCH_TEST_WORKERS pytest-xdist workers (2; 0 runs them in this process):
+# most of their time is waiting on real processes and services. The tests of one shared service
+# (Slurm, Grid Engine, YARN: tests/suite_rules.py) run in one worker, one after the other.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s.%N)
@@ -23,6 +26,8 @@ phase "test dependencies and services (scripts/install-test-deps.sh)" \
 source "$DEPS_ENV"
 rm -f "$DEPS_ENV"
 rc=0
-phase "tests (pytest)" .venv/bin/python -m pytest "$@" || rc=$?
+WORKERS=${PSLAUNCH_TEST_WORKERS:-2}
+[[ $WORKERS =~ ^[0-9]+$ ]] || { echo "PSLAUNCH_TEST_WORKERS must be a number (0: no workers)" >&2; exit 2; }
+phase "tests (pytest, $WORKERS workers)" .venv/bin/python -m pytest -n "$WORKERS" --dist loadgroup "$@" || rc=$?
 printf '=== total %.1fs, pytest exit code %d\n' "$(awk -v a="$T0" -v b="$(date +%s.%N)" 'BEGIN{print b-a}')" "$rc" >&2
 exit $rc

@@ -29,7 +29,7 @@ GUARD_DIR = REPO / "tests" / "netguard"
 
 sys.path.insert(0, str(GUARD_DIR))
 import _pslaunch_netguard  # noqa: E402
-from suite_rules import fail_skips_under_ci  # noqa: E402
+from suite_rules import fail_skips_under_ci, group_by_service  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -50,6 +50,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         text = log.read_text()
         print(f"\nNETWORK GUARD: sockets outside loopback and the test namespaces:\n{text}", file=sys.stderr)
         session.exitstatus = 1
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    group_by_service(items)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -19,3 +19,17 @@ def fail_skips_under_ci(item: pytest.Item, report: pytest.TestReport, environ: d
             reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
             report.outcome = "failed"
             report.longrepr = f"skipped under CI=true (marker {', '.join(strict)}): {reason}"
+
+
+#: markers of tests that share one service of this machine (a cluster that a test may stop a node of,
+#: a queue whose jobs another test counts): under pytest-xdist each service's tests run in one worker,
+#: one after the other (``--dist loadgroup``); tests of different services, and all others, run side by side
+SERVICE_GROUPS = ("slurm", "sge", "yarn")
+
+
+def group_by_service(items: list[pytest.Item]) -> None:
+    """Mark each test that uses a shared service (``SERVICE_GROUPS``) with its xdist group."""
+    for item in items:
+        group = next((m for m in SERVICE_GROUPS if item.get_closest_marker(m)), None)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))

@@ -54,3 +54,56 @@ def test_skips_of_backend_tests_fail_under_ci(pytester, monkeypatch, ci, failed,
     pytester.makepyfile(INNER)
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(failed=failed, skipped=skipped, xfailed=1)
+
+
+GROUPED = '''
+import os, pytest
+
+def record(name):
+    with open(os.path.join(os.environ["RECORD_DIR"], name), "w") as f:
+        f.write(os.environ.get("PYTEST_XDIST_WORKER", "none"))
+
+@pytest.mark.parametrize("i", range(6))
+@pytest.mark.slurm
+def test_slurm(i):
+    record(f"slurm-{i}")
+
+@pytest.mark.parametrize("i", range(6))
+@pytest.mark.yarn
+def test_yarn(i):
+    record(f"yarn-{i}")
+
+@pytest.mark.parametrize("i", range(12))
+def test_plain(i):
+    record(f"plain-{i}")
+'''
+
+
+def test_tests_of_one_shared_service_run_in_one_xdist_worker(pytester, tmp_path, monkeypatch) -> None:
+    """scripts/test.sh runs the suite in pytest-xdist workers (``--dist loadgroup``): every test of
+    one shared service (a Slurm test may stop a node another Slurm test runs on) runs in one worker."""
+    from conftest import REPO
+    monkeypatch.setenv("RECORD_DIR", str(tmp_path))
+    pytester.makeconftest(f'''
+import sys
+sys.path.insert(0, {str(REPO / "tests")!r})
+from suite_rules import group_by_service
+import pytest
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    group_by_service(items)
+
+def pytest_configure(config):
+    for m in ("slurm", "yarn"):
+        config.addinivalue_line("markers", m)
+''')
+    pytester.makepyfile(GROUPED)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup")
+    result.assert_outcomes(passed=24)
+    ran = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    assert len(ran) == 24
+    for group in ("slurm", "yarn"):
+        workers = {w for name, w in ran.items() if name.startswith(group)}
+        assert len(workers) == 1 and workers <= {"gw0", "gw1"}, ran
+    assert {w for name, w in ran.items() if name.startswith("plain")} == {"gw0", "gw1"}, ran  # side by side
