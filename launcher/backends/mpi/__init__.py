@@ -110,7 +110,13 @@ class MPIBackend(Backend):
         mpi_interface(self.info.impl, self.spec.interface, netif.interfaces())
 
     def start(self, procs: Sequence[ProcSpec]) -> ProcGroup:
-        from .command import HOSTFILE_PLACEHOLDER, MPIImpl, mpirun_command, openmpi_session_dirs, rank_layout
+        from .command import (
+            HOSTFILE_PLACEHOLDER,
+            MPIImpl,
+            mpirun_command,
+            openmpi_session_dirs,
+            rank_layout,
+        )
         from .job import MPIGroup, MPIJob, MPIRank
 
         if self.info is None:
