@@ -27,22 +27,28 @@ def test_known_bug():
 '''
 
 
-def _conftest() -> str:
+def _conftest(hooks: str, markers: tuple[str, ...]) -> str:
+    """An inner session's conftest: ``tests/`` importable (suite_rules), ``markers`` registered,
+    then ``hooks``."""
     from conftest import REPO
     return f'''
-import sys
+import os, sys
+import pytest
 sys.path.insert(0, {str(REPO / "tests")!r})
+
+def pytest_configure(config):
+    for m in {markers!r}:
+        config.addinivalue_line("markers", m)
+''' + hooks
+
+
+SKIP_RULE = '''
 from suite_rules import fail_skips_under_ci
-import os, pytest
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     fail_skips_under_ci(item, outcome.get_result(), dict(os.environ))
-
-def pytest_configure(config):
-    for m in ("ssh", "mxnet", "mpi", "sge"):
-        config.addinivalue_line("markers", m)
 '''
 
 
@@ -50,11 +56,19 @@ def pytest_configure(config):
 def test_skips_of_backend_tests_fail_under_ci(pytester, monkeypatch, ci, failed, skipped) -> None:
     """A skipped backend test fails under CI=true; an expected failure (xfail) of one stays one."""
     monkeypatch.setenv("CI", ci)
-    pytester.makeconftest(_conftest())
+    pytester.makeconftest(_conftest(SKIP_RULE, ("ssh", "mxnet", "mpi", "sge")))
     pytester.makepyfile(INNER)
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(failed=failed, skipped=skipped, xfailed=1)
 
+
+GROUPS_RULE = '''
+from suite_rules import group_by_service
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    group_by_service(items)
+'''
 
 GROUPED = '''
 import os, pytest
@@ -82,22 +96,8 @@ def test_plain(i):
 def test_tests_of_one_shared_service_run_in_one_xdist_worker(pytester, tmp_path, monkeypatch) -> None:
     """scripts/test.sh runs the suite in pytest-xdist workers (``--dist loadgroup``): every test of
     one shared service (a Slurm test may stop a node another Slurm test runs on) runs in one worker."""
-    from conftest import REPO
     monkeypatch.setenv("RECORD_DIR", str(tmp_path))
-    pytester.makeconftest(f'''
-import sys
-sys.path.insert(0, {str(REPO / "tests")!r})
-from suite_rules import group_by_service
-import pytest
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    group_by_service(items)
-
-def pytest_configure(config):
-    for m in ("slurm", "yarn"):
-        config.addinivalue_line("markers", m)
-''')
+    pytester.makeconftest(_conftest(GROUPS_RULE, ("slurm", "yarn")))
     pytester.makepyfile(GROUPED)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup")
     result.assert_outcomes(passed=24)
