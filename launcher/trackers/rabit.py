@@ -356,25 +356,26 @@ class RabitTracker:
         except socket.gaierror as e:
             raise TrackerError(f"cannot listen on {host!r}: {e.strerror}; give an address of this host") from None
         family = infos[0][0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        # SO_REUSEADDR: a port left in TIME_WAIT by an earlier job is free; Linux still
-        # refuses a port that another socket listens on.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        backlog = min(self.max_header_conns, socket.SOMAXCONN)
         self.port = 0
         for port in range(lo, hi + 1):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            # SO_REUSEADDR: a port left in TIME_WAIT by an earlier job is free. It also lets two
+            # trackers starting at once both bind a port, and the second listen() then fails
+            # with EADDRINUSE: bind and listen both count, and a port lost either way is skipped.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind((host, port))
+                sock.listen(backlog)
             except OSError as e:
+                sock.close()
                 if e.errno in (errno.EADDRINUSE, errno.EACCES):
                     continue
-                sock.close()
                 raise TrackerError(f"cannot listen on {host}:{port}: {e.strerror}; give an address of this host") from None
             self.port = port
             break
         if not self.port:
-            sock.close()
             raise TrackerError(f"no free port in {lo}-{hi} on {host}: widen --port-range")
-        sock.listen(min(self.max_header_conns, socket.SOMAXCONN))
         sock.setblocking(False)
         self._listener = sock
         self._wake_r, self._wake_w = socket.socketpair()

@@ -697,6 +697,35 @@ def test_first_free_port_of_the_range_and_none_free() -> None:
         busy.close()
 
 
+def test_trackers_starting_at_once_each_get_their_own_port() -> None:
+    """Two trackers may both bind a port (SO_REUSEADDR) before either listens; the loser's
+    listen() fails with EADDRINUSE and must move on to the next port, not fail the job."""
+    n, rounds = 12, 10
+    for _ in range(rounds):
+        barrier = threading.Barrier(n)
+        out: list = [None] * n
+
+        def start(i: int, barrier: threading.Barrier = barrier, out: list = out) -> None:
+            barrier.wait()
+            try:
+                out[i] = RabitTracker(2, "127.0.0.1", (19600, 19600 + 2 * n))
+            except Exception as e:  # noqa: BLE001 - reported below
+                out[i] = e
+
+        threads = [threading.Thread(target=start, args=(i,)) for i in range(n)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(DEADLINE)
+        trackers = [o for o in out if isinstance(o, RabitTracker)]
+        try:
+            assert len(trackers) == n, [o for o in out if not isinstance(o, RabitTracker)]
+            assert len({t.port for t in trackers}) == n
+        finally:
+            for t in trackers:
+                t.close()
+
+
 def test_bad_arguments_are_one_line_errors() -> None:
     with pytest.raises(TrackerError, match="at least 1 worker"):
         RabitTracker(0)
