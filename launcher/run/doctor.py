@@ -30,6 +30,7 @@ listed below the table, one line each.
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import json
 import socket
 import threading
@@ -389,14 +390,20 @@ class _Listener:
     """The launching host's scheduler address, listening while the hosts try to reach it."""
 
     def __init__(self, address: str, lo: int, hi: int) -> None:
-        self.port = addresses.first_free_port(lo, hi)
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self.sock.bind((address, self.port))
-        except OSError as e:
-            raise ConfigError(f"cannot listen on {address}:{self.port} here: {e.strerror}") from None
-        self.sock.listen(128)
+        self.port = 0
+        while True:
+            # Another job may take the port between the check and the bind or the listen: try the next.
+            self.port = addresses.first_free_port(lo, hi, after=self.port)
+            self.sock = socket.socket()
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                self.sock.bind((address, self.port))
+                self.sock.listen(128)
+                break
+            except OSError as e:
+                self.sock.close()
+                if e.errno != errno.EADDRINUSE:
+                    raise ConfigError(f"cannot listen on {address}:{self.port} here: {e.strerror}") from None
         self.sock.settimeout(0.2)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="pslaunch-doctor-listen", daemon=True)
