@@ -317,6 +317,9 @@ def _worker(args: argparse.Namespace) -> int:
         # own: an MLP step is 3.7x faster, LeNet's 1.6x, than with sleeping threads); when the
         # threads outnumber the cores, every step waits for descheduled spinners instead.
         os.environ.setdefault(pc.OMP_WAIT_POLICY, "PASSIVE")
+    from trainer.memory import keep_freed_memory
+
+    keep_freed_memory()  # a step's activations and gradients reuse the last step's pages
     import torch
 
     torch.set_num_threads(threads)
