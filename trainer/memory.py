@@ -6,9 +6,11 @@ training step allocates and frees the same few-megabyte activations and gradient
 (LeNet at batch 64: a 2.9 MB pooling gradient, the 1.6 MB fc1 gradient, ...), so each step
 maps new pages and faults on every one of them: 600-3,000 minor faults per LeNet step, a fifth
 of its time on one thread (a whole epoch on one thread: 2,285-2,477 against 3,595-3,851
-samples/s). MXNet keeps a pool of its own; raising both thresholds once per process gives
-torch, numpy and ZeroMQ's buffers the same: a freed block serves the next step. Memory stays
-at the process's peak instead of shrinking between steps.
+samples/s). MXNet keeps a pool of its own; raising both thresholds gives torch, numpy and
+ZeroMQ's buffers the same: a freed block serves the next step. Memory stays at the process's
+peak instead of shrinking between steps. A worker sets them before it imports torch, and every
+process that moves arrays through the KV store when it creates its ZeroMQ context
+(:func:`trainer.kv.transport.bulk_context`).
 
 Only glibc has ``mallopt``; elsewhere (macOS, musl) nothing changes. A user who tunes malloc
 through the environment (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, or

@@ -10,7 +10,6 @@ from typing import NoReturn
 
 from pscontract import ClusterEnv, ClusterEnvError, records
 
-from ..memory import keep_freed_memory
 from .errors import KVAbortedByScheduler, KVConfigError, KVStoreError, own_rank, report_cause
 from .transport import check_dist_env, setup_logging
 
@@ -54,8 +53,6 @@ def run_role(argv: Sequence[str] = ()) -> NoReturn:
             from .scheduler import run
         else:
             from .server import run
-
-            keep_freed_memory()  # every step receives and frees each key's megabytes
         run(env, secret)
     except KVStoreError as e:
         # A usage error says everything in its one line; an abort the scheduler sent
