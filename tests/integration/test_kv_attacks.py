@@ -167,9 +167,12 @@ def test_a_handshake_flood_keeps_no_node_out(job_factory, tmp_path: Path, token:
     # the whole job (its start under the flood, its work, its stop) ends well within 60 + 30 s
     assert elapsed < 90, job.outputs()
     sched = job.output("scheduler")
+    print("scheduler: " + " | ".join(line for line in sched.splitlines() if "refused or dropped" in line))
     if token:
-        assert sum(s["answers"] for s in stats) > 0  # the flood did reach our handshake
-        assert re.search(r"refused or dropped \d+ .*(flood|handshake-evicted|connection-)", sched)
+        # The flood reached our handshake: the scheduler counted what it dropped there. (The
+        # flood's own count of answers is no proof either way: on a busy machine every HELLO can
+        # be dropped unanswered, which is the defence working.)
+        assert re.search(r"refused or dropped \d+ .*(flood|handshake-evicted|connection-)", sched), sched
     else:
         assert sum(s["answers"] for s in stats) == 0  # strangers never hear a word
         assert re.search(r"refused or dropped \d+ .*gate-failed: \d{3,}", sched), sched
