@@ -28,8 +28,8 @@ from collections.abc import Mapping
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 
-#: Blocks up to this size come from the heap. glibc accepts at most 32 MB (``HEAP_MAX_SIZE / 2``
-#: on 64-bit): bigger ones, a validation batch's activations, are still mapped and unmapped.
+#: Blocks up to this size come from the heap (where glibc's own adaptive threshold stops, on
+#: 64-bit): bigger ones, a validation batch's activations, are still mapped and unmapped.
 MMAP_THRESHOLD = 32 << 20
 #: The heap's free top goes back to the kernel only above this.
 TRIM_THRESHOLD = 256 << 20
