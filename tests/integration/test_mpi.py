@@ -22,48 +22,21 @@ import pytest
 from support.helpers import (
     BIN,
     REPO,
+    all_pids,
+    ancestors,
     assert_no_orphans,
     pslaunch_argv,
     read_probes,
     run_pslaunch,
     wait_for,
+    wait_probes,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.mpi]
 
+
 def mpi_args(mpirun: str, *args: str) -> list[str]:
     return ["--launcher", "mpi", "--mpirun", mpirun, "--kill-grace", "1", *args]
-
-
-def all_pids(probes: dict) -> list[int]:
-    pids = []
-    for rec in probes.values():
-        pids.append(rec["pid"])
-        if rec.get("child"):
-            pids.append(rec["child"])
-    return pids
-
-
-def wait_probes(directory: Path, count: int, timeout: float = 30) -> dict:
-    return wait_for(lambda: (lambda p: p if len(p) == count else None)(read_probes(directory)), timeout,
-                    what=f"{count} processes to start")
-
-
-def ancestors(pid: int) -> list[tuple[int, str]]:
-    """``(pid, command line)`` of ``pid``'s parents, nearest first."""
-    out = []
-    while pid > 1:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-            ppid = int(stat[stat.rfind(b")") + 2:].split()[1])
-            with open(f"/proc/{ppid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, ValueError):
-            break
-        out.append((ppid, cmd))
-        pid = ppid
-    return out
 
 
 @pytest.mark.timeout(90)
@@ -220,10 +193,11 @@ def start_launcher(args: list[str], env: dict | None = None) -> subprocess.Popen
 def test_signal_tears_down_the_whole_mpirun_job(mpirun, probe, sig, code) -> None:
     p = start_launcher(mpi_args(mpirun, "-n", "2", "-s", "1", "--env", "MY_API_KEY=sekrit-value",
                                 *probe("--listen", "--sleep", "60", "--child")))
-    probes = wait_probes(probe.dir, 4)
+    probes = wait_probes(probe.dir, 4, alive=True)  # (an attempt that lost its port race left records)
     # the rank's ancestry up to the launcher passes mpirun; no secret value is on any of those
     # command lines (the launcher's own has the user's --env, as the user typed it)
     chain = ancestors(probes["worker-0"]["pid"])
+    assert p.pid in [pid for pid, _ in chain], (p.pid, chain)
     chain = chain[:[pid for pid, _ in chain].index(p.pid)]
     assert any(mpirun in cmd for _, cmd in chain), chain
     secret = probes["worker-0"]["env"]["PSLAUNCH_SECRET"]

@@ -109,10 +109,21 @@ def read_probes(directory: Path) -> dict[str, dict]:
     return out
 
 
-def wait_probes(directory: Path, count: int, timeout: float = 30) -> dict[str, dict]:
-    """Wait until ``count`` probes have written their records; return them."""
-    return wait_for(lambda: (lambda p: p if len(p) == count else None)(read_probes(directory)), timeout,
-                    what=f"{count} processes to start")  # type: ignore[return-value]
+def wait_probes(directory: Path, count: int, timeout: float = 30, alive: bool = False) -> dict[str, dict]:
+    """Wait until ``count`` probes have written their records; return them.
+
+    With ``alive``, only records of live processes count: a job that lost its port race is
+    started again (launcher/run/supervisor.py), and the stopped attempt's processes may have
+    written records that the new attempt's have not yet replaced. (Only where the probes run
+    in this machine's PID namespace.)
+    """
+    def ready() -> Optional[dict[str, dict]]:
+        probes = read_probes(directory)
+        if alive:
+            probes = {k: v for k, v in probes.items() if pid_alive(v["pid"])}
+        return probes if len(probes) == count else None
+
+    return wait_for(ready, timeout, what=f"{count} processes to start")  # type: ignore[return-value]
 
 
 def probe_argv(out: Path, *args: str, python: str = sys.executable) -> list[str]:
