@@ -12,26 +12,17 @@ import time
 import pytest
 from support.helpers import (
     REPO,
+    all_pids,
     assert_no_orphans,
     pslaunch_argv,
     read_probes,
     run_pslaunch,
-    wait_for,
 )
 
 pytestmark = pytest.mark.integration
 
 CONTRACT = ("DMLC_ROLE", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_WORKER", "DMLC_NUM_SERVER",
             "PSLAUNCH_SECRET", "PS_START_TIMEOUT", "PSLAUNCH_JOB_ID")
-
-
-def all_pids(probes: dict) -> list[int]:
-    pids = []
-    for rec in probes.values():
-        pids.append(rec["pid"])
-        if rec.get("child"):
-            pids.append(rec["child"])
-    return pids
 
 
 @pytest.mark.timeout(60)
@@ -107,11 +98,6 @@ def test_all_success_exits_zero_and_no_scheduler_with_s0(probe) -> None:
 def start_launcher(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen(pslaunch_argv(*args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-
-
-def wait_probes(directory, names: int, timeout: float = 30) -> dict:
-    return wait_for(lambda: (lambda p: p if len(p) == names else None)(read_probes(directory)), timeout,
-                    what=f"{names} processes to start")
 
 
 @pytest.mark.timeout(60)

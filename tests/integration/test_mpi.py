@@ -374,7 +374,7 @@ def test_hosts_ctrl_c_tears_down_every_host(remote, tmp_path) -> None:
     env.pop("DMLC_INTERFACE", None)
     p = start_launcher([*opts, "-H", str(hostfile), "-n", "2", "-s", "1",
                         *probe_in(out, "--listen", "--sleep", "60", "--child", "--ignore-term")], env=env)
-    probes = wait_probes(out, 4, timeout=60)
+    probes = wait_probes(out, 4, timeout=60, alive=True)
     assert probes["scheduler"]["env"]["DMLC_PS_ROOT_URI"] == tb.root_a
     # server0 -> host 0, worker0 -> host 1, worker1 -> host 0
     assert probes["server-0"]["env"]["DMLC_NODE_HOST"] == tb.hosts[0].addr_a

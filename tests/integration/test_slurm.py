@@ -59,7 +59,7 @@ def test_placement_labels_and_the_allocation_pslaunch_makes(job: Probes, slurm: 
     p = job.start("-n", "3", "-s", "2", "--kill-grace", "1", "--timeout", "600", "--worker-memory", "300m",
                   *job.probe("--listen", "--print", "hello", "--sleep", "60"))
     try:
-        probes = wait_probes(job.out, 6, timeout=60)
+        probes = wait_probes(job.out, 6, timeout=60, alive=True)
         alloc = allocation_of(probes)
         shown = subprocess.run(["scontrol", "show", "job", "-dd", alloc], capture_output=True, text=True).stdout
         steps = subprocess.run(["scontrol", "show", "step", "-dd", alloc], capture_output=True, text=True).stdout
@@ -191,7 +191,7 @@ def test_an_impossible_request_is_one_line(job: Probes) -> None:
 @pytest.mark.timeout(180)
 def test_a_node_whose_slurmd_stops_fails_the_job_naming_it(job: Probes, slurm: SlurmCluster) -> None:  # noqa: F811
     p = job.start("-n", "3", "-s", "1", "--kill-grace", "1", *job.probe("--listen", "--sleep", "120"))
-    probes = wait_probes(job.out, 5, timeout=60)
+    probes = wait_probes(job.out, 5, timeout=60, alive=True)
     victim = job.node_of(probes["worker-1"])
     t0 = time.monotonic()
     slurm.stop_slurmd(victim)  # type: ignore[arg-type]

@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from support.helpers import REPO, pslaunch_argv, read_probes, run_pslaunch, wait_for
+from support.helpers import REPO, pslaunch_argv, read_probes, run_pslaunch, wait_for, wait_probes
 from support.testbed import Testbed, TestHost
 
 pytestmark = [pytest.mark.integration, pytest.mark.ssh]
@@ -59,11 +59,6 @@ def run_ssh(testbed: Testbed, *args: str, env: dict | None = None, timeout: floa
 def start_ssh(testbed: Testbed, *args: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(pslaunch_argv("--launcher", "ssh", *NETGUARD, *args), cwd=REPO, env=env or testbed.env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_probes(out: Path, count: int, timeout: float = 30) -> dict:
-    return wait_for(lambda: (lambda p: p if len(p) == count else None)(read_probes(out)), timeout,
-                    what=f"{count} processes to start")
 
 
 def leftovers(testbed: Testbed, hosts: list[TestHost] | None = None) -> dict[str, list[int]]:
@@ -166,7 +161,7 @@ def test_secret_and_env_never_on_a_command_line(testbed: Testbed, out: Path, tmp
     p = start_ssh(testbed, "-n", "2", "-s", "1", "-H", hostfile(testbed, tmp_path, 2), "--kill-grace", "1",
                   "--env", "MY_TOKEN=tok-3141592653", *probe(out, "--listen", "--sleep", "30"))
     try:
-        probes = wait_probes(out, 4)
+        probes = wait_probes(out, 4, alive=True)
         secret = probes["scheduler"]["env"]["PSLAUNCH_SECRET"]
         checked = 0
         for h in testbed.hosts[:2]:
@@ -263,7 +258,7 @@ def _running_job(testbed: Testbed, out: Path, tmp_path: Path, *extra: str, n: in
     p = start_ssh(testbed, "-n", str(n), "-s", "1", "-H", hostfile(testbed, tmp_path, hosts), *extra,
                   *probe(out, *probe_args))
     try:
-        probes = wait_probes(out, n + 2)
+        probes = wait_probes(out, n + 2, alive=True)
         wait_for(lambda: all(len(testbed.job_pids(h)) >= 2 for h in testbed.hosts[:hosts]), 10,
                  what="children on every host")
     except BaseException:

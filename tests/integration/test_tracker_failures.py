@@ -94,7 +94,7 @@ def test_kill_9_of_the_launcher_takes_the_torch_store_along(tmp_path: Path) -> N
     try:
         p = cluster.start("-n", "2", "--tracker", "torch", "--kill-grace", "1",
                           *cluster.probe("--sleep", "60"))
-        wait_probes(out, 2, timeout=30)
+        wait_probes(out, 2, timeout=30, alive=True)
         # the store's child process carries the job's variables too (--env): found by the mark
         assert "torch_store.py" in " ".join(cluster.leftovers())
         p.send_signal(signal.SIGKILL)

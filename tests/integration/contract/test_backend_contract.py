@@ -68,7 +68,7 @@ def running_job(cluster: Cluster, *args: str, count: int):
     """Start a job and wait until its ``count`` processes have written their probes."""
     p = cluster.start(*args)
     try:
-        probes = wait_probes(cluster.out, count, timeout=cluster.start_timeout)
+        probes = wait_probes(cluster.out, count, timeout=cluster.start_timeout, alive=True)
     except BaseException:
         p.kill()
         out, err = p.communicate()
