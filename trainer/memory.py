@@ -13,8 +13,8 @@ process that moves arrays through the KV store when it creates its ZeroMQ contex
 (:func:`trainer.kv.transport.bulk_context`).
 
 Only glibc has ``mallopt``; elsewhere (macOS, musl) nothing changes. A user who tunes malloc
-through the environment (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, or
-``GLIBC_TUNABLES`` naming ``glibc.malloc``) keeps their settings.
+through the environment (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``,
+``MALLOC_TOP_PAD_``, or ``GLIBC_TUNABLES`` naming ``glibc.malloc``) keeps their settings.
 """
 
 from __future__ import annotations

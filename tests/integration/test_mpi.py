@@ -197,8 +197,9 @@ def test_signal_tears_down_the_whole_mpirun_job(mpirun, probe, sig, code) -> Non
     # the rank's ancestry up to the launcher passes mpirun; no secret value is on any of those
     # command lines (the launcher's own has the user's --env, as the user typed it)
     chain = ancestors(probes["worker-0"]["pid"])
-    assert p.pid in [pid for pid, _ in chain], (p.pid, chain)
-    chain = chain[:[pid for pid, _ in chain].index(p.pid)]
+    pids = [pid for pid, _ in chain]
+    assert p.pid in pids, (p.pid, chain)
+    chain = chain[:pids.index(p.pid)]
     assert any(mpirun in cmd for _, cmd in chain), chain
     secret = probes["worker-0"]["env"]["PSLAUNCH_SECRET"]
     assert not any(secret in cmd or "sekrit-value" in cmd for _, cmd in chain)
