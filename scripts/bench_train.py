@@ -11,10 +11,11 @@ trainer, for example the commit before a change, as a column of its own):
    workers and no server, the gradients summed with torch.distributed's allreduce:
    ``python -m launcher -n 2 --tracker torch``; MXNet has no such store: ours only); ours
    (``scripts/train_mnist.py``) and MXNet's own training (``scripts/bench_train_mxnet.py``)
-   with the same settings. By default one full epoch (60,000 examples). In one process each
-   contender runs with one thread and with all the cores (``--threads`` for ours,
-   ``OMP_NUM_THREADS`` for MXNet, whose lenet is faster with one) and keeps its best, which the
-   table names; under the launcher every process gets one thread. ``pair`` runs two workers
+   with the same settings. By default one full epoch (60,000 examples). Each contender keeps
+   its best of several settings, which the table names: in one process one thread and all the
+   cores (``--threads`` for ours, ``OMP_NUM_THREADS`` for MXNet); under the launcher every
+   process gets one thread; MXNet also runs with its naive engine, everywhere (see
+   ``settings``). ``pair`` runs two workers
    that never talk (``--kv-store local``, half the examples each, under the launcher): the
    most that any two-worker job reaches on this machine. With ``local``, ``dist_sync`` and
    ``pair`` a second table sets the lead over MXNet in one process (at each one's best, and
@@ -55,7 +56,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -121,6 +122,37 @@ def base_env() -> dict[str, str]:
 # --- 1. training ------------------------------------------------------------------------------
 
 
+class Setting(NamedTuple):
+    """One way to run a contender: its thread count (None: the launcher's one per process) and
+    extra environment."""
+
+    threads: int | None
+    env: dict[str, str]
+
+    @property
+    def label(self) -> str:
+        parts = [] if self.threads is None else [f"{self.threads} thread{'s' if self.threads > 1 else ''}"]
+        if self.env.get("MXNET_ENGINE_TYPE") == "NaiveEngine":
+            parts.append("naive engine")
+        return ", ".join(parts)
+
+
+def settings(name: str, mode: str, cores: int) -> list[Setting]:
+    """Every setting a contender is tried with; the table keeps its best. In one process each
+    runs with one thread and with all the cores; under the launcher every process gets one.
+    MXNet also runs with its ``NaiveEngine`` (each operator run at once on the caller's thread):
+    its default threaded engine adds a thread that fights the OpenMP threads for the cores, so
+    its lenet in one process is fastest on both cores with the naive engine, and on one core
+    otherwise. Under dist_sync the threaded engine is the faster (it overlaps the kvstore's
+    traffic with computation), so both are tried there too."""
+    threads: tuple[int | None, ...] = (1, cores) if mode == "local" and cores > 1 else (None,)
+    out = [Setting(t, {}) for t in threads]
+    if name == "mxnet":
+        naive = {"MXNET_ENGINE_TYPE": "NaiveEngine"}
+        out += [Setting(t, naive) for t in threads if t != 1]
+    return out
+
+
 def training(a: argparse.Namespace, who: list[tuple[str, str, Path]], cores: int) -> list[dict[str, Any]]:
     rows = []
     env = base_env()
@@ -135,20 +167,20 @@ def training(a: argparse.Namespace, who: list[tuple[str, str, Path]], cores: int
                     common += ["--data-dir", a.data_dir]
                 row: dict[str, Any] = {"network": network, "batch": batch, "mode": mode}
                 case_stat = _stat()
-                best: dict[str, tuple[list[dict[str, Any]], int | None]] = {}
-                # One process: each contender at its best, one thread or all the cores (MXNet's
-                # lenet is faster with one). Under the launcher every process gets one.
-                threads: tuple[int | None, ...] = (1, cores) if mode == "local" and cores > 1 else (None,)
+                best: dict[str, tuple[list[dict[str, Any]], Setting]] = {}
                 for _ in range(a.repeat):  # interleaved: each contender once per round
-                    for t in threads:
-                        for name, python, script in who:
-                            if f"{name}_error" in row or (name == "mxnet" and mode == "dist_allreduce"):
-                                continue
+                    for name, python, script in who:
+                        if name == "mxnet" and mode == "dist_allreduce":
+                            continue
+                        for setting in settings(name, mode, cores):
+                            if f"{name}_error" in row:
+                                break
                             run_env, argv = dict(env), command(python, script, mode, common)
-                            if t is not None and name == "mxnet":
-                                run_env[pc.OMP_NUM_THREADS] = str(t)
-                            elif t is not None:
-                                argv += ["--threads", str(t)]
+                            run_env.update(setting.env)
+                            if setting.threads is not None and name == "mxnet":
+                                run_env[pc.OMP_NUM_THREADS] = str(setting.threads)
+                            elif setting.threads is not None:
+                                argv += ["--threads", str(setting.threads)]
                             try:
                                 summaries, _, _ = run(argv, run_env, a.timeout)
                             except (RuntimeError, subprocess.TimeoutExpired) as e:
@@ -156,14 +188,14 @@ def training(a: argparse.Namespace, who: list[tuple[str, str, Path]], cores: int
                                 row[f"{name}_error"] = str(e)
                                 continue
                             if name not in best or _speed(summaries) > _speed(best[name][0]):
-                                best[name] = (summaries, t)
-                            if t is not None:
+                                best[name] = (summaries, setting)
+                            if setting.threads is not None:
                                 by = row.setdefault(f"{name}_by_threads", {})
-                                by[t] = max(by.get(t, 0.0), _speed(summaries))
-                for name, (summaries, t) in best.items():
+                                by[setting.threads] = max(by.get(setting.threads, 0.0), _speed(summaries))
+                for name, (summaries, setting) in best.items():
                     row[name] = _speed(summaries)
                     row[f"{name}_acc"] = _mean(s["validation_accuracy"] for s in summaries)
-                    row[f"{name}_threads"] = t
+                    row[f"{name}_setting"] = setting.label
                 row["steal"] = _steal(case_stat)
                 rows.append(row)
                 print(f"# {network} batch {batch} {mode}: "
@@ -224,9 +256,9 @@ def leads(rows: list[dict[str, Any]], names: list[str], cores: int) -> None:
 
 
 def _threads(row: dict[str, Any], name: str) -> str:
-    """`` (2 threads)`` after a one-process speed: the thread count that was fastest."""
-    t = row.get(f"{name}_threads")
-    return "" if t is None else f" ({t} thread{'s' if t > 1 else ''})"
+    """`` (2 threads, naive engine)`` after a speed: the setting that was fastest."""
+    label = row.get(f"{name}_setting")
+    return f" ({label})" if label else ""
 
 
 def _speed(summaries: list[dict[str, Any]]) -> float:
