@@ -199,7 +199,7 @@ def training(a: argparse.Namespace, who: list[tuple[str, str, Path]], cores: int
                 row["steal"] = _steal(case_stat)
                 rows.append(row)
                 print(f"# {network} batch {batch} {mode}: "
-                      + ", ".join(f"{n} {_fmt(row.get(n), '.0f')}/s" + _threads(row, n) for n, _, _ in who)
+                      + ", ".join(f"{n} {_fmt(row.get(n), '.0f')}/s" + _setting(row, n) for n, _, _ in who)
                       + f" (steal {row['steal']})", flush=True)
     names = [n for n, _, _ in who]
     print()
@@ -213,7 +213,7 @@ def training(a: argparse.Namespace, who: list[tuple[str, str, Path]], cores: int
     for r in rows:
         who_ = {"local": "local (1)", "dist_allreduce": "dist_allreduce (2, --tracker torch)",
                 "pair": "pair: 2 x local, half each"}.get(r["mode"], f"{r['mode']} (2 + 1 server)")
-        cells = [_fmt(r.get(n), ",.0f", f"{n}_error" in r) + _threads(r, n) for n in names]
+        cells = [_fmt(r.get(n), ",.0f", f"{n}_error" in r) + _setting(r, n) for n in names]
         cells += [_fmt(r[n] / r["mxnet"] if r.get(n) and r.get("mxnet") else None, ".2f") for n in ratios]
         cells += [_fmt(r.get(f"{n}_acc"), ".4f", f"{n}_error" in r) for n in names]
         print(f"| {r['network']} | {r['batch']} | {who_} | " + " | ".join(cells) + " |")
@@ -255,7 +255,7 @@ def leads(rows: list[dict[str, Any]], names: list[str], cores: int) -> None:
         print(line)
 
 
-def _threads(row: dict[str, Any], name: str) -> str:
+def _setting(row: dict[str, Any], name: str) -> str:
     """`` (2 threads, naive engine)`` after a speed: the setting that was fastest."""
     label = row.get(f"{name}_setting")
     return f" ({label})" if label else ""

@@ -6,6 +6,7 @@ never from ``conftest`` or from another test module.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Callable, Iterable, Optional
 
 REPO = Path(__file__).resolve().parents[2]
@@ -124,6 +126,17 @@ def wait_probes(directory: Path, count: int, timeout: float = 30, alive: bool = 
         return probes if len(probes) == count else None
 
     return wait_for(ready, timeout, what=f"{count} processes to start")  # type: ignore[return-value]
+
+
+def load_script(name: str) -> ModuleType:
+    """``scripts/NAME.py`` imported as the module ``NAME`` (registered in ``sys.modules``:
+    dataclasses look their module up)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def probe_argv(out: Path, *args: str, python: str = sys.executable) -> list[str]:

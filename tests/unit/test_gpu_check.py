@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 
 import pytest
 import torch
-from support.helpers import REPO
+from support.helpers import REPO, load_script
 
 SCRIPT = REPO / "scripts" / "gpu_check.py"
 
 
-def load():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
-
 def test_the_plan_for_one_and_for_two_gpus() -> None:
-    g = load()
+    g = load_script("gpu_check")
     train = str(REPO / "scripts" / "train_mnist.py")
     one = g.plan(1, ("device", "dist_device_sync"), "py", ["--network", "lenet"])
     assert [(r.kv_store, r.gpus, r.workers) for r in one] == [("device", "0", 1),
@@ -39,7 +30,7 @@ def test_the_plan_for_one_and_for_two_gpus() -> None:
 def test_the_kv_store_choices_come_from_the_trainer() -> None:
     from trainer.train_mnist import KV_TYPES
 
-    assert load().kv_store_choices() == tuple(KV_TYPES)
+    assert load_script("gpu_check").kv_store_choices() == tuple(KV_TYPES)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check would run")
