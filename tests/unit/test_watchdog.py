@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from support.helpers import REPO, assert_no_orphans, pid_alive
+from support.helpers import REPO, assert_no_orphans, pid_alive, wait_for
 
 from launcher.node.watchdog import Client as Watchdog
 
@@ -121,10 +121,18 @@ def test_a_forked_watchdog_keeps_only_its_pipe_and_kills_groups_when_its_owner_i
     owner, wd_pid, sleeper_pid = _forked_owner("die")
     try:
         # its own session; standard input the pipe, stdout and stderr /dev/null, nothing else open
-        # (a copy of the owner's output pipe would keep it open after the owner has gone)
-        assert os.getsid(wd_pid) == wd_pid
-        fds = {int(fd): os.readlink(f"/proc/{wd_pid}/fd/{fd}") for fd in os.listdir(f"/proc/{wd_pid}/fd")}
-        assert sorted(fds) == [0, 1, 2] and fds[0].startswith("pipe:"), fds
+        # (a copy of the owner's output pipe would keep it open after the owner has gone). The fork
+        # sets itself up while its owner goes on: on a busy machine, after the owner printed.
+        def open_fds() -> dict[int, str]:
+            return {int(fd): os.readlink(f"/proc/{wd_pid}/fd/{fd}") for fd in os.listdir(f"/proc/{wd_pid}/fd")}
+
+        try:
+            wait_for(lambda: os.getsid(wd_pid) == wd_pid and sorted(open_fds()) == [0, 1, 2], 10,
+                     what="the watchdog's own session and descriptors")
+        except AssertionError as e:
+            raise AssertionError(f"{e}: session {os.getsid(wd_pid)}, descriptors {open_fds()}") from None
+        fds = open_fds()
+        assert fds[0].startswith("pipe:"), fds
         assert fds[1] == fds[2] == os.devnull
         with open(f"/proc/{wd_pid}/cmdline", "rb") as f:  # a fork: no second interpreter started
             assert f.read() == open(f"/proc/{owner.pid}/cmdline", "rb").read()
