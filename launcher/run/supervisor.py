@@ -11,7 +11,8 @@
    Until the scheduler listens, a failure is checked for a lost port race: if someone else
    took the port between the probe and the scheduler's bind, every process of this attempt is
    stopped and the whole job starts again on the next port (a fresh backend; nothing of the
-   lost attempt is reported or left behind). A scheduler that never listens within
+   lost attempt is reported or left behind: what the processes print is held until the port's
+   verdict, and dropped when it was lost). A scheduler that never listens within
    ``--start-timeout`` is an error;
 5. always: stop every group gracefully, kill it after ``--kill-grace`` (at once on a second
    signal), sweep leftover process groups, write ``--summary-json`` and report who failed
@@ -176,10 +177,11 @@ class Supervisor:
                 self._timing("backend ready")
                 plan = self._plan(root_uri, addresses, attempt, after_port)
                 if plan.scheduler is not None:
+                    self.console.hold()  # until the port's verdict (see _on_verdict)
                     self.scheduler = self._spawn_local(plan.scheduler)
                     self._add(ProcGroup([self.scheduler]))
                     self._watch = addr.SchedulerWatch(self.scheduler.pid, plan.root_uri, plan.root_port,
-                                                     on_verdict=self._wake.set).start()
+                                                     on_verdict=self._on_verdict).start()
                     self._timing("scheduler started")
                 self.signals.check()
                 if plan.procs:
@@ -200,7 +202,10 @@ class Supervisor:
                     self._watch.stop()
                     self._watch = None
                 lost = outcome is not None and outcome[0] == PORT_LOST and attempt < MAX_PORT_ATTEMPTS
-                if not lost:
+                if lost:
+                    self.console.discard()  # before the stop: what the attempt prints while it ends, too
+                else:
+                    self.console.release()
                     self.signals.raise_now = False
                     self.signals.alarm(0)
                 try:
@@ -215,6 +220,14 @@ class Supervisor:
             self.first = self.scheduler
             return "failure", (self.scheduler.exit_code if self.scheduler else None) or 1
         return outcome
+
+    def _on_verdict(self) -> None:
+        """The port watch's verdict (from its thread): the held output is shown at once, unless
+        the port was lost (the attempt's end drops it)."""
+        watch = self._watch
+        if watch is not None and watch.verdict != "lost":
+            self.console.release()
+        self._wake.set()
 
     def _forget_attempt(self) -> None:
         """After a lost port race: what the attempt started is stopped; keep it only to sweep."""
@@ -335,6 +348,7 @@ class Supervisor:
                     return PORT_LOST, 0
                 if verdict is not None:
                     starting = False
+                    self.console.release()  # (a verdict judged here, in this thread, has not yet)
                     self._timing(f"scheduler {'listening' if verdict == 'up' else 'ended'}")
                 elif not failed and self.clock.monotonic() > listen_by:
                     assert self.plan is not None

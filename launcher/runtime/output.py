@@ -13,6 +13,11 @@ On a terminal the console can also keep one *status line* at the bottom of stdou
 it (``\\r`` and erase-to-end-of-line), writes its whole lines, then draws it again, all under
 the console's lock, so a status never ends up inside a labelled line. The launcher's own
 log messages go through :func:`around_status` for the same reason.
+
+While a job's scheduler may still lose its port to another process, the supervisor *holds*
+what the attempt's processes print (:meth:`Console.hold`): the lines are kept, in order, and
+shown, logged and observed on :meth:`Console.release`, or dropped with everything the attempt
+prints afterwards on :meth:`Console.discard` (the attempt lost the race; the job starts again).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 TAIL_LINES = 20
 _MAX_LINE = 64 * 1024  # a longer line without a newline is written in pieces
+HOLD_BYTES = 8 * 1024 * 1024  # held output beyond this is shown at once (see Console.hold)
 
 _COLORS = {"scheduler": "35", "server": "36", "worker": "32"}
 
@@ -89,6 +95,11 @@ class Console:
         self._lock = threading.RLock()
         self._status = b""  # the status line now on the screen (empty: none)
         self._observers: dict[str, Callable[[str], None]] = {}
+        # while held (Console.hold): the lines not shown yet, as (output, line, err, data), and
+        # their size; and every output made since the hold, which a discard silences
+        self._held: Optional[list[tuple[ProcOutput, str, bool, bytes]]] = None
+        self._held_bytes = 0
+        self._attempt: list[ProcOutput] = []
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
 
@@ -119,6 +130,49 @@ class Console:
                 if self._status:
                     self._raw(self.stdout, self._status)
 
+    # -- holding an attempt's output ---------------------------------------------------------
+
+    def hold(self) -> None:
+        """Keep what processes print from now on (shown, logged and observed only on
+        :meth:`release`), and count every output made from now on as the attempt's. More than
+        :data:`HOLD_BYTES` of held lines are released at once: memory is not the price."""
+        with self._lock:
+            self._held, self._held_bytes, self._attempt = [], 0, []
+
+    def release(self) -> None:
+        """Show, log and observe the held lines in the order they came; stop holding. (A later
+        :meth:`discard` still silences the attempt from then on.)"""
+        with self._lock:
+            held, self._held = self._held, None
+            for out, line, err, data in held or ():
+                out._deliver(line, err, data)
+            for out in self._attempt:
+                if out._close_log_later:
+                    out._close_log()
+
+    def discard(self) -> None:
+        """Drop the held lines and silence every output of the attempt from now on."""
+        with self._lock:
+            self._held = None
+            for out in self._attempt:
+                out.silenced = True
+                out._close_log()
+            self._attempt = []
+
+    def _keep(self, out: ProcOutput, line: str, err: bool, data: bytes) -> bool:
+        """True when the line is not for showing now: its output is silenced, or it is held
+        (unless that makes too much: then everything held is released)."""
+        with self._lock:
+            if out.silenced:
+                return True
+            if self._held is None:
+                return False
+            self._held.append((out, line, err, data))
+            self._held_bytes += len(data) + len(line)
+            if self._held_bytes > HOLD_BYTES:
+                self.release()
+            return True
+
     def _raw(self, target: BinaryIO, data: bytes) -> None:
         try:
             target.write(data)
@@ -140,6 +194,9 @@ class Console:
             log = open(os.path.join(self.log_dir, f"{name}.log"), "ab", buffering=0)
         out = ProcOutput(self, prefix.encode(), log)
         out.observer = self._observers.get(name)
+        with self._lock:
+            if self._held is not None:
+                self._attempt.append(out)
         return out
 
     def write(self, err: bool, data: bytes) -> None:
@@ -168,6 +225,8 @@ class ProcOutput:
         #: ``(role, rank, reason)`` from the first ``pslaunch-cause:`` line the process wrote
         #: (:func:`pscontract.cause_line`): why it stopped the job, and who is at fault
         self.cause: Optional[tuple[Optional[str], Optional[int], str]] = None
+        self.silenced = False  # its attempt lost the scheduler's port: nothing of it is shown (Console.discard)
+        self._close_log_later = False  # closed while its lines were held: the log closes on release
         self._lock = threading.Lock()
         self.stdout = LineStream(self, err=False)
         self.stderr = LineStream(self, err=True)
@@ -184,12 +243,18 @@ class ProcOutput:
             line = redact(line)
         if self.cause is None and line.startswith(CAUSE_PREFIX):
             self.cause = parse_cause(line)
+        with self._lock:
+            self.tail.append(line)
         data = line.encode("utf-8", "replace")
+        if not self.console._keep(self, line, err, data):
+            self._deliver(line, err, data)
+
+    def _deliver(self, line: str, err: bool, data: bytes) -> None:
+        """Show, observe and log one line."""
         self.console.write(err, self.prefix + data + b"\n")
         if self.observer is not None:
             self.observer(line)
         with self._lock:
-            self.tail.append(line)
             if self.log is not None:
                 try:
                     self.log.write(data + b"\n")
@@ -207,9 +272,18 @@ class ProcOutput:
     def close(self) -> None:
         self.stdout.close()
         self.stderr.close()
-        if self.log is not None:
+        with self.console._lock:
+            if self.console._held is not None and self in self.console._attempt:
+                self._close_log_later = True  # its last lines are held yet
+                return
+        self._close_log()
+
+    def _close_log(self) -> None:
+        with self._lock:
+            log, self.log = self.log, None
+        if log is not None:
             try:
-                self.log.close()
+                log.close()
             except OSError:
                 pass
 

@@ -53,6 +53,26 @@ def _reach(env: dict) -> str:
     return "no tracker in the environment"
 
 
+def _wait_for_the_others(out: str, env: dict, timeout: float = 30.0) -> None:
+    """Until every server and worker of this attempt (same root port) wrote its record, then a
+    moment for the launcher to read what each printed after it."""
+    want = int(env.get("DMLC_NUM_SERVER", 0)) + int(env.get("DMLC_NUM_WORKER", 0))
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        n = 0
+        for name in os.listdir(out):
+            if name.endswith(".json") and name != "scheduler.json":
+                try:
+                    with open(os.path.join(out, name)) as f:
+                        n += json.load(f)["env"].get(ROOT_PORT) == env[ROOT_PORT]
+                except (OSError, ValueError, KeyError):
+                    pass
+        if n >= want:
+            break
+        time.sleep(0.05)
+    time.sleep(1.0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -87,8 +107,10 @@ def main() -> int:
     listener = None
     if me == "scheduler" and a.take_port_once and not os.path.exists(a.take_port_once):
         # Simulate losing the port between the launcher's probe and our bind:
-        # a detached helper grabs it, and we die as ps-lite does ("bind failed").
+        # a detached helper grabs it, and we die as ps-lite does ("bind failed"). First the
+        # attempt's other processes have printed (their output must never be shown).
         open(a.take_port_once, "w").close()
+        _wait_for_the_others(a.out, env)
         holder = subprocess.Popen([sys.executable, "-c", (
             "import socket,sys,time; s=socket.socket(); s.bind((sys.argv[1], int(sys.argv[2]))); "
             "s.listen(); print('held', flush=True); time.sleep(8)"),
@@ -129,6 +151,8 @@ def main() -> int:
     os.replace(tmp, os.path.join(a.out, f"{me}.json"))
     for line in a.print:
         print(line, flush=True)
+    if a.take_port_once and me != "scheduler":
+        print(f"{me} started on port {env[ROOT_PORT]}", flush=True)
     if a.stop_self == me:
         os.kill(os.getpid(), signal.SIGSTOP)
     if a.cause and me == "scheduler":

@@ -162,3 +162,70 @@ def test_the_status_line_width(monkeypatch) -> None:
     finally:
         os.close(master)
         os.close(slave)
+
+
+# -- holding an attempt's output (while the scheduler may still lose its port) ---------------
+
+
+def test_held_lines_appear_on_release_in_the_order_they_came(tmp_path) -> None:
+    console, out, err = make(str(tmp_path))
+    seen: list[str] = []
+    console.observe("worker-0", seen.append)
+    console.hold()
+    w, s = console.proc("worker-0", "worker 0", "worker"), console.proc("server-0", "server 0", "server")
+    w.stdout.feed(b"w1\n")
+    s.stderr.feed(b"s1\n")
+    w.stdout.feed(b"w2\n")
+    w.close()  # its log stays open for the held lines
+    assert out.getvalue() == err.getvalue() == b"" and seen == []
+    assert (tmp_path / "worker-0.log").read_bytes() == b""
+    assert w.lines() == ["w1", "w2"]  # (the failure report's tail is not held)
+    console.release()
+    assert out.getvalue() == b"[worker 0] w1\n[worker 0] w2\n" and err.getvalue() == b"[server 0] s1\n"
+    assert seen == ["w1", "w2"]
+    assert (tmp_path / "worker-0.log").read_bytes() == b"w1\nw2\n" and w.log is None  # closed now
+    s.stdout.feed(b"live\n")  # released: shown at once
+    assert out.getvalue().endswith(b"[server 0] live\n")
+
+
+def test_a_discarded_attempt_shows_and_logs_nothing_ever(tmp_path) -> None:
+    console, out, err = make(str(tmp_path))
+    console.hold()
+    lost = console.proc("worker-0", "worker 0", "worker")
+    lost.stdout.feed(b"first attempt\n")
+    console.discard()
+    lost.stdout.feed(b"dying words\n")  # what it prints while it is stopped
+    lost.stderr.close()
+    console.hold()  # the next attempt
+    again = console.proc("worker-0", "worker 0", "worker")
+    again.stdout.feed(b"second attempt\n")
+    lost.stdout.feed(b"late\n")
+    console.release()
+    assert out.getvalue() == b"[worker 0] second attempt\n" and err.getvalue() == b""
+    assert (tmp_path / "worker-0.log").read_bytes() == b"second attempt\n"
+
+
+def test_a_released_attempt_can_still_be_silenced() -> None:
+    console, out, _ = make()
+    console.hold()
+    p = console.proc("worker-0", "worker 0", "worker")
+    p.stdout.feed(b"shown\n")
+    console.release()  # (as when more than HOLD_BYTES came before the verdict)
+    console.discard()  # and then it lost the port after all
+    p.stdout.feed(b"not shown\n")
+    assert out.getvalue() == b"[worker 0] shown\n"
+
+
+def test_too_much_held_output_is_shown_not_kept(monkeypatch) -> None:
+    import launcher.runtime.output as output
+
+    monkeypatch.setattr(output, "HOLD_BYTES", 100)
+    console, out, _ = make()
+    console.hold()
+    p = console.proc("worker-0", "worker 0", "worker")
+    p.stdout.feed(b"x" * 40 + b"\n")
+    assert out.getvalue() == b""
+    p.stdout.feed(b"y" * 40 + b"\n")  # over the limit: everything so far is shown, and from then on
+    assert out.getvalue() == b"[worker 0] " + b"x" * 40 + b"\n[worker 0] " + b"y" * 40 + b"\n"
+    p.stdout.feed(b"z\n")
+    assert out.getvalue().endswith(b"[worker 0] z\n")

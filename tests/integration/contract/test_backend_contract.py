@@ -205,6 +205,11 @@ def test_a_lost_port_race_starts_the_whole_job_again(cluster: Cluster, tmp_path:
     assert sorted(probes) == ["scheduler", "server-0", "worker-0", "worker-1"]
     ports = {rec["env"]["DMLC_PS_ROOT_PORT"] for rec in probes.values()}
     assert len(ports) == 1 and int(ports.pop()) > port, probes
+    # what the lost attempt printed is not shown (each process printed its port once it started,
+    # before the port was taken); the attempt that ran is, once per process
+    said = sorted(re.findall(r"^\[[^]]*\] (\S+) started on port (\d+)$", r.stdout, re.M))
+    final = probes["worker-0"]["env"]["DMLC_PS_ROOT_PORT"]
+    assert said == [("server-0", final), ("worker-0", final), ("worker-1", final)], r.stdout
     doc = json.loads(summary.read_text())
     assert doc["reason"] == "success" and sorted(p["name"] for p in doc["processes"]) == sorted(probes)
     assert_nothing_left(cluster)
