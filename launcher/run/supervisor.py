@@ -4,7 +4,7 @@
 
 1. open the backend and let it prepare (connect, sync, node addresses);
 2. work out the scheduler's address (:mod:`.addresses`) and take the first free port of
-   ``--port-range``;
+   ``--port-range`` that no other pslaunch on this machine has claimed (and claim it);
 3. start everything at once: the scheduler here, servers and workers through the backend
    (a ps-lite node retries until the scheduler listens, so nobody waits for its imports);
 4. watch every process: the first non-zero exit, a signal, or ``--timeout`` stops the job.
@@ -123,6 +123,7 @@ class Supervisor:
         self._ids = (os.urandom(32).hex(), os.urandom(6).hex())  # (secret, job id): secrets.token_hex's way
         self._backend: Optional[Backend] = None  # while an attempt runs
         self._watch: Optional[addr.SchedulerWatch] = None  # while the job starts: who gets the port
+        self._claim: Optional[addr.PortClaim] = None  # the attempt's port, against other pslaunch runs here
         self._wake = Wakeup()  # set when a process's output ends: look now, not at the next tick
         self.console.on_stream_end = self._wake.set
         self.signals.on_signal = self._wake.set
@@ -215,6 +216,9 @@ class Supervisor:
                         self.tracker.close()  # only now: a worker may need it until it exits
                 if lost:
                     self._forget_attempt()
+                if self._claim is not None:  # (the job has ended, or its next attempt claims another)
+                    self._claim.release()
+                    self._claim = None
                 self._backend = None
         if outcome[0] == PORT_LOST and not lost:  # the last attempt: report the scheduler's failure
             self.first = self.scheduler
@@ -297,7 +301,7 @@ class Supervisor:
             port = tracker.start(root_uri)
             self.tracker.pid = tracker.pid
         else:
-            port = addr.first_free_port(lo, hi, after=after_port)
+            port, self._claim = addr.claim_free_port(lo, hi, after=after_port)
         plan = build_plan(spec, root_uri=root_uri, root_port=port, secret=secret, job_id=job_id,
                           addresses=addresses, here=here, inherit_environ=not self.backend_cls.remote)
         self.plan = plan

@@ -77,6 +77,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--listen", action="store_true", help="as scheduler: listen on the root port")
+    ap.add_argument("--listen-after", type=float, default=None, metavar="SECONDS",
+                    help="as scheduler: listen on the root port after SECONDS (as a ps-lite program "
+                         "binds after its imports)")
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--exit", type=int, default=0)
     ap.add_argument("--fail", default=None, help="ROLE-RANK:CODE[:DELAY], e.g. worker-1:3:0.5")
@@ -118,7 +121,9 @@ def main() -> int:
         holder.stdout.readline()
         print("bind failed", file=sys.stderr)
         return 1
-    if me == "scheduler" and a.listen:
+    if me == "scheduler" and a.listen_after is not None:
+        time.sleep(a.listen_after)
+    if me == "scheduler" and (a.listen or a.listen_after is not None):
         listener = socket.socket()
         listener.bind((env[ROOT_URI], int(env[ROOT_PORT])))
         listener.listen(64)

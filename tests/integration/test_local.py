@@ -14,9 +14,12 @@ from support.helpers import (
     REPO,
     all_pids,
     assert_no_orphans,
+    probe_argv,
     pslaunch_argv,
     read_probes,
     run_pslaunch,
+    start_pslaunch,
+    wait_probes,
 )
 
 pytestmark = pytest.mark.integration
@@ -138,6 +141,30 @@ def test_port_lost_between_probe_and_bind_is_retried(probe, free_port, tmp_path)
     doc = json.loads(summary.read_text())
     assert doc["reason"] == "success" and len(doc["processes"]) == 4
     assert all(p["exit_code"] == 0 for p in doc["processes"])
+
+
+@pytest.mark.timeout(60)
+def test_two_jobs_started_together_never_pick_the_same_port(free_port, tmp_path) -> None:
+    # The first job's scheduler binds its port a while after it starts (a ps-lite program imports
+    # first); a second job started meanwhile with the same --port-range finds that port free, but
+    # claimed by the first launcher: it takes the next one, and neither job loses a port race.
+    ports = f"{free_port}-{free_port + 20}"
+    first_out, second_out = tmp_path / "first", tmp_path / "second"
+    first_out.mkdir()
+    second_out.mkdir()
+    first = start_pslaunch("-n", "1", "-s", "1", "--kill-grace", "1", "--port-range", ports,
+                           *probe_argv(first_out, "--listen-after", "2", "--sleep", "0.5"))
+    try:
+        wait_probes(first_out, 2, timeout=20)  # the server and the worker run: its port is chosen
+        second = run_pslaunch("-n", "1", "-s", "1", "--kill-grace", "1", "--port-range", ports,
+                              *probe_argv(second_out, "--listen"))
+        out, err = first.communicate(timeout=30)
+    finally:
+        first.kill()
+    assert first.returncode == 0 and second.returncode == 0, err + second.stderr
+    assert "was taken before the scheduler could bind it" not in err + second.stderr, err + second.stderr
+    got = [{rec["env"]["DMLC_PS_ROOT_PORT"] for rec in read_probes(d).values()} for d in (first_out, second_out)]
+    assert got[0] == {str(free_port)} and len(got[1]) == 1 and got[1] != got[0], got
 
 
 @pytest.mark.timeout(60)

@@ -179,3 +179,64 @@ def test_the_watch_looks_ever_less_often_while_nobody_listens_and_still_sees_a_l
         watch.stop()
         sched.kill()
         sched.wait()
+
+
+# -- claims: two pslaunch runs on one machine never pick the same scheduler port ---------------
+
+
+def _free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_claimed_port_is_skipped_until_its_claim_is_released() -> None:
+    port = _free_tcp_port()
+    first, claim = addresses.claim_free_port(port, port + 20)
+    assert first == port
+    assert addresses.PortClaim.take(port) is None  # another run's try
+    second, other = addresses.claim_free_port(port, port + 20)
+    assert second > port
+    claim.release()
+    again = addresses.PortClaim.take(port)
+    assert again is not None
+    again.release()
+    other.release()
+
+
+def test_a_claim_leaves_the_tcp_port_to_the_scheduler() -> None:
+    port, claim = addresses.claim_free_port(*(2 * [_free_tcp_port()]))
+    try:
+        with socket.socket() as s:  # a plain bind, no SO_REUSEADDR: ps-lite's scheduler binds as it likes
+            s.bind(("127.0.0.1", port))
+            s.listen()
+    finally:
+        claim.release()
+
+
+def test_a_range_whose_every_port_is_claimed_is_a_clear_error() -> None:
+    port = _free_tcp_port()
+    _, claim = addresses.claim_free_port(port, port)
+    try:
+        with pytest.raises(addresses.LaunchError, match=f"no free port in --port-range {port}-{port}"):
+            addresses.claim_free_port(port, port)
+    finally:
+        claim.release()
+
+
+def test_the_claim_of_a_killed_launcher_is_gone_with_it() -> None:
+    # SIGKILL runs no clean-up: the kernel lets go of the claim with the process
+    port = _free_tcp_port()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from launcher.run import addresses; "
+        f"held = addresses.claim_free_port({port}, {port}); print(held[0], flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == str(port)
+        assert addresses.PortClaim.take(port) is None
+    finally:
+        holder.kill()
+        holder.wait()
+    claim = addresses.PortClaim.take(port)
+    assert claim is not None
+    claim.release()
