@@ -66,9 +66,8 @@ class Cluster:
     # -- what a subclass tells -----------------------------------------------------------
 
     def options(self) -> list[str]:
-        """pslaunch options that select and configure the backend, and this test process's own
-        ports (:func:`port_range`)."""
-        return ["--launcher", self.launcher, "--port-range", port_range()]
+        """pslaunch options that select and configure the backend."""
+        return ["--launcher", self.launcher]
 
     def env(self) -> Optional[dict]:
         """The launcher's environment (None: the test's own)."""
@@ -115,19 +114,6 @@ class Cluster:
                 os.kill(pid, 9)
             except OSError:
                 pass
-
-
-def port_range() -> str:
-    """The scheduler ports of this pytest worker's jobs: its own thousand, away from the default
-    range (which other tests' jobs use) and from the kernel's ephemeral ports (32768 and up).
-
-    Two jobs that start at once on one machine can pick the same first free port; the launcher
-    then starts the one that lost again, with a warning, which tests that read stderr whole
-    would see (their own tests cover that race)."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    index = int(worker[2:]) if worker[2:].isdigit() else 0
-    lo = 20000 + 1000 * (index % 12)
-    return f"{lo}-{lo + 999}"
 
 
 class LocalCluster(Cluster):
