@@ -248,17 +248,34 @@ def bench_first_batch(a: argparse.Namespace, compare: bool) -> None:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(f"\nEnter to the first training batch (-n 2 -s 1, dist_sync, mlp, the first Speedometer line of a "
-          f"worker), median of {a.repeats}")
-    print(f"{'program':<34} | {'pslaunch':>9} | {'launch.py':>9} | {'ratio':>6}")
+          f"worker), median of {a.repeats}; the launchers take turns, so each round's ratio compares two runs "
+          "a few seconds apart (paired: the machine's slow spells hit both)")
+    print(f"{'program':<34} | {'pslaunch':>9} | {'launch.py':>9} | {'ratio':>6} | "
+          f"{'paired ratio, median (quartiles)':>32} | {'rounds ahead':>12}")
     for name, sides in rows.items():
         ours_s = statistics.median(sides["pslaunch"])
         line = f"{name:<34} | {ours_s:>8.2f}s |"
         if "launch.py" in sides:
             theirs = statistics.median(sides["launch.py"])
-            line += f" {theirs:>8.2f}s | {theirs / ours_s:>5.2f}x"
+            mid, lo, hi, ahead = paired_ratios(sides["pslaunch"], sides["launch.py"])
+            paired, rounds = f"{mid:.2f}x ({lo:.2f}-{hi:.2f})", f"{ahead} of {len(sides['pslaunch'])}"
+            line += f" {theirs:>8.2f}s | {theirs / ours_s:>5.2f}x | {paired:>32} | {rounds:>12}"
         else:
-            line += f" {'-':>9} | {'-':>6}"
+            line += f" {'-':>9} | {'-':>6} | {'-':>32} | {'-':>12}"
         print(line, flush=True)
+
+
+def paired_ratios(ours: list[float], theirs: list[float]) -> tuple[float, float, float, int]:
+    """Round by round, ``theirs / ours`` (above 1: we were faster): the median, the lower and upper
+    quartiles, and in how many rounds we were at least as fast."""
+    if len(ours) != len(theirs) or not ours:
+        raise ValueError("paired_ratios: one time per round on each side")
+    ratios = sorted(t / o for o, t in zip(ours, theirs))
+    if len(ratios) == 1:
+        lo = hi = ratios[0]
+    else:
+        lo, _, hi = statistics.quantiles(ratios, n=4, method="inclusive")
+    return statistics.median(ratios), lo, hi, sum(r >= 1.0 for r in ratios)
 
 
 def _mxnet_tools_available(python: str) -> bool:
