@@ -60,6 +60,7 @@ CALM_POLL_INTERVAL = 0.16
 MAX_PORT_ATTEMPTS = 5
 LOST_ATTEMPT_GRACE = 1.0  # SIGTERM to SIGKILL for an attempt that lost its port (it did no work yet)
 PORT_LOST = "port-lost"  # (an attempt's outcome: the scheduler lost its port; the job starts again)
+HOLD_NOTICE = 5.0  # the scheduler not listening this long while output is held: say why it waits
 EXIT_TIMEOUT = 124
 DUMP_WAIT = 3.0      # after asking for stack dumps, how long to let them print
 KILL_WAIT = 5.0      # after SIGKILL, how long to wait for every process to be gone
@@ -332,6 +333,7 @@ class Supervisor:
         deadline = self.start_time + self.spec.timeout if self.spec.timeout else None
         starting = self._watch is not None
         listen_by = self.clock.monotonic() + max(self.spec.start_timeout, 1.0)
+        notice_at: Optional[float] = self.clock.monotonic() + HOLD_NOTICE
         while True:
             if self.signals.count:
                 return "signal", self.signals.exit_code
@@ -360,6 +362,11 @@ class Supervisor:
                         f"the scheduler did not listen on {self.plan.root_uri}:{self.plan.root_port} within "
                         f"--start-timeout {self.spec.start_timeout:g}s; is the command a ps-lite program "
                         "(MXNet, our trainer)?")
+                elif notice_at is not None and self.clock.monotonic() > notice_at and self.console.holding():
+                    notice_at = None
+                    assert self.plan is not None
+                    log.info("the scheduler does not listen on %s:%d yet; what the processes print is shown "
+                             "once it does", self.plan.root_uri, self.plan.root_port)
             if not failed and running and self.tracker is not None and self.tracker.poll() not in (None, 0):
                 failed.append(self.tracker)  # the tracker failed and no worker did (see trackers.FAILURE_GRACE)
             if failed:

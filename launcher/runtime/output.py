@@ -159,6 +159,11 @@ class Console:
                 out._close_log()
             self._attempt = []
 
+    def holding(self) -> bool:
+        """True while lines are held, not shown yet."""
+        with self._lock:
+            return bool(self._held)
+
     def _keep(self, out: ProcOutput, line: str, err: bool, data: bytes) -> bool:
         """True when the line is not for showing now: its output is silenced, or it is held
         (unless that makes too much: then everything held is released)."""

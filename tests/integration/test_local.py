@@ -168,6 +168,17 @@ def test_two_jobs_started_together_never_pick_the_same_port(free_port, tmp_path)
 
 
 @pytest.mark.timeout(60)
+def test_output_held_for_a_slow_scheduler_is_explained_then_shown(probe) -> None:
+    # until the scheduler listens, what the processes print is held (a lost port race shows none
+    # of it); a scheduler that takes long to listen gets one line that says why the output waits
+    r = run_pslaunch("-n", "1", "-s", "1", *probe("--listen-after", "6.5", "--print", "hello from the probe"))
+    assert r.returncode == 0, r.stderr
+    notice = [x for x in r.stderr.splitlines() if "does not listen on" in x]
+    assert len(notice) == 1 and "what the processes print is shown once it does" in notice[0], r.stderr
+    assert "[worker 0] hello from the probe" in r.stdout and "[server 0] hello from the probe" in r.stdout, r.stdout
+
+
+@pytest.mark.timeout(60)
 def test_program_in_cwd_runs_as_dot_slash(tmp_path) -> None:
     script = tmp_path / "job.sh"
     script.write_text("#!/bin/sh\necho \"ran $DMLC_ROLE\"\n")

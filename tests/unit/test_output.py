@@ -177,12 +177,12 @@ def test_held_lines_appear_on_release_in_the_order_they_came(tmp_path) -> None:
     s.stderr.feed(b"s1\n")
     w.stdout.feed(b"w2\n")
     w.close()  # its log stays open for the held lines
-    assert out.getvalue() == err.getvalue() == b"" and seen == []
+    assert out.getvalue() == err.getvalue() == b"" and seen == [] and console.holding()
     assert (tmp_path / "worker-0.log").read_bytes() == b""
     assert w.lines() == ["w1", "w2"]  # (the failure report's tail is not held)
     console.release()
     assert out.getvalue() == b"[worker 0] w1\n[worker 0] w2\n" and err.getvalue() == b"[server 0] s1\n"
-    assert seen == ["w1", "w2"]
+    assert seen == ["w1", "w2"] and not console.holding()
     assert (tmp_path / "worker-0.log").read_bytes() == b"w1\nw2\n" and w.log is None  # closed now
     s.stdout.feed(b"live\n")  # released: shown at once
     assert out.getvalue().endswith(b"[server 0] live\n")
