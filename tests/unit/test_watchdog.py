@@ -124,7 +124,13 @@ def test_a_forked_watchdog_keeps_only_its_pipe_and_kills_groups_when_its_owner_i
         # (a copy of the owner's output pipe would keep it open after the owner has gone). The fork
         # sets itself up while its owner goes on: on a busy machine, after the owner printed.
         def open_fds() -> dict[int, str]:
-            return {int(fd): os.readlink(f"/proc/{wd_pid}/fd/{fd}") for fd in os.listdir(f"/proc/{wd_pid}/fd")}
+            fds = {}
+            for fd in os.listdir(f"/proc/{wd_pid}/fd"):
+                try:
+                    fds[int(fd)] = os.readlink(f"/proc/{wd_pid}/fd/{fd}")
+                except FileNotFoundError:  # closed meanwhile: the fork is closing what it inherited
+                    pass
+            return fds
 
         try:
             wait_for(lambda: os.getsid(wd_pid) == wd_pid and sorted(open_fds()) == [0, 1, 2], 10,
