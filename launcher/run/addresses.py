@@ -356,11 +356,12 @@ class SchedulerWatch:
     """
 
     def __init__(self, pid: int, host: str, port: int, interval: float = 0.01,
-                 max_interval: float = 0.16, on_verdict: Optional[Callable[[], None]] = None) -> None:
+                 max_interval: float = 0.16, on_verdict: Optional[Callable[[str], None]] = None) -> None:
         self.pid, self.host, self.port = pid, host, port
         self.interval, self.max_interval = interval, max(interval, max_interval)
-        self.on_verdict = on_verdict  # called from the watch's thread when it reaches a verdict
+        self.on_verdict = on_verdict  # called once with the verdict, from whichever thread reached it
         self.verdict: Optional[str] = None
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pslaunch-port-watch", daemon=True)
 
@@ -376,12 +377,7 @@ class SchedulerWatch:
     def _run(self) -> None:
         interval = self.interval
         while not self._stop.is_set():
-            verdict = self.check()
-            if verdict is not None:
-                if self.verdict is None:
-                    self.verdict = verdict
-                    if self.on_verdict is not None:
-                        self.on_verdict()
+            if self._reach(self.check()):
                 return
             self._stop.wait(interval)
             interval = min(interval * 2, self.max_interval)
@@ -390,11 +386,22 @@ class SchedulerWatch:
         """Look now, in the caller's thread (the scheduler has just ended: its verdict is due);
         the verdict, which ends the watch."""
         if self.verdict is None:
-            verdict = self.check()
-            if verdict is not None and self.verdict is None:
-                self.verdict = verdict
-                self._stop.set()
+            self._reach(self.check())
         return self.verdict
+
+    def _reach(self, verdict: Optional[str]) -> bool:
+        """Record ``verdict`` (the first one stands), end the watch and tell ``on_verdict``; True
+        when there is a verdict."""
+        if verdict is None:
+            return False
+        with self._lock:
+            first = self.verdict is None
+            if first:
+                self.verdict = verdict
+        self._stop.set()
+        if first and self.on_verdict is not None:
+            self.on_verdict(verdict)
+        return True
 
     def check(self) -> Optional[str]:
         """One look: the verdict, or None while the scheduler runs and nobody listens yet."""

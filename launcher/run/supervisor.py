@@ -226,11 +226,10 @@ class Supervisor:
             return "failure", (self.scheduler.exit_code if self.scheduler else None) or 1
         return outcome
 
-    def _on_verdict(self) -> None:
-        """The port watch's verdict (from its thread): the held output is shown at once, unless
-        the port was lost (the attempt's end drops it)."""
-        watch = self._watch
-        if watch is not None and watch.verdict != "lost":
+    def _on_verdict(self, verdict: str) -> None:
+        """The port's verdict (from the watch's thread, or this one): the held output is shown at
+        once, unless the port was lost (the attempt's end drops it)."""
+        if verdict != "lost":
             self.console.release()
         self._wake.set()
 
@@ -354,7 +353,6 @@ class Supervisor:
                     return PORT_LOST, 0
                 if verdict is not None:
                     starting = False
-                    self.console.release()  # (a verdict judged here, in this thread, has not yet)
                     self._timing(f"scheduler {'listening' if verdict == 'up' else 'ended'}")
                 elif not failed and self.clock.monotonic() > listen_by:
                     assert self.plan is not None

@@ -138,10 +138,13 @@ def test_judge_now_blames_the_rival_that_holds_the_port_when_the_scheduler_died(
     port = rival.getsockname()[1]
     sched = _exited(1)
     try:
-        watch = SchedulerWatch(sched.pid, "127.0.0.1", port, interval=3600)  # the thread never looks
+        told: list[str] = []
+        watch = SchedulerWatch(sched.pid, "127.0.0.1", port, interval=3600,  # the thread never looks
+                               on_verdict=told.append)
         assert watch.judge_now() == "lost" and watch.verdict == "lost"
         rival.close()
         assert watch.judge_now() == "lost"  # a verdict stands
+        assert told == ["lost"]  # told once, whichever thread reached it
         assert SchedulerWatch(sched.pid, "127.0.0.1", port, interval=3600).judge_now() == "died"
     finally:
         rival.close()
