@@ -207,9 +207,9 @@ class Supervisor:
                 if lost:
                     self.console.discard()  # before the stop: what the attempt prints while it ends, too
                 else:
+                    self.signals.raise_now = False  # first: a --timeout alarm due now must not
+                    self.signals.alarm(0)           # interrupt this clean-up
                     self.console.release()
-                    self.signals.raise_now = False
-                    self.signals.alarm(0)
                 try:
                     self._shutdown(dump=outcome is not None and outcome[0] == "timeout", quiet=lost)
                 finally:
