@@ -1,0 +1,223 @@
+"""The builtin ps-lite scheduler against real libzmq sockets (pyzmq) that play ps-lite's nodes
+byte for byte as ``ZMQVan`` does: a ROUTER bound per node, a DEALER to the scheduler whose
+identity is ``ps<id>`` once the node has one. Real MXNet runs are in test_mxnet.py."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+
+import pytest
+
+from launcher import node
+from launcher.node.pslite import (
+    ADD_NODE,
+    BARRIER,
+    EMPTY,
+    HEARTBEAT,
+    SCHEDULER,
+    SERVER,
+    WORKER,
+    Meta,
+    Node,
+)
+
+zmq = pytest.importorskip("zmq")
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(servers: int, workers: int, **extra: str) -> tuple[subprocess.Popen, int]:
+    port = _free_port()
+    env = dict(os.environ, DMLC_ROLE="scheduler", DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port),
+               DMLC_NUM_SERVER=str(servers), DMLC_NUM_WORKER=str(workers), **extra)
+    proc = subprocess.Popen(node.command("pslite"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, port
+        except OSError:
+            time.sleep(0.02)
+    proc.kill()
+    raise AssertionError("the builtin scheduler did not listen: " + proc.communicate()[1])
+
+
+class FakeNode:
+    """A ps-lite node as ZMQVan makes one (real libzmq)."""
+
+    def __init__(self, ctx, role: int, port: int) -> None:
+        self.ctx, self.role, self.sched_port, self.id = ctx, role, port, EMPTY
+        self.router = ctx.socket(zmq.ROUTER)
+        self.port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.dealer = self._dealer(None)
+
+    def _dealer(self, identity: bytes | None):
+        d = self.ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        if identity is not None:
+            d.setsockopt(zmq.IDENTITY, identity)
+        d.connect(f"tcp://127.0.0.1:{self.sched_port}")
+        return d
+
+    def register(self) -> None:
+        self.dealer.send(Meta(ADD_NODE, [Node(self.role, EMPTY, "127.0.0.1", self.port)], timestamp=0).encode())
+
+    def recv(self, timeout: float = 10.0) -> tuple[bytes, Meta]:
+        assert self.router.poll(int(timeout * 1000)), f"node {self.id}: nothing from the scheduler in {timeout} s"
+        frames = self.router.recv_multipart()
+        assert len(frames) == 2, frames
+        return frames[0], Meta.decode(frames[1])
+
+    def nothing_pending(self) -> bool:
+        return not self.router.poll(300)
+
+    def take_id(self, meta: Meta) -> None:
+        (me,) = [n for n in meta.nodes if n.port == self.port]
+        self.id = me.id
+        self.dealer.close()
+        self.dealer = self._dealer(b"ps%d" % self.id)  # ZMQVan::Connect once the node has its id
+
+    def barrier(self, group: int, customer_id: int = 0) -> None:
+        self.dealer.send(Meta(BARRIER, request=True, app_id=0, customer_id=customer_id, barrier_group=group,
+                              timestamp=1).encode())
+
+    def close(self) -> None:
+        self.dealer.close()
+        self.router.close(linger=0)
+
+
+def _ended(proc: subprocess.Popen, within: float = 10.0) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=within)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("the builtin scheduler did not end: " + proc.communicate()[1]) from None
+    return proc.returncode, err
+
+
+def test_registration_barriers_heartbeat_and_exit() -> None:
+    proc, port = _start(2, 2, PS_VERBOSE="1")
+    ctx = zmq.Context()
+    nodes = [FakeNode(ctx, role, port) for role in (WORKER, SERVER, WORKER, SERVER)]
+    try:
+        for n in nodes[:3]:
+            n.register()
+        assert all(n.nothing_pending() for n in nodes)  # nobody hears anything until all registered
+        nodes[3].register()
+        replies = [n.recv() for n in nodes]
+        for n, (identity, meta) in zip(nodes, replies):
+            assert identity == b"ps1" and meta.cmd == ADD_NODE and not meta.request
+            assert [x.role for x in meta.nodes].count(SCHEDULER) == 1 and meta.nodes[-1].role == SCHEDULER
+            assert (meta.nodes[-1].id, meta.nodes[-1].port) == (1, port)
+            n.take_id(meta)
+        # one host: numbered by ascending port within each role
+        for role, first in ((SERVER, 8), (WORKER, 9)):
+            mine = sorted((n for n in nodes if n.role == role), key=lambda n: n.port)
+            assert [n.id for n in mine] == [first, first + 2]
+        # the start barrier: all four nodes and the scheduler itself
+        for n in nodes[:3]:
+            n.barrier(7)
+        assert all(n.nothing_pending() for n in nodes)
+        nodes[3].barrier(7, customer_id=5)
+        for n in nodes:
+            _, meta = n.recv()
+            assert (meta.cmd, meta.request, meta.app_id, meta.customer_id) == (BARRIER, False, 0, 5)
+        # a workers' barrier is answered to the workers only
+        workers = [n for n in nodes if n.role == WORKER]
+        for n in workers:
+            n.barrier(4)
+        for n in workers:
+            assert n.recv()[1].cmd == BARRIER
+        assert all(n.nothing_pending() for n in nodes if n.role == SERVER)
+        # a heartbeat is acknowledged with the scheduler's node
+        w = workers[0]
+        w.dealer.send(Meta(HEARTBEAT, [Node(WORKER, w.id, "127.0.0.1", w.port)], timestamp=9).encode())
+        _, ack = w.recv()
+        assert ack.cmd == HEARTBEAT and [(x.role, x.id) for x in ack.nodes] == [(SCHEDULER, 1)]
+        # the finalize barrier: answered, then the scheduler is done
+        for n in nodes:
+            n.barrier(7)
+        for n in nodes:
+            assert n.recv()[1].cmd == BARRIER
+        code, err = _ended(proc)
+        assert code == 0, err
+        assert "the scheduler is connected to 2 workers and 2 servers" in err and "assign rank=8" in err
+        assert "warning" not in err
+    finally:
+        for n in nodes:
+            n.close()
+        ctx.term()
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_garbage_and_surplus_nodes_are_warned_about_and_the_job_goes_on() -> None:
+    proc, port = _start(1, 1)
+    ctx = zmq.Context()
+    nodes = [FakeNode(ctx, role, port) for role in (SERVER, WORKER)]
+    extra = FakeNode(ctx, WORKER, port)
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as web:
+            web.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            web.settimeout(10)
+            while web.recv(4096):  # the scheduler sends its greeting, then hangs up
+                pass
+        # two workers for the one place: the first to register takes it, the other is warned
+        # about and hears nothing; then a server after the job is complete
+        nodes[1].register()
+        extra.register()
+        assert nodes[1].nothing_pending() and extra.nothing_pending()
+        nodes[0].register()
+        nodes[0].take_id(nodes[0].recv()[1])
+        (taken,) = [n for n in (nodes[1], extra) if not n.nothing_pending()]
+        surplus = extra if taken is nodes[1] else nodes[1]
+        taken.take_id(taken.recv()[1])
+        got = [nodes[0], taken]
+        late = FakeNode(ctx, SERVER, port)
+        late.register()
+        assert surplus.nothing_pending() and late.nothing_pending()
+        late.close()
+        for _ in range(2):
+            for n in got:
+                n.barrier(7)
+            for n in got:
+                assert n.recv()[1].cmd == BARRIER
+        code, err = _ended(proc)
+        assert code == 0, err
+        lines = [x for x in err.splitlines() if x.strip()]
+        assert any(x.startswith("pslaunch scheduler: warning: dropped the connection from 127.0.0.1:")
+                   and "not a ZeroMQ peer" in x for x in lines), err
+        assert f"pslaunch scheduler: warning: ignored a worker at 127.0.0.1:{surplus.port}: this job has 1 workers " \
+               "(DMLC_NUM_WORKER)" in lines, err
+        assert f"pslaunch scheduler: warning: ignored a server at 127.0.0.1:{late.port}: all 2 servers and workers " \
+               "of this job have registered (DMLC_NUM_SERVER, DMLC_NUM_WORKER)" in lines, err
+        assert len(lines) == 3, err
+        assert "Traceback" not in err
+    finally:
+        for n in (*nodes, extra):
+            n.close()
+        ctx.term()
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_taken_port_is_one_line() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = dict(os.environ, DMLC_ROLE="scheduler", DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port),
+                   DMLC_NUM_SERVER="1", DMLC_NUM_WORKER="1")
+        r = subprocess.run(node.command("pslite"), env=env, capture_output=True, text=True, timeout=20)
+    assert r.returncode == 1
+    assert r.stderr == f"pslaunch scheduler: error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
