@@ -67,6 +67,7 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
         start_timeout=kw.get("start_timeout", 60.0), kill_grace=kw.get("kill_grace", 10.0),
         timeout=kw.get("timeout"), workdir=os.getcwd(), p3=bool(kw.get("p3")), progress=not kw.get("no_progress"),
         options=backend.make_options(kw), tracker=tracker, tracker_python=kw.get("tracker_python"),
+        scheduler=kw.get("scheduler") or "command",
     )
     backend.check_spec(spec)
     return spec

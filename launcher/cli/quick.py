@@ -15,6 +15,7 @@ from __future__ import annotations
 import pscontract as pc
 
 from .. import backends, logs
+from ..spec.job import SCHEDULERS
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
@@ -27,6 +28,7 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], Any, Any], ...] = (
     ("num_servers", ("-s", "--num-servers"), "int", None),
     ("tracker", ("--tracker",), pc.TRACKERS, None),
     ("tracker_python", ("--tracker-python",), "str", None),
+    ("scheduler", ("--scheduler",), SCHEDULERS, "command"),
     ("hostfile", ("-H", "--hostfile", "--host-file"), "str", None),
     ("launcher", ("--launcher", "--cluster"), "launcher", None),
     ("sync_dst_dir", ("--sync-dst-dir",), "str", None),

@@ -10,6 +10,7 @@ The programs here run beside the user's command, on the node that runs it:
 * both run the command through :mod:`.agent`, which reports to the launcher over an
   authenticated TCP channel (:mod:`.wire`);
 * :mod:`.watchdog` is the dead-man switch, on the launching host and on the nodes;
+* :mod:`.pslite` is the builtin ps-lite scheduler (``--scheduler builtin``), on the launching host;
 * :mod:`.procgroup` holds the process-group helpers all of them share with the launcher.
 
 Rules (``tests/unit/test_architecture.py`` enforces the first): these modules import only the
@@ -26,7 +27,7 @@ import sys
 #: The directory that holds the ``launcher`` and ``pscontract`` packages of this installation.
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: The node programs that can be started with :func:`command` (module names in this package).
-PROGRAMS = ("watchdog", "mpirank", "task")
+PROGRAMS = ("watchdog", "mpirank", "task", "pslite")
 #: Node programs that need the site packages (the rank wrapper may import mpi4py).
 _SITE = ("mpirank",)
 #: What a bundle holds besides the node package: the contract, and the packages' ``__init__``.

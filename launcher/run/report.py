@@ -173,7 +173,11 @@ def format_dry_run(spec: JobSpec, plan: Plan, extra: Sequence[str] = (), inherit
     for r in rows:
         out.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     out.append("")
-    out.append("command (every role): " + shlex.join(spec.command))
+    if plan.scheduler is not None and plan.scheduler.argv != spec.command:
+        out.append("command (servers and workers): " + shlex.join(spec.command))
+        out.append("scheduler: pslaunch's builtin ps-lite scheduler (--scheduler builtin)")
+    else:
+        out.append("command (every role): " + shlex.join(spec.command))
     if spec.workdir:
         out.append(f"working directory: {spec.workdir}")
     envs = [jobenv.redact(p.env) for p in plan.all]

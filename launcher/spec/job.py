@@ -25,6 +25,8 @@ if TYPE_CHECKING:  # pragma: no cover
 MAX_PROCESSES = 20_000
 #: cores per process (--worker-cores, --server-cores)
 MAX_CORES = 4096
+#: what may run as a ps job's scheduler (``--scheduler``): the command itself, or pslaunch's own
+SCHEDULERS = ("command", "builtin")
 
 
 class Role(str):
@@ -143,6 +145,10 @@ class JobSpec:
     tracker: Optional[str] = None
     #: the Python that runs the xgboost or torch tracker (None: see ``launcher.trackers``)
     tracker_python: Optional[str] = None
+    #: what runs as a ps job's scheduler (:data:`SCHEDULERS`): ``command``, the job's own command
+    #: with ``DMLC_ROLE=scheduler``, as launch.py does; ``builtin``, pslaunch's ps-lite scheduler
+    #: (:mod:`launcher.node.pslite`), which spares a ps-lite program one start-up of itself
+    scheduler: str = "command"
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -197,6 +203,21 @@ class JobSpec:
         if self.tracker_python is not None and self.tracker not in ("xgboost", "torch"):
             raise ConfigError(f"--tracker-python is the Python of --tracker xgboost or torch; --tracker "
                               f"{self.tracker} runs none (drop --tracker-python)")
+        if self.scheduler not in SCHEDULERS:
+            raise ConfigError(f"--scheduler {_short(self.scheduler)}: choose one of {', '.join(SCHEDULERS)}")
+        if self.scheduler == "builtin":
+            if self.tracker != "ps":
+                raise ConfigError(f"--scheduler builtin is a ps-lite scheduler; --tracker {self.tracker} runs "
+                                  "none (drop --scheduler)")
+            cli_env = dict(self.env)
+            van = (cli_env.get(pc.PS_VAN_TYPE) or self.environ_dict().get(pc.PS_VAN_TYPE) or "zmq").strip()
+            if van not in ("zmq", "p3"):
+                raise ConfigError(f"{pc.PS_VAN_TYPE}={_short(van)}: --scheduler builtin speaks ps-lite's zmq "
+                                  "van only; use --scheduler command")
+            local = (cli_env.get("DMLC_LOCAL") or self.environ_dict().get("DMLC_LOCAL") or "0").strip()
+            if local not in ("", "0"):
+                raise ConfigError(f"DMLC_LOCAL={_short(local)} (ipc sockets): --scheduler builtin speaks TCP "
+                                  "only; unset DMLC_LOCAL or use --scheduler command")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"--log-level {self.log_level}: choose DEBUG, INFO, WARNING or ERROR")
 

@@ -18,6 +18,7 @@ import collections
 import pscontract as pc
 from pscontract.records import field, record
 
+from .. import node
 from ..errors import ConfigError
 from . import env as jobenv
 from .job import Host, JobSpec, Role
@@ -206,7 +207,8 @@ def build_plan(
     scheduler = None
     if spec.has_scheduler:
         contract = pc.contract("scheduler", **common)
-        scheduler = ProcSpec(Role.SCHEDULER, 0, None, None, spec.command, env_for(contract, {}, scheduler_inherits))
+        command = tuple(node.command("pslite")) if spec.scheduler == "builtin" else spec.command
+        scheduler = ProcSpec(Role.SCHEDULER, 0, None, None, command, env_for(contract, {}, scheduler_inherits))
     return Plan(spec=spec, root_uri=root_uri, root_port=root_port, job_id=job_id, scheduler=scheduler,
                 procs=tuple(procs), overridden=tuple(sorted(overridden)))
 

@@ -193,6 +193,15 @@ def test_dry_run_table_and_redaction(capsys, monkeypatch) -> None:
     assert "PS_VERBOSE=1" in out
 
 
+def test_dry_run_of_the_builtin_scheduler(capsys) -> None:
+    assert spec_of(["-n", "2", "true"]).scheduler == "command"
+    assert spec_of(["-n", "2", "--scheduler", "builtin", "--p3", "true"]).scheduler == "builtin"
+    assert cli.main(["-n", "2", "--scheduler", "builtin", "--dry-run", "python", "t.py"]) == 0
+    out = capsys.readouterr().out
+    assert "command (servers and workers): python t.py" in out
+    assert "scheduler: pslaunch's builtin ps-lite scheduler (--scheduler builtin)" in out
+
+
 def test_an_unknown_backend_is_one_line_naming_the_available_ones() -> None:
     with pytest.raises(BackendUnavailableError, match="unknown launcher 'nope': choose one of local, mpi, "):
         backends.get("nope")
@@ -383,6 +392,19 @@ def test_tracker_defaults_and_servers() -> None:
     (["-n", "2", "-s", "0", "--tracker-python", "python3", "true"], "--tracker-python is the Python of"),
 ])
 def test_tracker_errors_are_one_line(args, message, capsys) -> None:
+    code, err = run_err(args, capsys)
+    assert code == 2 and "\n" not in err and err.startswith("pslaunch: error: ") and message in err, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-n", "2", "-s", "0", "--scheduler", "builtin", "true"], "--scheduler builtin is a ps-lite scheduler; "
+                                                              "--tracker rabit runs none"),
+    (["-n", "2", "--scheduler", "builtin", "--env", "DMLC_PS_VAN_TYPE=ibverbs", "true"],
+     "DMLC_PS_VAN_TYPE=ibverbs: --scheduler builtin speaks ps-lite's zmq van only; use --scheduler command"),
+    (["-n", "2", "--scheduler", "builtin", "--env", "DMLC_LOCAL=1", "true"], "DMLC_LOCAL=1 (ipc sockets)"),
+    (["-n", "2", "--scheduler", "mxnet", "true"], "Invalid value for '--scheduler'"),
+])
+def test_scheduler_errors_are_one_line(args, message, capsys) -> None:
     code, err = run_err(args, capsys)
     assert code == 2 and "\n" not in err and err.startswith("pslaunch: error: ") and message in err, err
 

@@ -181,6 +181,18 @@ def test_tracker_rules(kw, message) -> None:
         spec(**kw)
 
 
+def test_the_builtin_scheduler_replaces_only_the_schedulers_command() -> None:
+    s = spec(scheduler="builtin")
+    plan = build_plan(s, root_uri="10.0.0.1", root_port=9091, secret="x" * 64, job_id="j", inherit_environ=False)
+    assert plan.scheduler is not None
+    assert plan.scheduler.argv[1:3] == ("-S", "-c") and "launcher.node.pslite" in plan.scheduler.argv[3]
+    assert all(p.argv == ("python", "t.py") for p in plan.procs)
+    default = build_plan(spec(), root_uri="10.0.0.1", root_port=9091, secret="x" * 64, job_id="j",
+                         inherit_environ=False)
+    assert default.scheduler is not None and default.scheduler.argv == ("python", "t.py")
+    assert default.scheduler.env == plan.scheduler.env  # the same contract either way
+
+
 def test_workers_are_numbered_host_by_host_in_a_collective_job() -> None:
     slots = by_host(place(5, 0, [A, B]))
     assert [(s.rank, s.task_id, s.host.name) for s in slots] == [(0, 0, "A"), (1, 1, "A"), (2, 2, "A"),
