@@ -620,10 +620,12 @@ def test_sync_failure_on_one_host_stops_the_launch(testbed: Testbed, out: Path, 
 
 @pytest.mark.timeout(180)
 @pytest.mark.mxnet
-def test_mxnet_dist_sync_over_ssh(testbed: Testbed, mxnet: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("scheduler", ["command", "builtin"])
+def test_mxnet_dist_sync_over_ssh(testbed: Testbed, mxnet: str, tmp_path: Path, scheduler: str) -> None:
+    # (builtin: pslaunch's scheduler, here, registers nodes on three other hosts and connects to each)
     r = run_ssh(testbed, "-n", "2", "-s", "1", "-H", hostfile(testbed, tmp_path, 3), "--kill-grace", "1",
-                "--timeout", "150", "--env", "PS_VERBOSE=1", mxnet, str(REPO / "tests" / "bin" / "mxnet_dist_sync.py"),
-                timeout=170)
+                "--timeout", "150", "--env", "PS_VERBOSE=1", "--scheduler", scheduler,
+                mxnet, str(REPO / "tests" / "bin" / "mxnet_dist_sync.py"), timeout=170)
     assert r.returncode == 0, r.stdout + r.stderr
     pulled = [x for x in r.stdout.splitlines() if "pulled" in x]
     assert len(pulled) == 2, r.stdout
@@ -632,7 +634,8 @@ def test_mxnet_dist_sync_over_ssh(testbed: Testbed, mxnet: str, tmp_path: Path) 
         assert line.startswith((f"[worker 0 @ {h[1].addr_a}]", f"[worker 1 @ {h[2].addr_a}]")) and "expected 3.0" in line
     text = r.stdout + r.stderr
     for label in ("scheduler", f"server 0 @ {h[0].addr_a}", f"worker 0 @ {h[1].addr_a}", f"worker 1 @ {h[2].addr_a}"):
-        assert any(x.startswith(f"[{label}]") and "van.cc" in x for x in text.splitlines()), label
+        said = "assign rank=" if label == "scheduler" and scheduler == "builtin" else "van.cc"
+        assert any(x.startswith(f"[{label}]") and said in x for x in text.splitlines()), label
 
 
 @pytest.mark.timeout(180)
