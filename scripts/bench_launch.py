@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import secrets
 import shutil
 import signal
 import statistics
@@ -205,11 +206,19 @@ def _kill_leftovers(mark: str) -> None:
                 continue
 
 
+#: the launchers of the first-batch rows: pslaunch as is, pslaunch with its builtin ps-lite
+#: scheduler (MXNet's program only: our trainer's scheduler role is its own KVStore's), launch.py
+BUILTIN = "pslaunch --scheduler builtin"
+
+
 def bench_first_batch(a: argparse.Namespace, compare: bool) -> None:
-    """Enter to the first batch of ``-n 2 -s 1`` dist_sync: MXNet's example (or its stand-in) under
-    both launchers, and our trainer under pslaunch."""
+    """Enter to the first batch of ``-n 2 -s 1`` dist_sync: MXNet's example (or its stand-in) and
+    our trainer, each under pslaunch and under launch.py (our trainer's dist kvstore wants the job
+    secret, which launch.py passes on from its environment), and MXNet's also under pslaunch's
+    builtin scheduler."""
     example = os.environ.get("PSLAUNCH_MXNET_EXAMPLE")
     rows: dict[str, dict[str, list[float]]] = {}
+    programs: dict[str, tuple[str, list[str]]] = {}
     workdir = tempfile.mkdtemp(prefix="bench-first-batch-")
     try:
         if compare:
@@ -222,47 +231,48 @@ def bench_first_batch(a: argparse.Namespace, compare: bool) -> None:
             else:
                 mx_cwd, mx_prog = workdir, [os.path.join(REPO, "scripts", "bench_train_mxnet.py")]
                 mx_name = "MXNet (bench_train_mxnet.py)"
-            mx = [a.mxnet_python, *mx_prog, *TRAIN_ARGS]
-            rows[mx_name] = {"pslaunch": [], "launch.py": []}
-        ours = [sys.executable, os.path.join(REPO, "trainer", "train_mnist.py"), *TRAIN_ARGS]
-        rows["our trainer"] = {"pslaunch": []}
+            programs[mx_name] = (mx_cwd, [a.mxnet_python, *mx_prog, *TRAIN_ARGS])
+            rows[mx_name] = {"pslaunch": [], BUILTIN: [], "launch.py": []}
+        programs["our trainer"] = (REPO, [sys.executable, os.path.join(REPO, "trainer", "train_mnist.py"), *TRAIN_ARGS])
+        rows["our trainer"] = {"pslaunch": [], "launch.py": []} if compare else {"pslaunch": []}
         # One program at a time (a run of one leaves the next a different machine: caches, memory),
         # after an uncounted warm-up round (the first run of a fresh copy pays for cold caches:
         # twice the CPU in its workers); its launchers interleaved, each round in the other order.
         for name, sides in rows.items():
+            cwd, prog = programs[name]
             for i in range(-1, a.repeats):
                 for side in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
                     env = dict(os.environ, PYTHONPATH=REPO, BENCH_MARK=f"{os.getpid()}-{i}-{side}")
-                    if name == "our trainer":
-                        argv = [sys.executable, "-m", "launcher", "-n", "2", "-s", "1", *ours]
-                        cwd = REPO
-                    elif side == "pslaunch":
-                        argv = [sys.executable, "-m", "launcher", "-n", "2", "-s", "1", *mx]
-                        cwd = mx_cwd
+                    if side == "launch.py":
+                        env[pc.SECRET] = secrets.token_hex(32)  # (pslaunch makes its own per job)
+                        argv = _dmlc_argv(a.mxnet_python, "-n", "2", "-s", "1", "--launcher", "local", *prog)
                     else:
-                        argv = _dmlc_argv(a.mxnet_python, "-n", "2", "-s", "1", "--launcher", "local", *mx)
-                        cwd = mx_cwd
+                        builtin = ["--scheduler", "builtin"] if side == BUILTIN else []
+                        argv = [sys.executable, "-m", "launcher", *builtin, "-n", "2", "-s", "1", *prog]
                     took = first_batch(argv, cwd, env)
                     if i >= 0:
                         rows[name][side].append(took)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(f"\nEnter to the first training batch (-n 2 -s 1, dist_sync, mlp, the first Speedometer line of a "
-          f"worker), median of {a.repeats}; the launchers take turns, so each round's ratio compares two runs "
+          f"worker), median of {a.repeats}; the launchers take turns, so each round's ratio compares runs "
           "a few seconds apart (paired: the machine's slow spells hit both)")
-    print(f"{'program':<34} | {'pslaunch':>9} | {'launch.py':>9} | {'ratio':>6} | "
+    print(f"{'program':<30} | {'launcher':<28} | {'time':>7} | {'launch.py':>9} | {'ratio':>6} | "
           f"{'paired ratio, median (quartiles)':>32} | {'rounds ahead':>12}")
     for name, sides in rows.items():
-        ours_s = statistics.median(sides["pslaunch"])
-        line = f"{name:<34} | {ours_s:>8.2f}s |"
-        if "launch.py" in sides:
-            theirs = statistics.median(sides["launch.py"])
-            mid, lo, hi, ahead = paired_ratios(sides["pslaunch"], sides["launch.py"])
-            paired, rounds = f"{mid:.2f}x ({lo:.2f}-{hi:.2f})", f"{ahead} of {len(sides['pslaunch'])}"
-            line += f" {theirs:>8.2f}s | {theirs / ours_s:>5.2f}x | {paired:>32} | {rounds:>12}"
-        else:
-            line += f" {'-':>9} | {'-':>6} | {'-':>32} | {'-':>12}"
-        print(line, flush=True)
+        for side, times in sides.items():
+            if side == "launch.py":
+                continue
+            ours_s = statistics.median(times)
+            line = f"{name:<30} | {side:<28} | {ours_s:>6.2f}s |"
+            if "launch.py" in sides:
+                theirs = statistics.median(sides["launch.py"])
+                mid, lo, hi, ahead = paired_ratios(times, sides["launch.py"])
+                paired, rounds = f"{mid:.2f}x ({lo:.2f}-{hi:.2f})", f"{ahead} of {len(times)}"
+                line += f" {theirs:>8.2f}s | {theirs / ours_s:>5.2f}x | {paired:>32} | {rounds:>12}"
+            else:
+                line += f" {'-':>9} | {'-':>6} | {'-':>32} | {'-':>12}"
+            print(line, flush=True)
 
 
 def paired_ratios(ours: list[float], theirs: list[float]) -> tuple[float, float, float, int]:
