@@ -193,6 +193,13 @@ def test_dry_run_table_and_redaction(capsys, monkeypatch) -> None:
     assert "PS_VERBOSE=1" in out
 
 
+def test_yaml_scheduler_key(tmp_path) -> None:
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("num-workers: 2\nscheduler: builtin\ncommand: [python, t.py]\n")
+    assert spec_of(["--config", str(cfg)]).scheduler == "builtin"
+    assert spec_of(["--config", str(cfg), "--scheduler", "command"]).scheduler == "command"  # the command line wins
+
+
 def test_dry_run_of_the_builtin_scheduler(capsys) -> None:
     assert spec_of(["-n", "2", "true"]).scheduler == "command"
     assert spec_of(["-n", "2", "--scheduler", "builtin", "--p3", "true"]).scheduler == "builtin"
