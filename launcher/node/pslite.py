@@ -18,9 +18,10 @@ ps-lite's ZeroMQ van as MXNet 1.9 and ps-lite master build it:
 * the scheduler itself takes part in the two barriers of every node (``ps::Start`` and
   ``ps::Finalize``, group scheduler + servers + workers) and exits with 0 after the second.
 
-BytePS's fork of ps-lite sends raw C structs instead of protobuf, and ps-lite's other vans
-(``ibverbs``; ``DMLC_LOCAL``'s ipc) do not speak TCP ZMTP: those jobs keep ``--scheduler
-command`` (the default). Nothing here unpickles or executes anything from the network; a
+BytePS's fork of ps-lite sends raw C structs instead of protobuf, ps-lite's other vans
+(``ibverbs``; ``DMLC_LOCAL``'s ipc) do not speak TCP ZMTP, and ``PS_RESEND`` wants every message
+acknowledged: those jobs keep ``--scheduler command`` (the default), and both refuse them.
+Neither does it replace a node that died (ps-lite's recovery): pslaunch stops the job instead. Nothing here unpickles or executes anything from the network; a
 frame that does not parse ends the connection that sent it with a one-line warning.
 """
 
@@ -522,6 +523,8 @@ class Scheduler:
         if meta.cmd == ADD_NODE:
             self._add_node(meta)
         elif meta.cmd == BARRIER and meta.request:
+            if not 1 <= meta.barrier_group <= ALL_GROUPS:
+                raise WireError(f"a barrier of node group {meta.barrier_group} (ps-lite's groups are 1 to 7)")
             self._barrier(meta.barrier_group, meta.app_id, meta.customer_id)
         elif meta.cmd == HEARTBEAT:
             for node in meta.nodes:
@@ -617,6 +620,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if van not in ("zmq", "p3"):
         return _fail(f"DMLC_PS_VAN_TYPE={van}: the builtin scheduler speaks ps-lite's zmq van only; use "
                      "--scheduler command")
+    if env.get("PS_RESEND", "0").strip() not in ("", "0"):
+        return _fail(f"PS_RESEND={env['PS_RESEND']}: the builtin scheduler does not acknowledge messages, so "
+                     "ps-lite would send them again; unset it or use --scheduler command")
     if env.get("DMLC_LOCAL", "0").strip() not in ("", "0"):
         return _fail(f"DMLC_LOCAL={env['DMLC_LOCAL']} (ipc sockets): the builtin scheduler speaks TCP only; "
                      "unset it or use --scheduler command")

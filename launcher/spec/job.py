@@ -218,6 +218,10 @@ class JobSpec:
             if local not in ("", "0"):
                 raise ConfigError(f"DMLC_LOCAL={_short(local)} (ipc sockets): --scheduler builtin speaks TCP "
                                   "only; unset DMLC_LOCAL or use --scheduler command")
+            resend = (cli_env.get("PS_RESEND") or self.environ_dict().get("PS_RESEND") or "0").strip()
+            if resend not in ("", "0"):
+                raise ConfigError(f"PS_RESEND={_short(resend)}: --scheduler builtin does not acknowledge messages "
+                                  "(ps-lite would send them again); unset PS_RESEND or use --scheduler command")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"--log-level {self.log_level}: choose DEBUG, INFO, WARNING or ERROR")
 

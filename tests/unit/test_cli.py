@@ -409,6 +409,8 @@ def test_tracker_errors_are_one_line(args, message, capsys) -> None:
     (["-n", "2", "--scheduler", "builtin", "--env", "DMLC_PS_VAN_TYPE=ibverbs", "true"],
      "DMLC_PS_VAN_TYPE=ibverbs: --scheduler builtin speaks ps-lite's zmq van only; use --scheduler command"),
     (["-n", "2", "--scheduler", "builtin", "--env", "DMLC_LOCAL=1", "true"], "DMLC_LOCAL=1 (ipc sockets)"),
+    (["-n", "2", "--scheduler", "builtin", "--env", "PS_RESEND=1", "true"], "PS_RESEND=1: --scheduler builtin does "
+                                                                          "not acknowledge messages"),
     (["-n", "2", "--scheduler", "mxnet", "true"], "Invalid value for '--scheduler'"),
 ])
 def test_scheduler_errors_are_one_line(args, message, capsys) -> None:

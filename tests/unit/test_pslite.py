@@ -152,9 +152,10 @@ def test_main_refuses_what_it_cannot_serve(monkeypatch: pytest.MonkeyPatch, caps
             "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1"}
     for extra, why in (({"DMLC_PS_VAN_TYPE": "ibverbs"}, "DMLC_PS_VAN_TYPE=ibverbs: the builtin scheduler"),
                        ({"DMLC_LOCAL": "1"}, "DMLC_LOCAL=1 (ipc sockets)"),
+                       ({"PS_RESEND": "1"}, "PS_RESEND=1: the builtin scheduler does not acknowledge"),
                        ({"DMLC_ROLE": "worker"}, "the scheduler only"),
                        ({"DMLC_NUM_SERVER": "x"}, "not a number")):
-        for name in (*base, "DMLC_PS_VAN_TYPE", "DMLC_LOCAL"):
+        for name in (*base, "DMLC_PS_VAN_TYPE", "DMLC_LOCAL", "PS_RESEND"):
             monkeypatch.delenv(name, raising=False)
         for name, value in {**base, **extra}.items():
             monkeypatch.setenv(name, value)
