@@ -246,8 +246,9 @@ def test_mpi4py_fallback_initialises_and_finalises(mpirun, probe, tmp_path) -> N
 
 @pytest.mark.timeout(150)
 @pytest.mark.mxnet
-def test_mxnet_dist_sync_under_mpi(mpirun, mxnet: str) -> None:
-    r = run_pslaunch(*mpi_args(mpirun, "-n", "2", "-s", "1", "--timeout", "120",
+@pytest.mark.parametrize("scheduler", ["command", "builtin"])
+def test_mxnet_dist_sync_under_mpi(mpirun, mxnet: str, scheduler: str) -> None:
+    r = run_pslaunch(*mpi_args(mpirun, "-n", "2", "-s", "1", "--timeout", "120", "--scheduler", scheduler,
                                mxnet, str(BIN / "mxnet_dist_sync.py")), timeout=140)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [x for x in r.stdout.splitlines() if "pulled" in x]
