@@ -6,7 +6,7 @@ to run a loop that only registers nodes and counts barriers, on the cores the se
 workers need for their own imports. This module is that loop, speaking the protocol of dmlc
 ps-lite's ZeroMQ van as MXNet 1.9 and ps-lite master build it:
 
-* ZMTP 3.0 (ZeroMQ's wire protocol, NULL security) over TCP: the scheduler listens as a
+* ZMTP 3.1 (ZeroMQ's wire protocol, NULL security) over TCP: the scheduler listens as a
   ROUTER on ``DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT`` and reaches every node's ROUTER through a
   DEALER connection of its own, whose identity is ``ps1`` (ps-lite's scheduler id);
 * every message is a protobuf ``PBMeta`` frame (ps-lite ``src/meta.proto``), then data frames;
@@ -21,8 +21,9 @@ ps-lite's ZeroMQ van as MXNet 1.9 and ps-lite master build it:
 BytePS's fork of ps-lite sends raw C structs instead of protobuf, ps-lite's other vans
 (``ibverbs``; ``DMLC_LOCAL``'s ipc) do not speak TCP ZMTP, and ``PS_RESEND`` wants every message
 acknowledged: those jobs keep ``--scheduler command`` (the default), and both refuse them.
-Neither does it replace a node that died (ps-lite's recovery): pslaunch stops the job instead. Nothing here unpickles or executes anything from the network; a
-frame that does not parse ends the connection that sent it with a one-line warning.
+Neither does it replace a node that died (ps-lite's recovery): pslaunch stops the job instead.
+Nothing here unpickles or executes anything from the network; a frame that does not parse ends
+the connection that sent it with a one-line warning.
 """
 
 from __future__ import annotations
@@ -319,7 +320,7 @@ class Peer:
 
     def __init__(self, sock: socket.socket, name: str, outgoing: bool, hello: bytes = b"") -> None:
         self.sock, self.name, self.outgoing, self.hello = sock, name, outgoing, hello
-        self.buf = b""
+        self.buf = bytearray()  # (appended to and cut from the front: no copy of the whole per read)
         self.greeted = self.ready = False
         self.identity = b""
         self.frames: List[bytes] = []
@@ -340,7 +341,8 @@ class Peer:
                 raise WireError("not a ZeroMQ peer (no ZMTP signature)")
             if len(self.buf) < 64:
                 return done
-            greeting, self.buf = self.buf[:64], self.buf[64:]
+            greeting = bytes(self.buf[:64])
+            del self.buf[:64]
             if greeting[9] & 1 != 1 or greeting[10] < 3:
                 raise WireError("a ZeroMQ peer older than ZMTP 3.0 (libzmq < 4)")
             if greeting[12:32].rstrip(b"\0") != b"NULL":
@@ -362,7 +364,8 @@ class Peer:
                 raise WireError(f"a frame of {size} bytes (at most {MAX_FRAME} here)")
             if len(self.buf) < start + size:
                 return done
-            body, self.buf = self.buf[start:start + size], self.buf[start + size:]
+            body = bytes(self.buf[start:start + size])
+            del self.buf[:start + size]
             if flags & COMMAND:
                 self._command(body)
             else:
