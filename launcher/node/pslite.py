@@ -37,7 +37,7 @@ import time
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
-    from typing import Dict, Iterator, List, Optional, Tuple
+    from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 #: ps-lite's ``Meta::kEmpty`` / ``Node::kEmpty`` (``std::numeric_limits<int>::max()``)
 EMPTY = 2 ** 31 - 1
@@ -130,6 +130,20 @@ def _blob(number: int, data: bytes) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(data)) + data
 
 
+#: the int32 fields the scheduler reads, by field number (booleans become ``bool``)
+_NODE_INTS = {1: "role", 2: "id", 4: "port", 5: "is_recovery", 10: "customer_id"}
+_META_INTS = {4: "request", 7: "app_id", 8: "timestamp", 10: "customer_id"}
+_BOOLS = ("is_recovery", "request")
+
+
+def _read_int(obj: object, fields: Dict[int, str], number: int, value: int) -> None:
+    """Set the attribute of ``obj`` that varint field ``number`` holds, if it is one in ``fields``."""
+    attr = fields.get(number)
+    if attr is not None:
+        v = _int32(value)
+        setattr(obj, attr, bool(v) if attr in _BOOLS else v)
+
+
 class Node:
     """``PBNode``: a process of the job as ps-lite names it."""
 
@@ -153,18 +167,8 @@ class Node:
                     node.hostname = bytes(value).decode()  # type: ignore[arg-type]
                 except UnicodeDecodeError:
                     raise WireError("a node's hostname is not UTF-8") from None
-            elif wire == 0 and number in (1, 2, 4, 5, 10):
-                v = _int32(value)  # type: ignore[arg-type]
-                if number == 1:
-                    node.role = v
-                elif number == 2:
-                    node.id = v
-                elif number == 4:
-                    node.port = v
-                elif number == 5:
-                    node.is_recovery = bool(v)
-                else:
-                    node.customer_id = v
+            elif wire == 0:
+                _read_int(node, _NODE_INTS, number, value)  # type: ignore[arg-type]
         if node.role not in ROLE_NAMES:
             raise WireError("a node without a valid role")
         return node
@@ -182,24 +186,22 @@ class Meta:
     """``PBMeta`` with its ``PBControl``: what one message says (its data frames aside)."""
 
     __slots__ = ("head", "app_id", "timestamp", "request", "customer_id", "cmd", "nodes",
-                 "barrier_group", "msg_sig", "sender")
+                 "barrier_group", "sender")
 
     def __init__(self, cmd: int = CMD_EMPTY, nodes: Optional[List[Node]] = None, request: bool = False,
                  app_id: int = EMPTY, customer_id: int = EMPTY, timestamp: int = EMPTY,
                  barrier_group: int = 0) -> None:
         self.head, self.app_id, self.timestamp, self.request = EMPTY, app_id, timestamp, request
         self.customer_id, self.cmd, self.nodes = customer_id, cmd, list(nodes or ())
-        self.barrier_group, self.msg_sig, self.sender = barrier_group, 0, EMPTY
+        self.barrier_group, self.sender = barrier_group, EMPTY
 
     def encode(self) -> bytes:
-        """As ps-lite's ``Van::PackMeta`` serializes a control message."""
+        """As ps-lite's ``Van::PackMeta`` serializes a control message (of the kinds a scheduler sends)."""
         out = _int(1, self.head)
         if self.cmd != CMD_EMPTY:
             ctrl = _int(1, self.cmd) + b"".join(_blob(2, n.encode()) for n in self.nodes)
             if self.cmd == BARRIER:
                 ctrl += _int(3, self.barrier_group)
-            elif self.cmd == ACK:
-                ctrl += _int(4, self.msg_sig)
             out += _blob(3, ctrl)
         out += _int(4, int(self.request)) + _int(5, 0) + _int(6, 0)
         if self.app_id != EMPTY:
@@ -211,7 +213,7 @@ class Meta:
     @classmethod
     def decode(cls, buf: bytes) -> Meta:
         meta = cls()
-        meta.head = meta.customer_id = 0  # (proto2 defaults of fields a sender left out)
+        meta.customer_id = 0  # (proto2's default of a field a sender left out)
         for number, wire, value in _fields(buf):
             if number == 3 and wire == 2:
                 meta.cmd = -1
@@ -222,22 +224,10 @@ class Meta:
                         meta.nodes.append(Node.decode(v2))  # type: ignore[arg-type]
                     elif n2 == 3 and w2 == 0:
                         meta.barrier_group = _int32(v2)  # type: ignore[arg-type]
-                    elif n2 == 4 and w2 == 0:
-                        meta.msg_sig = v2  # type: ignore[assignment]
                 if meta.cmd < 0:
                     raise WireError("a control message without its command")
             elif wire == 0:
-                v = _int32(value)  # type: ignore[arg-type]
-                if number == 1:
-                    meta.head = v
-                elif number == 4:
-                    meta.request = bool(v)
-                elif number == 7:
-                    meta.app_id = v
-                elif number == 8:
-                    meta.timestamp = v
-                elif number == 10:
-                    meta.customer_id = v
+                _read_int(meta, _META_INTS, number, value)  # type: ignore[arg-type]
         return meta
 
 
@@ -286,10 +276,6 @@ def ready(socket_type: bytes, identity: Optional[bytes] = None) -> bytes:
     if identity is not None:
         props += b"\x08Identity" + struct.pack(">I", len(identity)) + identity
     return frame(b"\x05READY" + props, COMMAND)
-
-
-def message(frames: List[bytes]) -> bytes:
-    return b"".join(frame(f, MORE if i < len(frames) - 1 else 0) for i, f in enumerate(frames))
 
 
 def command_properties(body: bytes) -> Dict[str, bytes]:
@@ -407,11 +393,9 @@ def node_id(identity: bytes) -> int:
 class Scheduler:
     """ps-lite's scheduler van and postoffice, for one job."""
 
-    def __init__(self, host: str, port: int, num_servers: int, num_workers: int, verbose: int = 0,
-                 log=None) -> None:
+    def __init__(self, host: str, port: int, num_servers: int, num_workers: int, verbose: int = 0) -> None:
         self.host, self.port = host, port
         self.num_servers, self.num_workers, self.verbose = num_servers, num_workers, verbose
-        self.log = log or (lambda text: sys.stderr.write(text + "\n"))
         self.sel = selectors.DefaultSelector()
         self.listener: Optional[socket.socket] = None
         self.registered: List[Node] = []
@@ -502,11 +486,11 @@ class Scheduler:
             self._drop(peer)
 
     def _warn(self, text: str) -> None:
-        self.log("pslaunch scheduler: warning: " + text)
+        sys.stderr.write(f"pslaunch scheduler: warning: {text}\n")
 
     def _vlog(self, text: str) -> None:
         if self.verbose >= 1:
-            self.log(f"[{time.strftime('%H:%M:%S')}] {text}")
+            sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] {text}\n")
 
     def _send(self, recver: int, meta: Meta) -> None:
         peer = self.senders.get(recver)
@@ -609,26 +593,38 @@ class Scheduler:
                 self._barrier(ALL_GROUPS, 0, 0)  # straight on to ps::Finalize's barrier
 
 
+def refusal(env: Mapping[str, str], who: str = "the builtin scheduler") -> Optional[str]:
+    """Why the builtin scheduler cannot serve a job whose processes get ``env``, or None: the spec
+    (``who`` is then the option) and the program itself ask the same."""
+    def setting(name: str, default: str) -> str:
+        value = (env.get(name) or default).strip() or default
+        return value if len(value) <= 30 else value[:30] + "..."
+
+    van, local, resend = setting("DMLC_PS_VAN_TYPE", "zmq"), setting("DMLC_LOCAL", "0"), setting("PS_RESEND", "0")
+    if van not in ("zmq", "p3"):
+        return f"DMLC_PS_VAN_TYPE={van}: {who} speaks ps-lite's zmq van only; use --scheduler command"
+    if local != "0":
+        return (f"DMLC_LOCAL={local} (ipc sockets): {who} speaks TCP only; unset DMLC_LOCAL or use "
+                "--scheduler command")
+    if resend != "0":
+        return (f"PS_RESEND={resend}: {who} does not acknowledge messages (ps-lite would send them again); "
+                "unset PS_RESEND or use --scheduler command")
+    return None
+
+
 def _fail(text: str) -> int:
     sys.stderr.write(f"pslaunch scheduler: error: {text}\n")
     return 1
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main() -> int:
     """Serve the job that ``DMLC_*`` describes; its exit code."""
     env = os.environ
     if env.get("DMLC_ROLE", "scheduler") != "scheduler":
         return _fail(f"DMLC_ROLE is {env.get('DMLC_ROLE')!r}: this program is the scheduler only")
-    van = env.get("DMLC_PS_VAN_TYPE", "zmq") or "zmq"
-    if van not in ("zmq", "p3"):
-        return _fail(f"DMLC_PS_VAN_TYPE={van}: the builtin scheduler speaks ps-lite's zmq van only; use "
-                     "--scheduler command")
-    if env.get("PS_RESEND", "0").strip() not in ("", "0"):
-        return _fail(f"PS_RESEND={env['PS_RESEND']}: the builtin scheduler does not acknowledge messages, so "
-                     "ps-lite would send them again; unset it or use --scheduler command")
-    if env.get("DMLC_LOCAL", "0").strip() not in ("", "0"):
-        return _fail(f"DMLC_LOCAL={env['DMLC_LOCAL']} (ipc sockets): the builtin scheduler speaks TCP only; "
-                     "unset it or use --scheduler command")
+    why = refusal(env)
+    if why:
+        return _fail(why)
     try:
         host = env["DMLC_PS_ROOT_URI"]
         port = int(env["DMLC_PS_ROOT_PORT"])

@@ -209,19 +209,13 @@ class JobSpec:
             if self.tracker != "ps":
                 raise ConfigError(f"--scheduler builtin is a ps-lite scheduler; --tracker {self.tracker} runs "
                                   "none (drop --scheduler)")
-            cli_env = dict(self.env)
-            van = (cli_env.get(pc.PS_VAN_TYPE) or self.environ_dict().get(pc.PS_VAN_TYPE) or "zmq").strip()
-            if van not in ("zmq", "p3"):
-                raise ConfigError(f"{pc.PS_VAN_TYPE}={_short(van)}: --scheduler builtin speaks ps-lite's zmq "
-                                  "van only; use --scheduler command")
-            local = (cli_env.get("DMLC_LOCAL") or self.environ_dict().get("DMLC_LOCAL") or "0").strip()
-            if local not in ("", "0"):
-                raise ConfigError(f"DMLC_LOCAL={_short(local)} (ipc sockets): --scheduler builtin speaks TCP "
-                                  "only; unset DMLC_LOCAL or use --scheduler command")
-            resend = (cli_env.get("PS_RESEND") or self.environ_dict().get("PS_RESEND") or "0").strip()
-            if resend not in ("", "0"):
-                raise ConfigError(f"PS_RESEND={_short(resend)}: --scheduler builtin does not acknowledge messages "
-                                  "(ps-lite would send them again); unset PS_RESEND or use --scheduler command")
+            from ..node.pslite import (
+                refusal,  # (only for this option: its module is not a launch's cost)
+            )
+
+            why = refusal({**self.environ_dict(), **dict(self.env)}, who="--scheduler builtin")
+            if why:
+                raise ConfigError(why)
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"--log-level {self.log_level}: choose DEBUG, INFO, WARNING or ERROR")
 

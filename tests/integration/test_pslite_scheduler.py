@@ -96,6 +96,22 @@ class FakeNode:
         self.router.close(linger=0)
 
 
+def _pass_barrier(nodes: list[FakeNode], group: int) -> None:
+    """Every node of ``nodes`` asks for barrier ``group``, and each is answered."""
+    for n in nodes:
+        n.barrier(group)
+    for n in nodes:
+        assert n.recv()[1].cmd == BARRIER
+
+
+def _tear_down(proc: subprocess.Popen, ctx, nodes: list[FakeNode]) -> None:
+    for n in nodes:
+        n.close()
+    ctx.term()
+    if proc.poll() is None:
+        proc.kill()
+
+
 def _ended(proc: subprocess.Popen, within: float = 10.0) -> tuple[int, str]:
     try:
         _, err = proc.communicate(timeout=within)
@@ -134,10 +150,7 @@ def test_registration_barriers_heartbeat_and_exit() -> None:
             assert (meta.cmd, meta.request, meta.app_id, meta.customer_id) == (BARRIER, False, 0, 5)
         # a workers' barrier is answered to the workers only
         workers = [n for n in nodes if n.role == WORKER]
-        for n in workers:
-            n.barrier(4)
-        for n in workers:
-            assert n.recv()[1].cmd == BARRIER
+        _pass_barrier(workers, 4)
         assert all(n.nothing_pending() for n in nodes if n.role == SERVER)
         # a heartbeat is acknowledged with the scheduler's node
         w = workers[0]
@@ -145,20 +158,13 @@ def test_registration_barriers_heartbeat_and_exit() -> None:
         _, ack = w.recv()
         assert ack.cmd == HEARTBEAT and [(x.role, x.id) for x in ack.nodes] == [(SCHEDULER, 1)]
         # the finalize barrier: answered, then the scheduler is done
-        for n in nodes:
-            n.barrier(7)
-        for n in nodes:
-            assert n.recv()[1].cmd == BARRIER
+        _pass_barrier(nodes, 7)
         code, err = _ended(proc)
         assert code == 0, err
         assert "the scheduler is connected to 2 workers and 2 servers" in err and "assign rank=8" in err
         assert "warning" not in err
     finally:
-        for n in nodes:
-            n.close()
-        ctx.term()
-        if proc.poll() is None:
-            proc.kill()
+        _tear_down(proc, ctx, nodes)
 
 
 def test_garbage_and_surplus_nodes_are_warned_about_and_the_job_goes_on() -> None:
@@ -192,11 +198,8 @@ def test_garbage_and_surplus_nodes_are_warned_about_and_the_job_goes_on() -> Non
         rogue.barrier(9)
         time.sleep(0.3)
         rogue.close()
-        for _ in range(2):
-            for n in got:
-                n.barrier(7)
-            for n in got:
-                assert n.recv()[1].cmd == BARRIER
+        for _ in range(2):  # the start and finalize barriers
+            _pass_barrier(got, 7)
         code, err = _ended(proc)
         assert code == 0, err
         lines = [x for x in err.splitlines() if x.strip()]
@@ -211,11 +214,7 @@ def test_garbage_and_surplus_nodes_are_warned_about_and_the_job_goes_on() -> Non
         assert len(lines) == 4, err
         assert "Traceback" not in err
     finally:
-        for n in (*nodes, extra):
-            n.close()
-        ctx.term()
-        if proc.poll() is None:
-            proc.kill()
+        _tear_down(proc, ctx, [*nodes, extra])
 
 
 def test_a_taken_port_is_one_line() -> None:

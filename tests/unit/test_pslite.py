@@ -97,6 +97,11 @@ def test_node_ids_from_zmq_identities() -> None:
     assert pslite.node_id(b"ps") == EMPTY and pslite.node_id(b"ps9x") == EMPTY
 
 
+def _message(frames: list[bytes]) -> bytes:
+    """A message of ``frames`` as a ZMTP peer sends it (every frame but the last marked MORE)."""
+    return b"".join(pslite.frame(f, pslite.MORE if i < len(frames) - 1 else 0) for i, f in enumerate(frames))
+
+
 class _Sock:
     def __init__(self) -> None:
         self.sent = b""
@@ -111,8 +116,8 @@ def _peer() -> Peer:
 
 def test_frames_arrive_in_any_pieces() -> None:
     big = bytes(range(256)) * 3
-    stream = (GREETING + pslite.ready(b"DEALER", b"ps9") + pslite.message([b"meta", big])
-              + pslite.message([b"second"]))
+    stream = (GREETING + pslite.ready(b"DEALER", b"ps9") + _message([b"meta", big])
+              + _message([b"second"]))
     for step in (1, 7, 64, len(stream)):
         peer, got = _peer(), []
         for i in range(0, len(stream), step):
@@ -137,7 +142,7 @@ def test_ping_is_answered_with_pong() -> None:
     (b"GET / HTTP/1.1\r\n", "not a ZeroMQ peer"),
     (b"\xff" + b"\0" * 8 + b"\x7f\x02" + b"\0" * 53, "older than ZMTP 3.0"),
     (GREETING[:12] + b"CURVE".ljust(20, b"\0") + GREETING[32:], "mechanism 'CURVE'"),
-    (GREETING + pslite.message([b"x"]), "before the ZMTP handshake"),
+    (GREETING + _message([b"x"]), "before the ZMTP handshake"),
     (GREETING + pslite.ready(b"DEALER") + b"\x02" + (64 << 20).to_bytes(8, "big"), "a frame of 67108864 bytes"),
     (GREETING + pslite.frame(b"\x05ERROR\x04nope", pslite.COMMAND), "refused the connection: nope"),
     (GREETING + pslite.frame(b"\x05READY\x0bSocket-Type\x00\x00\x00\x09DEAL", pslite.COMMAND), "runs past"),
