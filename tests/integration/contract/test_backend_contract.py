@@ -13,6 +13,7 @@ in ``--launcher`` by passing all of them:
 * a program that is not executable is one line (exit 126), found here or on the nodes;
 * ``--timeout`` dumps every Python stack and exits 124;
 * a scheduler that fails stops the job before anything else starts;
+* a real ps-lite job (MXNet) passes under pslaunch's builtin scheduler (``--scheduler builtin``);
 * each tracker of a collective job (rabit, xgboost, torch): its variables per worker (torch's ranks
   host by host), a real worker that exits before joining fails the job fast with its code, and
   a program that never talks to the rabit tracker does not hang the job beyond ``--timeout``.
@@ -187,6 +188,22 @@ def test_scheduler_failure_stops_the_job(cluster: Cluster, tmp_path: Path) -> No
     assert procs["scheduler"]["exit_code"] == 5
     for name in ("server-0", "worker-0", "worker-1"):
         assert procs[name]["stopped_by_launcher"] and procs[name]["exit_code"] not in (None, 0), procs[name]
+    assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.mxnet
+def test_a_ps_lite_job_under_the_builtin_scheduler(cluster: Cluster, mxnet: str, tmp_path: Path) -> None:
+    # real MXNet servers and workers on the backend's nodes, pslaunch's own ps-lite scheduler here
+    summary = tmp_path / "summary.json"
+    r = cluster.run("-n", "2", "-s", "1", "--scheduler", "builtin", "--kill-grace", "1", "--timeout", "150",
+                    "--summary-json", str(summary), mxnet, str(BIN / "mxnet_dist_sync.py"), timeout=170)
+    assert r.returncode == 0, r.stdout + r.stderr
+    pulled = [x for x in r.stdout.splitlines() if "pulled" in x]
+    assert len(pulled) == 2 and all("expected 3.0" in x for x in pulled), r.stdout
+    procs = {p["name"]: p for p in json.loads(summary.read_text())["processes"]}
+    assert sorted(procs) == ["scheduler", "server-0", "worker-0", "worker-1"]
+    assert all(p["exit_code"] == 0 for p in procs.values()), procs
     assert_nothing_left(cluster)
 
 
