@@ -22,6 +22,8 @@ BytePS's fork of ps-lite sends raw C structs instead of protobuf, ps-lite's othe
 (``ibverbs``; ``DMLC_LOCAL``'s ipc) do not speak TCP ZMTP, and ``PS_RESEND`` wants every message
 acknowledged: those jobs keep ``--scheduler command`` (the default), and both refuse them.
 Neither does it replace a node that died (ps-lite's recovery): pslaunch stops the job instead.
+A node that registers at an address the scheduler cannot connect to ends the job with a one-line
+error, where ps-lite's scheduler retries for ever and the job hangs.
 Nothing here unpickles or executes anything from the network; a frame that does not parse ends
 the connection that sent it with a one-line warning.
 """
@@ -56,6 +58,10 @@ MAX_FRAME = 16 << 20
 
 class WireError(Exception):
     """Bytes from a peer that are not what ps-lite's ZeroMQ van sends."""
+
+
+class Unreachable(Exception):
+    """A node registered at an address that the scheduler cannot connect to: the job cannot start."""
 
 
 # --- protobuf (proto2) of ps-lite's meta.proto: only what the scheduler reads and writes ---------
@@ -563,14 +569,23 @@ class Scheduler:
         self._barrier(ALL_GROUPS, 0, 0)  # the scheduler's own ps::Start barrier
 
     def _connect(self, node: Node) -> None:
-        """A DEALER connection to the node's ROUTER, as ``ZMQVan::Connect`` makes one."""
+        """A DEALER connection to the node's ROUTER, as ``ZMQVan::Connect`` makes one. A node that
+        registered but cannot be reached ends the job (:class:`Unreachable`): ps-lite's scheduler
+        would retry for ever, and the job would hang waiting for that node's ADD_NODE."""
         try:
             sock = socket.create_connection((node.hostname, node.port), timeout=30.0)
+        except OSError as e:
+            raise Unreachable(
+                f"cannot reach {ROLE_NAMES[node.role]} {node.address}, the address it registered: "
+                f"{e.strerror or e}; the scheduler must reach every node there (check DMLC_INTERFACE or "
+                "DMLC_NODE_HOST and the firewall)") from None
+        try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(GREETING)
         except OSError as e:
-            self._warn(f"cannot connect to {ROLE_NAMES[node.role]} {node.address}: {e}")
-            return
+            sock.close()
+            raise Unreachable(f"lost {ROLE_NAMES[node.role]} {node.address} while connecting: {e.strerror or e}") \
+                from None
         peer = Peer(sock, node.address, outgoing=True, hello=ready(b"DEALER", b"ps" + str(SCHEDULER_ID).encode()))
         self.senders[node.id] = peer
         self.sel.register(sock, selectors.EVENT_READ, peer)
@@ -641,6 +656,9 @@ def main() -> int:
         return _fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
     try:
         return scheduler.run()
+    except Unreachable as e:
+        scheduler.close()
+        return _fail(str(e))
     except KeyboardInterrupt:
         return 130
 

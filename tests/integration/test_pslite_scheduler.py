@@ -217,6 +217,30 @@ def test_garbage_and_surplus_nodes_are_warned_about_and_the_job_goes_on() -> Non
         _tear_down(proc, ctx, [*nodes, extra])
 
 
+def test_a_node_the_scheduler_cannot_reach_ends_the_job_in_one_line() -> None:
+    """A worker registers an address where nothing listens (a wrong DMLC_NODE_HOST or interface):
+    ps-lite's scheduler would retry for ever; this one says so and exits 1, telling nobody to go on."""
+    proc, port = _start(1, 1)
+    ctx = zmq.Context()
+    server, worker = FakeNode(ctx, SERVER, port), FakeNode(ctx, WORKER, port)
+    try:
+        worker.router.close(linger=0)  # (its port now refuses connections)
+        worker.register()
+        server.register()
+        code, err = _ended(proc)
+        assert code == 1, err
+        assert err == (f"pslaunch scheduler: error: cannot reach worker 127.0.0.1:{worker.port}, the address it "
+                       "registered: Connection refused; the scheduler must reach every node there (check "
+                       "DMLC_INTERFACE or DMLC_NODE_HOST and the firewall)\n")
+        assert server.nothing_pending()
+    finally:
+        server.close()
+        worker.dealer.close()
+        ctx.term()
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_a_taken_port_is_one_line() -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
