@@ -8,7 +8,13 @@ every process is running, split into the backend's phases:
 * **prepare**: per host, the wrapper channel (sshd session, login shell,
   ``python3``, the node bundle), then through it the address lookup and
   ``--sync-dst-dir`` of a small project: to a fresh target (every file sent),
-  then again to the same target (nothing changed: nothing sent);
+  then again to the same target (nothing changed: nothing sent), and, for
+  comparison in the same run, without ``--sync-dst-dir`` at all;
+* **sync** (part of prepare): the slowest host's sync as the backend times it,
+  from its first request; that includes waiting for the wrapper to start, which
+  a job without a sync pays in spawn instead, so the sync's own cost is the
+  difference of the totals, printed under each group, and the files sent to all
+  hosts together;
 * **spawn**: every process handed to its host's waiting wrapper, started, and
   its pid reported back;
 * **first output**: until the first line of every process has arrived.
@@ -41,7 +47,7 @@ from launcher.transport.ssh import SSHOptions  # noqa: E402
 
 # Every process: this Python (the hosts share the file system) printing one line, then waiting.
 PROGRAM = (sys.executable, "-S", "-c", "import time; print('running', flush=True); time.sleep(60)")
-PHASES = ("connect", "prepare", "spawn", "first output", "total")
+PHASES = ("connect", "prepare", "sync", "spawn", "first output", "total")
 
 
 def _project(root: Path, files: int = 40) -> Path:
@@ -58,7 +64,7 @@ def one_launch(tb, hosts: int, per_host: int, src: Path, dst: str | None) -> dic
     """One launch (``dst``: the --sync-dst-dir, or None); returns seconds per phase."""
     lines = tuple(Host(h.addr_a, origin=f"bench:{h.index}") for h in tb.hosts[:hosts])
     spec = JobSpec(command=PROGRAM, num_workers=hosts * per_host, num_servers=0, launcher="ssh", hosts=lines,
-                   workdir=str(src), kill_grace=1.0, sync_dst_dir=dst,
+                   workdir=str(src) if dst else "/", kill_grace=1.0, sync_dst_dir=dst,  # (no sync: a directory every host has)
                    options=SSHOptions(connect_timeout=20.0))
     console = Console(stdout=io.BytesIO(), stderr=io.BytesIO(), color=False)  # type: ignore[arg-type]
     backend = SSHBackend(spec, console, None)
@@ -83,7 +89,9 @@ def one_launch(tb, hosts: int, per_host: int, src: Path, dst: str | None) -> dic
             time.sleep(0.01)
     finally:
         backend.close()
+    stats = backend.sync_stats.values()
     return {"connect": backend.timings["connect"], "prepare": t1 - t0 - backend.timings["connect"],
+            "sync": max((st.seconds for st in stats), default=0.0), "sent": sum(st.files for st in stats),
             "spawn": t2 - t1, "first output": t3 - t2, "total": t3 - t0}
 
 
@@ -125,23 +133,29 @@ def bench_ssh_main(host_counts: list[int], per_host: list[int], repeats: int, sy
               "and its pid reported)")
         print(f"baseline: one command ('true') on an open connection (sshd session + the user's login shell) "
               f"takes {shell_baseline(tb):.2f}s here; prepare includes one per host")
-        head = f"{'hosts':>5} {'per host':>8} {'procs':>5} {'sync':>9} | " + " ".join(f"{p:>12}" for p in PHASES)
+        head = (f"{'hosts':>5} {'per host':>8} {'procs':>5} {'sync':>9} | " + " ".join(f"{p:>12}" for p in PHASES)
+                + f" | {'files sent':>10}")
         print(head)
         print("-" * len(head))
         for h in host_counts:
             for p in per_host:
-                fresh, again = [], []
-                for _ in range(repeats):
-                    dst = f"{tb.sync_root}/bench-{time.monotonic_ns()}" if sync else None
-                    fresh.append(one_launch(tb, h, p, src, dst))
+                rows: dict[str, list[dict[str, float]]] = {"fresh": [], "unchanged": [], "off": []} if sync \
+                    else {"off": []}
+                for _ in range(repeats):  # interleaved, so a slow spell of the machine hits every row
                     if sync:
-                        again.append(one_launch(tb, h, p, src, dst))  # the same target: nothing changed
-                for what, runs in (("fresh" if sync else "off", fresh), ("unchanged", again)):
-                    if not runs:
-                        continue
-                    row = {k: statistics.median(r[k] for r in runs) for k in PHASES}
-                    print(f"{h:>5} {p:>8} {h * p:>5} {what:>9} | " + " ".join(f"{row[k]:>11.2f}s" for k in PHASES),
-                          flush=True)
+                        dst = f"{tb.sync_root}/bench-{time.monotonic_ns()}"
+                        rows["fresh"].append(one_launch(tb, h, p, src, dst))
+                        rows["unchanged"].append(one_launch(tb, h, p, src, dst))  # the same target: nothing changed
+                    rows["off"].append(one_launch(tb, h, p, src, None))
+                totals = {}
+                for what, runs in rows.items():
+                    row = {k: statistics.median(r[k] for r in runs) for k in (*PHASES, "sent")}
+                    totals[what] = row["total"]
+                    print(f"{h:>5} {p:>8} {h * p:>5} {what:>9} | " + " ".join(f"{row[k]:>11.2f}s" for k in PHASES)
+                          + f" | {row['sent']:>10.0f}", flush=True)
+                if sync:
+                    print(f"{'':>21} the sync's cost, total minus off: fresh {totals['fresh'] - totals['off']:+.2f}s, "
+                          f"unchanged {totals['unchanged'] - totals['off']:+.2f}s", flush=True)
     finally:
         if old_home is not None:
             os.environ["HOME"] = old_home
