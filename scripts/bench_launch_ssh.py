@@ -139,14 +139,14 @@ def bench_ssh_main(host_counts: list[int], per_host: list[int], repeats: int, sy
         print("-" * len(head))
         for h in host_counts:
             for p in per_host:
-                rows: dict[str, list[dict[str, float]]] = {"fresh": [], "unchanged": [], "off": []} if sync \
-                    else {"off": []}
+                rows: dict[str, list[dict[str, float]]] = {"fresh": [], "unchanged": [], "none": []} if sync \
+                    else {"none": []}
                 for _ in range(repeats):  # interleaved, so a slow spell of the machine hits every row
                     if sync:
                         dst = f"{tb.sync_root}/bench-{time.monotonic_ns()}"
                         rows["fresh"].append(one_launch(tb, h, p, src, dst))
                         rows["unchanged"].append(one_launch(tb, h, p, src, dst))  # the same target: nothing changed
-                    rows["off"].append(one_launch(tb, h, p, src, None))
+                    rows["none"].append(one_launch(tb, h, p, src, None))
                 totals = {}
                 for what, runs in rows.items():
                     row = {k: statistics.median(r[k] for r in runs) for k in (*PHASES, "sent")}
@@ -154,8 +154,8 @@ def bench_ssh_main(host_counts: list[int], per_host: list[int], repeats: int, sy
                     print(f"{h:>5} {p:>8} {h * p:>5} {what:>9} | " + " ".join(f"{row[k]:>11.2f}s" for k in PHASES)
                           + f" | {row['sent']:>10.0f}", flush=True)
                 if sync:
-                    print(f"{'':>21} the sync's cost, total minus off: fresh {totals['fresh'] - totals['off']:+.2f}s, "
-                          f"unchanged {totals['unchanged'] - totals['off']:+.2f}s", flush=True)
+                    print(f"{'':>21} the sync's cost, total minus none: fresh {totals['fresh'] - totals['none']:+.2f}s, "
+                          f"unchanged {totals['unchanged'] - totals['none']:+.2f}s", flush=True)
     finally:
         if old_home is not None:
             os.environ["HOME"] = old_home
