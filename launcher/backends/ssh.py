@@ -698,9 +698,12 @@ class SSHBackend(Backend):
             from ..transport.sync import size_text
 
             st = self.sync_stats[host.label]
-            log.info("synced %s to %s:%s: %d file%s, %s sent%s in %.2fs", self.tree.src, host.label, host.workdir,
+            # (without DMLC_INTERFACE the sync is the wrapper's first request, so its time includes
+            # the wrapper's start there: the login shell and python3)
+            log.info("synced %s to %s:%s: %d file%s, %s sent%s in %.2fs%s", self.tree.src, host.label, host.workdir,
                      st.files, "" if st.files == 1 else "s", size_text(st.bytes),
-                     f", {st.deleted} deleted" if st.deleted else "", st.seconds)
+                     f", {st.deleted} deleted" if st.deleted else "", st.seconds,
+                     "" if self.spec.interface else " (with the wrapper's start there)")
 
     def _adopt(self, session: HostSession) -> None:
         with self._lock:
