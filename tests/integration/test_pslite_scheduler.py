@@ -223,8 +223,14 @@ def test_a_node_the_scheduler_cannot_reach_ends_the_job_in_one_line() -> None:
     proc, port = _start(1, 1)
     ctx = zmq.Context()
     server, worker = FakeNode(ctx, SERVER, port), FakeNode(ctx, WORKER, port)
+    # The worker registers a port that is bound but not listening: it refuses connections, and no
+    # other process (the suite runs in parallel) can take it meanwhile. (Not the worker's own closed
+    # ROUTER: libzmq closes it in its I/O thread, and a connect in that window was accepted.)
+    refusing = socket.socket()
     try:
-        worker.router.close(linger=0)  # (its port now refuses connections)
+        refusing.bind(("127.0.0.1", 0))
+        worker.router.close(linger=0)
+        worker.port = refusing.getsockname()[1]
         worker.register()
         server.register()
         code, err = _ended(proc)
@@ -234,6 +240,7 @@ def test_a_node_the_scheduler_cannot_reach_ends_the_job_in_one_line() -> None:
                        "DMLC_INTERFACE or DMLC_NODE_HOST and the firewall)\n")
         assert server.nothing_pending()
     finally:
+        refusing.close()
         server.close()
         worker.dealer.close()
         ctx.term()
