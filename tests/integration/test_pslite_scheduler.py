@@ -241,11 +241,7 @@ def test_a_node_the_scheduler_cannot_reach_ends_the_job_in_one_line() -> None:
         assert server.nothing_pending()
     finally:
         refusing.close()
-        server.close()
-        worker.dealer.close()
-        ctx.term()
-        if proc.poll() is None:
-            proc.kill()
+        _tear_down(proc, ctx, [server, worker])
 
 
 def test_a_taken_port_is_one_line() -> None:
