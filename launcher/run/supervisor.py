@@ -200,15 +200,16 @@ class Supervisor:
                 outcome = ("timeout", EXIT_TIMEOUT) if e.signum == sig.SIGALRM else \
                     ("signal", self.signals.exit_code)
             finally:
+                lost = outcome is not None and outcome[0] == PORT_LOST and attempt < MAX_PORT_ATTEMPTS
+                if not lost:
+                    self.signals.raise_now = False  # first: a --timeout alarm due now must not
+                    self.signals.alarm(0)           # interrupt this clean-up (the port watch's stop included)
                 if self._watch is not None:
                     self._watch.stop()
                     self._watch = None
-                lost = outcome is not None and outcome[0] == PORT_LOST and attempt < MAX_PORT_ATTEMPTS
                 if lost:
                     self.console.discard()  # before the stop: what the attempt prints while it ends, too
                 else:
-                    self.signals.raise_now = False  # first: a --timeout alarm due now must not
-                    self.signals.alarm(0)           # interrupt this clean-up
                     self.console.release()
                 try:
                     self._shutdown(dump=outcome is not None and outcome[0] == "timeout", quiet=lost)
