@@ -389,7 +389,7 @@ def _logging_around_bar(enabled: bool) -> Iterator[None]:
         return
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    with logging_redirect_tqdm(loggers=[logging.getLogger()]):
+    with logging_redirect_tqdm(loggers=[logging.getLogger("trainer")]):
         yield
 
 

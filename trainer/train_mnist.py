@@ -243,12 +243,23 @@ def _formatter(rank: int | str) -> logging.Formatter:
     return logging.Formatter(f"%(asctime)s Node[{rank}] %(message)s")
 
 
+#: the logger above every logger of the trainer (``trainer.fit``, ``trainer.kv.client``, ...)
+LOGGER = "trainer"
+
+
 def _setup_logging() -> logging.Handler:
+    """MXNet's format and INFO for the trainer's own records, on stderr.
+
+    Only the ``trainer`` logger gets the handler: another library's records (matplotlib's
+    "generated new fontManager" the first time it runs on a machine, torch's) keep Python's
+    default, where an INFO record is not shown.
+    """
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_formatter("?"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
+    logger = logging.getLogger(LOGGER)
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
     return handler
 
 

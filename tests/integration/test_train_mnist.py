@@ -189,6 +189,17 @@ def test_user_mistakes_are_one_line(argv: list[str], text: str) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_first_run_of_matplotlib_on_a_machine_adds_no_line(tmp_path: Path) -> None:
+    """The first import on a machine (an empty matplotlib config and cache directory) logs
+    "generated new fontManager" at INFO: that record is matplotlib's, not the trainer's, and never
+    reaches the user (a fresh CI machine once saw it ahead of the one-line error)."""
+    mpl = tmp_path / "mpl"
+    proc = H.run_train("--plot", "p.txt", env=H.child_env(MPLCONFIGDIR=str(mpl)))
+    _one_line_error(proc, 2, "--plot p.txt: matplotlib cannot write .txt files")
+    assert any(mpl.glob("fontlist-*.json")), "matplotlib did not build its font list: the test saw no first run"
+
+
+@pytest.mark.timeout(60)
 def test_dist_store_outside_a_job_is_one_line() -> None:
     env = {k: v for k, v in H.child_env().items() if not k.startswith(("DMLC_", "PSLAUNCH_"))}
     _one_line_error(H.run_train("--kv-store", "dist_sync", env=env), 1, "kvstore: ", alone=False)

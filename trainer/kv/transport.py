@@ -128,7 +128,7 @@ def setup_logging(verbose: int, *, force: bool = False) -> None:
     kv_logger = logging.getLogger("trainer.kv")
     if verbose > 0:
         kv_logger.setLevel(logging.INFO)
-    if force or not (logging.getLogger().handlers or kv_logger.handlers):
+    if force or not kv_logger.hasHandlers():  # (the trainer's own handler, or the program's)
         if not any(getattr(h, "_pslaunch_kv", False) for h in kv_logger.handlers):
             handler = logging.StreamHandler(sys.stderr)
             handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S"))
