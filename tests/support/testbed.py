@@ -491,6 +491,19 @@ def _keys(tb: Testbed) -> None:
     tb.write_hostfile(tb.hostfile)
 
 
+def _kept_through_tmp() -> list[Path]:
+    """What the test hosts must see under ``/tmp``, where each has a private tmpfs: the checkout
+    and the targets of its ``.venv*`` links, where they lie under ``/tmp`` (outermost first, and
+    none inside another)."""
+    repo = Path(__file__).resolve().parents[2]  # (tests/support/testbed.py)
+    paths = [repo, *(link.resolve() for link in sorted(repo.glob(".venv*")) if link.is_symlink())]
+    kept: list[Path] = []
+    for path in sorted({p for p in paths if Path("/tmp") in p.parents}, key=lambda p: len(p.parts)):
+        if not any(k == path or k in path.parents for k in kept):
+            kept.append(path)
+    return kept
+
+
 def _start_sshd(tb: Testbed, h: TestHost) -> None:
     hostdir = tb.state / h.name
     cfg = hostdir / "sshd_config"
@@ -498,15 +511,15 @@ def _start_sshd(tb: Testbed, h: TestHost) -> None:
     cfg.write_text(_SSHD_CONFIG.format(hostkey=hostdir / "ssh_host_ed25519_key",
                                        authorized_keys=tb.authorized_keys) + extra)
     tmp_mount = "mount -t tmpfs -o mode=1777 tmpfs /tmp"
-    repo = Path(__file__).resolve().parents[2]  # (tests/support/testbed.py)
-    if Path("/tmp") in repo.parents:
-        # A checkout under /tmp (a CI clone, say) stays visible through the host's private /tmp:
-        # the job runs the checkout's venv in the checkout's directory on every host.
-        keep = hostdir / "repo"
+    q = shlex.quote
+    for i, path in enumerate(_kept_through_tmp()):
+        # A checkout under /tmp (a CI clone, say), or the test venvs its .venv-* links point to (a
+        # fresh HOME made with mktemp -d), stays visible through the host's private /tmp: the job
+        # runs the checkout's venvs in the checkout's directory on every host.
+        keep = hostdir / f"keep-{i}"
         keep.mkdir(exist_ok=True)
-        q = shlex.quote
-        tmp_mount = (f"mount --bind {q(str(repo))} {q(str(keep))} && {tmp_mount} && "
-                     f"mkdir -p {q(str(repo))} && mount --bind {q(str(keep))} {q(str(repo))}")
+        tmp_mount = (f"mount --bind {q(str(path))} {q(str(keep))} && {tmp_mount} && "
+                     f"mkdir -p {q(str(path))} && mount --bind {q(str(keep))} {q(str(path))}")
     script = (f"{tmp_mount} && mount -t tmpfs -o mode=0755 tmpfs {tb.sync_root} "
               f"&& exec {SSHD} -D -e -f {cfg}")
     log = open(hostdir / "sshd.log", "ab")
