@@ -29,7 +29,7 @@ import torch
 
 import pscontract as pc
 from trainer.kv.errors import KVConfigError
-from trainer.kvstore import Key, _group, _InProcessUpdates, _sum
+from trainer.kvbase import InProcessUpdates, by_key, sum_values
 
 TYPE = "dist_allreduce"
 _NEEDED = (pc.TORCH_RANK, pc.WORLD_SIZE, pc.MASTER_ADDR, pc.MASTER_PORT)
@@ -54,7 +54,7 @@ def worker_gpus(gpus: Sequence[int], environ: Mapping[str, str]) -> list[int]:
     return list(gpus[local * share:(local + 1) * share])
 
 
-class AllreduceStore(_InProcessUpdates):
+class AllreduceStore(InProcessUpdates):
     """``dist_allreduce`` (see the module docstring). Create it with ``kvstore.create``."""
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
@@ -71,7 +71,6 @@ class AllreduceStore(_InProcessUpdates):
         import torch.distributed as dist
 
         self._dist = dist
-        self._store: dict[Key, torch.Tensor] = {}
         self._started = False
 
     @property
@@ -114,7 +113,7 @@ class AllreduceStore(_InProcessUpdates):
     # -- the KVStore interface -------------------------------------------------------------------
 
     def init(self, key: Any, value: Any) -> None:
-        groups = _group(key, value, "value")
+        groups = by_key(key, value, "value")
         fresh = []
         for k, vals in groups:
             if k in self._store:
@@ -126,20 +125,14 @@ class AllreduceStore(_InProcessUpdates):
         self._allreduce([t for _, t in fresh], op="broadcast")  # rank 0's values win
         self._store.update(fresh)
 
-    def _stored(self, k: Key) -> torch.Tensor:
-        s = self._store.get(k)
-        if s is None:
-            raise KVConfigError(f"key {k!r} is not initialised: call kv.init({k!r}, value) first")
-        return s
-
     def push(self, key: Any, value: Any, priority: int = 0) -> None:
-        groups = _group(key, value, "value")
+        groups = by_key(key, value, "value")
         merged = []
         for k, vals in groups:
             stored = self._stored(k)
             if vals[0].shape != stored.shape:
                 raise KVConfigError(f"key {k!r} holds shape {tuple(stored.shape)}, got {tuple(vals[0].shape)}")
-            merged.append(_sum(vals, stored.device).to(stored.dtype))
+            merged.append(sum_values(vals, stored.device).to(stored.dtype))
         self._allreduce(merged)  # the sum over every worker's devices
         for (k, _), m in zip(groups, merged):
             if self._updater is not None:
@@ -148,7 +141,7 @@ class AllreduceStore(_InProcessUpdates):
                 self._store[k].copy_(m)
 
     def pull(self, key: Any, out: Any, priority: int = 0) -> None:
-        for k, outs in _group(key, out, "out"):
+        for k, outs in by_key(key, out, "out"):
             stored = self._stored(k)
             for o in outs:
                 if o.shape != stored.shape:

@@ -648,7 +648,7 @@ def _train_epoch(cfg: TrainConfig, kv: Any, replicas: Replicas, keys: list[int],
 
 def _empty_states(kv: Any) -> dict[str, Any]:
     """What a worker other than rank 0 passes to the collective ``set_optimizer_states``."""
-    from trainer.kvstore import STATES_FORMAT
+    from trainer.kvbase import STATES_FORMAT
 
     return {"format": STATES_FORMAT, "optimizer": None, "states": {}}
 

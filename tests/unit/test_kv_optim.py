@@ -16,7 +16,7 @@ from trainer.kv.optim import (
     Updater,
     create_optimizer,
 )
-from trainer.kvstore import TORCH_OPS
+from trainer.kvbase import TORCH_OPS
 
 
 def run(spec: dict, grads: list[np.ndarray], w0: np.ndarray) -> np.ndarray:
