@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import logging
+from typing import Iterator
+
 import pytest
 
 import pscontract as pc
 from trainer import train_mnist as M
+
+
+@pytest.fixture(autouse=True)
+def _trainer_logger_restored() -> Iterator[None]:
+    """main() configures the ``trainer`` logger (its own handler, no propagation): put it back, or
+    a later test's caplog, which listens at the root, hears nothing of the trainer."""
+    logger = logging.getLogger(M.LOGGER)
+    saved = logger.handlers[:], logger.level, logger.propagate
+    yield
+    logger.handlers[:], level, logger.propagate = saved
+    logger.setLevel(level)
 
 
 def test_mxnet_defaults() -> None:
