@@ -1,14 +1,10 @@
-"""The launcher's messages read the same written straight to stderr and through ``logging``, and a
-plain job's launcher imports neither ``logging`` nor click, dataclasses or typing."""
+"""The launcher's messages read the same written straight to stderr and through ``logging``."""
 
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 
 import pytest
-from support.helpers import REPO
 
 from launcher import logs
 
@@ -49,19 +45,6 @@ def test_an_unconfigured_launcher_logs_through_logging(caplog) -> None:
         logs.getLogger("launcher.x").warning("through %s", "logging")
     assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
         ("launcher.x", logging.WARNING, "through logging")]
-
-
-def test_a_plain_job_imports_none_of_what_it_does_not_need(tmp_path) -> None:
-    # (what the interpreter had before, the test suite's network guard among it, does not count)
-    code = ("import atexit, sys; before = set(sys.modules); "
-            "atexit.register(lambda: print(sorted(m for m in ('logging', 'click', 'dataclasses', 'typing', "
-            "'inspect', 'json', 're', 'enum', 'socket', 'signal', 'subprocess') "
-            "if m in sys.modules and m not in before), flush=True)); "
-            "from launcher.cli import main; sys.argv = ['pslaunch', '-n', '2', '-s', '1', 'true']; main()")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]", out.stdout
-    assert out.stderr.splitlines()[-1].startswith("pslaunch: all 4 processes exited 0 in ")
 
 
 def test_node_sig_is_signals_names_without_enum() -> None:
