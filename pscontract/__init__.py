@@ -18,8 +18,7 @@ backend (Grid Engine's, skein's, MPI's) live with the code that uses them.
 
 from __future__ import annotations
 
-from .records import field as _field
-from .records import record as _record
+from dataclasses import dataclass, field
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
@@ -228,7 +227,7 @@ def rabit_contract(*, tracker_uri: str, tracker_port: int, task_id: int, num_wor
     return env
 
 
-@_record
+@dataclass(frozen=True)
 class HostRank:
     """A worker's place in a torch job, numbered host by host as torchrun numbers it."""
 
@@ -432,7 +431,7 @@ def parse_port_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-@_record
+@dataclass(frozen=True)
 class ClusterEnv:
     """The contract as one process reads it. Built by :meth:`from_environ`."""
 
@@ -444,7 +443,7 @@ class ClusterEnv:
     task_id: int | None = None
     node_host: str | None = None
     interface: str | None = None
-    secret: str | None = _field(default=None, repr=False)  # never in a log or traceback
+    secret: str | None = field(default=None, repr=False)  # never in a log or traceback
     insecure: bool = False
     job_id: str | None = None
     cluster: str | None = None

@@ -24,8 +24,9 @@ builders of commands and job templates live in the backend's module, for golden 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pscontract as pc
-from pscontract.records import record
 
 from ..errors import ConfigError
 from ..node.watchdog import Client as Watchdog
@@ -39,7 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 
-@record
+@dataclass(frozen=True)
 class BackendOption:
     """One option of a backend, as the CLI and the YAML config know it.
 
@@ -65,7 +66,7 @@ class BackendOption:
         return self.flags[0].lstrip("-").replace("-", "_")
 
 
-@record
+@dataclass(frozen=True)
 class NoOptions:
     """The options of a backend that has none."""
 

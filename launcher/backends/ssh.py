@@ -47,7 +47,7 @@ import threading
 import time
 
 import pscontract as pc
-from pscontract import netif, records
+from pscontract import netif
 
 from .. import logs, node
 from ..errors import ConfigError, LauncherError, LaunchError
@@ -778,7 +778,7 @@ class SSHBackend(Backend):
                 host = self.by_line[p.host]
                 extra = pc.torch_sockets(p.env, host.interface)  # (a torch job: gloo and NCCL on that network)
                 if extra:
-                    p = records.replace(p, env={**p.env, **extra})
+                    p = dataclasses.replace(p, env={**p.env, **extra})
                 h = SSHProcess(p, self.console.proc(p.name, p.label, str(p.role)), host, i)
                 handles.append(h)
                 per_host.setdefault(id(host), (host, []))[1].append(h)

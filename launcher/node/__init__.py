@@ -31,7 +31,7 @@ PROGRAMS = ("watchdog", "mpirank", "task", "pslite")
 #: Node programs that need the site packages (the rank wrapper may import mpi4py).
 _SITE = ("mpirank",)
 #: What a bundle holds besides the node package: the contract, and the packages' ``__init__``.
-_BUNDLED = ("launcher/__init__.py", "pscontract/__init__.py", "pscontract/netif.py", "pscontract/records.py")
+_BUNDLED = ("launcher/__init__.py", "pscontract/__init__.py", "pscontract/netif.py")
 
 
 def path(name):

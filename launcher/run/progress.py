@@ -20,8 +20,7 @@ import os
 import re
 import sys
 import threading
-
-from pscontract.records import record
+from dataclasses import dataclass
 
 from ..runtime.handle import ProcessHandle
 from ..runtime.output import Console, is_terminal
@@ -41,7 +40,7 @@ _METRIC_RE = re.compile(r"([A-Za-z][\w-]*)=([0-9.eE+-]+)")
 _VALIDATION_RE = re.compile(r"Epoch\[(\d+)\]\s+Validation-([\w-]+)=([0-9.eE+-]+)")
 
 
-@record
+@dataclass(frozen=True)
 class Latest:
     """What worker 0 last reported."""
 

@@ -5,9 +5,9 @@ and the dry run's plan. Pure functions of data, except the two that write (log a
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from pscontract import NODE_HOST
-from pscontract.records import record
 
 from .. import logs
 from ..runtime.handle import ProcessHandle, ProcRecord, describe_exit
@@ -25,7 +25,7 @@ log = logs.getLogger(__name__)
 REASONS = ("success", "failure", "signal", "timeout")
 
 
-@record
+@dataclass(frozen=True)
 class JobResult:
     """The outcome: ``exit_code`` is what the launcher exits with; ``cause`` what a process of the
     job said stopped it (``{"process", "reason", "reported_by"}``), if one did."""
@@ -53,7 +53,7 @@ def redactor(plan: Optional[Plan]) -> jobenv.Redactor:
     return jobenv.Redactor(p.env[k] for p in plan.all for k in secret if k in p.env)
 
 
-@record
+@dataclass(frozen=True)
 class Cause:
     """Why the job stopped, as a process of the job said (``pslaunch-cause:``; see
     :func:`pscontract.cause_line`): the process at fault (None: none of the job's), the reason,

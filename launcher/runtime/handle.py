@@ -13,8 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-
-from pscontract.records import asdict, record
+from dataclasses import asdict, dataclass
 
 from ..node import sig
 from ..node.procgroup import group_alive
@@ -63,7 +62,7 @@ def describe_exit(code: int) -> str:
     return f"was killed by {sig} (exit code {code})" if sig else f"exited with code {code}"
 
 
-@record(frozen=False)
+@dataclass
 class ProcRecord:
     """What ``--summary-json`` says about one process."""
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import os
 import resource
-
-from pscontract.records import record
+from dataclasses import dataclass
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
@@ -23,7 +22,7 @@ RESERVED_FDS = 64
 FDS_PER_PROCESS = 2
 
 
-@record
+@dataclass(frozen=True)
 class Capacity:
     """At most ``processes`` more processes here; ``limit`` names the binding limit and its fix."""
 

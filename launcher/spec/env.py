@@ -15,8 +15,9 @@ runs, error reports or the summary.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pscontract as pc
-from pscontract.records import record
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
@@ -114,7 +115,7 @@ def forwarded(environ: Mapping[str, str], extra_names: Iterable[str] = (),
     }
 
 
-@record
+@dataclass(frozen=True)
 class Composed:
     """A process's final environment and the names whose other values lost to the contract."""
 

@@ -9,9 +9,9 @@ backend never sees an impossible value. A backend's own options are its own froz
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pscontract as pc
-from pscontract.records import record
 
 from ..errors import ConfigError
 
@@ -67,7 +67,7 @@ Role.SCHEDULER, Role.SERVER, Role.WORKER, Role.TRACKER = (_ROLES[n] for n in ("s
                                                                               "tracker"))
 
 
-@record
+@dataclass(frozen=True)
 class Host:
     """One hostfile line: ``[user@]name[:port] [slots=N]``.
 
@@ -92,7 +92,7 @@ class Host:
         return f"{text}:{self.port}" if self.port else text
 
 
-@record
+@dataclass(frozen=True)
 class JobSpec:
     """Everything the launcher needs to run one job. Frozen and validated.
 

@@ -14,9 +14,9 @@ Nothing here touches the network or the file system.
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass, field
 
 import pscontract as pc
-from pscontract.records import field, record
 
 from .. import node
 from ..errors import ConfigError
@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from typing import Mapping, Optional, Sequence
 
 
-@record
+@dataclass(frozen=True)
 class Slot:
     """One process's place: role, rank, task id and host (``None`` = this machine)."""
 
@@ -38,7 +38,7 @@ class Slot:
     host: Optional[Host]
 
 
-@record
+@dataclass(frozen=True)
 class ProcSpec:
     """One process to start. ``env`` is the job's variables for it (see :class:`Plan`).
 
@@ -118,7 +118,7 @@ def by_host(slots: Sequence[Slot]) -> tuple[Slot, ...]:
         Slot(Role.WORKER, rank, rank, host) for rank, host in renumbered)
 
 
-@record
+@dataclass(frozen=True)
 class Plan:
     """A job ready to start: the scheduler (if any), then servers, then workers.
 

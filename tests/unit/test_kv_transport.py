@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import zmq
 from support.helpers import REPO
 
-from pscontract import ClusterEnv, records
+from pscontract import ClusterEnv
 from trainer.kv import protocol as P
 from trainer.kv.errors import KVConfigError
 from trainer.kv.transport import bind, check_dist_env, node_address
@@ -16,13 +18,13 @@ ENV = ClusterEnv(role="server", root_uri="127.0.0.1", root_port=9, num_workers=1
 
 def test_node_address_follows_ps_lites_order() -> None:
     # DMLC_NODE_HOST first, even when DMLC_INTERFACE names nothing here
-    assert node_address(records.replace(ENV, node_host="127.0.0.2", interface="nosuchif9")) \
+    assert node_address(replace(ENV, node_host="127.0.0.2", interface="nosuchif9")) \
         == "127.0.0.2"
-    assert node_address(records.replace(ENV, interface="lo")) == "127.0.0.1"
-    assert node_address(records.replace(ENV, interface="127.0.0.0/8")) == "127.0.0.1"
+    assert node_address(replace(ENV, interface="lo")) == "127.0.0.1"
+    assert node_address(replace(ENV, interface="127.0.0.0/8")) == "127.0.0.1"
     assert node_address(ENV) == "127.0.0.1"  # the address that routes to the scheduler
     with pytest.raises(KVConfigError, match="cannot work out this node's address") as e:
-        node_address(records.replace(ENV, interface="nosuchif9"))
+        node_address(replace(ENV, interface="nosuchif9"))
     assert "\n" not in str(e.value)
 
 
@@ -48,8 +50,8 @@ def test_port_range_is_used_and_a_full_range_is_a_one_line_error() -> None:
 
 
 def test_the_secret_is_required_unless_waived() -> None:
-    assert check_dist_env(records.replace(ENV, secret="ab" * 32)) == bytes([0xAB] * 32)
-    assert check_dist_env(records.replace(ENV, insecure=True)) == P.secret_key(None) == b""
+    assert check_dist_env(replace(ENV, secret="ab" * 32)) == bytes([0xAB] * 32)
+    assert check_dist_env(replace(ENV, insecure=True)) == P.secret_key(None) == b""
     with pytest.raises(KVConfigError, match="PSLAUNCH_SECRET is not set") as e:
         check_dist_env(ENV)
     assert "\n" not in str(e.value)

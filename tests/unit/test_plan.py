@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import pscontract as pc
@@ -236,3 +238,14 @@ def test_a_torch_job_on_a_batch_system_awaits_its_placement() -> None:
     assert all(p.awaits_placement and "RANK" not in p.env for p in plan.procs)
     rabit = make(spec(num_servers=0, launcher="sge"), here=None)
     assert not any(p.awaits_placement for p in rabit.procs)
+
+
+def test_the_spec_and_the_plan_are_frozen_and_a_process_compares_without_its_env() -> None:
+    spec = JobSpec(num_workers=1, num_servers=0, command=("true",))
+    proc = build_plan(spec, root_uri="10.0.0.1", root_port=9091, secret="x" * 64, job_id="j",
+                      inherit_environ=False).procs[0]
+    for obj, name in ((spec, "num_workers"), (proc, "rank"), (A, "name")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, name, 2)
+    assert proc == dataclasses.replace(proc, env={"X": "1"}) and hash(proc) != 0
+    assert dataclasses.replace(proc, rank=5) != proc

@@ -6,9 +6,10 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import NoReturn
 
-from pscontract import ClusterEnv, ClusterEnvError, records
+from pscontract import ClusterEnv, ClusterEnvError
 
 from .errors import KVAbortedByScheduler, KVConfigError, KVStoreError, own_rank, report_cause
 from .transport import check_dist_env, setup_logging
@@ -40,7 +41,7 @@ def run_role(argv: Sequence[str] = ()) -> NoReturn:
         logger.error("trainer.kv: %s", e)
         sys.exit(2)
     if insecure:
-        env = records.replace(env, insecure=True)
+        env = replace(env, insecure=True)
     setup_logging(env.verbose, force=True)
     if env.role not in ("scheduler", "server"):
         logger.error("trainer.kv runs the scheduler and server roles, but DMLC_ROLE=%s: a worker "

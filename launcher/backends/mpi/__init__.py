@@ -17,10 +17,9 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pscontract as pc
-from pscontract import records
 
 from ... import logs
 from ...errors import BackendUnavailableError, ConfigError, LaunchError
@@ -80,7 +79,7 @@ class MPIBackend(Backend):
     def check_spec(cls, spec: JobSpec) -> None:
         # --sync-dst-dir is not refused but ignored, with a warning (as dmlc's mpi launcher did);
         # hostfile lines mpirun cannot express are refused by check()
-        super().check_spec(records.replace(spec, sync_dst_dir=None))
+        super().check_spec(replace(spec, sync_dst_dir=None))
 
     @classmethod
     def all_here(cls, spec: JobSpec) -> bool:
@@ -212,7 +211,7 @@ class MPIBackend(Backend):
         )
 
         # With hosts, each wrapper works DMLC_NODE_HOST out on its node (the plan shows a guess).
-        procs = [records.replace(p, env={k: v for k, v in p.env.items() if k != pc.NODE_HOST})
+        procs = [replace(p, env={k: v for k, v in p.env.items() if k != pc.NODE_HOST})
                  if p.host is not None else p for p in plan.procs]
         if not procs:
             return []
