@@ -20,20 +20,10 @@ def main(argv: Optional[Sequence[str]] = None, prog_name: str = "pslaunch") -> i
         from .doctor import main as doctor_main
         code = doctor_main(args[1:])
     else:
-        from .quick import parse
+        from .clickutil import invoke
+        from .run import command_for
 
-        kw = parse(args, os.environ)
-        if kw is not None:  # a plain job: no click (see .quick)
-            from .common import guarded
-            from .job import run as run_job
-
-            environ = dict(os.environ)
-            code = guarded(lambda: run_job(kw, environ))
-        else:
-            from .clickutil import invoke
-            from .run import command_for
-
-            code = invoke(command_for(args), args, prog_name, "pslaunch --help")
+        code = invoke(command_for(args), args, prog_name, "pslaunch --help")
     if argv is None:
         exit_now(code)
     return code

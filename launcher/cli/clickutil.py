@@ -1,7 +1,5 @@
 """click's side of the command line: the value types of pslaunch's options, backend options as
-click options, and :func:`invoke` (click's outcomes as exit codes). Imported only when click
-parses (``--help``, a backend's option, a YAML config, ``doctor``); a plain job is parsed by
-:mod:`.quick`.
+click options, and :func:`invoke` (click's outcomes as exit codes).
 """
 
 from __future__ import annotations

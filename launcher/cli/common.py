@@ -1,5 +1,5 @@
-"""What every pslaunch command shares: value parsers, logging, exit codes (without click: a job
-parsed by :mod:`.quick` never imports it; click's side is :mod:`.clickutil`).
+"""What every pslaunch command shares: value parsers, logging, exit codes (click's side is
+:mod:`.clickutil`).
 
 Exit codes:
 

@@ -1,6 +1,5 @@
-"""A job's options (as click or :mod:`.quick` parsed them) to a validated, frozen JobSpec, and the
-spec to a run or a dry run. No click here: a plain job's whole path to its first process imports
-only what starting it needs.
+"""A job's options (as click parsed them) to a validated, frozen JobSpec, and the spec to a run
+or a dry run.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """``pslaunch [OPTIONS] COMMAND...``: click's command, options and YAML in, one validated, frozen
 JobSpec out (built by :mod:`.job`, with the chosen backend's own options checked by its class).
 
-A plain job's options are read by :mod:`.quick` without click, which declines anything it does
-not read exactly as this command would; this command reads the rest and writes ``--help``.
 Every backend's options come from its class (``launcher.backends``); exit codes are mapped in
 :mod:`.common` and :mod:`.clickutil`.
 """

@@ -69,6 +69,32 @@ def test_memory_and_cores() -> None:
     assert (s.worker_memory_mb, s.server_memory_mb, s.worker_cores) == (2048, 512, 4)
 
 
+@pytest.mark.parametrize("args, environ, expected", [
+    (["-n", "2", "-s", "1", "python", "train.py", "--kv-store", "dist_sync"], {},
+     dict(num_workers=2, num_servers=1, command=("python", "train.py", "--kv-store", "dist_sync"))),
+    (["-n2", "-s1", "--launcher", "local", "--kill-grace", "2", "./job.sh"], {},
+     dict(num_workers=2, num_servers=1, launcher="local", kill_grace=2.0, command=("./job.sh",))),
+    (["--num-workers=4", "--num-servers", "0", "--tracker", "rabit", "python", "x.py", "-n", "5"], {},
+     dict(num_workers=4, num_servers=0, tracker="rabit", command=("python", "x.py", "-n", "5"))),
+    (["-n", "1", "--env", "A=1", "--env-server", "C:2", "--env-worker=D=3", "true"], {},
+     dict(env=(("A", "1"),), env_server=(("C", "2"),), env_worker=(("D", "3"),))),
+    (["-n", "1", "--log-level=Warning", "--timeout", "1.5", "--start-timeout", "30", "--dry-run", "--p3", "true"], {},
+     dict(log_level="WARNING", timeout=1.5, start_timeout=30.0, dry_run=True, p3=True)),
+    (["-n", "1", "--no-progress", "--port-range", "9000-9100", "true"], {}, dict(progress=False, port_range=(9000, 9100))),
+    (["-n", "007", "-n", "2", "true"], {}, dict(num_workers=2)),  # (the last one counts)
+    (["-n", "1", "-", "true"], {}, dict(command=("-", "true"))),  # (a lone dash is the command)
+    (["-n", "1", "true"], {"DMLC_SUBMIT_CLUSTER": "sge"}, dict(launcher="sge")),
+    (["-n", "1", "--launcher", "local", "true"], {"DMLC_SUBMIT_CLUSTER": "sge"}, dict(launcher="local")),
+    (["-n", "1", "true"], {"DMLC_SUBMIT_CLUSTER": ""}, dict(launcher="local")),
+])
+def test_how_options_and_the_command_are_read(args, environ, expected, monkeypatch) -> None:
+    monkeypatch.delenv("DMLC_SUBMIT_CLUSTER", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    s = spec_of(args)
+    assert {name: getattr(s, name) for name in expected} == expected
+
+
 def run_err(args: list[str], capsys) -> tuple[int, str]:
     code = cli.main(args)
     err = capsys.readouterr().err.strip()
@@ -100,6 +126,18 @@ def run_err(args: list[str], capsys) -> tuple[int, str]:
     (["-n", "1", "--env", "PS_HEARTBEAT_TIMEOUT=0.5", "true"],
      "PS_HEARTBEAT_TIMEOUT=0.5 must be longer than PS_HEARTBEAT_INTERVAL=1 (a node would count as dead"),
     (["-n", "1", "--env-server", "PS_HEARTBEAT_INTERVAL=20", "true"], "must be longer than PS_HEARTBEAT_INTERVAL=20"),
+    # click's own messages, each with where to read more
+    (["-n"], "Option '-n' requires an argument. (see pslaunch --help)"),
+    (["-n=1", "true"], "Invalid value for '-n' / '--num-workers': '=1' is not a valid integer."),
+    (["-n", "1234567890", "true"], "Invalid value for '-n' / '--num-workers': a number of 10 digits is far too large"),
+    (["-n", "1", "--timeout", "nan", "true"], "Invalid value for '--timeout': 'nan' is not a finite number"),
+    (["-n", "1", "--start-timeout", "1" * 400, "true"],
+     "Invalid value for '--start-timeout': a 400-character value is not a finite number"),
+    (["-n", "1", "--dry-run=yes", "true"], "Option '--dry-run' does not take a value."),
+    (["-n", "1", "--log-level", "verbose", "true"],
+     "Invalid value for '--log-level': 'verbose' is not one of 'debug', 'info', 'warning', 'error'."),
+    (["-n", "1", "--num-worker", "2", "true"], "No such option '--num-worker'. (Did you mean one of: "),
+    (["-n", "1", "--env", "-x", "true"], "--env '-x': expected NAME, NAME=VALUE or NAME:VALUE"),
 ])
 def test_user_errors_are_one_line_exit_2(args, message, capsys) -> None:
     code, err = run_err(args, capsys)
@@ -108,6 +146,13 @@ def test_user_errors_are_one_line_exit_2(args, message, capsys) -> None:
     assert err.startswith("pslaunch: error: ")
     assert message in err
     assert "hunter2" not in err  # never a value of a secret-looking name
+
+
+def test_an_unknown_backend_in_the_environment_is_one_line(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("DMLC_SUBMIT_CLUSTER", "nosuch")
+    code, err = run_err(["-n", "1", "true"], capsys)
+    assert code == 2 and err.startswith("pslaunch: error: Invalid value for '--launcher' / '--cluster' (env var: "
+                                        "'DMLC_SUBMIT_CLUSTER'): 'nosuch' is not one of ") and "\n" not in err
 
 
 def test_bad_hostfile_line_exit_2(tmp_path, capsys) -> None:
