@@ -1,122 +1,84 @@
-"""The launcher's own messages: ``pslaunch: ...`` lines on stderr, from :func:`getLogger` loggers.
+"""The launcher's own messages: ``pslaunch: ...`` lines on stderr, through the standard ``logging``.
 
-The standard ``logging`` module (with ``traceback``, ``tokenize``, ``textwrap`` and ``string``)
-costs 5 ms to import, a tenth of a small job's whole start-up. So a launcher whose messages go
-only to stderr (:func:`configure` without a log file, the command line's usual case) writes
-each line itself and never imports it; with ``--log-file``, or where :func:`configure` was never
-called (tests, a program that uses the launcher as a library and sets up ``logging`` its own
-way), every message goes through ``logging`` under the logger's name, as before. Either way a
-line reads the same (:func:`line`).
+Modules log with ``logging.getLogger(__name__)`` (every name under ``launcher``). :func:`configure`
+gives the ``launcher`` logger its handlers: one to stderr with :class:`Formatter` (``pslaunch:
+error: ...``, ``pslaunch: warning: ...``, ``pslaunch: ...``, and ``pslaunch: [name] ...`` for
+debug), and with ``--log-file`` one to that file with timestamps. Where :func:`configure` was
+never called (tests, a program that uses the launcher as a library), the messages go wherever
+that program's ``logging`` sends them.
+
+The stderr handler writes each line through a hook (:func:`write_around`): the live status line
+(``launcher.runtime.output``) installs one that erases the status line first and draws it again
+after, so a message never ends up inside it. This module imports nothing of the launcher.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
-from _thread import allocate_lock
+from typing import Callable
 
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Any, Optional
-
-DEBUG, INFO, WARNING, ERROR = 10, 20, 30, 40
-LEVELS = {"DEBUG": DEBUG, "INFO": INFO, "WARNING": WARNING, "ERROR": ERROR}
-
-#: the level below which a message is dropped, when messages go straight to stderr; None: through logging
-_direct: Optional[int] = None
-_write_lock = allocate_lock()  # (one whole line at a time, from any thread)
+LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR}
 
 
-def line(level: int, name: str, message: str) -> str:
-    """One message as pslaunch prints it."""
-    if level >= ERROR:
-        return f"pslaunch: error: {message}"
-    if level >= WARNING:
-        return f"pslaunch: warning: {message}"
-    if level <= DEBUG:
-        return f"pslaunch: [{name}] {message}"
-    return f"pslaunch: {message}"
+
+def _write(write: Callable[[], None]) -> None:
+    write()
 
 
-def _to_stderr(text: str) -> None:
-    from .runtime.output import around_status
-
-    def write() -> None:
-        with _write_lock:
-            sys.stderr.write(text + "\n")
-            sys.stderr.flush()
-
-    around_status(write)
+#: what runs a write of a line to stderr (see :func:`write_around`)
+_around: Callable[[Callable[[], None]], None] = _write
 
 
-class Logger:
-    """A logger by name: ``debug``, ``info``, ``warning``, ``error`` with ``%``-style arguments."""
-
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def isEnabledFor(self, level: int) -> bool:  # noqa: N802 (logging's name)
-        if _direct is not None:
-            return level >= _direct
-        import logging
-
-        return logging.getLogger(self.name).isEnabledFor(level)
-
-    def log(self, level: int, msg: str, *args: Any, **kwargs: Any) -> None:
-        if _direct is not None:
-            if level >= _direct:
-                _to_stderr(line(level, self.name, msg % args if args else msg))
-            return
-        import logging
-
-        logging.getLogger(self.name).log(level, msg, *args, **kwargs)
-
-    def debug(self, msg: str, *args: Any, **kwargs: Any) -> None:
-        self.log(DEBUG, msg, *args, **kwargs)
-
-    def info(self, msg: str, *args: Any, **kwargs: Any) -> None:
-        self.log(INFO, msg, *args, **kwargs)
-
-    def warning(self, msg: str, *args: Any, **kwargs: Any) -> None:
-        self.log(WARNING, msg, *args, **kwargs)
-
-    def error(self, msg: str, *args: Any, **kwargs: Any) -> None:
-        self.log(ERROR, msg, *args, **kwargs)
+def write_around(hook: Callable[[Callable[[], None]], None]) -> None:
+    """Have ``hook(write)`` run every write of a line to stderr (``write`` writes the line)."""
+    global _around
+    _around = hook
 
 
-def getLogger(name: str) -> Logger:  # noqa: N802 (logging's name)
-    return Logger(name)
+class Formatter(logging.Formatter):
+    """One message as pslaunch prints it on stderr."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if record.levelno >= logging.ERROR:
+            return f"pslaunch: error: {message}"
+        if record.levelno >= logging.WARNING:
+            return f"pslaunch: warning: {message}"
+        if record.levelno <= logging.DEBUG:
+            return f"pslaunch: [{record.name}] {message}"
+        return f"pslaunch: {message}"
 
 
-def configure(level: str, log_file: Optional[str] = None) -> None:
+class StderrHandler(logging.Handler):
+    """The current ``sys.stderr``, one whole line at a time, through the :func:`write_around` hook."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = self.format(record) + "\n"
+
+            def write() -> None:
+                sys.stderr.write(text)
+                sys.stderr.flush()
+
+            _around(write)
+        except Exception:
+            self.handleError(record)
+
+
+def configure(level: str, log_file: str | None = None) -> None:
     """The launcher's messages at ``level`` and above go to stderr, prefixed ``pslaunch:``, and
     with ``log_file`` also to that file (timestamped); raises OSError if it cannot be opened."""
-    global _direct
-    threshold = LEVELS.get(level.upper(), INFO)
-    if not log_file:
-        _direct = threshold
-        return
-    import logging
-
-    class Formatter(logging.Formatter):
-        def format(self, record: logging.LogRecord) -> str:
-            return line(record.levelno, record.name, record.getMessage())
-
-    class StderrHandler(logging.Handler):
-        """stderr, around the live status line when one is shown."""
-
-        def emit(self, record: logging.LogRecord) -> None:
-            _to_stderr(self.format(record))
-
-    fh = logging.FileHandler(log_file, encoding="utf-8")
-    fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    _direct = None
+    handlers: list[logging.Handler] = [StderrHandler()]
+    handlers[0].setFormatter(Formatter())
+    if log_file:
+        handlers.append(logging.FileHandler(log_file, encoding="utf-8"))
+        handlers[1].setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("launcher")
-    root.handlers.clear()
-    root.setLevel(threshold)
+    for old in root.handlers[:]:
+        root.removeHandler(old)
+        old.close()
+    root.setLevel(LEVELS.get(level.upper(), logging.INFO))
     root.propagate = False
-    handler = StderrHandler()
-    handler.setFormatter(Formatter())
-    root.addHandler(handler)
-    root.addHandler(fh)
+    for handler in handlers:
+        root.addHandler(handler)

@@ -65,17 +65,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 
 @pytest.fixture(autouse=True)
 def _launcher_messages_through_logging() -> Iterable[None]:
-    """A test that ran ``pslaunch`` in-process (``cli.main``) sent the launcher's messages straight
-    to stderr, or to its own handlers (``launcher.logs.configure``); the next test gets them
-    through ``logging`` again, as any program that never configured them (``caplog`` sees them)."""
+    """A test that ran ``pslaunch`` in-process (``cli.main``) gave the launcher's logger its own
+    handlers (``launcher.logs.configure``); the next test gets its messages through ``logging``
+    again, as any program that never configured them (``caplog`` sees them)."""
     import logging
-
-    from launcher import logs
 
     logger = logging.getLogger("launcher")
     saved = (list(logger.handlers), logger.propagate, logger.level)
     yield
-    logs._direct = None
     logger.handlers[:], logger.propagate, logger.level = saved
 
 

@@ -20,13 +20,13 @@ hub, records, the wait until every task runs, signals, teardown) is here.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
 
 import pscontract as pc
 
-from .. import logs
 from ..errors import LaunchError
 from ..node.procgroup import resolve_program
 from ..runtime.handle import ProcessHandle, ProcGroup
@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from ..runtime.hub import Hub
 
-log = logs.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 TASK_FILE_VERSION = 2
 #: How much longer than ``--start-timeout`` an agent waits for its placement variables.

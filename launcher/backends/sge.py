@@ -44,6 +44,7 @@ agent is not connected.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -53,7 +54,7 @@ from dataclasses import dataclass, field
 
 import pscontract as pc
 
-from .. import logs, node
+from .. import node
 from ..errors import BackendUnavailableError, ConfigError, LaunchError
 from ..runtime.handle import spawn_guard
 from ..runtime.output import ProcOutput
@@ -66,7 +67,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Any, Callable, Mapping, Optional, Sequence
 
-log = logs.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 # What libdrmaa needs in the launcher's environment (and Grid Engine's own variables).
 SGE_ROOT = "SGE_ROOT"

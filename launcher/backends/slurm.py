@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 import os
 import re
@@ -66,7 +67,7 @@ from dataclasses import dataclass, field
 
 import pscontract as pc
 
-from .. import logs, node
+from .. import node
 from ..errors import BackendUnavailableError, ConfigError, LaunchError
 from ..runtime.handle import spawn_guard
 from ..runtime.output import ProcOutput
@@ -79,7 +80,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Any, Callable, Mapping, Optional, Sequence
 
-log = logs.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 #: The variable of srun's environment that carries the task document (see the module docstring).
 TASK_ENV = "PSLAUNCH_TASK"

@@ -40,6 +40,7 @@ import collections
 import dataclasses
 import functools
 import json
+import logging
 import os
 import shlex
 import socket
@@ -49,7 +50,7 @@ import time
 import pscontract as pc
 from pscontract import netif
 
-from .. import logs, node
+from .. import node
 from ..errors import ConfigError, LauncherError, LaunchError
 from ..node.ssh_wire import BOOTSTRAP, HOST_ID, KEEPALIVE, FrameDecoder, blob, frame
 from ..runtime.handle import ProcessHandle, ProcGroup
@@ -72,7 +73,7 @@ if TYPE_CHECKING:  # pragma: no cover
 # launcher.transport (paramiko, thread pools) is imported where a job uses it: the command line
 # imports every backend for its options.
 
-log = logs.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 REMOTE_PYTHON = "python3"
 LOST_FACTOR = 4  # a host is lost after this many keep-alive intervals without a reply

@@ -52,6 +52,7 @@ ID``, printed at the end).
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import re
 import shlex
@@ -59,7 +60,7 @@ from dataclasses import dataclass
 
 import pscontract as pc
 
-from .. import logs, node
+from .. import node
 from ..errors import BackendUnavailableError, ConfigError, LaunchError
 from ..runtime.handle import spawn_guard
 from ..runtime.output import ProcOutput
@@ -73,7 +74,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Any, Callable, Mapping, Optional, Sequence
 
-log = logs.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 DEFAULT_MEMORY_MB = 1024
 NODE_PYTHON = "python3"

@@ -4,12 +4,13 @@ or a dry run.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
 import pscontract as pc
 
-from .. import backends, logs
+from .. import backends
 from ..errors import ConfigError
 from ..spec.hosts import read_hosts
 from ..spec.job import JobSpec, parse_memory_mb
@@ -19,7 +20,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Any, Mapping, Optional
 
-log = logs.getLogger("launcher")
+log = logging.getLogger("launcher")
 
 
 def run(kw: Mapping[str, Any], environ: Mapping[str, str]) -> int:

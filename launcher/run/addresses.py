@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import _socket  # (socket's C module: socket.py wraps its constants in enums, 3 ms to import)
 import errno
+import logging
 import os
 import struct
 import threading
 
 from pscontract import netif
 
-from .. import logs
 from ..errors import ConfigError, LaunchError
 from ..runtime.handle import group_members
 from ..spec.job import Host, JobSpec
@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from ..backends.base import Backend
 
-log = logs.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 
 def is_literal_host_ip(value: Optional[str]) -> bool:

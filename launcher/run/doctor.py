@@ -32,12 +32,13 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import json
+import logging
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 
-from .. import backends, logs, node
+from .. import backends, node
 from ..errors import ConfigError, LauncherError
 from ..spec import env as jobenv
 from ..spec.job import Host, JobSpec
@@ -48,7 +49,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Any, Optional, Sequence
 
-log = logs.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 COLUMNS = ("ssh", "python3", "cwd", "program", "imports", "interface", "port", "reach")
 MIN_PYTHON = (3, 7)  # pscontract/netif.py, run by python3 on the hosts; the process wrapper itself needs 3.5

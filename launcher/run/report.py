@@ -4,12 +4,12 @@ and the dry run's plan. Pure functions of data, except the two that write (log a
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 from pscontract import NODE_HOST
 
-from .. import logs
 from ..runtime.handle import ProcessHandle, ProcRecord, describe_exit
 from ..spec import env as jobenv
 from ..spec.job import JobSpec
@@ -19,7 +19,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Optional, Sequence
 
-log = logs.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 #: Why a job ended.
 REASONS = ("success", "failure", "signal", "timeout")

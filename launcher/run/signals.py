@@ -11,9 +11,9 @@ syncing, waiting for the scheduler to listen or for a batch system to run the ta
 
 from __future__ import annotations
 
+import logging
 import threading
 
-from .. import logs
 from ..node import sig
 from ..runtime.handle import spawning
 
@@ -21,7 +21,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Callable, Optional
 
-log = logs.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 #: The launcher's exit code per signal (the shell's 128+N).
 EXIT_CODES = {sig.SIGINT: 130, sig.SIGTERM: 143, sig.SIGHUP: 129}

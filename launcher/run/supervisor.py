@@ -25,11 +25,12 @@ backend's class.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 
-from .. import backends, logs
+from .. import backends
 from ..backends.base import Backend
 from ..errors import LaunchError
 from ..node import sig
@@ -51,7 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .. import trackers
     from .progress import Progress
 
-log = logs.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 POLL_INTERVAL = 0.02
 # A job whose every process is a child of ours says when one ends (a pidfd, the end of its output)

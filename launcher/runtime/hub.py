@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import errno
 import hmac
+import logging
 import os
 import socket
 import threading
 import time
 
-from .. import logs
 from ..node import wire
 from .output import PipePump
 
@@ -30,7 +30,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Callable, Iterable, Mapping, Optional, Sequence
 
-log = logs.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 # Connections that have not proven the job secret: how many may wait, and how long.
 PENDING_MAX = 64

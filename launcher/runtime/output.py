@@ -12,7 +12,8 @@ On a terminal the console can also keep one *status line* at the bottom of stdou
 (:meth:`Console.set_status`, drawn by ``launcher.run.progress``): every write first erases
 it (``\\r`` and erase-to-end-of-line), writes its whole lines, then draws it again, all under
 the console's lock, so a status never ends up inside a labelled line. The launcher's own
-log messages go through :func:`around_status` for the same reason.
+log messages go through :func:`around_status` for the same reason (this module installs it as
+:mod:`launcher.logs`'s write hook).
 
 While a job's scheduler may still lose its port to another process, the supervisor *holds*
 what the attempt's processes print (:meth:`Console.hold`): the lines are kept, in order, and
@@ -30,6 +31,8 @@ import sys
 import threading
 
 from pscontract import CAUSE_PREFIX, parse_cause
+
+from .. import logs
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
@@ -75,6 +78,9 @@ def around_status(write: Callable[[], None]) -> None:
         write()
     else:
         console.around(write)
+
+
+logs.write_around(around_status)
 
 
 class Console:

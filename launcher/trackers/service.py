@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import signal
 import socket
@@ -15,7 +16,7 @@ import time
 
 import pscontract as pc
 
-from .. import logs, node
+from .. import node
 from ..errors import LaunchError
 from ..node.procgroup import signal_group
 from ..node.watchdog import Client as Watchdog
@@ -31,7 +32,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Any, Optional, Sequence
 
-log = logs.getLogger("launcher.trackers")
+log = logging.getLogger("launcher.trackers")
 
 # After closing a child's stdin, how long it may take to exit before SIGTERM: it exits at once when
 # it reads the end of file, but not while it still imports torch or xgboost (the job may have ended

@@ -40,7 +40,6 @@ import socket
 import threading
 import time
 
-from .. import logs
 from ..errors import BackendUnavailableError, LaunchError
 from ..spec.job import Host
 from .options import SSHOptions
@@ -51,7 +50,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     import paramiko
 
-log = logs.getLogger(__name__)
+log = logging.getLogger(__name__)
 # paramiko logs channel refusals and dropped connections as warnings; we report those ourselves,
 # in one line. Without a handler of its own, Python's last-resort handler would print them.
 logging.getLogger("paramiko").addHandler(logging.NullHandler())

@@ -16,19 +16,19 @@ tree, what ``.gitignore`` (and ``.git/info/exclude``, and the user's global excl
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import stat
 import subprocess
 
-from .. import logs
 from ..node import treesync
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Iterable, Optional, Sequence
 
-log = logs.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 #: above either, the launcher warns before syncing (and the dry run says so)
 WARN_BYTES = 100 * 1024 * 1024

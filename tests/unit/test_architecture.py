@@ -4,7 +4,8 @@
   node package: they run on nodes where nothing else is installed;
 * the trainer imports nothing of the launcher but the contract;
 * the layers import downwards only: cli -> run -> backends, trackers -> runtime/transport -> spec;
-  node and pscontract import nothing of them; no backend imports another (but the bases);
+  node and pscontract import nothing of them, and ``launcher.logs`` (the lowest floor, with
+  pscontract) nothing of the launcher; no backend imports another (but the bases);
 * no module of the launcher, nor of the trainer, imports another one in a cycle;
 * only the backends name a backend in a comparison (everything else asks the backend's class);
 * only ``launcher/node/__init__.py`` works out where the node programs are on disk.
@@ -112,6 +113,8 @@ LAYERS = {  # a module of the key may not import a module of any value
     "launcher.node": ("launcher.cli", "launcher.run", "launcher.backends", "launcher.runtime", "launcher.transport",
                       "launcher.spec", "launcher.errors"),
     "pscontract": ("launcher",),
+    "launcher.logs": ("launcher.cli", "launcher.run", "launcher.backends", "launcher.runtime", "launcher.transport",
+                      "launcher.trackers", "launcher.spec", "launcher.node", "launcher.errors"),
 }
 
 

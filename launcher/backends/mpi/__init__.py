@@ -14,6 +14,7 @@ environment, and runs the user command; the command need not be an MPI program.
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import subprocess
@@ -21,7 +22,6 @@ from dataclasses import dataclass, replace
 
 import pscontract as pc
 
-from ... import logs
 from ...errors import BackendUnavailableError, ConfigError, LaunchError
 from ...node.watchdog import Client as Watchdog
 from ...runtime.handle import ProcGroup, spawn_guard
@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
 # .command and .job are imported where they are used: the command line imports every backend
 # for its options, and a launch that does not use mpirun should not pay for them.
 
-log = logs.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,13 @@ of its own size, and chunks of different ranks interleave in the middle of lines
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import threading
 import time
 
-from ... import logs
 from ...node import wire
 from ...node.procgroup import group_alive
 from ...node.watchdog import Client as Watchdog
@@ -31,7 +31,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Any, Mapping, Optional, Sequence
 
-log = logs.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 # After mpirun exited, how long to wait for the rest of its output (the last records).
 OUTPUT_DRAIN_WAIT = 5.0
