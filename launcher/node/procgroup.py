@@ -8,8 +8,7 @@ the ssh wrapper imports this module on hosts with an old ``python3``.
 """
 
 import os
-
-from . import sig as _sig  # (signal's names without importing enum: see .sig)
+import signal
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -27,11 +26,11 @@ def signal_group(pgid, sig):
             pass
 
 
-def stop_group(pgid, sig=_sig.SIGTERM):
+def stop_group(pgid, sig=signal.SIGTERM):
     """Ask group ``pgid`` to stop: ``sig`` (SIGTERM), then SIGCONT, so that a stopped process (SIGSTOP,
     a debugger, Ctrl-Z) gets the signal now instead of when someone resumes it."""
     signal_group(pgid, sig)
-    signal_group(pgid, _sig.SIGCONT)
+    signal_group(pgid, signal.SIGCONT)
 
 
 def group_alive(pgid):
@@ -52,7 +51,7 @@ def exit_status(pid):
     try:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:
-        return -_sig.SIGKILL
+        return -signal.SIGKILL
     if info is None or info.si_pid == 0:
         return None
     if info.si_code == os.CLD_EXITED:
@@ -139,7 +138,7 @@ def has_children():
     return True
 
 
-def kill_children(sig=_sig.SIGKILL, keep=()):
+def kill_children(sig=signal.SIGKILL, keep=()):
     """Signal the group of every live child of this process (and the child itself), except ``keep``.
 
     For a subreaper this reaches every descendant that escaped its group: each is our child
@@ -192,7 +191,7 @@ def marked(prefix):
     return found
 
 
-def kill_marked(prefix, sig=_sig.SIGKILL):
+def kill_marked(prefix, sig=signal.SIGKILL):
     """Signal every live process of :func:`marked` ``prefix``, and its group; the number signalled."""
     pids = marked(prefix)
     for pid in pids:

@@ -16,9 +16,9 @@ matches: what a killed process could not), ``done``. Standard library only.
 
 from __future__ import annotations
 
+import signal
 import sys
 
-from . import sig
 from .procgroup import group_alive, kill_marked, marked, signal_group, stop_group
 
 # The watchdog process imports only what reading its commands needs: it starts with every job,
@@ -32,8 +32,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def main(stdin: Optional[BinaryIO] = None) -> int:
     """The watchdog process: read commands from ``stdin`` (default: standard input) until ``done`` or EOF."""
-    sig.signal(sig.SIGINT, sig.SIG_IGN)
-    sig.signal(sig.SIGHUP, sig.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     grace = 10.0
     groups: set[int] = set()
     marks: list[str] = []
@@ -68,10 +68,10 @@ def main(stdin: Optional[BinaryIO] = None) -> int:
     import time
 
     for pgid in groups:
-        stop_group(pgid, sig.SIGTERM)
+        stop_group(pgid, signal.SIGTERM)
     for prefix in marks:
-        kill_marked(prefix, sig.SIGTERM)
-        kill_marked(prefix, sig.SIGCONT)
+        kill_marked(prefix, signal.SIGTERM)
+        kill_marked(prefix, signal.SIGCONT)
     for argv in commands:  # (during the grace period: a batch job's qdel, a secret file's rm)
         try:
             subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -82,7 +82,7 @@ def main(stdin: Optional[BinaryIO] = None) -> int:
     while time.monotonic() < deadline and (any(group_alive(g) for g in groups) or any(marked(m) for m in marks)):
         time.sleep(0.05)
     for pgid in groups:
-        signal_group(pgid, sig.SIGKILL)
+        signal_group(pgid, signal.SIGKILL)
     for prefix in marks:
         kill_marked(prefix)
     remove_matching(removals)
@@ -240,10 +240,10 @@ def _fork() -> tuple[int, BinaryIO]:
             os.dup2(null, 1)
             os.dup2(null, 2)
             os.closerange(3, _max_fd())
-            for signum in (sig.SIGTERM, sig.SIGQUIT, sig.SIGALRM, sig.SIGUSR1, sig.SIGUSR2,
-                           sig.SIGCHLD, sig.SIGPIPE):
-                sig.signal(signum, sig.SIG_DFL)
-            sig.pthread_sigmask(sig.SIG_SETMASK, ())
+            for signum in (signal.SIGTERM, signal.SIGQUIT, signal.SIGALRM, signal.SIGUSR1, signal.SIGUSR2,
+                           signal.SIGCHLD, signal.SIGPIPE):
+                signal.signal(signum, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_SETMASK, ())
             code = main(os.fdopen(0, "rb"))
         finally:
             os._exit(code)

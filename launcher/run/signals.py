@@ -12,9 +12,9 @@ syncing, waiting for the scheduler to listen or for a batch system to run the ta
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 
-from ..node import sig
 from ..runtime.handle import spawning
 
 TYPE_CHECKING = False
@@ -24,14 +24,14 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 #: The launcher's exit code per signal (the shell's 128+N).
-EXIT_CODES = {sig.SIGINT: 130, sig.SIGTERM: 143, sig.SIGHUP: 129}
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 
 
 class Interrupted(Exception):
     """A signal arrived while the job was starting."""
 
     def __init__(self, signum: int) -> None:
-        super().__init__(sig.name(signum))
+        super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
 
@@ -52,13 +52,13 @@ class Signals:
             log.debug("not on the main thread: signals are not handled")
             return
         for signum in EXIT_CODES:
-            self._old[signum] = sig.signal(signum, self.handle)
-        self._old[sig.SIGALRM] = sig.signal(sig.SIGALRM, self._on_alarm)
+            self._old[signum] = signal.signal(signum, self.handle)
+        self._old[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._on_alarm)
 
     def alarm(self, seconds: float) -> None:
         """Raise ``Interrupted(SIGALRM)`` after ``seconds`` (0: cancel); only on the main thread."""
-        if sig.SIGALRM in self._old:
-            sig.setitimer(sig.ITIMER_REAL, max(0.0, seconds))
+        if signal.SIGALRM in self._old:
+            signal.setitimer(signal.ITIMER_REAL, max(0.0, seconds))
 
     def _on_alarm(self, signum: int, frame: object = None) -> None:
         self.timed_out = True
@@ -72,7 +72,7 @@ class Signals:
     def restore(self) -> None:
         self.alarm(0)
         for signum, old in self._old.items():
-            sig.signal(signum, old)  # type: ignore[arg-type]
+            signal.signal(signum, old)  # type: ignore[arg-type]
         self._old.clear()
 
     def handle(self, signum: int, frame: object = None) -> None:
@@ -83,9 +83,9 @@ class Signals:
             self.first = signum
         if self.count == 1:
             log.warning("%s received: stopping every process (again to kill at once)",
-                        sig.name(signum))
+                        signal.Signals(signum).name)
         elif self.count == 2:
-            log.warning("%s received again: killing every process", sig.name(signum))
+            log.warning("%s received again: killing every process", signal.Signals(signum).name)
         if self.raise_now:
             if spawning():
                 self.deferred = signum  # raised by check() once the child is registered
@@ -101,11 +101,11 @@ class Signals:
 
     def describe(self) -> str:
         """The first signal by name: ``SIGINT (Ctrl-C)``, ``SIGTERM``, ``SIGHUP (the terminal closed)``."""
-        signum = self.first or sig.SIGINT
-        name = sig.name(signum)
-        hint = {sig.SIGINT: " (Ctrl-C)", sig.SIGHUP: " (the terminal closed)"}.get(signum, "")
+        signum = self.first or signal.SIGINT
+        name = signal.Signals(signum).name
+        hint = {signal.SIGINT: " (Ctrl-C)", signal.SIGHUP: " (the terminal closed)"}.get(signum, "")
         return f"{name}{hint}"
 
     @property
     def exit_code(self) -> int:
-        return EXIT_CODES.get(self.first or sig.SIGINT, 130)
+        return EXIT_CODES.get(self.first or signal.SIGINT, 130)

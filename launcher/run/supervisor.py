@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 
 from .. import backends
 from ..backends.base import Backend
 from ..errors import LaunchError
-from ..node import sig
 from ..node.procgroup import become_subreaper, has_children, kill_children, kill_marked
 from ..node.watchdog import Client as Watchdog
 from ..runtime.handle import ProcessHandle, ProcGroup
@@ -198,7 +198,7 @@ class Supervisor:
                     self.signals.check()
                 outcome = self._monitor()
             except Interrupted as e:
-                outcome = ("timeout", EXIT_TIMEOUT) if e.signum == sig.SIGALRM else \
+                outcome = ("timeout", EXIT_TIMEOUT) if e.signum == signal.SIGALRM else \
                     ("signal", self.signals.exit_code)
             finally:
                 lost = outcome is not None and outcome[0] == PORT_LOST and attempt < MAX_PORT_ATTEMPTS

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from dataclasses import asdict, dataclass
 
-from ..node import sig
 from ..node.procgroup import group_alive
 from ..spec.plan import ProcSpec
 from .output import ProcOutput
@@ -52,7 +52,7 @@ def signal_name(code: int | None) -> str | None:
     if code is None or code <= 128 or code > 128 + 64:
         return None
     try:
-        return sig.name(code - 128)
+        return signal.Signals(code - 128).name
     except ValueError:
         return None
 

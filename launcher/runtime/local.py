@@ -10,9 +10,9 @@ cannot leave it running.
 from __future__ import annotations
 
 import os
+import signal
 
 from ..errors import LaunchError
-from ..node import sig
 from ..node.procgroup import group_alive, resolve_program, signal_group, stop_group
 from ..node.watchdog import Client as Watchdog
 from ..spec.plan import ProcSpec
@@ -81,13 +81,13 @@ class LocalProcess(ProcessHandle):
         return os.waitstatus_to_exitcode(status) if pid else None
 
     def terminate(self) -> None:
-        stop_group(self.pgid, sig.SIGTERM)
+        stop_group(self.pgid, signal.SIGTERM)
 
     def kill(self) -> None:
-        signal_group(self.pgid, sig.SIGKILL)
+        signal_group(self.pgid, signal.SIGKILL)
 
     def dump_stacks(self) -> None:
-        signal_group(self.pgid, sig.SIGABRT)
+        signal_group(self.pgid, signal.SIGABRT)
 
     def leftovers(self) -> list[int]:
         """Processes of this group still alive (the leader included, if running)."""
@@ -95,13 +95,13 @@ class LocalProcess(ProcessHandle):
 
     def cleanup(self, groups: Mapping[int, list[int]] | None = None) -> None:
         if group_members(self.pgid, groups) if groups is not None else group_alive(self.pgid):
-            signal_group(self.pgid, sig.SIGKILL)
+            signal_group(self.pgid, signal.SIGKILL)
         if self._watchdog is not None and self.poll() is not None:
             self._watchdog.forget(self.pgid)
 
 
 #: what a child gets back at its default (as ``subprocess``' restore_signals: Python ignores them)
-_RESTORED = tuple(getattr(sig, name) for name in ("SIGPIPE", "SIGXFZ", "SIGXFSZ") if hasattr(sig, name))
+_RESTORED = tuple(getattr(signal, name) for name in ("SIGPIPE", "SIGXFZ", "SIGXFSZ") if hasattr(signal, name))
 _sealed = False
 
 

@@ -32,7 +32,7 @@ def test_wrapper_command_is_the_bootstrap_and_nothing_job_specific() -> None:
 
 
 #: what a host's python3 runs for the ssh backend: Python 3.5 syntax
-OLD_PYTHON_MODULES = ("ssh_loader", "ssh_wrapper", "ssh_wire", "procgroup", "sig", "treesync", "__init__")
+OLD_PYTHON_MODULES = ("ssh_loader", "ssh_wrapper", "ssh_wire", "procgroup", "treesync", "__init__")
 
 
 @pytest.mark.parametrize("name", OLD_PYTHON_MODULES)

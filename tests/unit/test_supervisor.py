@@ -292,3 +292,13 @@ def test_a_calm_local_job_is_looked_at_ever_less_often_and_its_end_is_seen_at_on
     doc = json.loads((tmp_path / "s.json").read_text())
     assert doc["reason"] == "failure" and doc["exit_code"] == 3
     assert wall < 10, wall  # (liveness only)
+
+
+def test_signal_names_in_messages() -> None:
+    from launcher.run.signals import Interrupted
+    from launcher.runtime.handle import describe_exit, signal_name
+
+    assert (signal_name(137), signal_name(143), signal_name(1), signal_name(128 + 65), signal_name(None)) == (
+        "SIGKILL", "SIGTERM", None, None, None)
+    assert describe_exit(137) == "was killed by SIGKILL (exit code 137)" and describe_exit(3) == "exited with code 3"
+    assert str(Interrupted(signal.SIGINT)) == "SIGINT" and str(Interrupted(15)) == "SIGTERM"
