@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import Enum
 
 import pscontract as pc
 
@@ -17,7 +18,7 @@ from ..errors import ConfigError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
-    from typing import Any, ClassVar, Optional
+    from typing import Any, Optional
 
 #: The most servers plus workers one job may have, on any backend: a bound that keeps a typo
 #: (``-n 1000000``) from planning or forking without end. A backend may allow fewer (the local
@@ -29,42 +30,17 @@ MAX_CORES = 4096
 SCHEDULERS = ("command", "builtin")
 
 
-class Role(str):
+class Role(str, Enum):
     """A process's role: :attr:`SCHEDULER`, :attr:`SERVER`, :attr:`WORKER` or :attr:`TRACKER` (the
-    launcher's tracker of a collective job). Each is a ``str`` (``"worker"``) and one object, as an
-    enum's members are (``role is Role.WORKER``; ``Role("worker")`` is it, any other text is a
-    ValueError), without importing ``enum`` (3 ms of a launch).
-    """
+    launcher's tracker of a collective job). Each is also the ``str`` it prints (``"worker"``)."""
 
-    __slots__ = ()
-    SCHEDULER: ClassVar[Role]
-    SERVER: ClassVar[Role]
-    WORKER: ClassVar[Role]
-    TRACKER: ClassVar[Role]
-
-    def __new__(cls, value: str) -> Role:
-        try:
-            return _ROLES[value]
-        except (KeyError, TypeError):
-            raise ValueError(f"{value!r} is not a valid Role") from None
-
-    @property
-    def value(self) -> str:
-        return str.__str__(self)
+    SCHEDULER = "scheduler"
+    SERVER = "server"
+    WORKER = "worker"
+    TRACKER = "tracker"
 
     def __str__(self) -> str:
-        return str.__str__(self)
-
-    def __repr__(self) -> str:
-        return f"Role.{self.upper()}"
-
-    def __reduce__(self) -> tuple:
-        return (Role, (str(self),))
-
-
-_ROLES: dict[str, Role] = {name: str.__new__(Role, name) for name in ("scheduler", "server", "worker", "tracker")}
-Role.SCHEDULER, Role.SERVER, Role.WORKER, Role.TRACKER = (_ROLES[n] for n in ("scheduler", "server", "worker",
-                                                                              "tracker"))
+        return self.value
 
 
 @dataclass(frozen=True)
