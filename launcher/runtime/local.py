@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 
 from ..errors import LaunchError
 from ..node.procgroup import group_alive, resolve_program, signal_group, stop_group
@@ -21,7 +22,6 @@ from .output import PipePump, ProcOutput
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
-    import subprocess
     from typing import Mapping, Optional
 
 
@@ -40,17 +40,11 @@ class LocalProcess(ProcessHandle):
                output: ProcOutput, pump: PipePump, watchdog: Optional[Watchdog]) -> None:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        self._popen: subprocess.Popen | None = None
         try:
-            pid = spawn(argv, dict(env), cwd, out_w, err_w)
-            if pid is None:
-                import subprocess
-
-                self._popen = subprocess.Popen(
-                    argv, env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL, stdout=out_w,
-                    stderr=err_w, start_new_session=True, close_fds=True,
-                )
-                pid = self._popen.pid
+            self._popen = subprocess.Popen(
+                argv, env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL, stdout=out_w,
+                stderr=err_w, start_new_session=True, close_fds=True,
+            )
         except OSError as e:
             for fd in (out_r, out_w, err_r, err_w):
                 os.close(fd)
@@ -63,7 +57,7 @@ class LocalProcess(ProcessHandle):
             raise LaunchError(f"{proc.label}: cannot run {argv[0]!r}: {e.strerror or e}") from None
         os.close(out_w)
         os.close(err_w)
-        self.pid = self.pgid = pid
+        self.pid = self.pgid = self._popen.pid
         self._watchdog = watchdog
         if watchdog is not None:
             watchdog.watch(self.pgid)
@@ -72,13 +66,7 @@ class LocalProcess(ProcessHandle):
         pump.watch_exit(self.pid, output.process_ended)
 
     def _poll(self) -> int | None:
-        if self._popen is not None:
-            return self._popen.poll()
-        try:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)  # type: ignore[arg-type]
-        except ChildProcessError:  # (reaped elsewhere: as Popen, a code of 0)
-            return 0
-        return os.waitstatus_to_exitcode(status) if pid else None
+        return self._popen.poll()
 
     def terminate(self) -> None:
         stop_group(self.pgid, signal.SIGTERM)
@@ -99,61 +87,3 @@ class LocalProcess(ProcessHandle):
         if self._watchdog is not None and self.poll() is not None:
             self._watchdog.forget(self.pgid)
 
-
-#: what a child gets back at its default (as ``subprocess``' restore_signals: Python ignores them)
-_RESTORED = tuple(getattr(signal, name) for name in ("SIGPIPE", "SIGXFZ", "SIGXFSZ") if hasattr(signal, name))
-_sealed = False
-
-
-def spawn(argv: list[str], env: dict[str, str], cwd: str | None, out_w: int, err_w: int) -> int | None:
-    """Start ``argv`` as ``subprocess.Popen(argv, env=env, cwd=cwd, stdin=DEVNULL, stdout=out_w,
-    stderr=err_w, start_new_session=True, close_fds=True)`` would, with ``posix_spawn``: its pid.
-
-    None where posix_spawn cannot do the same (another working directory, an output descriptor
-    below 3): then the caller uses Popen. The program is looked up on ``env``'s ``PATH`` as Popen
-    does (the first error that is not "not found" wins; a directory without the file costs a
-    stat, not a vfork and exec). Descriptors this process inherited are made close-on-exec once,
-    which is what ``close_fds`` does for each child (ours are close-on-exec from the start).
-    Saves importing ``subprocess`` and 0.2 ms a process.
-    """
-    global _sealed
-    if (cwd is not None and cwd != os.getcwd()) or min(out_w, err_w) < 3:
-        return None
-    if not _sealed:
-        _seal_inherited()
-        _sealed = True
-    program = argv[0]
-    if os.sep in program:
-        candidates = [program]
-    else:
-        path = env.get("PATH", os.defpath)
-        candidates = [os.path.join(d or os.curdir, program) for d in path.split(os.pathsep)]
-    actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-               (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)]
-    first_error: OSError | None = None
-    for candidate in candidates:
-        if len(candidates) > 1 and not os.path.isfile(candidate):
-            continue  # (a stat, not a whole vfork and exec, for each directory that lacks it)
-        try:
-            return os.posix_spawn(candidate, argv, env, file_actions=actions, setsid=True, setsigdef=_RESTORED)
-        except (FileNotFoundError, NotADirectoryError):
-            pass
-        except OSError as e:
-            if first_error is None:
-                first_error = e
-    raise first_error or FileNotFoundError(2, "No such file or directory", program)
-
-
-def _seal_inherited() -> None:
-    """Make every descriptor above 2 that this process inherited close-on-exec."""
-    try:
-        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
-    except OSError:
-        fds = list(range(3, 256))
-    for fd in fds:
-        if fd > 2:
-            try:
-                if os.get_inheritable(fd):
-                    os.set_inheritable(fd, False)
-            except OSError:
-                pass

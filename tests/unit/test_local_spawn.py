@@ -1,15 +1,21 @@
-"""``launcher.runtime.local.spawn`` starts a process as ``subprocess.Popen(..., start_new_session=True,
-close_fds=True, stdin=DEVNULL)`` would, with ``posix_spawn``; checked against real processes."""
+"""A local child (``launcher.runtime.local.LocalProcess``): its own session, stdin from /dev/null, its
+output on pipes, no descriptor of the launcher, the job's PATH, and the 127/126 one-line errors;
+checked against real processes."""
 
 from __future__ import annotations
 
+import io
 import os
 import signal
-import subprocess
+import time
 
 import pytest
 
-from launcher.runtime import local
+from launcher.errors import LaunchError
+from launcher.runtime.local import LocalProcess
+from launcher.runtime.output import Console, PipePump
+from launcher.spec.job import Role
+from launcher.spec.plan import ProcSpec
 
 REPORT = """#!/bin/sh
 echo "sid=$(cut -d' ' -f6 /proc/self/stat) pid=$$"
@@ -20,18 +26,21 @@ echo "to stderr" >&2
 """
 
 
-def _run(argv: list[str], env: dict[str, str], cwd: str | None = None) -> tuple[int, str]:
-    r, w = os.pipe()
+def _run(argv: list[str], env: dict[str, str], cwd: str | None = None) -> tuple[int, list[str]]:
+    """Run ``argv`` as a local job's worker 0: its exit code and the lines it printed."""
+    out = io.BytesIO()
+    console = Console(stdout=out, stderr=out, color=False)
+    output = console.proc("worker-0", "worker 0", "worker")
+    pump = PipePump()
     try:
-        pid = local.spawn(argv, env, cwd, w, w)
+        proc = LocalProcess(ProcSpec(Role.WORKER, 0, 0, None, tuple(argv)), output, pump, None, env, cwd)
+        assert output.stdout.done.wait(10) and output.stderr.done.wait(10)
+        deadline = time.monotonic() + 10
+        while (code := proc.poll()) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
     finally:
-        os.close(w)
-    with os.fdopen(r) as f:
-        out = f.read()
-    if pid is None:
-        return -1, out
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), out
+        pump.stop()
+    return code, [line.removeprefix("[worker 0] ") for line in out.getvalue().decode().splitlines()]
 
 
 @pytest.fixture
@@ -42,44 +51,46 @@ def report(tmp_path) -> str:
     return str(path)
 
 
-def test_a_spawned_process_leads_its_session_reads_dev_null_and_holds_no_inherited_descriptor(report) -> None:
+@pytest.mark.parametrize("elsewhere", [False, True])
+def test_a_child_leads_its_session_reads_dev_null_and_holds_no_inherited_descriptor(report, tmp_path,
+                                                                                     elsewhere) -> None:
     leaked_r, leaked_w = os.pipe()
     os.set_inheritable(leaked_w, True)  # (as a descriptor this launcher inherited would be)
-    local._sealed = False
     try:
-        code, out = _run([report], dict(os.environ))
+        code, out = _run([report], dict(os.environ), cwd=str(tmp_path) if elsewhere else None)
     finally:
         os.close(leaked_r)
         os.close(leaked_w)
     assert code == 0, out
-    lines = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    lines = dict(line.split("=", 1) for line in out if "=" in line)
     sid, pid = lines["sid"].split(" pid=")
     assert sid == pid  # its own session (and process group)
-    assert lines["fds"].split()[:3] == ["0", "1", "2"] and str(leaked_w) not in lines["fds"].split()[:4]
-    assert len(lines["fds"].split()) == 4, lines["fds"]  # 0, 1, 2 and ls's own directory
+    assert lines["fds"].split() == ["0", "1", "2", "3"], lines["fds"]  # 0, 1, 2 and ls's own directory
     assert lines["stdin"] == "/dev/null"
     assert "to stderr" in out  # stderr went where it was told
-    ignored = int(out.split("SigIgn:")[1].split()[0], 16)
-    assert not ignored & (1 << (signal.SIGPIPE - 1))  # back at its default, as Popen's restore_signals
+    ignored = int(next(line for line in out if line.startswith("SigIgn:")).split()[1], 16)
+    assert not ignored & (1 << (signal.SIGPIPE - 1))  # back at its default (Popen's restore_signals)
 
 
-def test_the_program_is_found_on_the_jobs_path_as_popen_finds_it(tmp_path, report) -> None:
+def test_the_program_is_found_on_the_jobs_path(tmp_path) -> None:
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
     second.mkdir()
-    (first / "prog").write_text("#!/bin/sh\necho first\n")  # not executable: skipped, as by Popen
+    (first / "prog").write_text("#!/bin/sh\necho first\n")  # not executable: skipped
     (second / "prog").write_text("#!/bin/sh\necho second\n")
     (second / "prog").chmod(0o755)
     env = dict(os.environ, PATH=f"{tmp_path / 'nowhere'}:{first}:{second}:/usr/bin:/bin")
-    assert _run(["prog"], env) == (0, "second\n")
-    assert subprocess.run(["prog"], env=env, capture_output=True, text=True).stdout == "second\n"
-    with pytest.raises(FileNotFoundError):
+    assert _run(["prog"], env) == (0, ["second"])
+    with pytest.raises(LaunchError) as e:
         _run(["prog"], dict(os.environ, PATH="/usr/bin:/bin"))  # the job's PATH, not this process's
+    assert e.value.exit_code == 127 and str(e.value) == ("worker 0: cannot run 'prog': no such program or "
+                                                         "directory (is it on PATH? give a path such as ./prog)")
     (second / "prog").chmod(0o644)
-    with pytest.raises(PermissionError):  # only found where it cannot run: that error, not "not found"
+    with pytest.raises(LaunchError) as e:  # only found where it cannot run: that error, not "not found"
         _run(["prog"], env)
+    assert e.value.exit_code == 126 and str(e.value) == "worker 0: cannot run 'prog': permission denied " \
+                                                        "(is it executable?)"
 
 
-def test_another_working_directory_is_left_to_popen(tmp_path, report) -> None:
-    assert _run([report], dict(os.environ), cwd=str(tmp_path)) == (-1, "")
-    assert _run([report], dict(os.environ), cwd=os.getcwd())[0] == 0
+def test_a_signal_is_the_shells_code(tmp_path) -> None:
+    assert _run(["sh", "-c", "kill -TERM $$"], dict(os.environ))[0] == 128 + signal.SIGTERM
