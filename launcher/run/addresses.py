@@ -11,10 +11,10 @@ bind).
 
 from __future__ import annotations
 
-import _socket  # (socket's C module: socket.py wraps its constants in enums, 3 ms to import)
 import errno
 import logging
 import os
+import socket
 import struct
 import threading
 
@@ -98,7 +98,7 @@ def dry_run_address(spec: JobSpec, backend: type[Backend]) -> str:
 
 def port_is_free(port: int) -> bool:
     """True when nothing holds ``port`` on any address (a plain bind succeeds)."""
-    s = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         s.bind(("", port))
         return True
@@ -136,14 +136,14 @@ class PortClaim:
 
     PREFIX = b"\0pslaunch/port/"
 
-    def __init__(self, sock: Optional[_socket.socket]) -> None:
+    def __init__(self, sock: Optional[socket.socket]) -> None:
         self._sock = sock
 
     @classmethod
     def take(cls, port: int) -> Optional[PortClaim]:
         """The claim on ``port``, or None when another pslaunch holds it."""
         try:
-            sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_DGRAM)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         except (OSError, AttributeError):
             return cls(None)
         try:
@@ -175,8 +175,6 @@ def claim_free_port(lo: int, hi: int, after: int = 0) -> tuple[int, PortClaim]:
 
 
 def is_listening(host: str, port: int, timeout: float = 0.2) -> bool:
-    import socket
-
     try:
         with socket.create_connection((host, port), timeout=timeout):
             return True
@@ -218,10 +216,10 @@ def _diag_listeners() -> Optional[list[tuple[str, int, str]]]:
         return None
     found: list[tuple[str, int, str]] = []
     try:
-        nl = _socket.socket(_socket.AF_NETLINK, _socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG)
+        nl = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG)
         try:
-            for seq, family in enumerate((_socket.AF_INET, _socket.AF_INET6), 1):
-                body = _DIAG_REQ.pack(family, _socket.IPPROTO_TCP, 0, 0, _TCPF_LISTEN)
+            for seq, family in enumerate((socket.AF_INET, socket.AF_INET6), 1):
+                body = _DIAG_REQ.pack(family, socket.IPPROTO_TCP, 0, 0, _TCPF_LISTEN)
                 nl.sendto(_NLMSG.pack(_NLMSG.size + len(body), _SOCK_DIAG_BY_FAMILY,
                                       _NLM_F_REQUEST | _NLM_F_DUMP, seq, 0) + body, (0, 0))
                 if not _read_diag_dump(nl, seq, found):
@@ -234,7 +232,7 @@ def _diag_listeners() -> Optional[list[tuple[str, int, str]]]:
     return found
 
 
-def _read_diag_dump(nl: _socket.socket, seq: int, found: list[tuple[str, int, str]]) -> bool:
+def _read_diag_dump(nl: socket.socket, seq: int, found: list[tuple[str, int, str]]) -> bool:
     """Read one dump's replies into ``found``; True at its end (an error reply raises)."""
     while True:
         data = nl.recv(65536)
@@ -253,10 +251,10 @@ def _read_diag_dump(nl: _socket.socket, seq: int, found: list[tuple[str, int, st
                 if kind == _SOCK_DIAG_BY_FAMILY and length >= _NLMSG.size + _DIAG_MSG.size:
                     fields = _DIAG_MSG.unpack_from(data, offset + _NLMSG.size)
                     family, sport, src, inode = fields[0], fields[4], fields[6], fields[-1]
-                    raw = src[:4] if family == _socket.AF_INET else src
+                    raw = src[:4] if family == socket.AF_INET else src
                     if len(raw) == 16 and raw[:12] == bytes(10) + b"\xff\xff":
                         raw = raw[12:]
-                    ip = _socket.inet_ntop(_socket.AF_INET if len(raw) == 4 else _socket.AF_INET6, raw)
+                    ip = socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw)
                     found.append((ip, int.from_bytes(sport, "big"), str(inode)))
             offset += (length + 3) & ~3
 
@@ -289,7 +287,7 @@ def _proc_ip(hexip: str) -> str:
     raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
     if len(raw) == 16 and raw[:12] == bytes(10) + b"\xff\xff":
         raw = raw[12:]
-    return _socket.inet_ntop(_socket.AF_INET if len(raw) == 4 else _socket.AF_INET6, raw)
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw)
 
 
 def _collides(listening: str, host: str) -> bool:
