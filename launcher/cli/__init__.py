@@ -5,7 +5,6 @@ work is done below (``launcher.run``).
 
 from __future__ import annotations
 
-import os
 import sys
 
 TYPE_CHECKING = False
@@ -25,30 +24,6 @@ def main(argv: Optional[Sequence[str]] = None, prog_name: str = "pslaunch") -> i
 
         code = invoke(command_for(args), args, prog_name, "pslaunch --help")
     if argv is None:
-        exit_now(code)
+        sys.exit(code)
     return code
 
-
-def exit_now(code: int) -> None:
-    """Exit with ``code`` without tearing the interpreter down (6 ms of freeing modules that a
-    finished job's launcher no longer needs): the ``atexit`` functions run (logging's flush,
-    a client library's own clean-up), the standard streams are flushed, then ``os._exit``.
-
-    A normal exit instead while another non-daemon thread runs (it would be joined first).
-    """
-    import atexit
-    import threading
-
-    run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)  # (CPython's; else a normal exit)
-    main_thread = threading.main_thread()
-    if run_exitfuncs is None or any(t is not main_thread and not t.daemon and t.is_alive()
-                                    for t in threading.enumerate()):
-        sys.stdout.flush()
-        sys.exit(code)
-    run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # (a closed pipe: nothing more can be said)
-            pass
-    os._exit(code)
