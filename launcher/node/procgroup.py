@@ -8,6 +8,7 @@ the ssh wrapper imports this module on hosts with an old ``python3``.
 """
 
 import os
+import shutil
 import signal
 
 _PR_SET_PDEATHSIG = 1
@@ -59,19 +60,9 @@ def exit_status(pid):
     return -info.si_status
 
 
-def on_path(name, path):
-    """True when ``name`` is an executable file in a directory of ``path`` (what ``shutil.which``
-    answers, without importing shutil and its compression modules at start-up)."""
-    for d in path.split(os.pathsep):
-        candidate = os.path.join(d or os.curdir, name)
-        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
-            return True
-    return False
-
-
 def resolve_program(argv0, environ, cwd=None):
     """dmlc's rule: a bare name that is not on ``PATH`` but is an executable in ``cwd`` runs as ``./name``."""
-    if "/" in argv0 or on_path(argv0, environ.get("PATH", os.defpath)):
+    if "/" in argv0 or shutil.which(argv0, path=environ.get("PATH", os.defpath)):
         return argv0
     local = os.path.join(cwd or os.getcwd(), argv0)
     if os.path.isfile(local) and os.access(local, os.X_OK):

@@ -94,3 +94,18 @@ def test_the_program_is_found_on_the_jobs_path(tmp_path) -> None:
 
 def test_a_signal_is_the_shells_code(tmp_path) -> None:
     assert _run(["sh", "-c", "kill -TERM $$"], dict(os.environ))[0] == 128 + signal.SIGTERM
+
+
+def test_a_bare_name_not_on_path_but_executable_here_runs_as_dot_slash(tmp_path) -> None:
+    from launcher.node.procgroup import resolve_program
+
+    (tmp_path / "bin").mkdir()
+    for path in (tmp_path / "bin" / "onpath", tmp_path / "here", tmp_path / "notexec"):
+        path.write_text("#!/bin/sh\n")
+        path.chmod(0o644 if path.name == "notexec" else 0o755)
+    env = {"PATH": str(tmp_path / "bin")}
+    assert resolve_program("onpath", env, str(tmp_path)) == "onpath"
+    assert resolve_program("here", env, str(tmp_path)) == "./here"  # (dmlc's rule)
+    assert resolve_program("notexec", env, str(tmp_path)) == "notexec"
+    assert resolve_program("sub/here", env, str(tmp_path)) == "sub/here"
+    assert resolve_program("nosuch", env, str(tmp_path)) == "nosuch"
