@@ -19,10 +19,7 @@ backend (Grid Engine's, skein's, MPI's) live with the code that uses them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Mapping, Sequence
+from typing import Mapping, Sequence
 
 # --- the dmlc / ps-lite contract -------------------------------------------
 ROLE = "DMLC_ROLE"

@@ -18,12 +18,9 @@ doctor`` embeds it in its remote checks.
 from __future__ import annotations
 
 import collections
+import ipaddress
 import sys
-
-TYPE_CHECKING = False  # (typing costs every launch 2 ms; its names are only for annotations)
-if TYPE_CHECKING:  # pragma: no cover
-    import ipaddress
-    from typing import Any, Sequence
+from typing import Any, Sequence
 
 
 class NetifError(Exception):

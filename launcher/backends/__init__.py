@@ -11,11 +11,7 @@ from __future__ import annotations
 import importlib
 
 from ..errors import BackendUnavailableError
-
-TYPE_CHECKING = False
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .base import Backend
+from .base import Backend
 
 _REGISTRY: dict[str, tuple[str, str]] = {}
 

@@ -25,6 +25,7 @@ builders of commands and job templates live in the backend's module, for golden 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 import pscontract as pc
 
@@ -34,10 +35,6 @@ from ..runtime.handle import ProcGroup
 from ..runtime.output import Console
 from ..spec.job import Host, JobSpec
 from ..spec.plan import Plan, ProcSpec
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 
 @dataclass(frozen=True)

@@ -24,22 +24,18 @@ import logging
 import os
 import threading
 import time
+from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 import pscontract as pc
 
 from ..errors import LaunchError
 from ..node.procgroup import resolve_program
 from ..runtime.handle import ProcessHandle, ProcGroup
+from ..runtime.hub import Hub
 from ..runtime.output import PipePump, ProcOutput
 from ..spec.job import JobSpec, Role
 from ..spec.plan import ProcSpec, placement_env
 from .base import Backend
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Any, ClassVar, Mapping, Optional, Sequence
-
-    from ..runtime.hub import Hub
 
 log = logging.getLogger(__name__)
 

@@ -12,6 +12,8 @@ starts.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from ..errors import ConfigError
 from ..runtime import limits
 from ..runtime.handle import ProcessHandle, ProcGroup
@@ -20,10 +22,6 @@ from ..runtime.output import PipePump
 from ..spec.job import JobSpec
 from ..spec.plan import ProcSpec
 from .base import Backend
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Sequence
 
 
 def local_processes(spec: JobSpec) -> int:

@@ -51,6 +51,7 @@ import re
 import signal
 import time
 from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import pscontract as pc
 
@@ -62,10 +63,6 @@ from ..spec.job import JobSpec, Role
 from ..spec.plan import Plan, ProcSpec
 from .base import BackendOption
 from .batch import BatchBackend, BatchTask, build_task_file, role_procs, write_private_json
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Any, Callable, Mapping, Optional, Sequence
 
 log = logging.getLogger(__name__)
 

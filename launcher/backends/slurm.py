@@ -64,6 +64,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import pscontract as pc
 
@@ -75,10 +76,6 @@ from ..spec.job import Host, JobSpec, Role
 from ..spec.plan import Plan, ProcSpec, place
 from .base import BackendOption
 from .batch import BatchBackend, BatchTask, build_task_file, role_procs, task_roles
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Any, Callable, Mapping, Optional, Sequence
 
 log = logging.getLogger(__name__)
 

@@ -46,6 +46,7 @@ import shlex
 import socket
 import threading
 import time
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 import pscontract as pc
 from pscontract import netif
@@ -58,20 +59,13 @@ from ..runtime.output import ProcOutput
 from ..spec.job import Host, JobSpec
 from ..spec.plan import Plan, ProcSpec, place
 from ..transport.options import SSHOptions
+from ..transport.ssh import HostSession, Target
+from ..transport.sync import SyncPlan
+from ..transport.wiresync import SyncStats, TreeSync
 from .base import Backend, BackendOption
 
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Mapping, Optional, Sequence
-
+if TYPE_CHECKING:  # (an optional dependency, imported where it is used)
     import paramiko
-
-    from ..transport.ssh import HostSession, Target
-    from ..transport.sync import SyncPlan
-    from ..transport.wiresync import SyncStats, TreeSync
-
-# launcher.transport (paramiko, thread pools) is imported where a job uses it: the command line
-# imports every backend for its options.
 
 log = logging.getLogger(__name__)
 

@@ -57,6 +57,7 @@ import os
 import re
 import shlex
 from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import pscontract as pc
 
@@ -69,10 +70,6 @@ from ..spec.job import JobSpec, Role
 from ..spec.plan import Plan, ProcSpec
 from .base import BackendOption
 from .batch import BatchBackend, BatchTask, build_task_file, task_roles, write_private_json
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Any, Callable, Mapping, Optional, Sequence
 
 log = logging.getLogger(__name__)
 

@@ -6,10 +6,7 @@ work is done below (``launcher.run``).
 from __future__ import annotations
 
 import sys
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Optional, Sequence
+from typing import Optional, Sequence
 
 
 def main(argv: Optional[Sequence[str]] = None, prog_name: str = "pslaunch") -> int:

@@ -5,15 +5,12 @@ click options, and :func:`invoke` (click's outcomes as exit codes).
 from __future__ import annotations
 
 import math
+from typing import Any, Iterable, Optional, Sequence
 
 import click
 
 from ..backends.base import BackendOption
 from .common import fail, guarded
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Any, Iterable, Optional, Sequence
 
 
 class FiniteFloat(click.ParamType):

@@ -16,16 +16,13 @@ Exit codes are mapped only in :func:`guarded` and :func:`.clickutil.invoke`.
 from __future__ import annotations
 
 import sys
+from typing import Callable, Mapping, Optional
 
 import pscontract as pc
 
 from .. import logs
 from ..errors import ConfigError, LauncherError
 from ..spec import env as jobenv
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Callable, Mapping, Optional
 
 # --- value parsers ------------------------------------------------------------------------------
 

@@ -19,15 +19,12 @@ from __future__ import annotations
 import math
 import os
 import stat
+from typing import Any
 
 import click
 
 from ..errors import ConfigError
 from .clickutil import FiniteFloat
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Any
 
 MAX_BYTES = 1024 * 1024
 MAX_DEPTH = 50

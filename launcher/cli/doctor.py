@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any, Sequence
 
 import click
 
@@ -14,10 +15,6 @@ from ..run.doctor import run_doctor
 from ..spec.hosts import read_hosts
 from .clickutil import add_backend_options, invoke
 from .common import configure_logging, parse_env_item, parse_port_range_option
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Any, Sequence
 
 #: doctor checks what an ssh job needs, over the ssh backend's connection settings
 SSH = backends.get("ssh")

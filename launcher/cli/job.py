@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Any, Mapping, Optional
 
 import pscontract as pc
 
@@ -15,10 +16,6 @@ from ..errors import ConfigError
 from ..spec.hosts import read_hosts
 from ..spec.job import JobSpec, parse_memory_mb
 from .common import configure_logging, parse_env_item, parse_port_range_option
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Any, Mapping, Optional
 
 log = logging.getLogger("launcher")
 

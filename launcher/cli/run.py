@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any, Optional, Sequence
 
 import click
 
@@ -19,10 +20,6 @@ from ..spec.job import SCHEDULERS
 from .clickutil import BOUNDED_INT, FINITE_FLOAT, add_backend_options
 from .config import load_config
 from .job import run as run_job
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Any, Optional, Sequence
 
 HELP = """Start one scheduler, S servers and N workers, each running COMMAND.
 

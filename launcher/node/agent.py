@@ -32,6 +32,7 @@ import signal
 import socket
 import subprocess
 import time
+from typing import Any, Mapping, Optional, Sequence
 
 import pscontract as pc
 
@@ -45,10 +46,6 @@ from .procgroup import (
     stop_group,
 )
 from .watchdog import Client as Watchdog
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Any, Mapping, Optional, Sequence
 
 # After the command exits, how long its leftover grandchildren may keep its pipes open.
 DRAIN_SECONDS = 0.5

@@ -18,10 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import zlib
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 # The rank table, as one environment value.
 TABLE = "PSLAUNCH_MPI_TABLE"

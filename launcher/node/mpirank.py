@@ -27,6 +27,7 @@ import os
 import signal
 import socket
 import sys
+from typing import Optional, Sequence
 
 import pscontract as pc
 from pscontract import netif
@@ -34,10 +35,6 @@ from pscontract import netif
 from . import mpi_wire, wire
 from .agent import Agent, AgentError, catch_signals
 from .procgroup import set_parent_death_signal
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Optional, Sequence
 
 PREFIX = "pslaunch rank wrapper"
 #: a rank whose command cannot start waits this long at most for the launcher to stop the job

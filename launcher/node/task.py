@@ -56,16 +56,13 @@ import os
 import socket
 import sys
 import time
+from typing import Any, Mapping, MutableMapping, Sequence
 
 import pscontract as pc
 from pscontract import netif
 
 from . import wire
 from .agent import Agent, AgentError, catch_signals
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Any, Mapping, MutableMapping, Sequence
 
 TASK_FILE_VERSION = 2
 # What the batch systems set in each task: Grid Engine's 1-based array index and job number,

@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import signal
 import sys
+from typing import TYPE_CHECKING, BinaryIO, Optional, Sequence
 
 from .procgroup import group_alive, kill_marked, marked, signal_group, stop_group
 
-# The watchdog process imports only what reading its commands needs: it starts with every job,
-# and a job that ends at once waits for it (json, subprocess and typing would double its
-# 12 ms). The rest is imported where it is used.
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
+# The watchdog process starts with every job, and a job that ends at once waits for it: what
+# only some commands need (json, subprocess, threading, ...) is imported where it is used.
+if TYPE_CHECKING:
     import subprocess
-    from typing import BinaryIO, Optional, Sequence
 
 
 def main(stdin: Optional[BinaryIO] = None) -> int:

@@ -51,10 +51,7 @@ import json
 import os
 import re
 import socket
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 RECORD_MARK = b"\x1e"
 # A record must reach a pipe (mpirun's output) in one write: keep it under PIPE_BUF (4096).

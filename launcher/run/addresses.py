@@ -17,18 +17,14 @@ import os
 import socket
 import struct
 import threading
+from typing import Callable, Mapping, Optional
 
 from pscontract import netif
 
+from ..backends.base import Backend
 from ..errors import ConfigError, LaunchError
 from ..runtime.handle import group_members
 from ..spec.job import Host, JobSpec
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Callable, Mapping, Optional
-
-    from ..backends.base import Backend
 
 log = logging.getLogger(__name__)
 

@@ -37,6 +37,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
 
 from .. import backends, node
 from ..errors import ConfigError, LauncherError
@@ -44,10 +45,6 @@ from ..spec import env as jobenv
 from ..spec.job import Host, JobSpec
 from ..transport.ssh import SSHOptions
 from . import addresses
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Any, Optional, Sequence
 
 log = logging.getLogger(__name__)
 

@@ -8,15 +8,13 @@ one line per problem below it. Pure functions of the rows, except :func:`run_pre
 
 from __future__ import annotations
 
+from typing import Any, Mapping, Optional, Sequence
+
 import pscontract as pc
 from pscontract import netif
 
 from ..backends.base import Backend
 from . import addresses
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Any, Mapping, Optional, Sequence
 
 Row = tuple[str, bool, str]
 

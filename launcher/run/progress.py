@@ -21,13 +21,10 @@ import re
 import sys
 import threading
 from dataclasses import dataclass
+from typing import Iterable, Mapping, Optional, Sequence
 
 from ..runtime.handle import ProcessHandle
 from ..runtime.output import Console, is_terminal
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Iterable, Mapping, Optional, Sequence
 
 #: how often the line is redrawn, at most (seconds)
 INTERVAL = 0.5

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 from pscontract import NODE_HOST
 
@@ -14,10 +15,6 @@ from ..runtime.handle import ProcessHandle, ProcRecord, describe_exit
 from ..spec import env as jobenv
 from ..spec.job import JobSpec
 from ..spec.plan import Plan
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Optional, Sequence
 
 log = logging.getLogger(__name__)
 

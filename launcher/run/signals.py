@@ -14,12 +14,9 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from typing import Callable, Optional
 
 from ..runtime.handle import spawning
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Callable, Optional
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,9 @@ import os
 import signal
 import threading
 import time
+from typing import Any, Mapping, Optional
 
-from .. import backends
+from .. import backends, trackers
 from ..backends.base import Backend
 from ..errors import LaunchError
 from ..node.procgroup import become_subreaper, has_children, kill_children, kill_marked
@@ -43,14 +44,8 @@ from ..spec.job import Host, JobSpec
 from ..spec.plan import Plan, ProcSpec, build_plan
 from . import addresses as addr
 from . import report
+from .progress import Progress
 from .signals import Interrupted, Signals
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Any, Mapping, Optional
-
-    from .. import trackers
-    from .progress import Progress
 
 log = logging.getLogger(__name__)
 

@@ -15,14 +15,11 @@ import os
 import signal
 import time
 from dataclasses import asdict, dataclass
+from typing import Iterable, Iterator, Mapping, Optional
 
 from ..node.procgroup import group_alive
 from ..spec.plan import ProcSpec
 from .output import ProcOutput
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Iterable, Iterator, Mapping, Optional
 
 _spawning = 0
 

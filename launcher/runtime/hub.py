@@ -22,13 +22,10 @@ import os
 import socket
 import threading
 import time
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 from ..node import wire
 from .output import PipePump
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,7 @@ from __future__ import annotations
 import os
 import resource
 from dataclasses import dataclass
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Optional
+from typing import Optional
 
 #: open files the launcher keeps for itself (its own pipes, the watchdog, logs, sockets)
 RESERVED_FDS = 64

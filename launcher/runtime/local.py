@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from typing import Mapping, Optional
 
 from ..errors import LaunchError
 from ..node.procgroup import group_alive, resolve_program, signal_group, stop_group
@@ -19,10 +20,6 @@ from ..node.watchdog import Client as Watchdog
 from ..spec.plan import ProcSpec
 from .handle import ProcessHandle, group_members, spawn_guard
 from .output import PipePump, ProcOutput
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Mapping, Optional
 
 
 class LocalProcess(ProcessHandle):

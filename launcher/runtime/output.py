@@ -29,14 +29,11 @@ import os
 import selectors
 import sys
 import threading
+from typing import BinaryIO, Callable, Optional
 
 from pscontract import CAUSE_PREFIX, parse_cause
 
 from .. import logs
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import BinaryIO, Callable, Optional
 
 TAIL_LINES = 20
 _MAX_LINE = 64 * 1024  # a longer line without a newline is written in pieces

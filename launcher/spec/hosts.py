@@ -29,13 +29,10 @@ from __future__ import annotations
 import os
 import stat
 import sys
+from typing import BinaryIO, Iterable, Optional
 
 from ..errors import ConfigError
 from .job import MAX_PROCESSES, Host
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import BinaryIO, Iterable, Optional
 
 MAX_HOSTFILE_BYTES = 1024 * 1024  # 1 MiB: tens of thousands of hosts
 MAX_LINE = 4096

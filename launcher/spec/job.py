@@ -11,14 +11,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any, Optional
 
 import pscontract as pc
 
 from ..errors import ConfigError
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Any, Optional
 
 #: The most servers plus workers one job may have, on any backend: a bound that keeps a typo
 #: (``-n 1000000``) from planning or forking without end. A backend may allow fewer (the local

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
 
 import pscontract as pc
 
@@ -22,10 +23,6 @@ from .. import node
 from ..errors import ConfigError
 from . import env as jobenv
 from .job import Host, JobSpec, Role
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Mapping, Optional, Sequence
 
 
 @dataclass(frozen=True)

@@ -30,15 +30,13 @@ files (``launcher.node.tracker_command``), and import nothing of pslaunch.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from ..node.watchdog import Client as Watchdog
 from ..runtime.output import Console
 from ..spec.job import JobSpec
 from ..spec.plan import Plan
 from .interface import FAILURE_GRACE, Tracker, TrackerHandle, python_for, resolve_python
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Optional
 
 __all__ = ["FAILURE_GRACE", "Tracker", "TrackerHandle", "classes", "create", "describe", "python_for",
            "resolve_python"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from typing import ClassVar, Optional
 
 import pscontract as pc
 
@@ -16,10 +17,6 @@ from ..runtime.handle import ProcessHandle
 from ..runtime.output import Console, ProcOutput
 from ..spec.job import JobSpec, Role
 from ..spec.plan import Plan, ProcSpec
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import ClassVar, Optional
 
 #: A tracker that failed counts as the job's failure only if no process failed within this long:
 #: a worker that dies makes the tracker notice it first, and the worker's own code is the better

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import threading
 import time
+from typing import Any, Optional, Sequence
 
 import pscontract as pc
 
@@ -27,10 +28,6 @@ from ..spec.job import JobSpec
 from ..spec.plan import Plan
 from .interface import Tracker, python_for, resolve_python
 from .rabit import RabitTracker, TrackerError
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Any, Optional, Sequence
 
 log = logging.getLogger("launcher.trackers")
 

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Optional
 
 from ..errors import ConfigError
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Optional
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,15 +39,13 @@ import shlex
 import socket
 import threading
 import time
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
 from ..errors import BackendUnavailableError, LaunchError
 from ..spec.job import Host
 from .options import SSHOptions
 
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Callable, Iterable, Optional, Sequence
-
+if TYPE_CHECKING:  # (an optional dependency, imported where it is used)
     import paramiko
 
 log = logging.getLogger(__name__)

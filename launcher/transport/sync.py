@@ -21,12 +21,9 @@ import os
 import shutil
 import stat
 import subprocess
+from typing import Iterable, Optional, Sequence
 
 from ..node import treesync
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Iterable, Optional, Sequence
 
 log = logging.getLogger(__name__)
 

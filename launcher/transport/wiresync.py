@@ -18,14 +18,11 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 from ..errors import LaunchError
 from ..node import treesync
 from ..node.ssh_wire import SYNC_CHUNK, SYNC_HEAD
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Callable, Sequence
 
 
 @dataclass

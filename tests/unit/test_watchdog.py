@@ -87,7 +87,7 @@ def test_forgotten_group_is_not_killed() -> None:
 def test_the_watchdog_process_imports_only_what_reading_commands_needs() -> None:
     # it starts with every job, and a job that ends at once waits for it to read "done"
     code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import launcher.node.watchdog; "
-            "print(sorted(m for m in ('json', 'subprocess', 'threading', 'typing') if m in sys.modules))")
+            "print(sorted(m for m in ('json', 'subprocess', 'threading') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 

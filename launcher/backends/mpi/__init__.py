@@ -19,24 +19,20 @@ import os
 import shlex
 import subprocess
 from dataclasses import dataclass, replace
+from typing import Mapping, Optional, Sequence
 
 import pscontract as pc
 
 from ...errors import BackendUnavailableError, ConfigError, LaunchError
 from ...node.watchdog import Client as Watchdog
 from ...runtime.handle import ProcGroup, spawn_guard
+from ...runtime.hub import Hub
 from ...runtime.output import Console, PipePump
 from ...spec.job import JobSpec
 from ...spec.plan import Plan, ProcSpec
 from ..base import Backend, BackendOption
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Mapping, Optional, Sequence
-
-    from ...runtime.hub import Hub
-    from .command import MPIInfo, RankLayout
-    from .job import MPIJob
+from .command import MPIInfo, RankLayout
+from .job import MPIJob
 
 # .command and .job are imported where they are used: the command line imports every backend
 # for its options, and a launch that does not use mpirun should not pay for them.

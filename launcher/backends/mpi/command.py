@@ -20,6 +20,7 @@ import shutil
 import socket
 import subprocess
 from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
 
 import pscontract as pc
 from pscontract import netif
@@ -29,10 +30,6 @@ from ...errors import BackendUnavailableError, ConfigError, LaunchError
 from ...node import mpi_wire
 from ...spec.job import Host, JobSpec
 from ...spec.plan import ProcSpec
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Any, Mapping, Optional, Sequence
 
 # The table is one environment value; stay well under Linux's 128 KiB per string.
 MAX_TABLE_CHARS = 100_000

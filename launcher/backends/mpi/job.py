@@ -18,6 +18,7 @@ import signal
 import subprocess
 import threading
 import time
+from typing import Any, Mapping, Optional, Sequence
 
 from ...node import wire
 from ...node.procgroup import group_alive
@@ -26,10 +27,6 @@ from ...runtime.handle import ProcessHandle, ProcGroup, group_members, normalize
 from ...runtime.hub import MAX_UNTERMINATED, Hub
 from ...runtime.output import ProcOutput
 from ...spec.plan import ProcSpec
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # pragma: no cover
-    from typing import Any, Mapping, Optional, Sequence
 
 log = logging.getLogger(__name__)
 
