@@ -18,6 +18,7 @@ backend (Grid Engine's, skein's, MPI's) live with the code that uses them.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -369,7 +370,6 @@ def parse_cause(line: str) -> tuple[str | None, int | None, str] | None:
     line = line.strip()
     if not line.startswith(CAUSE_PREFIX):
         return None
-    import re  # (here: a launcher imports this module before its first process starts; re costs 2 ms)
 
     m = re.fullmatch(_CAUSE_PATTERN, line)
     if not m:

@@ -18,7 +18,10 @@ doctor`` embeds it in its remote checks.
 from __future__ import annotations
 
 import collections
+import ctypes
 import ipaddress
+import json
+import socket
 import sys
 from typing import Any, Sequence
 
@@ -37,16 +40,11 @@ class Iface(collections.namedtuple("Iface", "name address prefixlen")):
 
     @property
     def network(self) -> ipaddress.IPv4Network:
-        import ipaddress
-
         return ipaddress.IPv4Interface(f"{self.address}/{self.prefixlen}").network
 
 
 def _structs() -> tuple[Any, Any]:
-    """ctypes' ``struct sockaddr_in`` and ``struct ifaddrs`` (built on first use: importing
-    ctypes costs every launch 2 ms, and most jobs never look at an interface)."""
-    import ctypes
-
+    """ctypes' ``struct sockaddr_in`` and ``struct ifaddrs``."""
     class SockaddrIn(ctypes.Structure):
         _fields_ = [("sin_family", ctypes.c_ushort), ("sin_port", ctypes.c_uint16),
                     ("sin_addr", ctypes.c_ubyte * 4), ("sin_zero", ctypes.c_ubyte * 8)]
@@ -71,9 +69,6 @@ _IFF_UP = 0x1
 
 def interfaces() -> list[Iface]:
     """Every IPv4 address of every interface that is up, in ``getifaddrs`` order."""
-    import ctypes
-    import socket  # (here: importing this module stays cheap for a launch that reads no interface)
-
     _, ifaddrs = _structs()
     # dlopen(NULL): the C library is already loaded; find_library("c") would run ldconfig.
     libc = ctypes.CDLL(None, use_errno=True)
@@ -114,8 +109,6 @@ def match(spec: str, ifaces: Sequence[Iface]) -> Iface:
     if not spec:
         raise NetifError("DMLC_INTERFACE is empty")
     if is_cidr(spec):
-        import ipaddress
-
         try:
             net = ipaddress.IPv4Network(spec, strict=False)
         except ValueError:
@@ -145,8 +138,6 @@ def interface_name(spec: str) -> str:
 
 def route_source(dest: str) -> str:
     """The local address the kernel would use to reach ``dest`` (no packet is sent)."""
-    import socket  # (here: importing this module stays cheap for a launch that reads no interface)
-
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         s.connect((dest, 9))
@@ -159,9 +150,6 @@ def route_source(dest: str) -> str:
 
 def resolve_ipv4(host: str) -> str:
     """``host`` as a dotted IPv4 address (zmq cannot bind or advertise a name)."""
-    import ipaddress
-    import socket  # (here: importing this module stays cheap for a launch that reads no interface)
-
     try:
         ipaddress.IPv4Address(host)
         return host
@@ -193,8 +181,6 @@ def node_address(interface: str | None, scheduler: str | None, given: str | None
 
 def guess_host_ip(mode: str = "auto") -> str:
     """dmlc's ``--host-ip`` rules: ``auto``/``ip`` (name lookup), ``dns`` (FQDN) or a literal."""
-    import socket  # (here: importing this module stays cheap for a launch that reads no interface)
-
     if mode == "dns":
         return socket.getfqdn()
     if mode not in ("auto", "ip"):
@@ -217,8 +203,6 @@ def guess_host_ip(mode: str = "auto") -> str:
 
 def _main(argv: list[str]) -> int:
     """``netif.py SPEC``: print ``{"address": ..., "interface": ...}`` or ``{"error": ...}``."""
-    import json
-
     try:
         ifaces = interfaces()
         result = {"interfaces": [list(i) for i in ifaces]}

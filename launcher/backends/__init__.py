@@ -42,7 +42,7 @@ def get(name: str) -> type[Backend]:
 
 
 def classes() -> list[type[Backend]]:
-    """Every backend class, in name order (imports every backend module: keep them light)."""
+    """Every backend class, in name order (imports every backend module)."""
     return [get(name) for name in available()]
 
 

@@ -17,9 +17,8 @@ The supervisor drives a backend in this order::
         group = backend.start(procs)     # servers and workers; a ProcGroup of handles
         ...                              # poll the handles, signal the group
 
-A backend module's import must stay light (the CLI imports every backend to build its
-options): heavy or optional modules are imported inside the methods that need them. Pure
-builders of commands and job templates live in the backend's module, for golden tests.
+The CLI imports every backend to build its options: an optional dependency (paramiko,
+drmaa, skein) is imported inside the methods that need it. Pure builders of commands and job templates live in the backend's module, for golden tests.
 """
 
 from __future__ import annotations

@@ -29,9 +29,10 @@ from typing import Any, ClassVar, Mapping, Optional, Sequence
 import pscontract as pc
 
 from ..errors import LaunchError
+from ..node import wire
 from ..node.procgroup import resolve_program
 from ..runtime.handle import ProcessHandle, ProcGroup
-from ..runtime.hub import Hub
+from ..runtime.hub import Hub, hub_ports
 from ..runtime.output import PipePump, ProcOutput
 from ..spec.job import JobSpec, Role
 from ..spec.plan import ProcSpec, placement_env
@@ -268,7 +269,6 @@ class BatchBackend(Backend):
         service, secret = pc.service_endpoint(env), env.get(pc.SECRET, "")  # the scheduler's or the tracker's
         if service is None or not secret:
             return None
-        from ..runtime.hub import Hub, hub_ports  # (here: a job without a hub never loads it)
 
         root = service[0]
         ports = hub_ports(self.spec.port_range, service[1] or self.spec.port_range[0])
@@ -317,7 +317,6 @@ class BatchBackend(Backend):
         t = self._by_ident.get(ident)
         if t is None:
             return
-        from ..node import wire  # (here: wire's hmac and hashlib are for jobs that have tasks)
 
         if kind in (wire.STDOUT_LINE, wire.STDERR_LINE):
             (t.output.stdout if kind == wire.STDOUT_LINE else t.output.stderr).feed(payload + b"\n")

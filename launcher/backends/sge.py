@@ -43,11 +43,13 @@ agent is not connected.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
 import os
 import re
+import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -291,8 +293,6 @@ def environment_problem(environ: Mapping[str, str], exists: Callable[[str], bool
 
 def load_drmaa(environ: Mapping[str, str] = os.environ) -> Any:
     """Import the ``drmaa`` package, or raise a one-line :class:`BackendUnavailableError`."""
-    import importlib.util
-
     if importlib.util.find_spec("drmaa") is None:
         raise BackendUnavailableError("the sge backend needs the drmaa package: "
                                       "pip install 'pslaunch[sge]' (drmaa==0.7.9)")
@@ -438,8 +438,6 @@ class SGEBackend(BatchBackend):
         write_private_json(path, build_task_file(spec, procs, hub=hub))
         self.task_file = path
         by_role = {str(r): role_procs(procs, r) for r in (Role.SERVER, Role.WORKER)}
-        import shutil
-
         qdel = shutil.which("qdel")
         if qdel is None:
             log.warning("qdel is not on PATH: if pslaunch is killed with SIGKILL, nothing can delete its "

@@ -51,6 +51,7 @@ command line or in a file.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import logging
@@ -58,6 +59,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import threading
@@ -70,6 +72,7 @@ import pscontract as pc
 
 from .. import node
 from ..errors import BackendUnavailableError, ConfigError, LaunchError
+from ..node import wire
 from ..runtime.handle import spawn_guard
 from ..runtime.output import ProcOutput
 from ..spec.job import Host, JobSpec, Role
@@ -487,8 +490,6 @@ def down_nodes(sinfo_output: str) -> list[str]:
 
 def _prctl_function() -> Optional[Callable[..., int]]:
     try:
-        import ctypes  # (here: the command line imports every backend; ctypes costs milliseconds)
-
         return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
     except (OSError, AttributeError):
         return None
@@ -509,8 +510,6 @@ def _death_signal(sig: int) -> Callable[[], None]:
 
 
 def _which(name: str, path: Optional[str] = None) -> Optional[str]:
-    import shutil  # (here: the command line imports every backend; shutil pulls in compression modules)
-
     return shutil.which(name, path=path)
 
 
@@ -889,8 +888,6 @@ class SlurmBackend(BatchBackend):
         t = step.tasks[index] if index < len(step.tasks) else None
         payload = raw[raw.index(b":") + 1:]
         payload = payload[1:] if payload.startswith(b" ") else payload
-        from ..node import wire  # (here: the command line imports every backend)
-
         parsed = wire.parse_record(payload)
         if parsed is not None and t is not None and parsed[0] == t.ident:
             self._record(parsed[0], parsed[1], parsed[2])  # in-band: its agent could not connect
@@ -935,8 +932,6 @@ class SlurmBackend(BatchBackend):
         step.open_streams -= 1
 
     def _record(self, ident: int, kind: str, payload: bytes) -> None:
-        from ..node import wire
-
         t = self._by_ident.get(ident)
         if isinstance(t, SlurmTask) and kind == wire.START:
             try:

@@ -37,11 +37,14 @@ Every remote command line is built by a pure function (:func:`wrapper_command`,
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
+import getpass
 import json
 import logging
 import os
+import queue
 import shlex
 import socket
 import threading
@@ -59,8 +62,8 @@ from ..runtime.output import ProcOutput
 from ..spec.job import Host, JobSpec
 from ..spec.plan import Plan, ProcSpec, place
 from ..transport.options import SSHOptions
-from ..transport.ssh import HostSession, Target
-from ..transport.sync import SyncPlan
+from ..transport.ssh import HostSession, Target, connect_all, require_paramiko, resolve_targets
+from ..transport.sync import SyncPlan, plan_sync, size_text
 from ..transport.wiresync import SyncStats, TreeSync
 from .base import Backend, BackendOption
 
@@ -142,16 +145,12 @@ def hosts_with_processes(spec: JobSpec) -> list[Host]:
 
 def _basic_target(host: Host, opts: SSHOptions) -> Target:
     """A target without ``~/.ssh/config`` (dry runs must not need paramiko)."""
-    from ..transport.ssh import Target
-
     return Target(host=host, hostname=host.name, port=host.port or opts.port or 22,
                   user=host.user or opts.user or _local_user(),
                   key_files=(opts.key,) if opts.key else ())
 
 
 def _local_user() -> str:
-    import getpass
-
     return getpass.getuser()
 
 
@@ -177,8 +176,6 @@ class RemoteHost:
         self.interval = max(0.1, spec.options.keepalive)
         self.lost_after = LOST_FACTOR * self.interval
         self._stop = threading.Event()
-        import queue  # (here: the command line imports every backend; see the module's imports)
-
         self._signals: queue.Queue[Optional[tuple[str, SSHProcess]]] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -223,8 +220,6 @@ class RemoteHost:
 
     def request(self, kind: bytes, payload: bytes, reply: bytes, timeout: float = 600.0) -> dict:
         """Send a frame and wait for the wrapper's JSON answer of kind ``reply``."""
-        import queue
-
         self.send(kind, payload)
         deadline = time.monotonic() + timeout
         while True:
@@ -594,8 +589,6 @@ class SSHBackend(Backend):
         """The hosts' connection settings as a job resolves them (``~/.ssh/config`` included), and a
         note when that cannot be done here (no paramiko: the config is not read)."""
         opts = spec.options or SSHOptions()
-        from ..transport.ssh import require_paramiko, resolve_targets
-
         try:
             require_paramiko()
             return resolve_targets(hosts, opts), ""
@@ -620,8 +613,6 @@ class SSHBackend(Backend):
         for (host, labels), t in zip(per_host.items(), targets):
             lines.append(f"  {host.display}: {t.address}, cwd {cwd}: {', '.join(labels)}")
         if spec.sync_dst_dir:
-            from ..transport.wiresync import TreeSync
-
             sync_plan = cls.sync_plan(spec)
             tree = TreeSync(sync_plan.src, spec.sync_dst_dir, opts.sync_exclude, skip=sync_plan.skipped,
                             delete=opts.sync_delete)
@@ -642,22 +633,15 @@ class SSHBackend(Backend):
     @classmethod
     def sync_plan(cls, spec: JobSpec) -> SyncPlan:
         """What ``--sync-dst-dir`` sends (one walk of the working directory, here)."""
-        from ..transport.sync import plan_sync
-
         opts = spec.options or SSHOptions()
         return plan_sync(spec.workdir or os.getcwd(), opts.sync_exclude, gitignore=not opts.sync_no_gitignore)
 
     # -- prepare ------------------------------------------------------------------------------
 
     def check(self) -> None:
-        from ..transport.ssh import require_paramiko
-
         require_paramiko()
 
     def prepare(self) -> Mapping[Host, str]:
-        from ..transport.ssh import connect_all, resolve_targets
-        from ..transport.wiresync import TreeSync
-
         spec = self.spec
         lines = hosts_with_processes(spec)
         targets = resolve_targets(lines, self.opts)
@@ -690,8 +674,6 @@ class SSHBackend(Backend):
         self._resolve_address(host)
         if self.tree is not None:
             host.workdir, self.sync_stats[host.label] = self.tree.sync(host.label, host.request, host.send)
-            from ..transport.sync import size_text
-
             st = self.sync_stats[host.label]
             # (without DMLC_INTERFACE the sync is the wrapper's first request, so its time includes
             # the wrapper's start there: the login shell and python3)
@@ -711,8 +693,6 @@ class SSHBackend(Backend):
 
     def _per_host(self, fn: object, what: str) -> None:
         """Run ``fn(host)`` for every host in parallel; raise the first error in hostfile order."""
-        import concurrent.futures
-
         hosts = list(self.hosts.values())
         errors: dict[int, BaseException] = {}
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(hosts))),
@@ -796,8 +776,6 @@ class SSHBackend(Backend):
 
     @staticmethod
     def _run_parallel(fn: object, items: list) -> None:
-        import concurrent.futures
-
         errors: list[BaseException] = []
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(items))),
                                                    thread_name_prefix="pslaunch-start") as pool:

@@ -52,10 +52,13 @@ ID``, printed at the end).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 import re
 import shlex
+import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -246,8 +249,6 @@ def yarn_program(environ: Mapping[str, str]) -> str:
     The watchdog starts before :meth:`YarnBackend.prepare` puts ``$HADOOP_HOME/bin``
     on the launcher's ``PATH``; a bare ``yarn`` could then not be found when it matters.
     """
-    import shutil
-
     found = shutil.which("yarn", path=environ.get(pc.PATH))
     if found:
         return os.path.abspath(found)
@@ -304,8 +305,6 @@ def dependency_problem(environ: Mapping[str, str], *, has_skein: bool,
                        which: Optional[Callable[[str], Optional[str]]] = None,
                        exists: Callable[[str], bool] = os.path.exists) -> Optional[str]:
     """What the launching host lacks for skein, as one line; ``None`` if nothing."""
-    import shutil
-
     which = which or shutil.which
     if not has_skein:
         return "the yarn backend needs skein: pip install 'pslaunch[yarn]' (skein>=0.8)"
@@ -400,8 +399,6 @@ class YarnBackend(BatchBackend):
     # -- set-up -----------------------------------------------------------------------------
 
     def check(self) -> None:
-        import importlib.util
-
         problem = dependency_problem(os.environ, has_skein=importlib.util.find_spec("skein") is not None)
         if problem:
             raise BackendUnavailableError(problem)
@@ -413,8 +410,6 @@ class YarnBackend(BatchBackend):
             self._skein = importlib.import_module("skein")
         hadoop = os.environ.get(HADOOP_HOME, "")
         hadoop_bin = os.path.join(hadoop, "bin") if hadoop else ""
-        import shutil
-
         if hadoop_bin and not shutil.which("yarn") and os.path.isdir(hadoop_bin):
             # skein runs `yarn classpath`; HADOOP_HOME/bin is where it lives
             os.environ[pc.PATH] = hadoop_bin + os.pathsep + os.environ.get(pc.PATH, "")
@@ -436,8 +431,6 @@ class YarnBackend(BatchBackend):
     # -- submitting -------------------------------------------------------------------------------
 
     def submit(self, procs: Sequence[ProcSpec], hub: Optional[tuple[str, int]]) -> list[BatchTask]:
-        import tempfile
-
         self._tmp = tempfile.mkdtemp(prefix="pslaunch-yarn-")  # mode 0700
         if self.watchdog is not None:  # the task file holds the job's secret: not left behind by kill -9
             self.watchdog.on_abandon(["rm", "-rf", "--", self._tmp])
@@ -567,8 +560,6 @@ class YarnBackend(BatchBackend):
                     pass
         self._app = self._client = None
         if self._tmp:
-            import shutil
-
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
 

@@ -8,17 +8,20 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
+from .clickutil import invoke
+from .run import command_for
+
 
 def main(argv: Optional[Sequence[str]] = None, prog_name: str = "pslaunch") -> int:
     """Console entry point. With ``argv=None`` it reads ``sys.argv`` and exits with the job's code."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "doctor":
+        # (here: the doctor's commands take every backend's options, so they import every
+        # backend module; a job's command line imports those it may name: run.command_for)
         from .doctor import main as doctor_main
+
         code = doctor_main(args[1:])
     else:
-        from .clickutil import invoke
-        from .run import command_for
-
         code = invoke(command_for(args), args, prog_name, "pslaunch --help")
     if argv is None:
         sys.exit(code)

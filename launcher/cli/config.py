@@ -16,8 +16,10 @@ exit 2, never a hang, a traceback or the OOM killer:
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
+import shlex
 import stat
 from typing import Any
 
@@ -226,8 +228,6 @@ def convert(key: str, value: Any, param: click.Parameter, path: str) -> Any:
         return items
     if getattr(param, "multiple", False) or param.name in _LIST_OPTIONS:
         if param.name == "command" and isinstance(value, str):
-            import shlex
-
             try:
                 return shlex.split(value)
             except ValueError as e:
@@ -282,8 +282,6 @@ def load_config(path: str, command: click.Command) -> dict[str, Any]:
         key = raw_key.replace("-", "_")
         param = keys.get(key)
         if param is None:
-            import difflib
-
             hint = difflib.get_close_matches(key, list(keys), n=1)
             suggestion = f" (did you mean {hint[0].replace('_', '-')!r}?)" if hint else ""
             shown = raw_key if len(raw_key) <= 40 else raw_key[:40] + "..."

@@ -12,6 +12,7 @@ from .. import backends
 from ..backends.base import Backend
 from ..errors import ConfigError
 from ..run.doctor import run_doctor
+from ..run.preflight import run_preflight
 from ..spec.hosts import read_hosts
 from .clickutil import add_backend_options, invoke
 from .common import configure_logging, parse_env_item, parse_port_range_option
@@ -112,8 +113,6 @@ Example:
               help="A variable the job sets (DMLC_INTERFACE, ...). Repeatable.")
 @click.option("--host-ip", default=None, metavar="auto|ip|dns|ADDRESS", help="The scheduler's address.")
 def backend_doctor_command(**kw: Any) -> None:
-    from ..run.preflight import run_preflight
-
     environ = dict(os.environ)
     cls = backends.get(kw["launcher"])
     env = dict(parse_env_item(e, "--env", environ, True) for e in kw.get("env") or ())

@@ -11,8 +11,10 @@ from typing import Any, Mapping, Optional
 
 import pscontract as pc
 
-from .. import backends
+from .. import backends, trackers
 from ..errors import ConfigError
+from ..run.report import format_dry_run
+from ..run.supervisor import dry_run_plan, run_job
 from ..spec.hosts import read_hosts
 from ..spec.job import JobSpec, parse_memory_mb
 from .common import configure_logging, parse_env_item, parse_port_range_option
@@ -124,13 +126,8 @@ def check_outputs(spec: JobSpec, create: bool) -> None:
 
 def execute(spec: JobSpec) -> int:
     """Run (or dry-run) the job; return the exit code."""
-    from ..run.supervisor import dry_run_plan, run_job
-
     check_outputs(spec, create=not spec.dry_run)
     if spec.dry_run:
-        from .. import trackers
-        from ..run.report import format_dry_run
-
         backend = backends.get(spec.launcher)
         plan = dry_run_plan(spec, backend)
         extra = [f"warning: {note}" for note in backend.notes(spec)] + backend.dry_run(spec, plan)

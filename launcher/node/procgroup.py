@@ -73,7 +73,7 @@ def resolve_program(argv0, environ, cwd=None):
 def _prctl(option, value):
     """Linux ``prctl(option, value)``; False where it is not available."""
     try:
-        import ctypes  # (here: the import costs milliseconds that a launch does not always need)
+        import ctypes  # (here: the node programs that import this module seldom need it)
 
         libc = ctypes.CDLL(None, use_errno=True)  # the C library is loaded already
         return libc.prctl(option, int(value), 0, 0, 0) == 0

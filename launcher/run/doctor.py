@@ -43,7 +43,14 @@ from .. import backends, node
 from ..errors import ConfigError, LauncherError
 from ..spec import env as jobenv
 from ..spec.job import Host, JobSpec
-from ..transport.ssh import SSHOptions
+from ..transport.ssh import (
+    HostSession,
+    SSHOptions,
+    connect,
+    key_type_label,
+    require_paramiko,
+    resolve_targets,
+)
 from . import addresses
 
 log = logging.getLogger(__name__)
@@ -236,8 +243,6 @@ def remote_script(args: dict[str, Any]) -> bytes:
 
 def check_host(host: Host, opts: SSHOptions, checks: Checks, root: tuple[str, int], timeout: float) -> Row:
     """Run every check on one host; never raises."""
-    from ..transport.ssh import HostSession, connect, key_type_label, resolve_targets
-
     row = Row(host)
     t0 = time.monotonic()
     try:
@@ -425,8 +430,6 @@ def run_doctor(hosts: Sequence[Host], opts: SSHOptions, *, cwd: str, env: dict[s
                host_ip: Optional[str], port_range: tuple[int, int], command: Sequence[str] = (),
                python: Optional[str] = None, imports: Sequence[str] = (), sync: bool = False) -> tuple[int, str]:
     """All checks on all hosts; returns (exit code, report)."""
-    from ..transport.ssh import require_paramiko
-
     require_paramiko()
     spec = JobSpec(command=tuple(command) or ("doctor",), num_workers=1, num_servers=0, launcher="ssh",
                    hosts=tuple(hosts), env=tuple(env.items()), environ=tuple(sorted(environ.items())),

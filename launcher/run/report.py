@@ -4,8 +4,10 @@ and the dry run's plan. Pure functions of data, except the two that write (log a
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shlex
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -123,7 +125,6 @@ def write_summary(path: str, spec: JobSpec, plan: Optional[Plan], result: JobRes
         "end_time": result.end_time,
         "processes": [r.to_dict() for r in result.records],
     }
-    import json  # (here: only a --summary-json needs it)
 
     text = redactor(plan)(json.dumps(doc, indent=2))
     tmp = f"{path}.tmp{os.getpid()}"
@@ -142,8 +143,6 @@ def format_dry_run(spec: JobSpec, plan: Plan, extra: Sequence[str] = (), inherit
     ``inherits``: the processes also get the launcher's own environment beneath these.
     ``tracker``: what the job's tracker is (``launcher.trackers.describe``), for a collective job.
     """
-    import shlex  # (here: only a dry run needs it)
-
     lo, hi = spec.port_range
     out = [f"pslaunch dry run ({spec.launcher}): 1 scheduler, {spec.num_servers} server(s), "
            f"{spec.num_workers} worker(s); nothing is started" if plan.scheduler else

@@ -289,9 +289,7 @@ class Supervisor:
         lo, hi = spec.port_range
         here = root_uri if self.backend_cls.all_here(spec) else None
         tracker = None
-        if spec.collective:  # (the trackers are imported only for a collective job's)
-            from .. import trackers
-
+        if spec.collective:
             tracker = trackers.create(spec, self.console, self.watchdog)
         if tracker is not None:  # a collective job: its tracker serves where the scheduler would run
             self.tracker = trackers.TrackerHandle(tracker)  # (held before it starts: close() always reaches it)
@@ -476,11 +474,9 @@ class Supervisor:
 
 
 def _progress(console: Console, enabled: bool, expected: Mapping[str, int], start: float) -> Optional[Progress]:
-    """:meth:`.progress.Progress.create`, imported only where a status line can be shown."""
+    """:meth:`.progress.Progress.create`, where a status line can be shown."""
     if not enabled or not is_terminal(console.stdout):
         return None
-    from .progress import Progress
-
     return Progress.create(console, enabled, expected, start)
 
 

@@ -15,6 +15,7 @@ runs, error reports or the summary.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -61,8 +62,6 @@ class Redactor:
         short = sorted((v for v in values if len(v) < 4), key=len, reverse=True)
         self.short = None
         if short:
-            import re  # (here: most jobs' secrets are long; re costs a launch 2 ms)
-
             self.short = re.compile(r"(?<![A-Za-z0-9])(?:" + "|".join(map(re.escape, short)) + r")(?![A-Za-z0-9])")
 
     @classmethod

@@ -26,7 +26,9 @@ most :data:`~launcher.spec.job.MAX_PROCESSES`.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import stat
 import sys
 from typing import BinaryIO, Iterable, Optional
@@ -39,8 +41,8 @@ MAX_LINE = 4096
 MAX_NAME = 253  # a DNS name's limit
 MAX_USER = 256
 
-_NAME_RE = r"^[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?$"  # (compiled by re's cache on first use:
-_USER_RE = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$"  # a job without hosts never imports re)
+_NAME_RE = r"^[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?$"
+_USER_RE = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$"
 _KNOWN_KEYS = ("slots",)
 
 
@@ -60,7 +62,6 @@ def parse_host(token: str, where: str = "<host>") -> Host:
         user, _, token = token.rpartition("@")
         if len(user) > MAX_USER:
             raise ConfigError(f"{where}: a user name of {len(user)} characters is too long (at most {MAX_USER})")
-        import re
 
         if not re.match(_USER_RE, user):
             raise ConfigError(f"{where}: bad user name {user!r} (letters, digits, '.', '_', '-'; not starting with '-')")
@@ -85,7 +86,6 @@ def parse_host(token: str, where: str = "<host>") -> Host:
         name = token
     if len(name) > MAX_NAME:
         raise ConfigError(f"{where}: a host name of {len(name)} characters is too long (at most {MAX_NAME})")
-    import re
 
     if ":" not in name and not re.match(_NAME_RE, name):
         raise ConfigError(f"{where}: bad host name {name!r} (letters, digits, '.', '-', '_'; not starting with '-')")
@@ -93,8 +93,6 @@ def parse_host(token: str, where: str = "<host>") -> Host:
 
 
 def _check_ipv6(name: str, where: str) -> None:
-    import ipaddress
-
     try:
         ipaddress.IPv6Address(name)
     except ValueError:

@@ -9,6 +9,7 @@ backend never sees an impossible value. A backend's own options are its own froz
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Optional
@@ -220,7 +221,6 @@ class JobSpec:
         """The job name: ``--jobname`` or ``pslaunch-<program>``."""
         if self.jobname:
             return self.jobname
-        import re  # (here and below: re costs a launch 2 ms, and most jobs never need it)
 
         prog = re.sub(r"[^A-Za-z0-9_.-]", "_", self.command[0].rsplit("/", 1)[-1])
         return f"pslaunch-{prog}"
@@ -240,8 +240,6 @@ MAX_MEMORY_MB = 1 << 30
 
 def parse_memory_mb(text: str, option: str) -> int:
     """dmlc's memory strings: ``"1g"`` -> 1024, ``"512m"`` -> 512 (also ``"1.5G"``)."""
-    import re
-
     m = re.fullmatch(r"\s*(\d{1,12}(?:\.\d{1,6})?)\s*([gGmM])[bB]?\s*", str(text)[:100])
     if not m:
         raise ConfigError(f"{option} {_short(text)!r}: give a size ending in g or m, for example 2g or 512m")

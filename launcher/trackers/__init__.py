@@ -36,6 +36,7 @@ from ..node.watchdog import Client as Watchdog
 from ..runtime.output import Console
 from ..spec.job import JobSpec
 from ..spec.plan import Plan
+from . import service
 from .interface import FAILURE_GRACE, Tracker, TrackerHandle, python_for, resolve_python
 
 __all__ = ["FAILURE_GRACE", "Tracker", "TrackerHandle", "classes", "create", "describe", "python_for",
@@ -44,8 +45,6 @@ __all__ = ["FAILURE_GRACE", "Tracker", "TrackerHandle", "classes", "create", "de
 
 def classes() -> dict[str, type[Tracker]]:
     """``--tracker`` value -> its class (``ps`` has none: the scheduler is a process of the job)."""
-    from . import service
-
     return {"rabit": service.RabitService, "xgboost": service.XGBoostService, "torch": service.TorchService}
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import time
 from typing import ClassVar, Optional
 
@@ -97,8 +98,6 @@ def resolve_python(spec: JobSpec) -> Optional[str]:
     environ = spec.environ_dict()
     found = resolve_program(python, {pc.PATH: environ.get(pc.PATH, os.defpath)}, spec.workdir)
     if "/" not in found:
-        import shutil
-
         found = shutil.which(found, path=environ.get(pc.PATH, os.defpath)) or ""
     elif spec.workdir and not os.path.isabs(found):
         found = os.path.join(spec.workdir, found)

@@ -1,8 +1,4 @@
-"""``--ssh-*`` and ``--sync-*``: the ssh transport's options, apart from the transport.
-
-The command line imports every backend for its options; this module keeps the ssh backend's
-cheap (paramiko, thread pools and the rest load when a job uses ssh).
-"""
+"""``--ssh-*`` and ``--sync-*``: the ssh transport's options, apart from the transport."""
 
 from __future__ import annotations
 

@@ -17,25 +17,37 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence
 
 import pscontract as pc
+from pscontract import netif
 
 from ...errors import BackendUnavailableError, ConfigError, LaunchError
+from ...node import mpi_wire
 from ...node.watchdog import Client as Watchdog
 from ...runtime.handle import ProcGroup, spawn_guard
-from ...runtime.hub import Hub
+from ...runtime.hub import Hub, hub_ports
 from ...runtime.output import Console, PipePump
 from ...spec.job import JobSpec
 from ...spec.plan import Plan, ProcSpec
 from ..base import Backend, BackendOption
-from .command import MPIInfo, RankLayout
-from .job import MPIJob
-
-# .command and .job are imported where they are used: the command line imports every backend
-# for its options, and a launch that does not use mpirun should not pay for them.
+from .command import (
+    HOSTFILE_PLACEHOLDER,
+    MPIImpl,
+    MPIInfo,
+    RankLayout,
+    check_hosts,
+    mpi_interface,
+    mpirun_command,
+    openmpi_session_dirs,
+    probe_mpirun,
+    rank_layout,
+)
+from .job import MPIGroup, MPIJob, MPIRank
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +103,6 @@ class MPIBackend(Backend):
         self.tmpdir: Optional[str] = None
 
     def check(self) -> None:
-        from pscontract import netif
-
-        from .command import check_hosts, mpi_interface, probe_mpirun
-
         check_hosts(self.spec.hosts)
         if self.spec.sync_dst_dir:
             log.warning("--sync-dst-dir is ignored by --launcher mpi (as by dmlc's): mpirun runs the command "
@@ -105,15 +113,6 @@ class MPIBackend(Backend):
         mpi_interface(self.info.impl, self.spec.interface, netif.interfaces())
 
     def start(self, procs: Sequence[ProcSpec]) -> ProcGroup:
-        from .command import (
-            HOSTFILE_PLACEHOLDER,
-            MPIImpl,
-            mpirun_command,
-            openmpi_session_dirs,
-            rank_layout,
-        )
-        from .job import MPIGroup, MPIJob, MPIRank
-
         if self.info is None:
             self.check()
         assert self.info is not None
@@ -126,8 +125,6 @@ class MPIBackend(Backend):
         argv, env, hostfile_text = mpirun_command(spec, self.info, procs, layout,
                                                   hub=self.hub.address if self.hub else None)
         if hostfile_text is not None:
-            import tempfile
-
             self.tmpdir = tempfile.mkdtemp(prefix="pslaunch-mpi-")
             if self.watchdog is not None:
                 self.watchdog.on_abandon(["rm", "-rf", "--", self.tmpdir])
@@ -170,10 +167,6 @@ class MPIBackend(Backend):
     def _listen(self, job: MPIJob, procs: Sequence[ProcSpec], layout: RankLayout) -> Optional[Hub]:
         """The hub the rank wrappers connect to: on the scheduler's address (which every host
         reaches; loopback when all ranks run here), in ``--port-range`` if a port is free there."""
-        from pscontract import netif
-
-        from ...runtime.hub import Hub, hub_ports
-
         env = procs[0].env
         secret = env.get(pc.SECRET, "")
         service = pc.service_endpoint(env)  # the scheduler's or the tracker's
@@ -196,16 +189,6 @@ class MPIBackend(Backend):
     @classmethod
     def dry_run(cls, spec: JobSpec, plan: Plan) -> list[str]:
         """The mpirun command line(s), Open MPI's hostfile and the rank table; no job is started."""
-        from ...node import mpi_wire
-        from .command import (
-            HOSTFILE_PLACEHOLDER,
-            MPIImpl,
-            MPIInfo,
-            mpirun_command,
-            probe_mpirun,
-            rank_layout,
-        )
-
         # With hosts, each wrapper works DMLC_NODE_HOST out on its node (the plan shows a guess).
         procs = [replace(p, env={k: v for k, v in p.env.items() if k != pc.NODE_HOST})
                  if p.host is not None else p for p in plan.procs]
@@ -252,8 +235,6 @@ class MPIBackend(Backend):
             self.pump.stop()
             self.pump = None
         if self.tmpdir is not None:
-            import shutil
-
             shutil.rmtree(self.tmpdir, ignore_errors=True)
             self.tmpdir = None
 

@@ -14,6 +14,7 @@ this machine is pure and golden-tested, for both mpirun families.
 from __future__ import annotations
 
 import enum
+import glob
 import ipaddress
 import os
 import shutil
@@ -66,8 +67,6 @@ def openmpi_session_dirs(pid: int, env: Mapping[str, str], uid: int) -> tuple[st
     >>> openmpi_session_dirs(42, {"TMPDIR": "/scratch"}, 1000)
     ('/scratch/ompi.*.1000/pid.42', '/scratch/prte.*.1000/dvm.42')
     """
-    import glob
-
     base = glob.escape(env.get("TMPDIR") or env.get("TEMP") or env.get("TMP") or "/tmp")
     return (os.path.join(base, f"ompi.*.{uid}", f"pid.{pid}"), os.path.join(base, f"prte.*.{uid}", f"dvm.{pid}"))
 

@@ -23,6 +23,7 @@ from typing import Any, Mapping, Optional, Sequence
 from ...node import wire
 from ...node.procgroup import group_alive
 from ...node.watchdog import Client as Watchdog
+from ...node.watchdog import remove_matching
 from ...runtime.handle import ProcessHandle, ProcGroup, group_members, normalize_exitcode
 from ...runtime.hub import MAX_UNTERMINATED, Hub
 from ...runtime.output import ProcOutput
@@ -366,8 +367,6 @@ class MPIJob:
         if self.mpirun_code() is not None and self.session_dirs:
             # mpirun removes it on its way out, but not when a signal ends it first (SIGKILL, or
             # a SIGTERM before its handlers are set: a lost port race stops it at once)
-            from ...node.watchdog import remove_matching
-
             for d in remove_matching(self.session_dirs):
                 log.debug("removed %s (mpirun exited with code %s)", d, self.mpirun_code())
 
