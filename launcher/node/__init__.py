@@ -10,7 +10,8 @@ The programs here run beside the user's command, on the node that runs it:
 * both run the command through :mod:`.agent`, which reports to the launcher over an
   authenticated TCP channel (:mod:`.wire`);
 * :mod:`.watchdog` is the dead-man switch, on the launching host and on the nodes;
-* :mod:`.pslite` is the builtin ps-lite scheduler (``--scheduler builtin``), on the launching host;
+* :func:`command` also starts the builtin ps-lite scheduler (``--scheduler builtin``) on the
+  launching host, though it lives in :mod:`launcher.trackers.pslite` (it needs pyzmq);
 * :mod:`.procgroup` holds the process-group helpers all of them share with the launcher.
 
 Rules (``tests/unit/test_architecture.py`` enforces the first): these modules import only the
@@ -28,8 +29,11 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: The node programs that can be started with :func:`command` (module names in this package).
 PROGRAMS = ("watchdog", "mpirank", "task", "pslite")
-#: Node programs that need the site packages (the rank wrapper may import mpi4py).
-_SITE = ("mpirank",)
+#: Node programs that need the site packages (the rank wrapper may import mpi4py, the builtin
+#: ps-lite scheduler pyzmq).
+_SITE = ("mpirank", "pslite")
+#: Programs started as node programs but not standard-library-only, so not in this package.
+_ELSEWHERE = {"pslite": "launcher.trackers.pslite"}
 #: What a bundle holds besides the node package: the contract, and the packages' ``__init__``.
 _BUNDLED = ("launcher/__init__.py", "pscontract/__init__.py", "pscontract/netif.py")
 
@@ -44,13 +48,13 @@ def command(program, python=""):
 
     ``python -S -c`` with this installation's root first on ``sys.path``: the program does
     not depend on the working directory or on ``PYTHONPATH``, and no site packages are
-    imported (they cost start-up time; only the rank wrapper may need one, mpi4py).
-    Arguments go after it.
+    imported (they cost start-up time; only the rank wrapper may need one, mpi4py, and the
+    ps-lite scheduler needs pyzmq: those two run without ``-S``). Arguments go after it.
     """
     if program not in PROGRAMS:
         raise ValueError("unknown node program %r" % program)
-    code = ("import sys; sys.path.insert(0, %r); from launcher.node.%s import main; sys.exit(main())"
-            % (ROOT, program))
+    code = ("import sys; sys.path.insert(0, %r); from %s import main; sys.exit(main())"
+            % (ROOT, _ELSEWHERE.get(program, "launcher.node." + program)))
     return [python or sys.executable, *(() if program in _SITE else ("-S",)), "-c", code]
 
 

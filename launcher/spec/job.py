@@ -12,7 +12,7 @@ import math
 import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import pscontract as pc
 
@@ -121,7 +121,7 @@ class JobSpec:
     tracker_python: Optional[str] = None
     #: what runs as a ps job's scheduler (:data:`SCHEDULERS`): ``command``, the job's own command
     #: with ``DMLC_ROLE=scheduler``, as launch.py does; ``builtin``, pslaunch's ps-lite scheduler
-    #: (:mod:`launcher.node.pslite`), which spares a ps-lite program one start-up of itself
+    #: (:mod:`launcher.trackers.pslite`), which spares a ps-lite program one start-up of itself
     scheduler: str = "command"
 
     def __post_init__(self) -> None:
@@ -183,11 +183,7 @@ class JobSpec:
             if self.tracker != "ps":
                 raise ConfigError(f"--scheduler builtin is a ps-lite scheduler; --tracker {self.tracker} runs "
                                   "none (drop --scheduler)")
-            from ..node.pslite import (
-                refusal,  # (only for this option: its module is not a launch's cost)
-            )
-
-            why = refusal({**self.environ_dict(), **dict(self.env)}, who="--scheduler builtin")
+            why = builtin_scheduler_refusal({**self.environ_dict(), **dict(self.env)}, who="--scheduler builtin")
             if why:
                 raise ConfigError(why)
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -224,6 +220,25 @@ class JobSpec:
 
         prog = re.sub(r"[^A-Za-z0-9_.-]", "_", self.command[0].rsplit("/", 1)[-1])
         return f"pslaunch-{prog}"
+
+
+def builtin_scheduler_refusal(env: Mapping[str, str], who: str = "the builtin scheduler") -> Optional[str]:
+    """Why the builtin ps-lite scheduler (:mod:`launcher.trackers.pslite`) cannot serve a job whose
+    processes get ``env``, or None: the spec (``who`` is then the option) and the scheduler itself
+    ask the same. It speaks ps-lite's zmq van over TCP and acknowledges no message."""
+    def setting(name: str, default: str) -> str:
+        return _short((env.get(name) or default).strip() or default)
+
+    van, local, resend = setting(pc.PS_VAN_TYPE, "zmq"), setting("DMLC_LOCAL", "0"), setting("PS_RESEND", "0")
+    if van not in ("zmq", "p3"):
+        return f"{pc.PS_VAN_TYPE}={van}: {who} speaks ps-lite's zmq van only; use --scheduler command"
+    if local != "0":
+        return (f"DMLC_LOCAL={local} (ipc sockets): {who} speaks TCP only; unset DMLC_LOCAL or use "
+                "--scheduler command")
+    if resend != "0":
+        return (f"PS_RESEND={resend}: {who} does not acknowledge messages (ps-lite would send them again); "
+                "unset PS_RESEND or use --scheduler command")
+    return None
 
 
 def _short(value: object, limit: int = 30) -> str:

@@ -1,22 +1,21 @@
-"""The builtin ps-lite scheduler's pure parts: protobuf of ps-lite's meta.proto, ZMTP 3.0 frames,
-and ps-lite's numbering of nodes (the real MXNet runs are in tests/integration/test_mxnet.py)."""
+"""The builtin ps-lite scheduler's pure parts: protobuf of ps-lite's meta.proto and ps-lite's
+numbering of nodes (its sockets against real libzmq are in tests/integration/test_pslite_scheduler.py,
+the real MXNet runs in tests/integration/test_mxnet.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from launcher.node import pslite
-from launcher.node.pslite import (
+from launcher.trackers import pslite
+from launcher.trackers.pslite import (
     ADD_NODE,
     BARRIER,
     EMPTY,
-    GREETING,
     SCHEDULER,
     SERVER,
     WORKER,
     Meta,
     Node,
-    Peer,
     WireError,
 )
 
@@ -97,61 +96,6 @@ def test_node_ids_from_zmq_identities() -> None:
     assert pslite.node_id(b"ps") == EMPTY and pslite.node_id(b"ps9x") == EMPTY
 
 
-def _message(frames: list[bytes]) -> bytes:
-    """A message of ``frames`` as a ZMTP peer sends it (every frame but the last marked MORE)."""
-    return b"".join(pslite.frame(f, pslite.MORE if i < len(frames) - 1 else 0) for i, f in enumerate(frames))
-
-
-class _Sock:
-    def __init__(self) -> None:
-        self.sent = b""
-
-    def sendall(self, data: bytes) -> None:
-        self.sent += data
-
-
-def _peer() -> Peer:
-    return Peer(_Sock(), "peer", outgoing=False)  # type: ignore[arg-type]
-
-
-def test_frames_arrive_in_any_pieces() -> None:
-    big = bytes(range(256)) * 3
-    stream = (GREETING + pslite.ready(b"DEALER", b"ps9") + _message([b"meta", big])
-              + _message([b"second"]))
-    for step in (1, 7, 64, len(stream)):
-        peer, got = _peer(), []
-        for i in range(0, len(stream), step):
-            got += peer.feed(stream[i:i + step])
-        assert got == [[b"meta", big], [b"second"]]
-        assert peer.identity == b"ps9"
-
-
-def test_a_peer_without_identity_is_nobody() -> None:
-    peer = _peer()
-    peer.feed(GREETING + pslite.ready(b"DEALER", b""))
-    assert peer.ready and pslite.node_id(peer.identity) == EMPTY
-
-
-def test_ping_is_answered_with_pong() -> None:
-    peer = _peer()
-    peer.feed(GREETING + pslite.ready(b"DEALER") + pslite.frame(b"\x04PING\x00\x0actx", pslite.COMMAND))
-    assert peer.sock.sent == pslite.frame(b"\x04PONGctx", pslite.COMMAND)  # type: ignore[attr-defined]
-
-
-@pytest.mark.parametrize("stream, why", [
-    (b"GET / HTTP/1.1\r\n", "not a ZeroMQ peer"),
-    (b"\xff" + b"\0" * 8 + b"\x7f\x02" + b"\0" * 53, "older than ZMTP 3.0"),
-    (GREETING[:12] + b"CURVE".ljust(20, b"\0") + GREETING[32:], "mechanism 'CURVE'"),
-    (GREETING + _message([b"x"]), "before the ZMTP handshake"),
-    (GREETING + pslite.ready(b"DEALER") + b"\x02" + (64 << 20).to_bytes(8, "big"), "a frame of 67108864 bytes"),
-    (GREETING + pslite.frame(b"\x05ERROR\x04nope", pslite.COMMAND), "refused the connection: nope"),
-    (GREETING + pslite.frame(b"\x05READY\x0bSocket-Type\x00\x00\x00\x09DEAL", pslite.COMMAND), "runs past"),
-])
-def test_bad_zmtp_is_a_wire_error(stream: bytes, why: str) -> None:
-    with pytest.raises(WireError, match=why):
-        _peer().feed(stream)
-
-
 def test_main_refuses_what_it_cannot_serve(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     base = {"DMLC_ROLE": "scheduler", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "1",
             "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1"}
@@ -171,3 +115,26 @@ def test_main_refuses_what_it_cannot_serve(monkeypatch: pytest.MonkeyPatch, caps
     monkeypatch.setenv("DMLC_NUM_SERVER", "1")
     assert pslite.main() == 1
     assert "DMLC_PS_ROOT_URI is not set" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("hostname, port, why", [
+    ("", 1, "its host name '' is no host name or address"),
+    ("\u00fc-host", 1, "its host name '\u00fc-host' is no host name or address"),  # (libzmq would not resolve it)
+    ("a b", 1, "its host name 'a b' is no host name or address"),
+    ("a\0b", 1, "its host name 'a\\x00b' is no host name or address"),
+    ("10.0.0.2", 0, "its port 0 is not from 1 to 65535"),
+    ("10.0.0.2", 65536, "its port 65536 is not from 1 to 65535"),
+    ("10.0.0.2", EMPTY, f"its port {EMPTY} is not from 1 to 65535"),
+])
+def test_a_registered_address_no_connection_can_be_made_to(hostname: str, port: int, why: str) -> None:
+    assert pslite.host_problem(Node(WORKER, hostname=hostname, port=port)) == why
+
+
+def test_a_registered_address_a_connection_can_be_made_to() -> None:
+    for hostname in ("10.0.0.2", "node-3.cluster.example", "a..b", "fe80::1"):
+        assert pslite.host_problem(Node(SERVER, hostname=hostname, port=65535)) is None
+
+
+def test_an_identity_of_255_digits_is_a_number() -> None:
+    assert pslite.node_id(b"ps" + b"9" * 253) == int("9" * 253)  # (no int-digit limit meets a ZeroMQ identity)
+

@@ -1,0 +1,533 @@
+"""pslaunch's own ps-lite scheduler (``pslaunch --scheduler builtin``): ps-lite's rules over pyzmq.
+
+A ps-lite program (MXNet's ``dist_*`` kvstores, ps-lite's own apps) runs its scheduler role as
+one more copy of the program: for MXNet a whole ``import mxnet`` (about 1.5 s of CPU) to run a
+loop that only registers nodes and counts barriers. This program is that loop, with the sockets
+of dmlc ps-lite's ``ZMQVan`` (MXNet 1.9, ps-lite master), through pyzmq (the ``pslite`` extra):
+
+* a ROUTER bound on ``DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT`` receives from every node's DEALER;
+  the first frame is the sender's identity (``ps<id>`` once the node has an id); the scheduler
+  reaches each node's ROUTER through a DEALER of its own, whose identity is ``ps1``;
+* every message is a protobuf ``PBMeta`` frame (ps-lite ``src/meta.proto``), then data frames;
+* control commands (``Control::Command``): ``ADD_NODE`` (a node registers; once all
+  ``DMLC_NUM_SERVER + DMLC_NUM_WORKER`` have, they are sorted as ps-lite sorts them, numbered
+  as ps-lite numbers them: server rank r is node 8 + 2r, worker rank r is 9 + 2r, and every
+  node gets the whole list), ``BARRIER`` (counted per group, answered to the group when all its
+  members arrived), ``HEARTBEAT`` (answered, as ps-lite's scheduler does);
+* the scheduler itself takes part in the two barriers of every node (``ps::Start`` and
+  ``ps::Finalize``, group scheduler + servers + workers) and exits with 0 after the second.
+
+BytePS's fork of ps-lite (raw C structs instead of protobuf), ps-lite's other vans (``ibverbs``;
+``DMLC_LOCAL``'s ipc) and ``PS_RESEND`` (every message acknowledged) keep ``--scheduler command``:
+the spec and this program refuse them (:func:`launcher.spec.job.builtin_scheduler_refusal`).
+A node that dies is not replaced (ps-lite's recovery): pslaunch stops the job. A node that
+registers an address the scheduler cannot connect to ends the job with a one-line error, where
+ps-lite's scheduler retries for ever and the job hangs.
+
+Nothing from the network is unpickled or executed, and nothing from it ends the scheduler: a
+message that does not parse is ignored with a one-line warning. Sends never block: libzmq queues
+up to :data:`SEND_HWM` messages for a node that reads nothing, then they are dropped with a warning.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Optional
+
+import pscontract as pc
+
+from ..errors import BackendUnavailableError
+from ..runtime.limits import raise_open_files
+from ..spec.job import builtin_scheduler_refusal
+
+#: ps-lite's ``Meta::kEmpty`` / ``Node::kEmpty`` (``std::numeric_limits<int>::max()``)
+EMPTY = 2 ** 31 - 1
+#: ``Node::Role``
+SERVER, WORKER, SCHEDULER = 0, 1, 2
+ROLE_NAMES = {SERVER: "server", WORKER: "worker", SCHEDULER: "scheduler"}
+#: ``Control::Command``
+CMD_EMPTY, TERMINATE, ADD_NODE, BARRIER, ACK, HEARTBEAT = range(6)
+#: node groups (``ps/base.h``) and the scheduler's node id
+SCHEDULER_GROUP, SERVER_GROUP, WORKER_GROUP = 1, 2, 4
+ALL_GROUPS = SCHEDULER_GROUP + SERVER_GROUP + WORKER_GROUP
+SCHEDULER_ID = 1
+#: the largest message accepted (libzmq drops the connection of a peer that sends more):
+#: control messages are a few hundred bytes per node
+MAX_MESSAGE = 16 << 20
+#: messages queued for one node before more are dropped (control messages: a few per node)
+SEND_HWM = 1000
+#: how long the last messages may take to leave at the end, in seconds
+LINGER = 5.0
+#: how long a connection to a node may take to open, in seconds
+CONNECT_TIMEOUT = 30.0
+#: what to install for this program
+INSTALL = "pip install 'pslaunch[pslite]' (or pip install pyzmq)"
+
+
+class WireError(Exception):
+    """A message that is not what a ps-lite node sends."""
+
+
+class Unreachable(Exception):
+    """A node registered at an address that the scheduler cannot connect to: the job cannot start."""
+
+
+def require_pyzmq() -> None:
+    """Raise a one-line error when this Python lacks pyzmq (``--scheduler builtin`` runs with it)."""
+    if importlib.util.find_spec("zmq") is None:
+        raise BackendUnavailableError(f"--scheduler builtin needs pyzmq: {INSTALL}")
+
+
+# --- protobuf (proto2) of ps-lite's meta.proto: only what the scheduler reads and writes ---------
+
+
+def _varint(value: int) -> bytes:
+    if value < 0:  # int32 fields: ten bytes, two's complement (protobuf's rule)
+        value += 1 << 64
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if not value:
+            out.append(byte)
+            return bytes(out)
+        out.append(byte | 0x80)
+
+
+def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= len(buf):
+            raise WireError("a protobuf varint runs past the end of the frame")
+        byte = buf[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, i
+        shift += 7
+        if shift >= 70:
+            raise WireError("a protobuf varint longer than ten bytes")
+
+
+def _int32(value: int) -> int:
+    value &= (1 << 32) - 1
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
+    """``(field number, wire type, value)`` of a protobuf message: an int, or bytes."""
+    i = 0
+    while i < len(buf):
+        key, i = _read_varint(buf, i)
+        number, wire = key >> 3, key & 7
+        if number == 0:
+            raise WireError("a protobuf field numbered 0")
+        if wire == 0:
+            value, i = _read_varint(buf, i)
+            yield number, wire, value
+            continue
+        if wire == 2:
+            size, i = _read_varint(buf, i)
+        elif wire in (1, 5):
+            size = 8 if wire == 1 else 4
+        else:
+            raise WireError(f"protobuf wire type {wire} (groups) is not in ps-lite's meta.proto")
+        if i + size > len(buf):
+            raise WireError("a protobuf field runs past the end of the frame")
+        value = buf[i:i + size]
+        yield number, wire, value if wire == 2 else int.from_bytes(value, "little")
+        i += size
+
+
+def _int(number: int, value: int) -> bytes:
+    return _varint(number << 3) + _varint(value)
+
+
+def _blob(number: int, data: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(data)) + data
+
+
+#: the int32 fields the scheduler reads, by field number (booleans become ``bool``)
+_NODE_INTS = {1: "role", 2: "id", 4: "port", 5: "is_recovery", 10: "customer_id"}
+_META_INTS = {4: "request", 7: "app_id", 8: "timestamp", 10: "customer_id"}
+_BOOLS = ("is_recovery", "request")
+
+
+def _read_int(obj: object, fields: dict[int, str], number: int, value: int) -> None:
+    """Set the attribute of ``obj`` that varint field ``number`` holds, if it is one in ``fields``."""
+    attr = fields.get(number)
+    if attr is not None:
+        v = _int32(value)
+        setattr(obj, attr, bool(v) if attr in _BOOLS else v)
+
+
+@dataclass
+class Node:
+    """``PBNode``: a process of the job as ps-lite names it."""
+
+    role: int
+    id: int = EMPTY
+    hostname: str = ""
+    port: int = EMPTY
+    is_recovery: bool = False
+    customer_id: int = 0
+
+    def encode(self) -> bytes:  # as ps-lite's Van::PackMeta writes one
+        return (_int(1, self.role) + _int(2, self.id) + _blob(3, self.hostname.encode())
+                + _int(4, self.port) + _int(5, int(self.is_recovery)) + _int(10, self.customer_id))
+
+    @classmethod
+    def decode(cls, buf: bytes) -> Node:
+        node = cls(role=-1)
+        for number, wire, value in _fields(buf):
+            if number == 3 and wire == 2:
+                try:
+                    node.hostname = value.decode()
+                except UnicodeDecodeError:
+                    raise WireError("a node's hostname is not UTF-8") from None
+            elif wire == 0:
+                _read_int(node, _NODE_INTS, number, value)
+        if node.role not in ROLE_NAMES:
+            raise WireError("a node without a valid role")
+        return node
+
+    @property
+    def address(self) -> str:
+        return f"{self.hostname}:{self.port}"
+
+    def describe(self) -> str:
+        ident = "" if self.id == EMPTY else f", id={self.id}"
+        return f"role={ROLE_NAMES.get(self.role, '?')}{ident}, ip={self.hostname}, port={self.port}"
+
+
+@dataclass
+class Meta:
+    """``PBMeta`` with its ``PBControl``: what one message says (its data frames aside)."""
+
+    cmd: int = CMD_EMPTY
+    nodes: list[Node] = field(default_factory=list)
+    request: bool = False
+    app_id: int = EMPTY
+    customer_id: int = EMPTY
+    timestamp: int = EMPTY
+    barrier_group: int = 0
+    head: int = EMPTY
+
+    def encode(self) -> bytes:
+        """As ps-lite's ``Van::PackMeta`` serializes a control message (of the kinds a scheduler sends)."""
+        out = _int(1, self.head)
+        if self.cmd != CMD_EMPTY:
+            ctrl = _int(1, self.cmd) + b"".join(_blob(2, n.encode()) for n in self.nodes)
+            if self.cmd == BARRIER:
+                ctrl += _int(3, self.barrier_group)
+            out += _blob(3, ctrl)
+        out += _int(4, int(self.request)) + _int(5, 0) + _int(6, 0)
+        if self.app_id != EMPTY:
+            out += _int(7, self.app_id)
+        if self.timestamp != EMPTY:
+            out += _int(8, self.timestamp)
+        return out + _int(10, self.customer_id) + _int(12, 0) + _int(13, 0)
+
+    @classmethod
+    def decode(cls, buf: bytes) -> Meta:
+        meta = cls(customer_id=0)  # (proto2's default of a field a sender left out)
+        for number, wire, value in _fields(buf):
+            if number == 3 and wire == 2:
+                meta.cmd = -1
+                for n2, w2, v2 in _fields(value):
+                    if n2 == 1 and w2 == 0:
+                        meta.cmd = _int32(v2)
+                    elif n2 == 2 and w2 == 2:
+                        meta.nodes.append(Node.decode(v2))
+                    elif n2 == 3 and w2 == 0:
+                        meta.barrier_group = _int32(v2)
+                if meta.cmd < 0:
+                    raise WireError("a control message without its command")
+            elif wire == 0:
+                _read_int(meta, _META_INTS, number, value)
+        return meta
+
+
+def sort_nodes(nodes: list[Node]) -> list[Node]:
+    """The order in which ps-lite's scheduler numbers the nodes: host names in descending
+    order (its comparator is ``(a.hostname.compare(b.hostname) | (a.port < b.port)) > 0``), the
+    nodes of one host by ascending port."""
+    by_port = sorted(nodes, key=lambda n: n.port)
+    return sorted(by_port, key=lambda n: n.hostname.encode(), reverse=True)
+
+
+def assign_ids(nodes: list[Node]) -> list[Node]:
+    """ps-lite's numbering, in place and returned: server rank r is 8 + 2r, worker rank r 9 + 2r."""
+    ranks = {SERVER: 0, WORKER: 0}
+    for node in nodes:
+        node.id = (8 if node.role == SERVER else 9) + 2 * ranks[node.role]
+        ranks[node.role] += 1
+    return nodes
+
+
+def group_ids(group: int, num_servers: int, num_workers: int) -> list[int]:
+    """The node ids of a barrier group (``Postoffice::GetNodeIDs``), the scheduler's included."""
+    ids = [SCHEDULER_ID] if group & SCHEDULER_GROUP else []
+    if group & SERVER_GROUP:
+        ids += [8 + 2 * r for r in range(num_servers)]
+    if group & WORKER_GROUP:
+        ids += [9 + 2 * r for r in range(num_workers)]
+    return ids
+
+
+def node_id(identity: bytes) -> int:
+    """ps-lite's ``ZMQVan::GetNodeID``: ``ps9`` is node 9; anything else is nobody yet (a
+    DEALER without an identity gets one from libzmq, which begins with a zero byte)."""
+    digits = identity[2:]
+    if len(identity) > 2 and identity[:2] == b"ps" and digits.isdigit():
+        return int(digits)  # (a ZeroMQ identity has at most 255 bytes: far below Python's digit limit)
+    return EMPTY
+
+
+def host_problem(node: Node) -> Optional[str]:
+    """Why ``node``'s address is none a TCP connection can be made to, or None (the warning's end)."""
+    name = node.hostname
+    if not name or not name.isascii() or not name.isprintable() or " " in name:
+        return f"its host name {name[:60]!r} is no host name or address"
+    if not 1 <= node.port <= 65535:
+        return f"its port {node.port} is not from 1 to 65535"
+    return None
+
+
+# --- the scheduler ------------------------------------------------------------------------------
+
+
+class Scheduler:
+    """ps-lite's scheduler van and postoffice, for one job."""
+
+    def __init__(self, host: str, port: int, num_servers: int, num_workers: int, verbose: int = 0) -> None:
+        import zmq
+
+        self.host, self.port = host, port
+        self.num_servers, self.num_workers, self.verbose = num_servers, num_workers, verbose
+        # libzmq holds three files per node here (a DEALER's connection and its mailbox, the
+        # node's connection to the ROUTER): raise_open_files counts two per process
+        raise_open_files(2 * (num_servers + num_workers))
+        self.ctx = zmq.Context()
+        self.ctx.set(zmq.MAX_SOCKETS, 65536)  # (as ps-lite's ZMQVan: libzmq's default is 1,023)
+        self.receiver = self.ctx.socket(zmq.ROUTER)
+        self.receiver.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        self.registered: list[Node] = []
+        self.nodes: dict[int, Node] = {}  # by id, once everyone registered
+        self.senders: dict[int, Any] = {}  # node id -> a DEALER connected to that node (ZMQVan::Connect)
+        self.counts: dict[int, int] = {}
+        self.timestamp = 0
+        self.barriers_passed = 0  # of the scheduler's own two (start, finalize)
+        self.me = Node(SCHEDULER, SCHEDULER_ID, host, port)
+        self.warned: set[str] = set()
+
+    def bind(self) -> None:
+        """Listen on the root address (resolved here: libzmq binds addresses, not DNS names)."""
+        import zmq
+
+        family, _, _, _, addr = socket.getaddrinfo(self.host, self.port, 0, socket.SOCK_STREAM)[0]
+        ip = addr[0]
+        if family == socket.AF_INET6:
+            self.receiver.setsockopt(zmq.IPV6, 1)
+            ip = f"[{ip}]"
+        self.receiver.bind(f"tcp://{ip}:{self.port}")
+
+    def run(self) -> int:
+        """Serve until the job's last barrier: 0."""
+        import zmq
+
+        while self.barriers_passed < 2:
+            identity, *frames = self.receiver.recv_multipart(copy=False)
+            try:
+                peer = identity.get("Peer-Address")
+            except zmq.ZMQError:
+                peer = "?"
+            try:
+                self._handle(node_id(identity.bytes), peer, [f.bytes for f in frames])
+            except Unreachable:
+                raise
+            except Exception as e:  # (nothing from the network ends the scheduler)
+                self._warn(f"ignored a message from {peer}: {e}")
+        self.close(LINGER)
+        return 0
+
+    def close(self, linger: float = 0) -> None:
+        """Close every socket; messages not sent yet may take ``linger`` seconds to leave."""
+        self.ctx.destroy(linger=int(linger * 1000))
+
+    def _warn(self, text: str) -> None:
+        sys.stderr.write(f"pslaunch scheduler: warning: {text}\n")
+
+    def _warn_once(self, key: str, text: str) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            self._warn(text)
+
+    def _vlog(self, text: str) -> None:
+        if self.verbose >= 1:
+            sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] {text}\n")
+
+    def _send(self, recver: int, meta: Meta) -> None:
+        import zmq
+
+        sender = self.senders.get(recver)
+        if sender is None:
+            self._warn(f"there is no connection to node {recver}")
+            return
+        meta.timestamp = self.timestamp
+        self.timestamp += 1
+        try:
+            sender.send(meta.encode(), zmq.NOBLOCK)
+        except zmq.Again:
+            self._warn_once(f"full{recver}", f"cannot send to node {recver} at {self.nodes[recver].address}: "
+                            f"{SEND_HWM} messages wait for it already (it reads nothing); dropped")
+
+    def _handle(self, sender: int, peer: str, frames: list[bytes]) -> None:
+        if not frames:
+            raise WireError("a message of its sender's identity only")
+        meta = Meta.decode(frames[0])
+        if meta.cmd == ADD_NODE:
+            self._add_node(meta, sender)
+        elif meta.cmd == BARRIER and meta.request:
+            if not 1 <= meta.barrier_group <= ALL_GROUPS:
+                raise WireError(f"a barrier of node group {meta.barrier_group} (ps-lite's groups are 1 to 7)")
+            self._barrier(meta.barrier_group, meta.app_id, meta.customer_id)
+        elif meta.cmd == HEARTBEAT:
+            for node in meta.nodes:
+                if node.id in self.senders:
+                    self._send(node.id, Meta(HEARTBEAT, [self.me]))
+        elif meta.cmd == CMD_EMPTY:
+            self._warn_once("data", f"ignored a data message from {peer}: a ps-lite scheduler serves no "
+                            "application")
+        elif meta.cmd != TERMINATE:
+            self._warn_once(f"cmd{meta.cmd}", f"ignored control command {meta.cmd} from {peer}")
+
+    def _add_node(self, meta: Meta, sender: int) -> None:
+        if len(meta.nodes) != 1 or sender != EMPTY:
+            raise WireError(f"an ADD_NODE request names {len(meta.nodes)} nodes from node "
+                            f"{'?' if sender == EMPTY else sender}; ps-lite sends one, before it has an id")
+        node = meta.nodes[0]
+        if node.role == SCHEDULER:
+            raise WireError(f"a second scheduler ({node.address}) registered with this one")
+        expected, role = self.num_servers + self.num_workers, ROLE_NAMES[node.role]
+        problem = host_problem(node)
+        if problem:
+            raise WireError(f"a {role} registered, but {problem}")
+        if self.nodes:
+            self._warn(f"ignored a {role} at {node.address}: all {expected} servers and workers of this job have "
+                       "registered (DMLC_NUM_SERVER, DMLC_NUM_WORKER)")
+            return
+        if any(n.address == node.address for n in self.registered):
+            self._warn(f"ignored a second registration from {node.address} ({role}): a ps-lite process registers "
+                       "once")
+            return
+        counts = {SERVER: self.num_servers, WORKER: self.num_workers}
+        if sum(1 for n in self.registered if n.role == node.role) >= counts[node.role]:
+            self._warn(f"ignored a {role} at {node.address}: this job has {counts[node.role]} {role}s "
+                       f"(DMLC_NUM_{role.upper()})")
+            return
+        self.registered.append(node)
+        if len(self.registered) < expected:
+            return
+        nodes = assign_ids(sort_nodes(self.registered))
+        self.nodes = {n.id: n for n in nodes}
+        for n in nodes:
+            self._vlog(f"assign rank={n.id} to node {n.describe()}")
+            self._connect(n)
+        for n in nodes:
+            self._send(n.id, Meta(ADD_NODE, nodes + [self.me]))
+        self._vlog(f"the scheduler is connected to {self.num_workers} workers and {self.num_servers} servers")
+        self._barrier(ALL_GROUPS, 0, 0)  # the scheduler's own ps::Start barrier
+
+    def _connect(self, node: Node) -> None:
+        """A DEALER with identity ``ps1`` connected to the node's ROUTER, as ``ZMQVan::Connect``
+        makes one. A node that registered but cannot be reached ends the job
+        (:class:`Unreachable`): ps-lite's scheduler (libzmq) would retry for ever, and the job
+        would hang waiting for that node's ADD_NODE. libzmq does not say why a connection fails,
+        so a plain TCP connection to the address tries first, and its error is the message."""
+        import zmq
+
+        try:
+            socket.create_connection((node.hostname, node.port), timeout=CONNECT_TIMEOUT).close()
+            dealer = self.ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.IDENTITY, b"ps%d" % SCHEDULER_ID)
+            dealer.setsockopt(zmq.SNDHWM, SEND_HWM)
+            dealer.connect(f"tcp://{node.address}")
+        except (OSError, zmq.ZMQError) as e:
+            raise Unreachable(
+                f"cannot reach {ROLE_NAMES[node.role]} {node.address}, the address it registered: "
+                f"{_reason(e)}; the scheduler must reach every node there (check DMLC_INTERFACE or "
+                "DMLC_NODE_HOST and the firewall)") from None
+        self.senders[node.id] = dealer
+
+    def _barrier(self, group: int, app_id: int, customer_id: int) -> None:
+        members = group_ids(group, self.num_servers, self.num_workers)
+        self.counts[group] = self.counts.get(group, 0) + 1
+        self._vlog(f"Barrier count for {group} : {self.counts[group]}")
+        if self.counts[group] < len(members):
+            return
+        self.counts[group] = 0
+        for r in members:
+            if r != SCHEDULER_ID:
+                self._send(r, Meta(BARRIER, request=False, app_id=app_id, customer_id=customer_id,
+                                   barrier_group=group))
+        if group & SCHEDULER_GROUP:
+            self.barriers_passed += 1
+            if self.barriers_passed == 1:
+                self._barrier(ALL_GROUPS, 0, 0)  # straight on to ps::Finalize's barrier
+
+
+def _reason(e: Exception) -> str:
+    """An error's reason (pyzmq's messages add the address, which ours name already)."""
+    import zmq
+
+    return zmq.strerror(e.errno) if isinstance(e, zmq.ZMQError) else getattr(e, "strerror", None) or str(e)
+
+
+def _fail(text: str) -> int:
+    sys.stderr.write(f"pslaunch scheduler: error: {text}\n")
+    return 1
+
+
+def main(env: Mapping[str, str] = os.environ) -> int:
+    """Serve the job that ``DMLC_*`` describes; its exit code."""
+    if env.get(pc.ROLE, "scheduler") != "scheduler":
+        return _fail(f"{pc.ROLE} is {env.get(pc.ROLE)!r}: this program is the scheduler only")
+    why = builtin_scheduler_refusal(env)
+    if why:
+        return _fail(why)
+    try:
+        host, port = env[pc.ROOT_URI], int(env[pc.ROOT_PORT])
+        servers, workers = int(env[pc.NUM_SERVER]), int(env[pc.NUM_WORKER])
+        verbose = int(env.get(pc.VERBOSE, "0").strip() or 0)
+    except KeyError as e:
+        return _fail(f"{e.args[0]} is not set: run this under pslaunch --scheduler builtin")
+    except ValueError as e:
+        return _fail(f"a DMLC_* variable is not a number: {e}")
+    try:
+        import zmq
+    except ImportError as e:
+        return _fail(f"the builtin scheduler needs pyzmq ({e}): {INSTALL}")
+    scheduler = Scheduler(host, port, servers, workers, verbose)
+    try:
+        scheduler.bind()
+    except (OSError, ValueError, zmq.ZMQError) as e:
+        scheduler.close()
+        return _fail(f"cannot listen on {host}:{port}: {_reason(e)}")
+    try:
+        return scheduler.run()
+    except Unreachable as e:
+        scheduler.close()
+        return _fail(str(e))
+    except KeyboardInterrupt:
+        scheduler.close()
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
