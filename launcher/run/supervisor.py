@@ -42,6 +42,7 @@ from ..runtime.local import LocalProcess
 from ..runtime.output import Console, PipePump, is_terminal
 from ..spec.job import Host, JobSpec
 from ..spec.plan import Plan, ProcSpec, build_plan
+from ..trackers.pslite import require_pyzmq
 from . import addresses as addr
 from . import report
 from .progress import Progress
@@ -170,6 +171,8 @@ class Supervisor:
             self._backend = backend
             try:
                 backend.check()
+                if spec.has_scheduler and spec.scheduler == "builtin":
+                    require_pyzmq()
                 addresses = dict(backend.prepare())
                 root_uri = addr.scheduler_address(spec, addresses, self.backend_cls)
                 self._timing("backend ready")

@@ -4,8 +4,14 @@ the real MXNet runs in tests/integration/test_mxnet.py)."""
 
 from __future__ import annotations
 
-import pytest
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
+from support.helpers import one_line_error
+
+from launcher.errors import BackendUnavailableError
 from launcher.trackers import pslite
 from launcher.trackers.pslite import (
     ADD_NODE,
@@ -138,3 +144,30 @@ def test_a_registered_address_a_connection_can_be_made_to() -> None:
 def test_an_identity_of_255_digits_is_a_number() -> None:
     assert pslite.node_id(b"ps" + b"9" * 253) == int("9" * 253)  # (no int-digit limit meets a ZeroMQ identity)
 
+
+_ENV = {"DMLC_ROLE": "scheduler", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "1",
+        "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1"}
+
+
+def test_without_pyzmq_the_scheduler_says_what_to_install(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setitem(sys.modules, "zmq", None)  # (Python's own way to make an import fail)
+    assert pslite.main(_ENV) == 1
+    assert capsys.readouterr().err == ("pslaunch scheduler: error: the builtin scheduler needs pyzmq (import of zmq "
+                                       "halted; None in sys.modules): pip install 'pslaunch[pslite]' (or pip install "
+                                       "pyzmq)\n")
+    with pytest.raises(BackendUnavailableError, match=r"^--scheduler builtin needs pyzmq: pip install "
+                                                      r"'pslaunch\[pslite\]' \(or pip install pyzmq\)$"):
+        pslite.require_pyzmq()
+
+
+def test_without_pyzmq_a_builtin_job_is_one_line_before_anything_starts(tmp_path: Path) -> None:
+    """As a missing paramiko for --launcher ssh: a backend-unavailable error, exit 2."""
+    mark = tmp_path / "started"
+    argv = ["-n", "1", "-s", "1", "--scheduler", "builtin", "--", sys.executable, "-c", f"open({str(mark)!r}, 'w')"]
+    code = f"import sys; sys.modules['zmq'] = None; from launcher.cli import main; sys.exit(main({argv!r}))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert one_line_error(r.stderr) == ("pslaunch: error: --scheduler builtin needs pyzmq: pip install "
+                                        "'pslaunch[pslite]' (or pip install pyzmq)")
+    assert not mark.exists()
