@@ -71,9 +71,9 @@ SUBMIT_CLUSTER = "DMLC_SUBMIT_CLUSTER"
 PATH = "PATH"
 
 # --- the collective trackers (--tracker rabit, xgboost, torch) ---------------
-#: ``--tracker`` values: the ps-lite scheduler (``ps``), dmlc's rabit tracker in the launcher
-#: (``rabit``: XGBoost up to 2.0), XGBoost 2.1+'s own tracker (``xgboost``) and torch.distributed's
-#: env:// contract with a rendezvous store on the launching host (``torch``).
+#: ``--tracker`` values: the ps-lite scheduler (``ps``), dmlc's rabit tracker as XGBoost up to 2.0
+#: ships it (``rabit``), XGBoost 2.1+'s own tracker (``xgboost``) and torch.distributed's env://
+#: contract with a rendezvous store on the launching host (``torch``).
 TRACKERS = ("ps", "rabit", "xgboost", "torch")
 # dmlc's rabit contract (XGBoost 2.0's rabit reads both; 2.1+ scripts pass them on)
 TRACKER_URI = "DMLC_TRACKER_URI"
@@ -216,7 +216,8 @@ def rabit_contract(*, tracker_uri: str, tracker_port: int, task_id: int, num_wor
     ``PSLAUNCH_PROCESS``, ``PS_START_TIMEOUT``, ``DMLC_NODE_HOST`` and ``PSLAUNCH_LOCAL_PROCS``
     when known); no
     ``DMLC_PS_ROOT_*``: there is no scheduler. XGBoost 2.0's rabit reads the tracker's address
-    and the task id itself; an XGBoost 2.1+ script passes them to ``CommunicatorContext``.
+    and the task id itself (the ``rabit`` tracker then gives it rank ``DMLC_TASK_ID``); an
+    XGBoost 2.1+ script passes them to ``CommunicatorContext``.
     """
     env = _worker_base(task_id=task_id, num_workers=num_workers, cluster=cluster, secret=secret, job_id=job_id,
                        start_timeout=start_timeout, node_host=node_host, local_procs=local_procs)

@@ -86,14 +86,14 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
                    "--tracker rabit, xgboost or torch). 0: no scheduler and no servers.")
 @click.option("--tracker", type=click.Choice(pc.TRACKERS), default=None,
               help="What the processes find each other through: ps (a scheduler and servers; the "
-                   "default with servers), rabit (dmlc's rabit tracker, for XGBoost up to 2.0; the "
+                   "default with servers), rabit (dmlc's rabit tracker from XGBoost up to 2.0; the "
                    "default with -s 0), xgboost (XGBoost 2.1+'s own tracker) or torch "
                    "(torch.distributed's env:// contract: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, "
                    "...). The tracker runs on this machine; workers get its address.")
 @click.option("--tracker-python", default=None, metavar="PYTHON",
-              help="The Python (with xgboost 2.1+, or torch) that runs the xgboost tracker or the torch "
-                   "rendezvous store on this machine (default: the command's interpreter when the "
-                   "command is a Python, else python3).")
+              help="The Python that runs the tracker on this machine: one with xgboost 2.0 or older "
+                   "for rabit, xgboost 2.1+ for xgboost, torch for torch (default: the command's "
+                   "interpreter when the command is a Python, else python3).")
 @click.option("--scheduler", type=click.Choice(SCHEDULERS), default="command", show_default=True,
               help="What runs as a ps job's scheduler: command (COMMAND with DMLC_ROLE=scheduler, as "
                    "launch.py does) or builtin (pslaunch's own ps-lite scheduler, for MXNet and other "

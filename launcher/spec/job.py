@@ -117,7 +117,7 @@ class JobSpec:
     #: scheduler and servers), ``rabit``, ``xgboost`` or ``torch`` (workers only). None: ``ps``
     #: when there are servers, else ``rabit``, as launch.py decides.
     tracker: Optional[str] = None
-    #: the Python that runs the xgboost or torch tracker (None: see ``launcher.trackers``)
+    #: the Python that runs the rabit, xgboost or torch tracker (None: see ``launcher.trackers``)
     tracker_python: Optional[str] = None
     #: what runs as a ps job's scheduler (:data:`SCHEDULERS`): ``command``, the job's own command
     #: with ``DMLC_ROLE=scheduler``, as launch.py does; ``builtin``, pslaunch's ps-lite scheduler
@@ -174,8 +174,8 @@ class JobSpec:
         if self.tracker == "ps" and self.num_servers == 0:
             raise ConfigError("--tracker ps needs servers (-s 1 or more); a job of workers only (-s 0) uses "
                               "--tracker rabit (the default), xgboost or torch")
-        if self.tracker_python is not None and self.tracker not in ("xgboost", "torch"):
-            raise ConfigError(f"--tracker-python is the Python of --tracker xgboost or torch; --tracker "
+        if self.tracker_python is not None and self.tracker not in ("rabit", "xgboost", "torch"):
+            raise ConfigError(f"--tracker-python is the Python of --tracker rabit, xgboost or torch; --tracker "
                               f"{self.tracker} runs none (drop --tracker-python)")
         if self.scheduler not in SCHEDULERS:
             raise ConfigError(f"--scheduler {_short(self.scheduler)}: choose one of {', '.join(SCHEDULERS)}")

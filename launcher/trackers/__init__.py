@@ -3,18 +3,18 @@
 A parameter-server job (``--tracker ps``) has its scheduler, a process of the job. The other
 trackers are services the launcher runs for one job, where the ps scheduler would run: on this
 machine, on the scheduler's address (:mod:`launcher.run.addresses`) and a free port of
-``--port-range``. Workers learn where it is from their variables
-(:func:`pscontract.rabit_contract`, :func:`pscontract.torch_contract`).
+``--port-range``. Each is a child process run with the tracker Python (``--tracker-python``;
+default: the command's interpreter when the command is a Python, else ``python3``): the
+workers' own library serves them, in the version the workers have. Workers learn where it is
+from their variables (:func:`pscontract.rabit_contract`, :func:`pscontract.torch_contract`).
 
-* ``rabit``: :class:`~.rabit.RabitTracker`, dmlc's rabit protocol written here from the protocol
-  (XGBoost up to 2.0), inside the launcher. Its workers' ``print`` messages are labelled
-  ``[rabit tracker]``.
-* ``xgboost``: XGBoost 2.1+'s own tracker, run by :mod:`.xgboost_child` in a child process with
-  the tracker Python (``--tracker-python``; default: the command's interpreter when the command is
-  a Python, else ``python3``).
-* ``torch``: a ``torch.distributed.TCPStore`` hosted by :mod:`.torch_store` in a child process
-  with the tracker Python, on a socket the launcher bound itself; every rank connects to it as
-  torchrun's workers connect to their agent's store.
+* ``rabit``: dmlc's rabit tracker as XGBoost 2.0 and older ship it (``xgboost/tracker.py``,
+  pure Python), run by :mod:`.xgboost_child` (``--tracker rabit``). Its workers' ``print``
+  messages are labelled ``[rabit tracker]``.
+* ``xgboost``: XGBoost 2.1+'s own tracker, run by :mod:`.xgboost_child`.
+* ``torch``: a ``torch.distributed.TCPStore`` hosted by :mod:`.torch_store`, on a socket the
+  launcher bound itself; every rank connects to it as torchrun's workers connect to their
+  agent's store.
 
 The interface the supervisor drives (:class:`Tracker`, wrapped for it by :class:`TrackerHandle`)::
 

@@ -1,5 +1,5 @@
-"""The three trackers a collective job can have: rabit (in the launcher), xgboost and torch
-(each a child process run with the tracker Python). See :mod:`launcher.trackers`.
+"""The three trackers a collective job can have: rabit, xgboost and torch, each a child process run
+with the tracker Python. See :mod:`launcher.trackers`.
 """
 
 from __future__ import annotations
@@ -8,12 +8,13 @@ import errno
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import pscontract as pc
 
@@ -27,7 +28,6 @@ from ..spec import env as jobenv
 from ..spec.job import JobSpec
 from ..spec.plan import Plan
 from .interface import Tracker, python_for, resolve_python
-from .rabit import RabitTracker, TrackerError
 
 log = logging.getLogger("launcher.trackers")
 
@@ -36,69 +36,10 @@ log = logging.getLogger("launcher.trackers")
 # first), and SIGTERM is harmless to it then.
 STOP_WAIT = 0.2
 KILL_WAIT = 2.0  # after SIGTERM, before SIGKILL
-
-
-# --- rabit: in the launcher --------------------------------------------------------------------
-
-
-class RabitService(Tracker):
-    """dmlc's rabit tracker (:class:`~.rabit.RabitTracker`) in a thread of the launcher."""
-
-    kind = "rabit"
-    label = "rabit tracker"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.tracker: Optional[RabitTracker] = None
-        self._closed = False
-
-    def start(self, address: str) -> int:
-        try:
-            self.tracker = RabitTracker(self.spec.num_workers, address, self.spec.port_range,
-                                        on_print=self._print, on_log=self._note)
-        except TrackerError as e:
-            raise LaunchError(f"the rabit tracker cannot start: {e}") from None
-        self.address, self.port = address, self.tracker.port
-        self.tracker.start()
-        return self.port
-
-    def _print(self, rank: int, text: str) -> None:
-        # rabit's print messages (XGBoost's evaluation log from rank 0), as dmlc's tracker shows them
-        self.output.stdout.feed(text.encode("utf-8", "replace") + b"\n")
-
-    def _note(self, text: str) -> None:
-        if text.startswith(("listening on", "all ")) or "asked for ranks" in text:
-            log.debug("rabit tracker: %s", text)
-        else:
-            log.info("rabit tracker: %s", text)
-
-    def failure(self) -> Optional[str]:
-        if self.tracker is None:
-            return None
-        st = self.tracker.status()
-        return st.error if st.state == "failed" else None
-
-    def close(self) -> None:
-        if self.tracker is None or self._closed:
-            return
-        self._closed = True
-        st = self.tracker.close()
-        if st.started_s is not None:
-            log.info("rabit tracker: all %d workers joined %.2f s after it started", st.n_workers, st.started_s)
-        if st.asked == 0 and self.spec.num_workers > 1:
-            log.warning("rabit tracker: no worker asked it for a rank; if they are rabit programs (XGBoost up to "
-                        "2.0) each trained alone: start rabit in the program (xgboost.collective.init() or "
-                        "CommunicatorContext()); for XGBoost 2.1+ use --tracker xgboost, for torch --tracker torch")
-        else:
-            log.debug("rabit tracker: %s", st.summary())
-        self.output.close()
-
-    @classmethod
-    def describe(cls, spec: JobSpec, plan: Plan) -> list[str]:
-        lo, hi = spec.port_range
-        return [f"tracker: rabit (dmlc's protocol, XGBoost up to 2.0), inside the launcher on {plan.root_uri}, port: "
-                f"the first free one of {lo}-{hi} (shown as {plan.root_port}); the workers' rabit print messages "
-                "appear as [rabit tracker]"]
+#: the events of a tracker program that say where it stands (kept); the others are news (passed on)
+LIFECYCLE = ("listening", "done", "failed", "stopped")
+DROPS_NOTED = 5  # dropped connections that the rabit tracker's log names; the rest are counted
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 # --- a tracker in a child process ----------------------------------------------------------------
@@ -109,9 +50,11 @@ class _Child:
     the watchdog; stdin a pipe that it treats as a leash; stdout JSON event lines; stderr labelled."""
 
     def __init__(self, argv: Sequence[str], env: dict[str, str], cwd: Optional[str], output: ProcOutput,
-                 watchdog: Optional[Watchdog], pass_fds: Sequence[int] = ()) -> None:
+                 watchdog: Optional[Watchdog], pass_fds: Sequence[int] = (),
+                 on_event: Optional[Callable[[dict], None]] = None) -> None:
         self.output = output
         self.watchdog = watchdog
+        self.on_event = on_event  # every event, on the pump's thread; only LIFECYCLE ones are kept
         self.events: list[dict] = []
         self._cond = threading.Condition()
         self._buf = b""
@@ -147,6 +90,10 @@ class _Child:
                 event = None
             if not isinstance(event, dict):
                 self.output.stdout.feed(line + b"\n")
+                continue
+            if self.on_event is not None:
+                self.on_event(event)
+            if event.get("event") not in LIFECYCLE:
                 continue
             with self._cond:
                 self.events.append(event)
@@ -228,9 +175,10 @@ class _ChildService(Tracker):
         env.update(dict(self.spec.env))  # (--env: what the job's processes get, a test's mark among them)
         return jobenv.launcher_defaults(env)
 
-    def _spawn(self, args: Sequence[str], pass_fds: Sequence[int] = ()) -> _Child:
+    def _spawn(self, args: Sequence[str], pass_fds: Sequence[int] = (),
+               on_event: Optional[Callable[[dict], None]] = None) -> _Child:
         argv = [*node.tracker_command(self.program, self._python()), *args]
-        self.child = _Child(argv, self._env(), self.spec.workdir, self.output, self.watchdog, pass_fds)
+        self.child = _Child(argv, self._env(), self.spec.workdir, self.output, self.watchdog, pass_fds, on_event)
         self.pid = self.child.pid
         return self.child
 
@@ -254,41 +202,137 @@ class _ChildService(Tracker):
         self.child.stop()
 
 
-# --- xgboost: XGBoost 2.1+'s own tracker -------------------------------------------------------------
+# --- rabit and xgboost: XGBoost's own trackers -----------------------------------------------------
 
 
-class XGBoostService(_ChildService):
-    """``xgboost.tracker.RabitTracker`` from the tracker Python's xgboost (:mod:`.xgboost_child`)."""
+class _XGBoostTracker(_ChildService):
+    """A tracker of the tracker Python's xgboost, run by :mod:`.xgboost_child`; the workers start once
+    it listens (the job never starts when it cannot: no xgboost, the other protocol, no free port)."""
 
-    kind = "xgboost"
-    label = "xgboost tracker"
     program = "xgboost_child"
-    needs = "xgboost 2.1 or later"
+
+    @classmethod
+    def _args(cls, spec: JobSpec, address: str) -> list[str]:
+        """The program's arguments (the xgboost tracker's are the default)."""
+        lo, hi = spec.port_range
+        return [*(("--tracker", "rabit") if cls.kind == "rabit" else ()), "--n-workers", str(spec.num_workers),
+                "--host-ip", address, "--port-range", f"{lo}-{hi}"]
+
+    @classmethod
+    def _argv(cls, spec: JobSpec, address: str) -> list[str]:
+        """What a dry run shows."""
+        return [*node.tracker_command(cls.program, python_for(spec)), *cls._args(spec, address)]
 
     def start(self, address: str) -> int:
-        lo, hi = self.spec.port_range
-        child = self._spawn(["--n-workers", str(self.spec.num_workers), "--host-ip", address,
-                             "--port-range", f"{lo}-{hi}"])
+        child = self._spawn(self._args(self.spec, address), on_event=self._event)
         timeout = max(self.spec.start_timeout, 1.0)
         event = child.wait_event(("listening", "failed"), timeout)
         if event is None or event.get("event") == "failed":
             why = self._failed(child) or (f"did not listen within --start-timeout {timeout:g}s" if event is None
                                           else "failed")
-            raise LaunchError(f"the xgboost tracker cannot start: {why}")
+            raise LaunchError(f"the {self.label} cannot start: {why}")
         try:
             self.port = int(event["env"][pc.TRACKER_PORT])
         except (KeyError, TypeError, ValueError):
-            raise LaunchError(f"the xgboost tracker said it listens but gave no port: {event}") from None
+            raise LaunchError(f"the {self.label} said it listens but gave no port: {event}") from None
         self.address = address
-        log.info("xgboost tracker: XGBoost %s's tracker (pid %d) listens on %s:%d", event.get("xgboost", "?"),
-                 child.pid, address, self.port)
+        self._listening(event)
         return self.port
+
+    def _listening(self, event: dict) -> None:
+        """It listens (``event``: :mod:`.xgboost_child`'s ``listening``)."""
+
+    def _event(self, event: dict) -> None:
+        """An event of the program (on the pump's thread)."""
+
+
+class RabitService(_XGBoostTracker):
+    """dmlc's rabit tracker as XGBoost 2.0 and older ship it (``xgboost_child.py --tracker rabit``):
+    launch.py's tracker for ``-s 0``. The workers' rabit ``print`` messages are its output, as
+    launch.py's tracker printed them: ``[rabit tracker] [7]\ttrain-logloss:...``."""
+
+    kind = "rabit"
+    label = "rabit tracker"
+    needs = "xgboost 2.0 or older"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked = 0  # workers that asked for a rank
+        self.joined: Optional[dict] = None  # the "joined" event: every worker has its rank and links
+        self.prints = 0
+        self.dropped = 0  # connections it dropped (not rabit, or broken)
+
+    def _listening(self, event: dict) -> None:
+        log.debug("rabit tracker: XGBoost %s's tracker (pid %s) listens on %s:%d for %d workers",
+                  event.get("xgboost", "?"), self.pid, self.address, self.port, self.spec.num_workers)
+
+    def _event(self, event: dict) -> None:
+        kind = event.get("event")
+        if kind == "print":
+            self.prints += 1
+            text = _CONTROL.sub("?", str(event.get("text", "")))  # (from the network: nothing drives the terminal)
+            self.output.stdout.feed(text.encode("utf-8", "replace") + b"\n")
+        elif kind == "asked":
+            self.asked += 1
+        elif kind == "joined":
+            self.joined = event
+            ranks = event.get("ranks") or []
+            table = ", ".join(f"rank {r} = task {t} on {h}" for r, t, h in ranks) if len(ranks) <= 16 else ""
+            log.debug("rabit tracker: all %d workers joined in %.2f s%s", len(ranks), float(event.get("seconds", 0)),
+                      f": {table}" if table else "")
+        elif kind == "dropped":
+            self.dropped += 1
+            if self.dropped <= DROPS_NOTED:
+                log.info("rabit tracker: dropped %s", event.get("error"))
+            elif self.dropped == DROPS_NOTED + 1:
+                log.info("rabit tracker: more connections dropped; counting them without a note")
+        elif kind == "log":
+            log.debug("rabit tracker: %s", event.get("text"))
+        elif kind == "failed" and self.port:  # (said now: a worker that fails with it may be the job's report)
+            log.info("rabit tracker: %s", event.get("error"))
+
+    def close(self) -> None:
+        if self.child is None or self._closed:
+            return
+        super().close()
+        if not self.port:  # it never listened: its error is the job's
+            return
+        n = self.spec.num_workers
+        if self.joined is not None:
+            log.info("rabit tracker: all %d workers joined %.2f s after it started", n, float(self.joined["seconds"]))
+        if self.asked == 0 and n > 1 and self.child.event("failed") is None:
+            log.warning("rabit tracker: no worker asked it for a rank; if they are rabit programs (XGBoost up to "
+                        "2.0) each trained alone: start rabit in the program (xgboost.collective.init() or "
+                        "CommunicatorContext()); for XGBoost 2.1+ use --tracker xgboost, for torch --tracker torch")
+        else:
+            log.debug("rabit tracker: %d of %d workers asked for a rank, %d joined; %d print messages, %d dropped "
+                      "connections", self.asked, n, len(self.joined["ranks"]) if self.joined else 0, self.prints,
+                      self.dropped)
 
     @classmethod
     def describe(cls, spec: JobSpec, plan: Plan) -> list[str]:
         lo, hi = spec.port_range
-        argv = [*node.tracker_command(cls.program, python_for(spec)), "--n-workers", str(spec.num_workers),
-                "--host-ip", plan.root_uri, "--port-range", f"{lo}-{hi}"]
+        argv = cls._argv(spec, plan.root_uri)
+        return [f"tracker: rabit (dmlc's protocol, XGBoost up to 2.0), XGBoost's own, a child process on this "
+                f"machine: {' '.join(argv)}; it takes the first free port of {lo}-{hi} (shown as {plan.root_port}); "
+                "rank = DMLC_TASK_ID; the workers' rabit print messages appear as [rabit tracker]"]
+
+
+class XGBoostService(_XGBoostTracker):
+    """XGBoost 2.1+'s ``xgboost.tracker.RabitTracker`` (:mod:`.xgboost_child`)."""
+
+    kind = "xgboost"
+    label = "xgboost tracker"
+    needs = "xgboost 2.1 or later"
+
+    def _listening(self, event: dict) -> None:
+        log.info("xgboost tracker: XGBoost %s's tracker (pid %s) listens on %s:%d", event.get("xgboost", "?"),
+                 self.pid, self.address, self.port)
+
+    @classmethod
+    def describe(cls, spec: JobSpec, plan: Plan) -> list[str]:
+        lo, hi = spec.port_range
+        argv = cls._argv(spec, plan.root_uri)
         return [f"tracker: xgboost (XGBoost 2.1+'s own), a child process on this machine: {' '.join(argv)}; it takes "
                 f"the first free port of {lo}-{hi} (shown as {plan.root_port}); ranks follow its order (by host, then "
                 "task id as a string), not DMLC_TASK_ID, from 10 workers on"]

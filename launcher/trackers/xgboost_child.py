@@ -1,20 +1,22 @@
-"""Runs XGBoost's own tracker (2.1 and later) for the launcher, in a process of its own.
+"""Runs XGBoost's own tracker for the launcher, in a process of its own.
 
-Usage (with a Python that has xgboost >= 2.1; the launcher never imports it)::
+Usage (with a Python that has xgboost; the launcher never imports it)::
 
-    python xgboost_child.py --n-workers N --host-ip ADDR [--port-range LOW-HIGH]
-                            [--sortby host|task] [--timeout SECONDS]
+    python xgboost_child.py [--tracker xgboost|rabit] --n-workers N --host-ip ADDR
+                            [--port-range LOW-HIGH] [--sortby host|task] [--timeout SECONDS]
+                            [--header-timeout SECONDS]
 
-It starts ``xgboost.tracker.RabitTracker`` on ``ADDR`` and the first port of
+``--tracker xgboost`` (the default) starts XGBoost 2.1+'s ``xgboost.tracker.RabitTracker``;
+``--tracker rabit`` starts dmlc's rabit tracker, which XGBoost 2.0 and older ship in the same
+module, in pure Python (see *rabit* below). Either listens on ``ADDR`` and the first port of
 the range it can bind, then writes JSON lines on its stdout, one object each:
 
-* ``{"event": "listening", "worker_args": {...}, "env": {...}, "xgboost": VERSION, "pid": PID}``
-  once it listens. ``worker_args`` is ``tracker.worker_args()``, what a worker
-  passes to ``xgboost.collective.CommunicatorContext(**worker_args)``
-  (``dmlc_tracker_uri``, ``dmlc_tracker_port``); ``env`` is the same as the
-  variables ``DMLC_TRACKER_URI`` and ``DMLC_TRACKER_PORT``. XGBoost 2.1+ reads
-  no variable itself: a script builds the arguments from them, with the port
-  as an int and the task id as a str (XGBoost rejects other types)::
+* ``{"event": "listening", "env": {...}, "xgboost": VERSION, "pid": PID}`` once it listens;
+  ``env`` holds ``DMLC_TRACKER_URI`` and ``DMLC_TRACKER_PORT``, what the workers need to find it.
+  With ``--tracker xgboost`` it also has ``worker_args``: ``tracker.worker_args()``, what a worker
+  passes to ``xgboost.collective.CommunicatorContext(**worker_args)`` (``dmlc_tracker_uri``,
+  ``dmlc_tracker_port``). XGBoost 2.1+ reads no variable itself: a script builds the arguments
+  from them, with the port as an int and the task id as a str (XGBoost rejects other types)::
 
       args = {"dmlc_tracker_uri": os.environ["DMLC_TRACKER_URI"],
               "dmlc_tracker_port": int(os.environ["DMLC_TRACKER_PORT"]),
@@ -22,22 +24,48 @@ the range it can bind, then writes JSON lines on its stdout, one object each:
       with xgboost.collective.CommunicatorContext(**args):
           rank = xgboost.collective.get_rank()  # shard the data by this
 * ``{"event": "done"}`` when every worker has finished (exit code 0), or
-  ``{"event": "failed", "error": "..."}`` (exit code 1; 2 when it could not
-  start: no xgboost, an xgboost too old, no free port).
+  ``{"event": "failed", "error": "..."}`` (exit code 1; 2 when it could not start: no xgboost,
+  an xgboost of the other protocol, no free port).
 
-Nothing else goes to stdout: the file descriptor is moved aside before xgboost
-is imported, and whatever xgboost or the workers' ``communicator_print``
-messages write goes to stderr, for the launcher to label.
+Nothing else goes to stdout: the file descriptor is moved aside before xgboost is imported,
+and whatever xgboost or (2.1+) the workers' ``communicator_print`` messages write goes to
+stderr, for the launcher to label.
 
-Stdin is the launcher's leash: when it reaches end of file (the launcher closed
-the pipe, or died) the program exits at once with code 0 (``{"event":
-"stopped"}``), whatever the tracker is doing. The launcher must therefore give
-it a pipe and keep the write end open while the job runs.
+Stdin is the launcher's leash: when it reaches end of file (the launcher closed the pipe, or
+died) the program exits at once with code 0 (``{"event": "stopped"}``), whatever the tracker
+is doing. The launcher must therefore give it a pipe and keep the write end open while the
+job runs.
 
-Ranks follow the tracker's sort: by host address, then by task id compared as
-*strings* (``"10"`` sorts before ``"2"``); ``--sortby task`` sorts by task id
-only. From 10 workers on a host, ranks are therefore not ``DMLC_TASK_ID``:
-shard the data by ``xgboost.collective.get_rank()``.
+With ``--tracker xgboost``, ranks follow the tracker's sort: by host address, then by task id
+compared as *strings* (``"10"`` sorts before ``"2"``); ``--sortby task`` sorts by task id only.
+From 10 workers on a host, ranks are therefore not ``DMLC_TASK_ID``: shard the data by
+``xgboost.collective.get_rank()``.
+
+rabit
+-----
+XGBoost 2.0's ``xgboost/tracker.py`` is "a variant of dmlc-core/dmlc_tracker/tracker.py": the
+tracker launch.py ran for ``-s 0``, standard library only. It is loaded from its file, as a
+module of this program's own, without importing xgboost (whose library and numpy it does not
+use, and which take most of a second to import), and run with these changes:
+
+* ranks: workers whose ``DMLC_TASK_ID`` is a number come first, in its order, so that
+  ``rank == DMLC_TASK_ID`` when the launcher numbers them ``0..N-1`` (dmlc sorts by host
+  address, then arrival); the others follow by host;
+* a connection that does not speak the protocol, ends early or is silent for
+  ``--header-timeout`` seconds (30) is dropped and the tracker serves the next one (dmlc's
+  would stop, or spin on a closed socket); strings are at most :data:`MAX_STRING` bytes;
+* the job cannot go on (``failed``) when a worker speaks XGBoost 2.1+'s protocol (the error
+  says to use ``--tracker xgboost``), expects another world size than N, or closes its
+  connection while it sets up its links (it died);
+* it says what happens, in more events:
+
+  * ``{"event": "asked", "task_id": "0", "host": "10.0.0.2"}``: a worker asked for a rank;
+  * ``{"event": "joined", "seconds": S, "ranks": [[rank, task_id, host], ...]}``: every
+    worker has its rank and links, ``S`` seconds after the tracker started;
+  * ``{"event": "print", "text": "..."}``: a worker's ``print`` message (rabit's
+    ``communicator_print``: rank 0's evaluation log);
+  * ``{"event": "log", "level": "INFO", "text": "..."}``: the tracker's ``logging`` records;
+  * ``{"event": "dropped", "error": "..."}``: a connection was dropped, and why.
 
 Standard library and xgboost only; nothing from the launcher is imported.
 """
@@ -45,10 +73,19 @@ Standard library and xgboost only; nothing from the launcher is imported.
 from __future__ import annotations
 
 import argparse
+import errno
+import importlib.util
 import json
+import logging
 import os
+import struct
 import sys
 import threading
+import time
+
+#: the longest string (task id, command, print message) a rabit worker may send
+MAX_STRING = 4 << 20
+_COMMANDS = ("start", "recover", "print", "shutdown")
 
 
 def _emit(stream, **obj) -> None:
@@ -77,14 +114,22 @@ def _parse_range(text: str) -> tuple[int, int]:
     return low, high
 
 
+def _major_minor(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tracker", choices=["xgboost", "rabit"], default="xgboost",
+                    help="xgboost: XGBoost 2.1+'s tracker; rabit: dmlc's, as XGBoost 2.0 and older ship it")
     ap.add_argument("--n-workers", type=int, required=True)
     ap.add_argument("--host-ip", required=True)
     ap.add_argument("--port-range", default="0", help="LOW-HIGH (default 0: any free port)")
     ap.add_argument("--sortby", choices=["host", "task"], default="host")
     ap.add_argument("--timeout", type=int, default=0,
-                    help="XGBoost's own limit on start-up and shut-down, seconds (0: none)")
+                    help="XGBoost's own limit on start-up and shut-down, seconds (0: none; xgboost)")
+    ap.add_argument("--header-timeout", type=float, default=30.0,
+                    help="seconds a new connection has to send its whole request (rabit)")
     a = ap.parse_args(argv)
     low, high = _parse_range(a.port_range)
 
@@ -92,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    if a.tracker == "rabit":
+        return _rabit(out, a.n_workers, a.host_ip, low, high, a.header_timeout)
 
     try:
         import xgboost
@@ -101,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                                          "install xgboost>=2.1 there or choose another --tracker-python")
         return 2
     version = xgboost.__version__
-    major_minor = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
-    if major_minor < (2, 1):
+    if _major_minor(version) < (2, 1):
         _emit(out, event="failed", error=f"xgboost {version} at {sys.executable} predates the new tracker "
                                          "(2.1): use --tracker rabit for it")
         return 2
@@ -127,13 +173,17 @@ def main(argv: list[str] | None = None) -> int:
     _emit(out, event="listening", worker_args=args, xgboost=version, pid=os.getpid(),
           env={"DMLC_TRACKER_URI": str(args["dmlc_tracker_uri"]),
                "DMLC_TRACKER_PORT": str(args["dmlc_tracker_port"])})
+    return _serve(out, tracker.wait_for)
 
+
+def _serve(out, wait) -> int:
+    """Run ``wait()`` (the tracker, until every worker is done) beside the stdin leash; exit."""
     result: dict = {}
     finished = threading.Event()
 
-    def wait() -> None:
+    def run() -> None:
         try:
-            tracker.wait_for()
+            wait()
             result["ok"] = True
         except Exception as e:
             result["error"] = _first_line(e)
@@ -148,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         result.setdefault("stopped", True)
         finished.set()
 
-    threading.Thread(target=wait, name="xgb-tracker-wait", daemon=True).start()
+    threading.Thread(target=run, name="xgb-tracker-wait", daemon=True).start()
     threading.Thread(target=watch_stdin, name="xgb-tracker-stdin", daemon=True).start()
     finished.wait()
     if result.get("ok"):
@@ -163,6 +213,161 @@ def main(argv: list[str] | None = None) -> int:
     sys.stderr.flush()
     # os._exit: the tracker's C++ threads and destructor may block, or raise at exit
     os._exit(code)
+
+
+# --- rabit: dmlc's tracker from XGBoost 2.0 and older ------------------------------------------------
+
+
+def _rabit(out, n_workers: int, host: str, low: int, high: int, header_timeout: float) -> int:
+    spec = importlib.util.find_spec("xgboost")
+    if spec is None or not spec.submodule_search_locations:
+        _emit(out, event="failed", error=f"cannot import xgboost with {sys.executable}: install xgboost 2.0 or "
+                                         "older there (pip install 'xgboost<2.1') or give --tracker-python a "
+                                         "Python that has it")
+        return 2
+    package = spec.submodule_search_locations[0]
+    try:  # where xgboost reads its own version (core._py_version)
+        with open(os.path.join(package, "VERSION"), encoding="ascii") as f:
+            version = f.read().strip()
+    except OSError:
+        import xgboost
+
+        version = xgboost.__version__
+    if _major_minor(version) >= (2, 1):
+        _emit(out, event="failed", error=f"xgboost {version} at {sys.executable} speaks XGBoost 2.1+'s tracker "
+                                         "protocol, which this rabit tracker does not: run the job with --tracker "
+                                         "xgboost (or give --tracker-python a Python with xgboost 2.0 or older)")
+        return 2
+    path = os.path.join(package, "tracker.py")
+    try:
+        file_spec = importlib.util.spec_from_file_location("dmlc_tracker", path)
+        dmlc = importlib.util.module_from_spec(file_spec)
+        file_spec.loader.exec_module(dmlc)
+        tracker_class = _adapt(dmlc, out, n_workers, header_timeout)
+    except Exception as e:  # (an XGBoost older than this program knows: no WorkerEntry, ...)
+        _emit(out, event="failed", error=f"xgboost {version} at {sys.executable} has no rabit tracker this program "
+                                         f"can run ({path}: {_first_line(e)}): install xgboost 2.0 there "
+                                         "(pip install 'xgboost==2.0.*')")
+        return 2
+
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda r: _emit(out, event="log", level=r.levelname, text=r.getMessage())
+    logging.getLogger().addHandler(handler)
+    logging.getLogger().setLevel(logging.DEBUG)
+
+    tracker, why = None, f"no free port in {low}-{high} on {host}: widen --port-range"
+    for port in range(low, high + 1):
+        try:
+            tracker = tracker_class(host, n_workers, port=port)
+            break
+        except OSError as e:
+            if e.errno not in (errno.EADDRINUSE, errno.EACCES):
+                why = f"cannot listen on {host}:{port}: {e.strerror or e}; give an address of this host"
+                break
+    if tracker is None:
+        _emit(out, event="failed", error=why)
+        return 2
+    _emit(out, event="listening", xgboost=version, pid=os.getpid(),
+          env={"DMLC_TRACKER_URI": host, "DMLC_TRACKER_PORT": str(tracker.port)})
+    return _serve(out, lambda: tracker.accept_workers(n_workers))
+
+
+class _Fatal(Exception):
+    """The job cannot go on (not a stray connection to drop)."""
+
+
+def _adapt(dmlc, out, n_workers: int, header_timeout: float) -> type:
+    """dmlc's ``RabitTracker`` with the changes of the module docstring (*rabit*): subclasses of
+    its classes, put in its module's namespace (a module of this program's own) where its
+    ``accept_workers`` finds them."""
+    for name in ("accept_workers", "_sort_pending"):  # (AttributeError: an XGBoost this program does not know)
+        getattr(dmlc.RabitTracker, name)
+
+    class Socket(dmlc.ExSocket):
+        def recvall(self, nbytes: int) -> bytes:
+            if not 0 <= nbytes <= MAX_STRING:
+                raise ValueError(f"a string of {nbytes} bytes")
+            data = b""
+            while len(data) < nbytes:
+                chunk = self.sock.recv(min(nbytes - len(data), 1 << 16))
+                if not chunk:
+                    raise EOFError("the connection closed")
+                data += chunk
+            return data
+
+    class Entry(dmlc.WorkerEntry):
+        def __init__(self, sock, addr) -> None:
+            while True:  # until a connection makes a request that the tracker can serve
+                try:
+                    sock.settimeout(header_timeout)
+                    super().__init__(sock, addr)
+                    self._check()
+                    break
+                except _Fatal:
+                    raise
+                except Exception as e:
+                    if struct.pack("@i", getattr(self, "world_size", 0)).startswith(b'{"'):
+                        raise _Fatal(f"the worker at {addr[0]} speaks XGBoost 2.1+'s tracker protocol, which this "
+                                     "rabit tracker does not: run the job with --tracker xgboost") from None
+                    _emit(out, event="dropped", error=f"a connection from {addr[0]}: {_first_line(e)}")
+                    sock.close()
+                    sock, addr = Tracker.listener.accept()
+            if self.cmd in ("start", "recover"):
+                sock.settimeout(None)  # it waits for the others, then for its peers
+                _emit(out, event="asked", task_id=self.task_id, host=self.host)
+
+        def _check(self) -> None:
+            """Raise for a request that dmlc's tracker would stop on (an assert) or hang for."""
+            if self.cmd not in _COMMANDS:
+                raise ValueError(f"unknown command {self.cmd[:32]!r}")
+            if self.cmd == "shutdown":
+                if self.rank not in Tracker.joined or self.rank in Tracker.shut_down:
+                    raise ValueError(f"a shutdown for rank {self.rank}, which has no links or has shut down")
+                Tracker.shut_down.add(self.rank)
+            elif self.cmd != "print":
+                if not (-1 if self.cmd == "start" else 0) <= self.rank < n_workers:
+                    raise ValueError(f"{self.cmd} for rank {self.rank}")
+                if self.world_size not in (-1, n_workers):
+                    raise _Fatal(f"the worker with task id {self.task_id} ({self.host}) expects a world of "
+                                 f"{self.world_size} workers but this job has {n_workers}: remove "
+                                 "rabit_world_size or make it match -n")
+
+        def print(self, use_logger: bool) -> None:
+            try:
+                _emit(out, event="print", text=self.sock.recvstr().strip())
+            except (OSError, EOFError, ValueError) as e:
+                _emit(out, event="dropped", error=f"a print from {self.host}: {_first_line(e)}")
+
+        def assign_rank(self, rank, *args):
+            try:
+                done = super().assign_rank(rank, *args)
+            except (OSError, EOFError, ValueError, AssertionError) as e:
+                raise _Fatal(f"the worker with task id {self.task_id} ({self.host}) failed in its link set-up as "
+                             f"rank {rank}: {_first_line(e)} (did it die?)") from None
+            Tracker.joined[rank] = (rank, self.task_id, self.host)
+            if len(Tracker.joined) == n_workers and not Tracker.said_joined:
+                Tracker.said_joined = True
+                _emit(out, event="joined", seconds=round(time.monotonic() - Tracker.started, 3),
+                      ranks=sorted(Tracker.joined.values()))
+            return done
+
+    class Tracker(dmlc.RabitTracker):
+        listener = None  # its socket: a dropped connection's entry accepts the next one
+        started = 0.0
+        joined: dict = {}  # rank -> (rank, task id, host), once its links are set up
+        shut_down: set = set()
+        said_joined = False
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            Tracker.listener = self.sock
+            Tracker.started = time.monotonic()
+
+        def _sort_pending(self, pending: list) -> list:
+            return sorted(pending, key=lambda s: (0, int(s.task_id), "") if s.task_id.isdigit() else (1, 0, s.host))
+
+    dmlc.ExSocket, dmlc.WorkerEntry = Socket, Entry
+    return Tracker
 
 
 if __name__ == "__main__":

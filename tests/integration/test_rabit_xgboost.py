@@ -1,10 +1,10 @@
-"""Real XGBoost against the trackers of launcher/trackers/, workers started by hand.
+"""Real XGBoost against its own trackers, run by launcher/trackers/xgboost_child.py in a child
+process as the launcher runs them, workers started by hand.
 
-* XGBoost 2.0.3 (rabit reads DMLC_TRACKER_URI/PORT and DMLC_TASK_ID itself)
-  against launcher/trackers/rabit.py, with the variables of ``worker_env()``
-  and those the launcher adds.
-* XGBoost 3.0.x against its own tracker, run by launcher/trackers/xgboost_child.py
-  in a child process, as the launcher will.
+* XGBoost 2.0.3 (rabit reads DMLC_TRACKER_URI/PORT and DMLC_TASK_ID itself) against dmlc's
+  tracker from its own xgboost/tracker.py (``--tracker rabit``), with the variables of the
+  program's ``listening`` event and those the launcher adds.
+* XGBoost 3.0.x against its own tracker (``--tracker xgboost``).
 
 The venvs come from scripts/deps/70-xgboost.sh (.venv-xgb20, .venv-xgb30, or
 PSLAUNCH_XGB20_PYTHON / PSLAUNCH_XGB30_PYTHON). Workers are tests/bin/xgb_worker.py.
@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from support.helpers import BIN, REPO, wait_for
-
-from launcher.trackers.rabit import RabitTracker
+from support.helpers import BIN, REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.xgboost]
 
@@ -48,18 +47,6 @@ def xgb20() -> str:
 @pytest.fixture
 def xgb30() -> str:
     return _venv_python("PSLAUNCH_XGB30_PYTHON", ".venv-xgb30", "XGBoost 3.0")
-
-
-class Prints:
-    def __init__(self) -> None:
-        self.lines: list[tuple[int, str]] = []
-        self.logs: list[str] = []
-
-    def on_print(self, rank: int, text: str) -> None:
-        self.lines.append((rank, text))
-
-    def on_log(self, text: str) -> None:
-        self.logs.append(text)
 
 
 def start_worker(python: str, out: Path, env_extra: dict[str, str], *args: str, name: str = "w") -> subprocess.Popen:
@@ -99,39 +86,89 @@ def solo(python: str, out: Path, *args: str, name: str) -> dict:
     return json.loads((out / f"{name}.json").read_text())
 
 
-def rabit_env(tracker: RabitTracker, task_id: int | None) -> dict[str, str]:
-    """``worker_env()`` plus what the launcher adds for ``-s 0`` (launch.py's contract)."""
-    env = tracker.worker_env(task_id)
-    env.update(DMLC_ROLE="worker", DMLC_NUM_SERVER="0", DMLC_JOB_CLUSTER="local")
+class Child:
+    """xgboost_child.py as the launcher runs it: stdin a pipe it holds, stdout JSON lines."""
+
+    def __init__(self, python: str, n: int, tmp_path: Path, *extra: str, ports: tuple[int, int] = PORTS) -> None:
+        self.stderr_path = tmp_path / "child.stderr"
+        self.seen: list[dict] = []
+        with open(self.stderr_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                [python, CHILD, "--n-workers", str(n), "--host-ip", "127.0.0.1",
+                 "--port-range", f"{ports[0]}-{ports[1]}", *extra],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+
+    def line(self) -> dict:
+        text = self.proc.stdout.readline()
+        assert text, f"the child ended without a line: {self.stderr()}"
+        event = json.loads(text)
+        self.seen.append(event)
+        return event
+
+    def until(self, name: str) -> dict:
+        """The next event called ``name``; the ones before it are in :attr:`seen`."""
+        while True:
+            event = self.line()
+            if event["event"] == name:
+                return event
+
+    def events(self, name: str) -> list[dict]:
+        return [e for e in self.seen if e["event"] == name]
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+def rabit_child(python: str, n: int, tmp_path: Path, *extra: str) -> tuple[Child, dict[str, str]]:
+    """The rabit tracker's program and, once it listens, the variables its workers need."""
+    child = Child(python, n, tmp_path, "--tracker", "rabit", *extra)
+    hello = child.until("listening")
+    assert hello["xgboost"] == "2.0.3" and hello["pid"] == child.proc.pid
+    return child, hello["env"]
+
+
+def rabit_env(tracker_env: dict[str, str], n: int, task_id: int | None) -> dict[str, str]:
+    """What the launcher gives a worker of ``-s 0`` (launch.py's contract)."""
+    env = {**tracker_env, "DMLC_ROLE": "worker", "DMLC_NUM_WORKER": str(n), "DMLC_NUM_SERVER": "0",
+           "DMLC_JOB_CLUSTER": "local"}
+    if task_id is not None:
+        env["DMLC_TASK_ID"] = str(task_id)
     return env
 
 
-# --- XGBoost 2.0.3 and launcher/trackers/rabit.py ------------------------------------
+# --- XGBoost 2.0.3 and dmlc's tracker (xgboost_child.py --tracker rabit) ------------------------------
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("n", "api", "task_ids"), [(2, "env", True), (4, "rabit", True), (3, "env", False)],
                          ids=["2-CommunicatorContext", "4-rabit.init", "3-no-task-ids"])
 def test_xgboost20_workers_train_one_model(xgb20: str, tmp_path: Path, n: int, api: str, task_ids: bool) -> None:
-    prints = Prints()
-    tracker = RabitTracker(n, "127.0.0.1", PORTS, on_print=prints.on_print, on_log=prints.on_log).start()
+    child, env = rabit_child(xgb20, n, tmp_path)
     try:
-        procs = []
-        for i in range(n):
-            env = rabit_env(tracker, i if task_ids else None)
-            procs.append(start_worker(xgb20, tmp_path, env, "--api", api, "--name", f"w{i}", name=f"w{i}"))
+        assert env["DMLC_TRACKER_URI"] == "127.0.0.1" and PORTS[0] <= int(env["DMLC_TRACKER_PORT"]) <= PORTS[1]
+        procs = [start_worker(xgb20, tmp_path, rabit_env(env, n, i if task_ids else None), "--api", api, "--name",
+                              f"w{i}", name=f"w{i}") for i in range(n)]
         assert finish(procs) == [0] * n, logs(procs)
-        st = tracker.wait(30)
+        child.until("done")
+        assert child.proc.wait(30) == 0
     finally:
-        tracker.close()
-    assert st.state == "done", (st, logs(procs))
-    assert st.shutdown == tuple(range(n)) and st.rejected == {}
+        child.close()
+    assert child.events("dropped") == [] and child.events("failed") == []
     res = results(tmp_path, [f"w{i}" for i in range(n)])
     assert {r["xgboost"] for r in res} == {"2.0.3"}
     assert [r["world"] for r in res] == [n] * n
     assert sorted(r["rank"] for r in res) == list(range(n))
     if task_ids:
         assert [r["rank"] for r in res] == list(range(n))  # rank == DMLC_TASK_ID
+    # the program said who asked and who got which rank
+    assert sorted(e["task_id"] for e in child.events("asked")) == sorted(r["task_id"] for r in res)
+    (joined,) = child.events("joined")
+    assert sorted(tuple(x) for x in joined["ranks"]) == sorted((r["rank"], r["task_id"], "127.0.0.1") for r in res)
     # one model on every worker...
     assert len({r["model_sha256"] for r in res}) == 1
     assert len({r["predictions"] for r in res}) == 1
@@ -143,111 +180,152 @@ def test_xgboost20_workers_train_one_model(xgb20: str, tmp_path: Path, n: int, a
     everything = solo(xgb20, tmp_path, name="all")
     assert everything["predictions"] == res[0]["predictions"]
     # rabit's print messages reached the tracker: each worker's own, and rank 0's evaluation log
-    texts = [t for _, t in prints.lines]
+    texts = [e["text"] for e in child.events("print")]
     for r in res:
-        assert (r["rank"], f"xgb_worker task {r['task_id']}: rank {r['rank']} of {n}") in prints.lines
+        assert f"xgb_worker task {r['task_id']}: rank {r['rank']} of {n}" in texts
     assert any(t.startswith("[7]\ttrain-logloss:") for t in texts), texts
-    assert any(f"all {n} workers joined" in x for x in prints.logs)
+    # and its own log records, as events (nothing on stderr)
+    assert any("All of" in e["text"] for e in child.events("log")), child.seen
+    assert child.stderr() == ""
 
 
 @pytest.mark.timeout(120)
 def test_xgboost20_worker_that_exits_before_joining(xgb20: str, tmp_path: Path) -> None:
-    # What the launcher sees: worker 1 exits with its code; the tracker knows worker 0
-    # asked and waits for the other; close() then lets worker 0 fail instead of waiting.
-    tracker = RabitTracker(2, "127.0.0.1", PORTS).start()
+    # What the launcher sees: worker 1 exits with its code; worker 0 asked and waits for the
+    # other; the launcher closes the program's stdin, which lets worker 0 fail instead of waiting.
+    child, env = rabit_child(xgb20, 2, tmp_path)
     try:
-        w0 = start_worker(xgb20, tmp_path, rabit_env(tracker, 0), "--api", "env", name="w0")
-        w1 = start_worker(xgb20, tmp_path, rabit_env(tracker, 1), "--api", "env", "--exit-before-join", "3", name="w1")
+        w0 = start_worker(xgb20, tmp_path, rabit_env(env, 2, 0), "--api", "env", name="w0")
+        w1 = start_worker(xgb20, tmp_path, rabit_env(env, 2, 1), "--api", "env", "--exit-before-join", "3", name="w1")
         assert w1.wait(JOB_DEADLINE) == 3
-        wait_for(lambda: tracker.status().asked == 1, 60, what="worker 0 to ask for its rank")
-        st = tracker.wait(0.5)
-        assert st.state == "waiting" and st.members == () and st.asked == 1
+        assert child.until("asked")["task_id"] == "0"
         t0 = time.monotonic()
-        assert tracker.close().state == "closed"
+        child.proc.stdin.close()
+        assert child.until("stopped") and child.proc.wait(10) == 0
         code = w0.wait(30)
         took = time.monotonic() - t0
     finally:
-        tracker.close()
+        child.close()
     assert code != 0 and took < 15, logs([w0])
+    assert child.events("joined") == [] and len(child.events("asked")) == 1
     assert "Failed to initialize Rabit" in w0.log_path.read_text(errors="replace")
-
-
-@pytest.mark.timeout(120)
-def test_xgboost20_worker_killed_while_waiting_fails_the_tracker_at_once(xgb20: str, tmp_path: Path) -> None:
-    tracker = RabitTracker(3, "127.0.0.1", PORTS).start()
-    procs = []
-    try:
-        procs = [start_worker(xgb20, tmp_path, rabit_env(tracker, i), "--api", "env", name=f"w{i}") for i in range(2)]
-        wait_for(lambda: tracker.status().asked == 2, 60, what="two workers to ask for ranks")
-        t0 = time.monotonic()
-        procs[1].send_signal(signal.SIGKILL)
-        st = tracker.wait(10)
-        assert time.monotonic() - t0 < 5
-        assert st.state == "failed" and "task id 1" in st.error and "did the worker die?" in st.error
-    finally:
-        tracker.close()
-        codes = finish(procs, 30)
-    assert codes[1] == -signal.SIGKILL and codes[0] != 0
 
 
 @pytest.mark.timeout(60)
 def test_a_program_that_never_talks_to_the_tracker_does_not_hang_it(xgb20: str, tmp_path: Path) -> None:
-    tracker = RabitTracker(2, "127.0.0.1", PORTS).start()
+    child, env = rabit_child(xgb20, 2, tmp_path)
     try:
-        procs = [start_worker(xgb20, tmp_path, rabit_env(tracker, i), "--api", "env", "--no-tracker", "0.2",
+        procs = [start_worker(xgb20, tmp_path, rabit_env(env, 2, i), "--api", "env", "--no-tracker", "0.2",
                               name=f"w{i}") for i in range(2)]
         assert finish(procs, 30) == [0, 0]
         t0 = time.monotonic()
-        st = tracker.wait(1.0)  # the launcher's --timeout, in small
-        assert time.monotonic() - t0 < 5
-        assert st.state == "waiting" and st.asked == 0
-        st = tracker.close()
-        assert st.state == "closed" and st.summary() == (
-            "closed: 0 of 2 workers joined; 0 shut down; no worker asked for a rank: does the program start "
-            "rabit (xgboost.collective.init() or CommunicatorContext())?")
+        child.proc.stdin.close()  # the job is over
+        child.until("stopped")
+        assert child.proc.wait(10) == 0 and time.monotonic() - t0 < 5
     finally:
-        tracker.close()
+        child.close()
+    assert [e["event"] for e in child.seen if e["event"] != "log"] == ["listening", "stopped"]  # nobody asked
 
 
 @pytest.mark.timeout(120)
-def test_an_xgboost30_worker_is_told_to_use_the_xgboost_tracker(xgb30: str, tmp_path: Path) -> None:
-    tracker = RabitTracker(2, "127.0.0.1", PORTS).start()
+def test_an_xgboost30_worker_is_told_to_use_the_xgboost_tracker(xgb20: str, xgb30: str, tmp_path: Path) -> None:
+    child, env = rabit_child(xgb20, 2, tmp_path)
     try:
-        w = start_worker(xgb30, tmp_path, rabit_env(tracker, 0), "--api", "args", name="w0")
-        code = w.wait(60)  # dmlc's tracker leaves this worker hanging
-        st = tracker.wait(10)
+        w = start_worker(xgb30, tmp_path, rabit_env(env, 2, 0), "--api", "args", name="w0")
+        failed = child.until("failed")
+        assert child.proc.wait(10) == 1
+        assert w.wait(60) != 0  # (dmlc's own tracker leaves it hanging)
     finally:
-        tracker.close()
-    assert code != 0
-    assert st.state == "failed" and "--tracker xgboost" in st.error
+        child.close()
+    assert failed["error"] == ("the worker at 127.0.0.1 speaks XGBoost 2.1+'s tracker protocol, which this rabit "
+                               "tracker does not: run the job with --tracker xgboost")
+
+
+def send_int(s: socket.socket, v: int) -> None:
+    s.sendall(struct.pack("@i", v))
+
+
+def send_str(s: socket.socket, text: str) -> None:
+    send_int(s, len(text.encode()))
+    s.sendall(text.encode())
+
+
+def header(port: int, rank: int, world: int, task_id: str, cmd: str) -> socket.socket:
+    """A connection that says what rabit's workers say first (0xff99, rank, world, task id, command)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=20)
+    send_int(s, 0xFF99)
+    assert struct.unpack("@i", s.recv(4))[0] == 0xFF99
+    send_int(s, rank)
+    send_int(s, world)
+    send_str(s, task_id)
+    send_str(s, cmd)
+    return s
+
+
+@pytest.mark.timeout(240)
+def test_what_is_not_a_worker_is_dropped_and_the_job_goes_on(xgb20: str, tmp_path: Path) -> None:
+    child, env = rabit_child(xgb20, 2, tmp_path, "--header-timeout", "1")
+    port = int(env["DMLC_TRACKER_PORT"])
+    try:
+        socket.create_connection(("127.0.0.1", port)).close()  # a port probe
+        with socket.create_connection(("127.0.0.1", port)) as s:  # not rabit
+            s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        header(port, -1, -1, "x", "reboot").close()
+        header(port, 5, -1, "x", "shutdown").close()
+        with socket.create_connection(("127.0.0.1", port)) as silent:
+            procs = [start_worker(xgb20, tmp_path, rabit_env(env, 2, i), "--api", "env", "--only-rank", "--name",
+                                  f"w{i}", name=f"w{i}") for i in range(2)]
+            assert finish(procs) == [0, 0], logs(procs)
+            child.until("done")
+            silent.close()
+    finally:
+        child.close()
+    assert [(r["rank"], r["world"]) for r in results(tmp_path, ["w0", "w1"])] == [(0, 2), (1, 2)]
+    assert [e["error"] for e in child.events("dropped")] == [
+        "a connection from 127.0.0.1: the connection closed",
+        "a connection from 127.0.0.1: invalid magic number=542393671 from 127.0.0.1",
+        "a connection from 127.0.0.1: unknown command 'reboot'",
+        "a connection from 127.0.0.1: a shutdown for rank 5, which has no links or has shut down",
+        "a connection from 127.0.0.1: timed out"]
+
+
+@pytest.mark.timeout(60)
+def test_a_world_size_other_than_the_jobs_fails_it(xgb20: str, tmp_path: Path) -> None:
+    child, env = rabit_child(xgb20, 2, tmp_path)
+    try:
+        header(int(env["DMLC_TRACKER_PORT"]), -1, 3, "0", "start").close()
+        failed = child.until("failed")
+        assert child.proc.wait(10) == 1
+    finally:
+        child.close()
+    assert failed["error"] == ("the worker with task id 0 (127.0.0.1) expects a world of 3 workers but this job has "
+                               "2: remove rabit_world_size or make it match -n")
+
+
+@pytest.mark.timeout(60)
+def test_the_first_free_port_of_the_range_and_none_free(xgb20: str, tmp_path: Path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        p = held.getsockname()[1]
+        r = subprocess.run([xgb20, CHILD, "--tracker", "rabit", "--n-workers", "2", "--host-ip", "127.0.0.1",
+                            "--port-range", f"{p}-{p}"], capture_output=True, text=True, timeout=30,
+                           stdin=subprocess.DEVNULL)
+        assert r.returncode == 2
+        assert json.loads(r.stdout.splitlines()[-1]) == {
+            "event": "failed", "error": f"no free port in {p}-{p} on 127.0.0.1: widen --port-range"}
+        child = Child(xgb20, 2, tmp_path, "--tracker", "rabit", ports=(p, p + 1))
+        try:
+            assert child.until("listening")["env"]["DMLC_TRACKER_PORT"] == str(p + 1)
+        finally:
+            child.close()
+    r = subprocess.run([xgb20, CHILD, "--tracker", "rabit", "--n-workers", "2", "--host-ip", "10.255.255.1"],
+                       capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2
+    assert json.loads(r.stdout.splitlines()[-1])["error"].startswith("cannot listen on 10.255.255.1:0: ")
 
 
 # --- XGBoost 3.0 and launcher/trackers/xgboost_child.py ------------------------------
-
-
-class Child:
-    """xgboost_child.py as the launcher runs it: stdin a pipe it holds, stdout JSON lines."""
-
-    def __init__(self, python: str, n: int, tmp_path: Path, *extra: str) -> None:
-        self.stderr_path = tmp_path / "child.stderr"
-        with open(self.stderr_path, "wb") as err:
-            self.proc = subprocess.Popen(
-                [python, CHILD, "--n-workers", str(n), "--host-ip", "127.0.0.1",
-                 "--port-range", f"{PORTS[0]}-{PORTS[1]}", *extra],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
-
-    def line(self) -> dict:
-        text = self.proc.stdout.readline()
-        assert text, f"the child ended without a line: {self.stderr()}"
-        return json.loads(text)
-
-    def stderr(self) -> str:
-        return self.stderr_path.read_text(errors="replace")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
 
 
 @pytest.mark.timeout(240)
@@ -309,8 +387,6 @@ def test_xgboost_child_stops_when_its_stdin_closes(xgb30: str, tmp_path: Path) -
         assert time.monotonic() - t0 < 5
     finally:
         child.close()
-    import socket
-
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=2)
 
@@ -327,3 +403,14 @@ def test_xgboost_child_refuses_xgboost20_and_a_missing_xgboost(xgb20: str, tmp_p
     assert r.returncode == 2
     msg = json.loads(r.stdout)
     assert msg["event"] == "failed" and "cannot import xgboost" in msg["error"] and "--tracker-python" in msg["error"]
+
+
+@pytest.mark.timeout(60)
+def test_the_rabit_tracker_refuses_xgboost30(xgb30: str) -> None:
+    r = subprocess.run([xgb30, CHILD, "--tracker", "rabit", "--n-workers", "2", "--host-ip", "127.0.0.1"],
+                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2
+    msg = json.loads(r.stdout)
+    assert msg["event"] == "failed" and msg["error"].startswith("xgboost 3.0.") and \
+        "speaks XGBoost 2.1+'s tracker protocol, which this rabit tracker does not: run the job with --tracker " \
+        "xgboost" in msg["error"]

@@ -73,17 +73,42 @@ def test_a_torch_store_that_fails_stops_the_job_naming_it(tmp_path: Path) -> Non
         cluster.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_rabit_tracker_python_without_xgboost_fails_before_any_worker(tmp_path: Path, probe) -> None:
+    # (-s 0: the rabit tracker is XGBoost's own, run with the command's Python: here the main
+    # venv's, which has no xgboost)
+    cluster = LocalCluster(tmp_path)
+    try:
+        r = cluster.run("-n", "2", "-s", "0", *probe())
+        assert r.returncode == 1, r.stderr
+        assert one_line_error(r.stderr) == (
+            f"pslaunch: error: the rabit tracker cannot start: cannot import xgboost with {sys.executable}: install "
+            "xgboost 2.0 or older there (pip install 'xgboost<2.1') or give --tracker-python a Python that has it")
+        assert read_probes(probe.dir) == {}  # no worker started
+        assert not cluster.leftovers()
+    finally:
+        cluster.close()
+
+
 @pytest.mark.xgboost
 @pytest.mark.timeout(120)
-def test_an_xgboost3_worker_under_the_rabit_tracker_is_told_which_tracker(tmp_path: Path) -> None:
+def test_an_xgboost3_worker_under_the_rabit_tracker_is_told_which_tracker(tmp_path: Path, probe) -> None:
     python = xgboost_python("3.0")
     if python is None:
         pytest.skip("the XGBoost 3.0 venv is missing (run scripts/deps/70-xgboost.sh)")
-    r = run_pslaunch("-n", "2", "-s", "0", "--kill-grace", "2", python, str(BIN / "xgb_worker.py"), "--api", "args",
-                     "--out", str(tmp_path), timeout=100)
+    hint = "speaks XGBoost 2.1+'s tracker protocol, which this rabit tracker does not: run the job with --tracker xgboost"
+    # the tracker Python (the command's) has XGBoost 3.0: said before any worker starts
+    r = run_pslaunch("-n", "2", "-s", "0", "--kill-grace", "2", python, *probe()[1:], timeout=100)
+    assert r.returncode == 1, r.stderr
+    assert hint in one_line_error(r.stderr) and read_probes(probe.dir) == {}
+    # XGBoost 2.0's tracker (--tracker-python) and 3.0 workers: said when the first one connects
+    xgb20 = xgboost_python("2.0")
+    if xgb20 is None:
+        pytest.skip("the XGBoost 2.0.3 venv is missing (run scripts/deps/70-xgboost.sh)")
+    r = run_pslaunch("-n", "2", "-s", "0", "--tracker-python", xgb20, "--kill-grace", "2", python,
+                     str(BIN / "xgb_worker.py"), "--api", "args", "--out", str(tmp_path), timeout=100)
     assert r.returncode not in (0, 124), r.stderr
-    assert "speaks XGBoost 2.1+'s tracker protocol, which this rabit tracker does not: run the job with " \
-           "--tracker xgboost" in r.stderr
+    assert f"pslaunch: rabit tracker: the worker at 127.0.0.1 {hint}" in r.stderr
 
 
 @pytest.mark.timeout(120)

@@ -439,7 +439,7 @@ def test_tracker_defaults_and_servers() -> None:
     (["-n", "2", "-s", "1", "--tracker", "torch", "true"], "--tracker torch runs workers only; drop -s 1"),
     (["-n", "2", "-s", "0", "--tracker", "ps", "true"], "--tracker ps needs servers (-s 1 or more)"),
     (["-n", "2", "--tracker", "mpi", "true"], "Invalid value for '--tracker'"),
-    (["-n", "2", "-s", "0", "--tracker-python", "python3", "true"], "--tracker-python is the Python of"),
+    (["-n", "2", "-s", "1", "--tracker-python", "python3", "true"], "--tracker-python is the Python of"),
 ])
 def test_tracker_errors_are_one_line(args, message, capsys) -> None:
     code, err = run_err(args, capsys)
@@ -503,7 +503,8 @@ def test_dry_run_shows_the_tracker_and_each_workers_variables(tmp_path, capsys) 
 def test_dry_run_of_a_rabit_job(capsys) -> None:
     assert cli.main(["-n", "2", "-s", "0", "--dry-run", "python", "xgb.py"]) == 0
     out = capsys.readouterr().out
-    assert "tracker: rabit (dmlc's protocol, XGBoost up to 2.0), inside the launcher on 127.0.0.1" in out
+    assert "tracker: rabit (dmlc's protocol, XGBoost up to 2.0), XGBoost's own, a child process on this machine: " \
+           "python " in out and "xgboost_child.py --tracker rabit --n-workers 2 --host-ip 127.0.0.1" in out
     assert "  DMLC_TRACKER_URI=127.0.0.1" in out and "  DMLC_TRACKER_PORT=9091" in out
     assert "DMLC_NUM_SERVER=0" in out and "DMLC_PS_ROOT" not in out
     assert [r[:3] for r in dry_rows(out)] == [["worker", "0", "0"], ["worker", "1", "1"]]

@@ -175,7 +175,8 @@ def test_a_job_of_workers_only_uses_the_rabit_tracker_by_default() -> None:
 @pytest.mark.parametrize("kw, message", [
     (dict(tracker="torch", num_servers=1), "--tracker torch runs workers only; drop -s 1"),
     (dict(tracker="ps", num_servers=0), "--tracker ps needs servers"),
-    (dict(tracker="rabit", num_servers=0, tracker_python="python3"), "--tracker-python is the Python of --tracker"),
+    (dict(tracker="ps", num_servers=1, tracker_python="python3"), "--tracker-python is the Python of --tracker "
+                                                                  "rabit, xgboost or torch; --tracker ps runs none"),
     (dict(tracker="horovod", num_servers=0), "--tracker horovod: choose one of ps, rabit, xgboost, torch"),
 ])
 def test_tracker_rules(kw, message) -> None:

@@ -24,6 +24,15 @@ from launcher.spec.job import JobSpec
 from launcher.spec.plan import ProcSpec
 
 
+@pytest.fixture(autouse=True)
+def _no_tracker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These jobs of workers only (-s 0) have no tracker: their fake processes never talk to one,
+    and the rabit tracker is XGBoost's own, run with a Python that has it."""
+    from launcher import trackers
+
+    monkeypatch.setattr(trackers, "create", lambda *args: None)
+
+
 class Clock:
     """Virtual time: ``sleep`` moves it forward; nothing else does."""
 

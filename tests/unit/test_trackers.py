@@ -1,16 +1,29 @@
-"""launcher/trackers/: which Python runs a tracker program, and where the programs are."""
+"""launcher/trackers/: which Python runs a tracker program, where the programs are, what the rabit
+tracker's program says when it cannot serve, and how the launcher shows what it tells.
+
+XGBoost's trackers themselves run in tests/integration/test_rabit_xgboost.py (real XGBoost 2.0.3
+and 3.0); here the main venv, which has no xgboost, runs the program.
+"""
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from launcher import node, trackers
+from launcher.errors import LaunchError
+from launcher.runtime.output import Console
 from launcher.spec.job import JobSpec
+from launcher.trackers import service
+
+CHILD = node.tracker_command("xgboost_child", sys.executable)
 
 
 def spec(command: tuple[str, ...], tracker: str = "torch", **kw) -> JobSpec:
@@ -55,3 +68,98 @@ def test_the_tracker_programs_are_files_of_this_installation() -> None:
 def test_collective_trackers_have_classes_and_ps_has_none() -> None:
     assert sorted(trackers.classes()) == ["rabit", "torch", "xgboost"]
     assert trackers.describe(JobSpec(command=("x",), num_workers=1, num_servers=1), None) == []  # type: ignore[arg-type]
+
+
+# --- the rabit tracker's program (xgboost_child.py --tracker rabit) -----------------------------------------
+
+
+def run_child(*args: str, env: dict | None = None) -> tuple[int, list[dict], str]:
+    r = subprocess.run([*CHILD, *args, "--n-workers", "2", "--host-ip", "127.0.0.1"], capture_output=True, text=True,
+                       timeout=60, stdin=subprocess.DEVNULL, env=env)
+    return r.returncode, [json.loads(x) for x in r.stdout.splitlines()], r.stderr
+
+
+@pytest.mark.parametrize("tracker, install", [("rabit", "install xgboost 2.0 or older there (pip install "
+                                                        "'xgboost<2.1') or give --tracker-python a Python that has it"),
+                                              ("xgboost", "install xgboost>=2.1 there or choose another "
+                                                          "--tracker-python")])
+def test_without_xgboost_the_program_says_what_to_install_in_one_event(tracker: str, install: str) -> None:
+    code, events, err = run_child("--tracker", tracker)
+    assert code == 2 and len(events) == 1 and err == ""
+    assert events[0]["event"] == "failed"
+    assert events[0]["error"].startswith(f"cannot import xgboost with {sys.executable}")
+    assert events[0]["error"].endswith(install)
+
+
+def fake_xgboost(site: Path, version: str, tracker_py: str = "") -> dict:
+    """A site directory with an installed ``xgboost`` of ``version`` (its metadata, a package and,
+    if given, its ``tracker.py``), and the environment that puts it on the path."""
+    (site / "xgboost").mkdir(parents=True)
+    (site / "xgboost" / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    if tracker_py:
+        (site / "xgboost" / "tracker.py").write_text(tracker_py)
+    info = site / f"xgboost-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: xgboost\nVersion: {version}\n")
+    return {**os.environ, "PYTHONPATH": str(site)}
+
+
+def test_an_xgboost_of_the_new_protocol_is_told_to_use_the_xgboost_tracker(tmp_path: Path) -> None:
+    code, events, _ = run_child("--tracker", "rabit", env=fake_xgboost(tmp_path, "3.0.2"))
+    assert code == 2 and [e["event"] for e in events] == ["failed"]
+    assert events[0]["error"] == (f"xgboost 3.0.2 at {sys.executable} speaks XGBoost 2.1+'s tracker protocol, which "
+                                  "this rabit tracker does not: run the job with --tracker xgboost (or give "
+                                  "--tracker-python a Python with xgboost 2.0 or older)")
+
+
+def test_an_xgboost_without_dmlcs_tracker_is_one_event(tmp_path: Path) -> None:
+    # (the version adapter knows XGBoost 2.0's tracker.py: RabitTracker, WorkerEntry, ExSocket)
+    env = fake_xgboost(tmp_path, "1.2.0", "class RabitTracker:\n    pass\n")
+    code, events, _ = run_child("--tracker", "rabit", env=env)
+    assert code == 2 and [e["event"] for e in events] == ["failed"]
+    assert events[0]["error"].startswith(f"xgboost 1.2.0 at {sys.executable} has no rabit tracker this program can "
+                                         f"run ({tmp_path}/xgboost/tracker.py: ")
+
+
+def rabit_service(console: Console, **kw) -> service.RabitService:
+    spec = JobSpec(command=(sys.executable, "x.py"), num_workers=2, num_servers=0, **kw)
+    assert spec.tracker == "rabit"
+    return service.RabitService(spec, console, None)
+
+
+def test_the_rabit_tracker_that_cannot_start_is_one_line_and_leaves_nothing() -> None:
+    tracker = rabit_service(Console(io.BytesIO(), io.BytesIO(), color=False))
+    with pytest.raises(LaunchError) as e:
+        tracker.start("127.0.0.1")
+    assert str(e.value) == (f"the rabit tracker cannot start: cannot import xgboost with {sys.executable}: install "
+                            "xgboost 2.0 or older there (pip install 'xgboost<2.1') or give --tracker-python a Python "
+                            "that has it")
+    tracker.close()
+    assert tracker.child is not None and tracker.child.popen.returncode == 2  # reaped
+
+
+def test_the_rabit_tracker_shows_prints_and_notes_what_it_dropped(caplog) -> None:
+    out = io.BytesIO()
+    tracker = rabit_service(Console(out, io.BytesIO(), color=False))
+    tracker._event({"event": "print", "text": "[7]\ttrain-logloss:0.1\x1b[2J"})
+    tracker._event({"event": "print", "text": "two\nlines"})
+    assert out.getvalue() == b"[rabit tracker] [7]\ttrain-logloss:0.1?[2J\n[rabit tracker] two\n[rabit tracker] lines\n"
+    with caplog.at_level("INFO"):
+        for i in range(service.DROPS_NOTED + 3):
+            tracker._event({"event": "dropped", "error": f"a connection from 10.0.0.{i}: bad"})
+    notes = [r.getMessage() for r in caplog.records]
+    assert notes[:2] == ["rabit tracker: dropped a connection from 10.0.0.0: bad",
+                         "rabit tracker: dropped a connection from 10.0.0.1: bad"]
+    assert notes[service.DROPS_NOTED:] == ["rabit tracker: more connections dropped; counting them without a note"]
+    assert (tracker.prints, tracker.dropped) == (2, service.DROPS_NOTED + 3)
+
+
+def test_dry_run_lines_show_the_program_the_tracker_python_runs() -> None:
+    spec = JobSpec(command=("/opt/xgb/bin/python", "x.py"), num_workers=2, num_servers=0)
+
+    class Plan:
+        root_uri, root_port = "10.0.0.1", 9091
+
+    (line,) = trackers.describe(spec, Plan)  # type: ignore[arg-type]
+    assert f"/opt/xgb/bin/python {node.ROOT}/launcher/trackers/xgboost_child.py --tracker rabit --n-workers 2 " \
+           "--host-ip 10.0.0.1 --port-range 9091-9998;" in line

@@ -319,8 +319,10 @@ def test_timeout_dumps_python_stacks_and_exits_124(cluster: Cluster) -> None:
 
 # --- collective jobs: the trackers (rabit, xgboost, torch) ------------------------------------------------
 
-# (xgboost: its tracker runs with XGBoost 3.0's Python; the workers that join are real XGBoost, 2.0 for rabit)
-TRACKERS = ("rabit", pytest.param("xgboost", marks=pytest.mark.xgboost), "torch")
+# (rabit and xgboost: XGBoost's own trackers, run with XGBoost 2.0.3's and 3.0's Python; the workers that
+# join are real XGBoost)
+TRACKERS = (pytest.param("rabit", marks=pytest.mark.xgboost), pytest.param("xgboost", marks=pytest.mark.xgboost),
+            "torch")
 JOINING = (pytest.param("rabit", marks=pytest.mark.xgboost), pytest.param("xgboost", marks=pytest.mark.xgboost),
            "torch")
 
@@ -328,7 +330,7 @@ JOINING = (pytest.param("rabit", marks=pytest.mark.xgboost), pytest.param("xgboo
 def tracker_options(tracker: str) -> list[str]:
     """How a job selects ``tracker`` (rabit: as launch.py, by -s 0)."""
     if tracker == "rabit":
-        return ["-s", "0"]
+        return ["-s", "0", "--tracker-python", xgb_python("2.0")]
     if tracker == "xgboost":
         return ["--tracker", "xgboost", "--tracker-python", xgb_python("3.0")]
     return ["--tracker", "torch"]  # (the store runs with the command's Python: this one, which has torch)
@@ -418,17 +420,18 @@ def test_a_worker_that_exits_before_joining_fails_the_job_fast(cluster: Cluster,
     assert_nothing_left(cluster)
 
 
+@pytest.mark.xgboost
 @pytest.mark.timeout(200)
 def test_a_program_that_never_talks_to_the_rabit_tracker_does_not_hang_the_job(cluster: Cluster) -> None:
     # it exits: the job ends with it (launch.py's tracker waited forever for the shutdowns)
     t0 = time.monotonic()
-    r = cluster.run("-n", "2", "-s", "0", "--kill-grace", "1", *cluster.probe())
+    r = cluster.run("-n", "2", *tracker_options("rabit"), "--kill-grace", "1", *cluster.probe())
     assert r.returncode == 0, r.stderr
     assert "rabit tracker: no worker asked it for a rank" in r.stderr
     first = time.monotonic() - t0
     # it hangs: --timeout ends the job
     t0 = time.monotonic()
-    r = cluster.run("-n", "2", "-s", "0", "--kill-grace", "1", "--timeout", str(cluster.timeout),
+    r = cluster.run("-n", "2", *tracker_options("rabit"), "--kill-grace", "1", "--timeout", str(cluster.timeout),
                     *cluster.probe("--sleep", "90"))
     took = time.monotonic() - t0
     assert r.returncode == 124, r.stderr
