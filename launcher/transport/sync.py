@@ -20,9 +20,9 @@ import logging
 import os
 import shutil
 import stat
-import subprocess
 from typing import Iterable, Optional, Sequence
 
+from .. import external
 from ..node import treesync
 
 log = logging.getLogger(__name__)
@@ -56,17 +56,16 @@ def git_ignored(src: str) -> tuple[Optional[tuple[str, ...]], str]:
     if git is None:
         return None, "git is not installed"
     try:
-        p = subprocess.run([git, "-C", src, "ls-files", "--others", "--ignored", "--exclude-standard",
-                            "--directory", "-z"], stdin=subprocess.DEVNULL, capture_output=True,
-                           timeout=GIT_TIMEOUT)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"git failed: {e}"
-    if p.returncode != 0:
-        err = p.stderr.decode(errors="replace").strip().splitlines()
+        p = external.call([git, "-C", src, "ls-files", "--others", "--ignored", "--exclude-standard", "--directory",
+                           "-z"], timeout=GIT_TIMEOUT)
+    except external.CommandError as e:
+        if e.returncode is None:
+            return None, f"git failed: {e}"
+        err = e.stderr.strip().splitlines()
         if any("not a git repository" in line for line in err):
             return None, "not a git work tree"
-        return None, f"git: {err[-1] if err else f'exit code {p.returncode}'}"
-    paths = tuple(sorted(x for x in p.stdout.decode("utf-8", "surrogateescape").split("\0") if x))
+        return None, f"git: {err[-1] if err else f'exit code {e.returncode}'}"
+    paths = tuple(sorted(x for x in p.stdout.split("\0") if x))
     return paths, "honoured"
 
 

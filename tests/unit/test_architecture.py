@@ -4,6 +4,7 @@
   node package: they run on nodes where nothing else is installed;
 * the trainer imports nothing of the launcher but the contract;
 * the layers import downwards only: cli -> run -> backends, trackers -> runtime/transport -> spec;
+  ``launcher.external`` (external commands) is below them all but ``launcher.errors``;
   node and pscontract import nothing of them, and ``launcher.logs`` (the lowest floor, with
   pscontract) nothing of the launcher; no backend imports another (but the bases);
 * no module of the launcher, nor of the trainer, imports another one in a cycle;
@@ -111,7 +112,9 @@ LAYERS = {  # a module of the key may not import a module of any value
     "launcher.trackers": ("launcher.cli", "launcher.run", "launcher.backends", "launcher.transport"),
     "launcher.run": ("launcher.cli",),
     "launcher.node": ("launcher.cli", "launcher.run", "launcher.backends", "launcher.runtime", "launcher.transport",
-                      "launcher.spec", "launcher.errors"),
+                      "launcher.spec", "launcher.errors", "launcher.external"),
+    "launcher.external": ("launcher.cli", "launcher.run", "launcher.backends", "launcher.runtime",
+                          "launcher.transport", "launcher.trackers", "launcher.spec"),
     "pscontract": ("launcher",),
     "launcher.logs": ("launcher.cli", "launcher.run", "launcher.backends", "launcher.runtime", "launcher.transport",
                       "launcher.trackers", "launcher.spec", "launcher.node", "launcher.errors"),

@@ -19,14 +19,13 @@ import ipaddress
 import os
 import shutil
 import socket
-import subprocess
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 import pscontract as pc
 from pscontract import netif
 
-from ... import node
+from ... import external, node
 from ...errors import BackendUnavailableError, ConfigError, LaunchError
 from ...node import mpi_wire
 from ...spec.job import Host, JobSpec
@@ -108,13 +107,11 @@ def probe_mpirun(mpirun: str) -> MPIInfo:
             f"--launcher mpi: {mpirun}: {where}; install Open MPI or MPICH "
             "(apt-get install openmpi-bin, or mpich) or give --mpirun PATH")
     try:
-        r = subprocess.run([path, "--version"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, timeout=VERSION_TIMEOUT, check=False)
-    except subprocess.TimeoutExpired:
-        raise BackendUnavailableError(f"'{path} --version' did not answer within {VERSION_TIMEOUT:g}s") from None
-    except OSError as e:
-        raise BackendUnavailableError(f"cannot run {path}: {e.strerror or e}") from None
-    text = r.stdout.decode("utf-8", "replace")
+        r = external.call([path, "--version"], timeout=VERSION_TIMEOUT, check=False)
+    except external.CommandError as e:
+        raise BackendUnavailableError(f"'{path} --version' did not answer within {VERSION_TIMEOUT:g}s" if e.timed_out
+                                      else str(e)) from None
+    text = r.stdout + r.stderr
     impl = detect_implementation(text, path)
     version = next((line.strip() for line in text.splitlines() if line.strip()), "")
     if impl is MPIImpl.MPICH:  # Hydra's first line is a heading; its version is on a later one
