@@ -52,7 +52,6 @@ command line or in a file.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import json
 import logging
 import math
@@ -70,7 +69,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import pscontract as pc
 
-from .. import node
+from .. import external, node
 from ..errors import BackendUnavailableError, ConfigError, LaunchError
 from ..node import wire
 from ..runtime.handle import spawn_guard
@@ -94,6 +93,9 @@ STEP_SHAPE_VARIABLES = ("SLURM_NTASKS_PER_NODE", "SLURM_NTASKS_PER_SOCKET", "SLU
 #: The Slurm commands the backend runs (``check`` wants them on PATH).
 COMMANDS = ("srun", "scontrol", "scancel")
 
+#: How long ``scontrol show hostnames`` may take (it asks no daemon; an unreadable slurm.conf
+#: makes it retry for a minute).
+HOSTNAMES_TIMEOUT = 10.0
 #: How long an exit by a signal the launcher did not send waits for Slurm to say why.
 HOLD = 0.5
 #: How long :meth:`SlurmBackend.release` waits for Slurm to drop the allocation it cancelled.
@@ -160,78 +162,18 @@ class SlurmOptions:
 # --- pure builders and parsers ---------------------------------------------------------------
 
 
-def expand_hostlist(text: str) -> list[str]:
-    """Slurm's compressed host list, expanded in order: ``sn[0-2,5],gpu[01-02]-ib`` ->
-    ``sn0 sn1 sn2 sn5 gpu01-ib gpu02-ib`` (what ``scontrol show hostnames`` prints).
-
-    Zero padding is kept (``[08-10]`` -> 08, 09, 10); several bracket groups in one name
-    expand to every combination, as Slurm's hostlist does.
+def expand_ids(text: str) -> list[int]:
+    """A Slurm id list: ``0-1,4`` -> ``[0, 1, 4]`` (the tasks in srun's messages, ``CPU_IDs=``
+    of ``scontrol show job -d``).
 
     Raises:
-        ValueError: unbalanced brackets or a range that is not ``A-B`` with A <= B.
+        ValueError: not such a list.
     """
-    names: list[str] = []
-    for item in _split_top(text.strip()):
-        parts = re.split(r"(\[[^\]]*\])", item)
-        choices: list[list[str]] = []
-        for part in parts:
-            if part.startswith("["):
-                choices.append(_expand_ranges(part[1:-1], text))
-            elif "[" in part or "]" in part:
-                raise ValueError(f"unbalanced brackets in host list {text!r}")
-            else:
-                choices.append([part])
-        names.extend("".join(combo) for combo in itertools.product(*choices))
-    return names
-
-
-def _split_top(text: str) -> list[str]:
-    """Split at commas outside brackets."""
-    out, depth, cur = [], 0, ""
-    for ch in text:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"unbalanced brackets in host list {text!r}")
-        if ch == "," and depth == 0:
-            if cur:
-                out.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    if depth:
-        raise ValueError(f"unbalanced brackets in host list {text!r}")
-    if cur:
-        out.append(cur)
-    return out
-
-
-def _expand_ranges(body: str, text: str) -> list[str]:
-    out = []
-    for r in body.split(","):
-        lo, sep, hi = r.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"bad range {r!r} in host list {text!r}")
-        if not sep:
-            out.append(lo)
-            continue
-        if int(hi) < int(lo):
-            raise ValueError(f"bad range {r!r} in host list {text!r}")
-        width = len(lo) if lo.startswith("0") else 0
-        out.extend(str(i).zfill(width) for i in range(int(lo), int(hi) + 1))
-    return out
-
-
-def count_ids(text: str) -> int:
-    """How many ids a Slurm id list holds: ``0-1,4`` -> 3 (``CPU_IDs=`` of ``scontrol show job -d``)."""
-    total = 0
-    for r in text.split(","):
-        lo, sep, hi = r.partition("-")
-        if lo.isdigit():
-            total += (int(hi) - int(lo) + 1) if sep and hi.isdigit() else 1
-    return total
+    ids: list[int] = []
+    for part in text.split(","):
+        lo, sep, hi = part.partition("-")
+        ids.extend(range(int(lo), int(hi) + 1) if sep else (int(lo),))
+    return ids
 
 
 @dataclass(frozen=True)
@@ -265,8 +207,10 @@ def parse_job(text: str, job_id: str) -> Allocation:
     only the component whose id is ``job_id`` (its first): srun runs steps there unless told
     ``--het-group``.
 
+    The host lists are expanded by Slurm (:func:`hostnames`).
+
     Raises:
-        LaunchError: the text holds no record of that job.
+        LaunchError: the text holds no record of that job, or Slurm cannot expand its host lists.
     """
     records = [r for r in re.split(r"\n\s*\n", text) if r.strip()]
     found = [r for r in records if re.search(rf"(?:^|\s)JobId={re.escape(job_id)}(?:\s|$)", r)]
@@ -275,11 +219,21 @@ def parse_job(text: str, job_id: str) -> Allocation:
     rec = found[0]
     fields = dict(re.findall(r"(?:^|\s)([A-Za-z/:_]+)=(\S*)", rec))
     nodelist = fields.get("NodeList", "")
-    nodes = expand_hostlist(nodelist) if nodelist and nodelist != "(null)" else []
+    expanded: dict[str, list[str]] = {}  # (the detail lines usually repeat the NodeList)
+
+    def expand(hostlist: str) -> list[str]:
+        if hostlist not in expanded:
+            expanded[hostlist] = hostnames(hostlist)
+        return expanded[hostlist]
+
+    nodes = expand(nodelist) if nodelist and nodelist != "(null)" else []
     cpus: dict[str, int] = {}
-    for m in re.finditer(r"(?:^|\s)Nodes=(\S+) CPU_IDs=(\S+)", rec):
-        for n in expand_hostlist(m.group(1)):
-            cpus[n] = cpus.get(n, 0) + count_ids(m.group(2))
+    try:
+        for m in re.finditer(r"(?:^|\s)Nodes=(\S+) CPU_IDs=(\S+)", rec):
+            for n in expand(m.group(1)):
+                cpus[n] = cpus.get(n, 0) + len(expand_ids(m.group(2)))
+    except ValueError:
+        cpus = {}
     per_node = tuple(cpus[n] for n in nodes) if nodes and all(n in cpus for n in nodes) else ()
     per_task = fields.get("CPUs/Task", "")
     reason = fields.get("Reason", "")
@@ -458,7 +412,7 @@ def parse_srun_line(line: str) -> SrunLine:
     m = _TASK_STATUS.match(line)
     if m:
         try:
-            tasks = tuple(int(t) for t in expand_hostlist(f"[{m.group(2).strip('[]')}]"))
+            tasks = tuple(expand_ids(m.group(2).strip("[]")))
         except ValueError:
             tasks = ()
         return SrunLine("status", node=m.group(1), tasks=tasks, code=exit_code_of_status(m.group(3)),
@@ -513,13 +467,24 @@ def _which(name: str, path: Optional[str] = None) -> Optional[str]:
     return shutil.which(name, path=path)
 
 
-def _run(argv: Sequence[str], timeout: float = 30.0) -> subprocess.CompletedProcess:
-    return subprocess.run(list(argv), stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout,
-                          check=False)
-
-
 def _one_line(text: str) -> str:
     return " ".join(text.split())
+
+
+def hostnames(hostlist: str) -> list[str]:
+    """Slurm's compressed host list expanded in order, by Slurm itself (``scontrol show
+    hostnames``, which reads slurm.conf but asks no daemon): ``sn[0-2,5],gpu1`` -> ``sn0 sn1 sn2
+    sn5 gpu1``, zero padding kept (``n[08-10]`` -> ``n08 n09 n10``).
+
+    Raises:
+        LaunchError: scontrol is missing or failed (:class:`~launcher.external.CommandError`), or
+            the list is not one Slurm reads (scontrol then prints nothing but its complaint).
+    """
+    r = external.call(["scontrol", "show", "hostnames", hostlist], timeout=HOSTNAMES_TIMEOUT)
+    names = r.stdout.split()
+    if not names:
+        raise LaunchError(f"Slurm cannot read the host list {hostlist!r}: {_one_line(r.stderr) or 'no host names'}")
+    return names
 
 
 # --- the handle -----------------------------------------------------------------------------
@@ -647,7 +612,7 @@ class SlurmBackend(BatchBackend):
             out.append(f"Slurm: inside allocation {job} (SLURM_JOB_ID; nodes {nodes or 'unknown'}); "
                        "one job step per role, servers first:")
             try:
-                alloc = Allocation(job_id=job, state="RUNNING", nodes=tuple(expand_hostlist(nodes)))
+                alloc = Allocation(job_id=job, state="RUNNING", nodes=tuple(hostnames(nodes) if nodes else ()))
                 where = place_on(spec, placement_hosts(alloc, opts.nodes)) if alloc.nodes else {}
             except (ValueError, LaunchError):
                 where = {}
@@ -700,8 +665,9 @@ class SlurmBackend(BatchBackend):
         are worked out by the wrapper on each node."""
         opts: SlurmOptions = self.spec.options or SlurmOptions()
         try:
-            self.version = parse_version(_run([_which("srun") or "srun", "--version"], timeout=20).stdout)
-        except (OSError, subprocess.TimeoutExpired):
+            self.version = parse_version(external.call([_which("srun") or "srun", "--version"], timeout=20,
+                                                       check=False).stdout)
+        except external.CommandError:
             self.version = None
         job = self.spec.environ_dict().get(SLURM_JOB_ID, "").strip()
         if job:
@@ -722,11 +688,11 @@ class SlurmBackend(BatchBackend):
 
     def _show_job(self, job: str) -> Allocation:
         try:
-            r = _run(["scontrol", "show", "job", "-d", job])
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise LaunchError(f"scontrol show job {job}: {e}") from None
-        if r.returncode != 0:
-            raise LaunchError(f"scontrol show job {job} failed: {_one_line(r.stderr or r.stdout)}")
+            r = external.call(["scontrol", "show", "job", "-d", job], timeout=30)
+        except external.CommandError as e:
+            if e.returncode is None:
+                raise LaunchError(str(e)) from None
+            raise LaunchError(f"scontrol show job {job} failed: {_one_line(e.stderr or e.stdout)}") from None
         return parse_job(r.stdout, job)
 
     def helper_pids(self) -> set[int]:
@@ -795,8 +761,8 @@ class SlurmBackend(BatchBackend):
         if not self._salloc_job:
             return ""
         try:
-            r = _run(["squeue", "-h", "-j", self._salloc_job, "-o", "%T %r"], timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
+            r = external.call(["squeue", "-h", "-j", self._salloc_job, "-o", "%T %r"], timeout=10, check=False)
+        except external.CommandError:
             return ""
         text = r.stdout.strip()
         return f" (squeue: {text.replace(' ', ', Reason=', 1)})" if text else ""
@@ -1017,8 +983,9 @@ class SlurmBackend(BatchBackend):
         if self.alloc is None:
             return []
         try:
-            r = _run(["sinfo", "-h", "-N", "-n", self.alloc.nodelist, "-o", "%N %t"], timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
+            r = external.call(["sinfo", "-h", "-N", "-n", self.alloc.nodelist, "-o", "%N %t"], timeout=10,
+                              check=False)
+        except external.CommandError:
             return []
         return down_nodes(r.stdout)
 
@@ -1104,13 +1071,12 @@ class SlurmBackend(BatchBackend):
     def _scancel_ids(self, ids: Sequence[str], sig: Optional[str] = None) -> None:
         argv = [self._scancel, *([f"--signal={sig}"] if sig else []), *ids]
         try:
-            r = _run(argv, timeout=20)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            log.warning("%s: %s", shlex.join(argv), e)
-            return
-        if r.returncode != 0 and "already completing or completed" not in r.stderr \
-                and "Invalid job id" not in r.stderr:
-            log.debug("%s: %s", shlex.join(argv), _one_line(r.stderr))
+            external.call(argv, timeout=20)
+        except external.CommandError as e:
+            if e.returncode is None:
+                log.warning("%s", e)
+            elif "already completing or completed" not in e.stderr and "Invalid job id" not in e.stderr:
+                log.debug("%s: %s", shlex.join(argv), _one_line(e.stderr))
 
     def close(self) -> None:
         try:
@@ -1141,8 +1107,9 @@ class SlurmBackend(BatchBackend):
         state = ""
         while time.monotonic() < deadline:
             try:
-                state = _run(["squeue", "-h", "-j", alloc.job_id, "-o", "%T"], timeout=10).stdout.strip()
-            except (OSError, subprocess.TimeoutExpired):
+                state = external.call(["squeue", "-h", "-j", alloc.job_id, "-o", "%T"], timeout=10,
+                                      check=False).stdout.strip()
+            except external.CommandError:
                 state = "?"
             if not state:
                 log.debug("Slurm allocation %s released", alloc.job_id)
@@ -1182,12 +1149,19 @@ def munge_socket(conf: Mapping[str, str]) -> str:
 
 
 def doctor_rows(environ: Mapping[str, str], *, queue: Optional[str] = None,
-                options: Optional[SlurmOptions] = None,
-                run: Callable[[Sequence[str]], subprocess.CompletedProcess] = _run) -> list[tuple[str, bool, str]]:
+                options: Optional[SlurmOptions] = None) -> list[tuple[str, bool, str]]:
     """What a Slurm job needs on this host, one ``(check, passed, detail)`` row each: the client
     commands, munge (when Slurm authenticates with it), slurmctld, the partition, free nodes
     (or, inside an allocation, that it runs). A check that cannot run after an earlier failure
-    says so."""
+    says so.
+
+    Raises:
+        LaunchError: a command did not answer (:class:`~launcher.external.CommandError`).
+    """
+
+    def run(argv: Sequence[str]) -> external.Result:
+        return external.call(argv, timeout=30, check=False)
+
     path = environ.get(pc.PATH, os.defpath)
     rows: list[tuple[str, bool, str]] = []
     inside = environ.get(SLURM_JOB_ID, "").strip()
@@ -1275,5 +1249,5 @@ def doctor_rows(environ: Mapping[str, str], *, queue: Optional[str] = None,
     return rows
 
 
-__all__ = ["SlurmBackend", "SlurmOptions", "SlurmTask", "build_salloc", "build_srun", "expand_hostlist",
+__all__ = ["SlurmBackend", "SlurmOptions", "SlurmTask", "build_salloc", "build_srun", "hostnames",
            "parse_job", "parse_srun_line"]
