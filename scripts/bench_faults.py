@@ -32,6 +32,8 @@ import sys
 import tempfile
 import time
 
+from launcher.node import procgroup
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = b"PSLAUNCH_JOB_ID="
 ROLE = b"DMLC_ROLE="
@@ -41,25 +43,21 @@ TRAIN = [sys.executable, "trainer/train_mnist.py", "--network", "mlp", "--kv-sto
 PROBE = [sys.executable, os.path.join(REPO, "tests", "bin", "probe.py"), "--out", "{out}", "--listen", "--sleep", "300", "--escape"]
 
 
-def job_envs() -> dict[int, dict[bytes, bytes]]:
+def job_envs() -> dict[int, dict[bytes, bytes | int]]:
     """Every live process with a job id: pid -> its job variables (and its parent and start time)."""
     found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+    for st in procgroup.scan() or ():
+        if not st.alive:
             continue
         try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
+            with open(f"/proc/{st.pid}/environ", "rb") as f:
                 env = f.read().split(b"\0")
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
         except OSError:
-            continue
-        if fields[0] in (b"Z", b"X"):
             continue
         mine = {k: v.split(b"=", 1)[1] for v in env for k in (JOB, ROLE, TASK) if v.startswith(k)}
         if JOB in mine:
-            mine[b"ppid"], mine[b"start"] = fields[1], fields[19]
-            found[int(entry)] = mine
+            mine[b"ppid"], mine[b"start"] = st.ppid, st.start
+            found[st.pid] = mine
     return found
 
 

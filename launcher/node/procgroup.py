@@ -7,6 +7,7 @@ the group reaches whatever it started (unless that called ``setsid()`` itself: s
 the ssh wrapper imports this module on hosts with an old ``python3``.
 """
 
+import collections
 import os
 import shutil
 import signal
@@ -95,26 +96,57 @@ def become_subreaper():
     return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
-def children(pid=None):
-    """The pids of the live (non-zombie) children of ``pid`` (default: this process)."""
-    pid = os.getpid() if pid is None else pid
-    found = []
+class ProcStat(collections.namedtuple("ProcStat", "pid state ppid pgid start")):
+    """What pslaunch reads of one process's ``/proc/<pid>/stat``: ``pid``, ``state`` (a letter:
+    ``R``, ``S``, ``Z`` for a zombie...), ``ppid``, ``pgid`` and ``start`` (its start time, in
+    clock ticks after boot: with the pid, it names one process for good)."""
+
+    __slots__ = ()
+
+    @property
+    def alive(self):
+        """Running or asleep or stopped: not a zombie, not dead."""
+        return self.state not in ("Z", "X")
+
+
+def stat(pid):
+    """Process ``pid``'s :class:`ProcStat`; None when it is gone (or there is no ``/proc``).
+
+    The line is ``pid (comm) state ppid pgrp session ...`` with the start time the 22nd field;
+    ``comm`` (the program's name, up to 15 bytes) may hold spaces and parentheses, so the fields
+    are counted from the last ``)``.
+    """
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            line = f.read()
+    except OSError:
+        return None
+    fields = line[line.rfind(b")") + 2:].split()
+    try:
+        return ProcStat(pid, fields[0].decode("ascii"), int(fields[1]), int(fields[2]), int(fields[19]))
+    except (IndexError, ValueError):
+        return None
+
+
+def scan():
+    """The :class:`ProcStat` of every process in ``/proc``, zombies included; None without ``/proc``."""
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return found
+        return None
+    found = []
     for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open("/proc/%s/stat" % entry, "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2:].split()
-        if len(fields) > 1 and int(fields[1]) == pid and fields[0] not in (b"Z", b"X"):
-            found.append(int(entry))
+        if entry.isdigit():
+            st = stat(int(entry))
+            if st is not None:
+                found.append(st)
     return found
+
+
+def children(pid=None):
+    """The pids of the live (non-zombie) children of ``pid`` (default: this process)."""
+    pid = os.getpid() if pid is None else pid
+    return [p.pid for p in scan() or () if p.ppid == pid and p.alive]
 
 
 def has_children():
@@ -171,14 +203,12 @@ def marked(prefix):
         try:
             with open("/proc/%s/environ" % entry, "rb") as f:
                 environ = f.read()
-            with open("/proc/%s/stat" % entry, "rb") as f:
-                stat = f.read()
         except OSError:
             continue
-        if stat[stat.rfind(b")") + 2:].split()[0] in (b"Z", b"X"):
-            continue
         if any(v.startswith(needle) for v in environ.split(b"\0")):
-            found.append(int(entry))
+            st = stat(int(entry))
+            if st is not None and st.alive:
+                found.append(st.pid)
     return found
 
 

@@ -11,12 +11,12 @@ reads each handle's :meth:`~ProcessHandle.record` for the report.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import time
 from dataclasses import asdict, dataclass
 from typing import Iterable, Iterator, Mapping, Optional
 
+from ..node import procgroup
 from ..node.procgroup import group_alive
 from ..spec.plan import ProcSpec
 from .output import ProcOutput
@@ -153,23 +153,13 @@ class ProcessHandle:
 
 def scan_groups() -> dict[int, list[int]] | None:
     """Live (non-zombie) pids by process group, from one pass over ``/proc``; None without /proc."""
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
+    procs = procgroup.scan()
+    if procs is None:
         return None
     groups: dict[int, list[int]] = {}
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # "pid (comm) state ppid pgrp ..." - comm may contain spaces and parens
-        fields = stat[stat.rfind(b")") + 2:].split()
-        if len(fields) > 2 and fields[0] not in (b"Z", b"X"):
-            groups.setdefault(int(fields[2]), []).append(int(entry))
+    for p in procs:
+        if p.alive:
+            groups.setdefault(p.pgid, []).append(p.pid)
     return groups
 
 

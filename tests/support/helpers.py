@@ -17,6 +17,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable, Iterable, Optional
 
+from launcher.node import procgroup
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = REPO / "tests" / "bin"
 PROBE = BIN / "probe.py"
@@ -36,12 +38,8 @@ def wait_for(cond: Callable[[], object], timeout: float, interval: float = 0.05,
 
 def pid_alive(pid: int) -> bool:
     """True for a live, non-zombie process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2:].split()[0] not in (b"Z", b"X")
+    st = procgroup.stat(pid)
+    return st is not None and st.alive
 
 
 def assert_no_orphans(pids: Iterable[int], timeout: float = 10.0) -> None:
@@ -183,13 +181,14 @@ def ancestors(pid: int) -> list[tuple[int, str]]:
     """``(pid, command line)`` of ``pid``'s parents, nearest first."""
     out = []
     while pid > 1:
+        st = procgroup.stat(pid)
+        if st is None:
+            break
+        ppid = st.ppid
         try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-            ppid = int(stat[stat.rfind(b")") + 2:].split()[1])
             with open(f"/proc/{ppid}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, ValueError):
+        except OSError:
             break
         out.append((ppid, cmd))
         pid = ppid

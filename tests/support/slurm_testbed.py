@@ -27,6 +27,8 @@ import subprocess
 from pathlib import Path
 from typing import Optional, Sequence
 
+from launcher.node import procgroup
+
 DEFAULT_JSON = Path("/var/lib/pslaunch-slurm/testbed.json")
 #: the daemons of a node; anything else in its namespace belongs to a job
 DAEMONS = ("slurmd", "slurmstepd")
@@ -166,11 +168,8 @@ def _cmdline(pid: int) -> bytes:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2:].split()[0] not in (b"Z", b"X")
+    st = procgroup.stat(pid)
+    return st is not None and st.alive
 
 
 def _environ(pid: int) -> dict[str, str]:

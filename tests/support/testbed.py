@@ -55,6 +55,8 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+from launcher.node import procgroup
+
 STATE_ROOT = Path("/var/tmp")
 PREFIX = "pslaunch-testbed-"
 IFACES = (("eth0", "data0"), ("ens1", "ib0"), ("enp2s0", "bond0"), ("eno1", "ib1"),
@@ -219,11 +221,10 @@ class Testbed:
         for pid in self.pids(host):
             try:
                 comm = Path(f"/proc/{pid}/comm").read_text().strip()
-                stat = Path(f"/proc/{pid}/stat").read_bytes()
             except OSError:
                 continue
-            state = stat[stat.rfind(b")") + 2:].split()[0]
-            if comm in ("sshd", "sshd-session") or state in (b"Z", b"X"):
+            st = procgroup.stat(pid)
+            if comm in ("sshd", "sshd-session") or st is None or not st.alive:
                 continue
             out.append(pid)
         return out
@@ -305,11 +306,8 @@ def _proc_title(pid: int) -> bytes:
 
 
 def _proc_start(pid: int) -> str:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return ""
-    return stat[stat.rfind(b")") + 2:].split()[19].decode()
+    st = procgroup.stat(pid)
+    return str(st.start) if st is not None else ""
 
 
 def _signal(pids: Iterable[int], sig: int) -> None:
