@@ -270,8 +270,8 @@ def _fail(message: str, code: int = 1) -> int:
 
 #: what the trainer imports beyond the standard library: (module, the package pip installs)
 DEPENDENCIES = (("torch", "torch"), ("numpy", "numpy"), ("zmq", "pyzmq"))
-INSTALL_HINT = ("pip install 'pslaunch[trainer]' (on a GPU machine, install the CUDA build of torch you want "
-                "first; the README's Installing says how)")
+INSTALL_HINT = ("pip install '.[trainer]' in your clone of pslaunch (on a GPU machine, install the CUDA build "
+                "of torch you want first; the README's Installing says how)")
 
 
 def missing_dependencies() -> list[str]:
@@ -396,7 +396,7 @@ def _check_plot(path: str) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install matplotlib (or pip install 'pslaunch[trainer]')") from None
+        raise UsageError("--plot needs matplotlib: pip install matplotlib (or pip install '.[trainer]' in your clone of pslaunch)") from None
     formats = FigureCanvasAgg(Figure()).get_supported_filetypes()
     ext = os.path.splitext(path)[1].lstrip(".").lower()
     if ext and ext not in formats:
