@@ -29,11 +29,11 @@ from typing import Any, ClassVar, Mapping, Optional, Sequence
 import pscontract as pc
 
 from ..errors import LaunchError
-from ..node import wire
 from ..node.procgroup import resolve_program
-from ..runtime.handle import ProcessHandle, ProcGroup
+from ..runtime.handle import ProcGroup
 from ..runtime.hub import Hub, hub_ports
 from ..runtime.output import PipePump, ProcOutput
+from ..runtime.remote import RemoteProcess
 from ..spec.job import JobSpec, Role
 from ..spec.plan import ProcSpec, placement_env
 from .base import Backend
@@ -125,7 +125,7 @@ def write_private_json(path: str, doc: Mapping[str, Any]) -> None:
 # --- the handle ------------------------------------------------------------------------------
 
 
-class BatchTask(ProcessHandle):
+class BatchTask(RemoteProcess):
     """One task of a batch job. Its state is kept by its backend: records from its agent, and the
     batch system's view from the follower thread.
 
@@ -138,19 +138,39 @@ class BatchTask(ProcessHandle):
     """
 
     def __init__(self, proc: ProcSpec, output: ProcOutput, backend: BatchBackend, host: str) -> None:
-        super().__init__(proc, output, host)
+        assert proc.task_id is not None
+        super().__init__(proc, output, host, proc.task_id)
         self.backend = backend
         self.state = "submitted"
         self.ran = False
         self.terminated = False
-        self.channel = "none"
         self.reason = ""
         self.code: Optional[int] = None
 
-    @property
-    def ident(self) -> int:
-        assert self.proc.task_id is not None
-        return self.proc.task_id
+    # -- what its agent says (on the pump's thread) -------------------------------------------------
+
+    def on_start(self, info: dict[str, Any]) -> None:
+        with self.backend.lock:
+            super().on_start(info)
+            self.ran = True
+            self.host = str(info.get("host") or self.host)
+            self.start_time = time.time()
+        log.debug("%s runs on %s (pid %s, DMLC_NODE_HOST %s)", self.label, self.host, self.pid, info.get("addr"))
+
+    def on_exit(self, code: int) -> None:
+        self.backend.set_code(self, code, "", ended_at=time.time())
+
+    def on_failed(self, error: str, code: int, info: dict[str, Any]) -> None:
+        self.failure = error
+        self.host = str(info.get("host") or self.host)
+        self.backend.set_code(self, code, "", ended_at=time.time())
+
+    def on_here(self, info: dict[str, Any]) -> None:
+        self.backend.placed(self, str(info["host"]) if "host" in info else self.host)
+
+    def channel_closed(self) -> None:
+        super().channel_closed()
+        self.output.close()
 
     def _poll(self) -> Optional[int]:
         return self.code
@@ -275,7 +295,7 @@ class BatchBackend(Backend):
         assert self.pump is not None
         try:
             hub = Hub(self.pump, secret, root, ports, [p.task_id for p in procs if p.task_id is not None],
-                      on_record=self._record, on_open=self._opened, on_close=self._closed)
+                      self._by_ident)
         except OSError as e:
             log.warning("cannot listen for the tasks on %s (%s): they run without a connection to the launcher "
                         "(output from their files, no graceful stop, no stack dumps)", root, e)
@@ -300,63 +320,9 @@ class BatchBackend(Backend):
                 raise LaunchError(self.describe_pending(pending, timeout))
             time.sleep(0.05)
 
-    # -- what the agents say (on the pump's thread) -----------------------------------------------
-
-    def _opened(self, ident: int) -> None:
-        t = self._by_ident.get(ident)
-        if t is not None:
-            t.channel = "open"
-
-    def _closed(self, ident: int) -> None:
-        t = self._by_ident.get(ident)
-        if t is not None:
-            t.channel = "closed"
-            t.output.close()
-
-    def _record(self, ident: int, kind: str, payload: bytes) -> None:
-        t = self._by_ident.get(ident)
-        if t is None:
-            return
-
-        if kind in (wire.STDOUT_LINE, wire.STDERR_LINE):
-            (t.output.stdout if kind == wire.STDOUT_LINE else t.output.stderr).feed(payload + b"\n")
-        elif kind in (wire.STDOUT_PART, wire.STDERR_PART):
-            (t.output.stdout if kind == wire.STDOUT_PART else t.output.stderr).feed(payload)
-        elif kind == wire.START:
-            try:
-                info = json.loads(payload)
-            except ValueError:
-                info = {}
-            with self.lock:
-                t.ran = True
-                t.host = str(info.get("host") or t.host)
-                t.pid = info.get("pid") if isinstance(info.get("pid"), int) else t.pid
-                t.start_time = time.time()
-            log.debug("%s runs on %s (pid %s, DMLC_NODE_HOST %s)", t.label, t.host, t.pid, info.get("addr"))
-        elif kind == wire.HERE:
-            self._here(t, payload)
-        elif kind == wire.EXIT:
-            try:
-                code = int(payload)
-            except ValueError:
-                code = 1
-            self.set_code(t, code, "", ended_at=time.time())
-        elif kind == wire.FAILED:
-            try:
-                info = json.loads(payload)
-            except ValueError:
-                info = {}
-            t.failure = str(info.get("error") or "could not start")
-            t.host = str(info.get("host") or t.host)
-            self.set_code(t, int(info.get("code") or 1), "", ended_at=time.time())
-
-    def _here(self, t: BatchTask, payload: bytes) -> None:
-        """``t``'s agent awaits its placement: once every such task has said where it runs, send
-        each its variables (``launcher.spec.plan.placement_env``)."""
-        try:
-            host = str(json.loads(payload)["host"])
-        except (ValueError, KeyError, TypeError):
-            host = t.host
+    def placed(self, t: BatchTask, host: str) -> None:
+        """``t``'s agent awaits its placement on ``host``: once every such task has said where it
+        runs, send each its variables (``launcher.spec.plan.placement_env``; on the pump's thread)."""
         waiting = [p for p in self._procs if p.awaits_placement]
         with self.lock:
             t.ran = True

@@ -71,7 +71,7 @@ import pscontract as pc
 
 from .. import external, node
 from ..errors import BackendUnavailableError, ConfigError, LaunchError
-from ..node import wire
+from ..node.protocol import unwrap
 from ..runtime.handle import spawn_guard
 from ..runtime.output import ProcOutput
 from ..spec.job import Host, JobSpec, Role
@@ -493,6 +493,8 @@ def hostnames(hostlist: str) -> list[str]:
 class SlurmTask(BatchTask):
     """One task of a role's step."""
 
+    backend: SlurmBackend
+
     def __init__(self, proc: ProcSpec, output: ProcOutput, backend: SlurmBackend, step: Step, index: int,
                  node_name: str) -> None:
         super().__init__(proc, output, backend, host=node_name)
@@ -505,6 +507,21 @@ class SlurmTask(BatchTask):
 
     def where(self) -> str:
         return f"Slurm step {self.step.step_id or self.step.job_id + '.?'} task {self.index}"
+
+    def on_start(self, info: dict[str, Any]) -> None:
+        step_id = str(info.get("step") or "")
+        if step_id and not self.step.step_id:
+            self.step.step_id = step_id
+            self.backend._guard_step(step_id)
+        super().on_start(info)
+
+    def on_exit(self, code: int) -> None:
+        if code > 128 and not self.signalled and self.code is None:
+            # killed by a signal nobody here sent: let Slurm say why first (see HOLD)
+            with self.backend.lock:
+                self.backend._held.setdefault(self.ident, (code, time.time()))
+            return
+        super().on_exit(code)
 
 
 @dataclass
@@ -854,9 +871,9 @@ class SlurmBackend(BatchBackend):
         t = step.tasks[index] if index < len(step.tasks) else None
         payload = raw[raw.index(b":") + 1:]
         payload = payload[1:] if payload.startswith(b" ") else payload
-        parsed = wire.parse_record(payload)
-        if parsed is not None and t is not None and parsed[0] == t.ident:
-            self._record(parsed[0], parsed[1], parsed[2])  # in-band: its agent could not connect
+        frame = unwrap(payload)
+        if frame is not None and t is not None and frame[1] == t.ident:
+            t.frame(frame[0], frame[2])  # in-band: its agent could not connect
             return
         said = parse_srun_line(text) if "slurmstepd" in text else None
         if said is not None and said.kind == "cancelled":
@@ -896,28 +913,6 @@ class SlurmBackend(BatchBackend):
 
     def _stream_closed(self, step: Step) -> None:
         step.open_streams -= 1
-
-    def _record(self, ident: int, kind: str, payload: bytes) -> None:
-        t = self._by_ident.get(ident)
-        if isinstance(t, SlurmTask) and kind == wire.START:
-            try:
-                step_id = str(json.loads(payload).get("step") or "")
-            except (ValueError, AttributeError):
-                step_id = ""
-            if step_id and not t.step.step_id:
-                t.step.step_id = step_id
-                self._guard_step(step_id)
-        if isinstance(t, SlurmTask) and kind == wire.EXIT and t.code is None:
-            try:
-                code = int(payload)
-            except ValueError:
-                code = 1
-            if code > 128 and not t.signalled:
-                # killed by a signal nobody here sent: let Slurm say why first (see HOLD)
-                with self.lock:
-                    self._held.setdefault(ident, (code, time.time()))
-                return
-        super()._record(ident, kind, payload)
 
     def _guard_step(self, step_id: str) -> None:
         """If the launcher is killed, the watchdog cancels the step (srun's death does too)."""

@@ -14,19 +14,19 @@ Lifecycle (driven by the supervisor, see :mod:`launcher.backends.base`):
    (:mod:`launcher.transport.wiresync`: what differs in size or mtime).
 2. :meth:`SSHBackend.start`: the argv, environment and working directory of every
    process of a host go to its waiting wrapper as one frame (:func:`header_frame`),
-   so no value ever appears on a command line. The wrapper starts each process in
-   its own process group and reports its pid; output comes back framed by process
-   (:class:`~launcher.node.ssh_wire.FrameDecoder`). One login shell and one Python
-   per host, however many processes it runs and whatever it syncs.
+   so no value ever appears on a command line. The wrapper (a node agent) starts each
+   process in its own process group and reports it in frames
+   (``launcher.node.protocol``, transport a), which go to the process's handle
+   (:class:`SSHProcess`, a :class:`~launcher.runtime.remote.RemoteProcess`). One login
+   shell and one Python per host, however many processes it runs and whatever it syncs.
 3. Supervision: the launcher sends a keep-alive to every host's wrapper each
    ``--ssh-keepalive`` seconds and the wrapper answers. A host silent for
    :data:`LOST_FACTOR` intervals is *lost*: its processes count as failed
    (exit code 255) and the job stops; the wrapper there stops its process
    groups on its own when the keep-alives stop reaching it.
-4. Teardown: one ``X`` frame per host asks its wrapper to send ``TERM`` (with
-   ``CONT``) to the processes' groups, ``KILL`` after ``--kill-grace``; then the
-   wrapper's stdin is closed and it kills what is left of every group (and what
-   left them). If the launcher dies (``kill -9``), sshd closes the channel and the
+4. Teardown: ``X`` frames ask a host's wrapper to send ``TERM`` (with ``CONT``) to
+   the processes' groups, ``KILL`` after ``--kill-grace``; then the wrapper's stdin
+   is closed and it kills what is left of every group (and what left them). If the launcher dies (``kill -9``), sshd closes the channel and the
    wrapper does the same. Only a start that failed half-way sends ``kill`` as a
    shell command (:func:`kill_command`).
 
@@ -56,9 +56,11 @@ from pscontract import netif
 
 from .. import node
 from ..errors import ConfigError, LauncherError, LaunchError
-from ..node.ssh_wire import BOOTSTRAP, HOST_ID, KEEPALIVE, FrameDecoder, blob, frame
-from ..runtime.handle import ProcessHandle, ProcGroup
+from ..node import protocol
+from ..node.protocol import BOOTSTRAP, NODE, blob, frame
+from ..runtime.handle import ProcGroup
 from ..runtime.output import ProcOutput
+from ..runtime.remote import RemoteProcess
 from ..spec.job import Host, JobSpec
 from ..spec.plan import Plan, ProcSpec, place
 from ..transport.options import SSHOptions
@@ -75,14 +77,22 @@ log = logging.getLogger(__name__)
 REMOTE_PYTHON = "python3"
 LOST_FACTOR = 4  # a host is lost after this many keep-alive intervals without a reply
 EXIT_LOST = 255  # ssh's own code for "the connection failed"
+_PING = frame(protocol.PING, NODE)
+_ANSWERS = (protocol.IFACE_ANSWER, protocol.SYNC_ANSWER, protocol.DONE_ANSWER)
 
 
 # --- pure builders (golden-tested) -----------------------------------------------------------
 
 
+def bootstrap_command(python: str = REMOTE_PYTHON) -> str:
+    """``python -S -c BOOTSTRAP``: runs the node program of the bundle that follows on stdin
+    (``launcher.node.protocol``, transport a); nothing job-specific."""
+    return f"{shlex.quote(python)} -S -c {shlex.quote(BOOTSTRAP)}"
+
+
 def wrapper_command(python: str = REMOTE_PYTHON) -> str:
     """The remote command of a host's wrapper channel: the bootstrap, nothing job-specific."""
-    return f"exec {shlex.quote(python)} -S -c {shlex.quote(BOOTSTRAP)}"
+    return f"exec {bootstrap_command(python)}"
 
 
 def wrapper_header(procs: Sequence[tuple[int, ProcSpec]], cwd: Optional[str], keepalive: float,
@@ -97,7 +107,7 @@ def wrapper_header(procs: Sequence[tuple[int, ProcSpec]], cwd: Optional[str], ke
 
 def wrapper_preamble(bundle: Optional[bytes] = None) -> bytes:
     """The bytes written first to a wrapper channel's stdin: the loader and the node bundle
-    (``launcher.node.ssh_wire``); requests and the header follow as frames."""
+    (``launcher.node.protocol``, transport a); requests and the header follow as frames."""
     if bundle is None:
         return _default_preamble()
     with open(node.path("ssh_loader"), "rb") as f:
@@ -113,7 +123,7 @@ def _default_preamble() -> bytes:
 
 def header_frame(header: Mapping) -> bytes:
     """The ``H`` frame: the processes start."""
-    return frame(b"H", json.dumps(header, separators=(",", ":")).encode("utf-8"))
+    return frame(protocol.HEADER, NODE, json.dumps(header, separators=(",", ":")).encode("utf-8"))
 
 
 def wrapper_payload(header: Mapping, bundle: Optional[bytes] = None) -> bytes:
@@ -206,7 +216,11 @@ class RemoteHost:
         self._start_thread(self._read, "reader")
 
     def send(self, kind: bytes, payload: bytes = b"") -> None:
-        """One frame to the wrapper."""
+        """One frame about the host to the wrapper."""
+        self.send_bytes(frame(kind, NODE, payload))
+
+    def send_bytes(self, data: bytes) -> None:
+        """Frames to the wrapper."""
         import paramiko
 
         chan = self.chan
@@ -214,7 +228,7 @@ class RemoteHost:
             raise LaunchError(self._gone_text())
         try:
             with self._send_lock:
-                chan.sendall(frame(kind, payload))
+                chan.sendall(data)
         except (paramiko.SSHException, EOFError, OSError) as e:
             raise LaunchError(f"{self.label}: the connection to pslaunch's remote wrapper failed: {e}") from None
 
@@ -249,7 +263,7 @@ class RemoteHost:
         header = wrapper_header([(p.ident, p.proc) for p in procs], self.workdir, self.interval,
                                 self.spec.kill_grace)
         try:
-            self.send(b"H", json.dumps(header, separators=(",", ":")).encode("utf-8"))
+            self.send_bytes(header_frame(header))
         except LaunchError as e:
             raise LaunchError(f"{self.label}: cannot start pslaunch's remote wrapper: {e}") from None
         self.last_heard = time.monotonic()
@@ -267,7 +281,7 @@ class RemoteHost:
         chan = self.chan
         assert chan is not None
         by_id = self._by_id
-        decoder = FrameDecoder()
+        decoder = protocol.Decoder(protocol.MAX_FROM_NODE, marker=protocol.MAGIC)
         while True:
             self._drain_stderr()
             try:
@@ -285,11 +299,8 @@ class RemoteHost:
                 proc = by_id.get(ident)
                 if proc is not None:
                     proc.frame(kind, payload)
-                elif ident == HOST_ID and kind in (b"i", b"s", b"d"):
-                    try:
-                        self._replies.put((kind, json.loads(payload)))
-                    except ValueError:
-                        self._replies.put((kind, {"error": "an answer that is not JSON"}))
+                elif ident == NODE and kind in _ANSWERS:
+                    self._replies.put((kind, protocol.parse_json(payload) or {"error": "an answer that is not JSON"}))
             if decoder.preamble:
                 for line in bytes(decoder.preamble).decode(errors="replace").splitlines():
                     if line.strip():
@@ -336,7 +347,7 @@ class RemoteHost:
                 return
             try:
                 with self._send_lock:
-                    chan.sendall(KEEPALIVE)
+                    chan.sendall(_PING)
             except Exception:  # noqa: BLE001 - a closed channel: the reader notices
                 pass
             silent = time.monotonic() - self.last_heard
@@ -359,7 +370,7 @@ class RemoteHost:
     # -- signals --------------------------------------------------------------------
 
     def signal(self, signame: str, procs: Sequence[SSHProcess]) -> None:
-        """Send ``signame`` to the groups of ``procs`` (one frame to the wrapper, from the host's signal thread)."""
+        """Send ``signame`` to the groups of ``procs`` (``X`` frames to the wrapper, from the host's signal thread)."""
         self._signals.put((signame, list(procs)))
 
     def _signal_loop(self) -> None:
@@ -368,11 +379,11 @@ class RemoteHost:
             if item is None:
                 return
             signame, procs = item
-            ids = [p.ident for p in procs if p.pgid and p.running]
+            ids = [p.ident for p in procs if p.pid and p.running]
             if not ids or self.lost or self.closed:
                 continue
             try:  # the wrapper signals the groups (it started them): no shell, no round trip
-                self.send(b"X", json.dumps({"sig": signame, "ids": ids}).encode())
+                self.send_bytes(b"".join(protocol.signal_frame(i, signame) for i in ids))
                 log.debug("%s: %s to %d process%s", self.label, signame, len(ids), "" if len(ids) == 1 else "es")
             except LaunchError as e:
                 log.debug("%s: %s failed: %s", self.label, signame, e)
@@ -420,64 +431,34 @@ class RemoteHost:
 # --- the process handle --------------------------------------------------------------------
 
 
-class SSHProcess(ProcessHandle):
-    """A server or worker on a remote host, run by that host's wrapper."""
+class SSHProcess(RemoteProcess):
+    """A server or worker on a remote host, run by that host's wrapper (its frames: :class:`RemoteProcess`)."""
 
     def __init__(self, proc: ProcSpec, output: ProcOutput, host: RemoteHost, ident: int) -> None:
-        super().__init__(proc, output, host.label)
+        super().__init__(proc, output, host.label, ident)
         self.remote = host
-        self.ident = ident
-        self.pgid: Optional[int] = None
-        self._code: Optional[int] = None
-        self.failure: Optional[str] = None
-        self.failure_code = 1
         self.lost = False
-        self.started = threading.Event()
-        self.first_output: Optional[float] = None
-        self.spawned_at: Optional[float] = None
 
-    def frame(self, kind: bytes, payload: bytes) -> None:
-        """One frame from the wrapper about this process (the host's reader thread)."""
-        if kind == b"o" or kind == b"e":
-            if self.first_output is None:
-                self.first_output = time.monotonic()
-            (self.output.stdout if kind == b"o" else self.output.stderr).feed(payload)
-        elif kind == b"p":
-            info = json.loads(payload)
-            self.pid, self.pgid = int(info["pid"]), int(info["pgid"])
-            self.start_time = time.time()
-            self.spawned_at = time.monotonic()
-            self.started.set()
-        elif kind == b"x":
-            self._code = int(json.loads(payload)["code"])
-        elif kind == b"f":
-            info = json.loads(payload)
-            self.failure = str(info.get("error"))
-            self.failure_code = int(info.get("code", 1))
-            self._code = self.failure_code
-            self.started.set()
+    def on_start(self, info: dict) -> None:
+        super().on_start(info)
+        self.start_time = time.time()
 
     def wrapper_gone(self, why: str, status: Optional[int]) -> None:
         """The wrapper channel ended before this process's exit code came."""
         if not self.started.is_set():
             self.failure = why
             self.failure_code = status if status not in (None, 0) else EXIT_LOST
-        self._code = EXIT_LOST if status in (None, 0) or self.started.is_set() else status
-
-    # -- the ProcessHandle interface ----------------------------------------------------------
-
-    def _poll(self) -> int | None:
-        return self._code
+        self.reported = EXIT_LOST if status in (None, 0) or self.started.is_set() else status
 
     @property
     def running(self) -> bool:
         """No exit code yet (the reader thread's view; :meth:`poll` is the supervisor's)."""
-        return self._code is None
+        return self.reported is None
 
     def set_lost(self) -> None:
         self.lost = True
-        if self._code is None:
-            self._code = EXIT_LOST
+        if self.reported is None:
+            self.reported = EXIT_LOST
         self.output.close()  # nothing more will come; the supervisor need not wait for it
 
     def terminate(self) -> None:
@@ -732,7 +713,7 @@ class SSHBackend(Backend):
                     continue
             raise ConfigError(f"{host.label}: no IPv4 address for DMLC_NODE_HOST (the connection reached "
                               f"{address}; ps-lite needs IPv4): set DMLC_INTERFACE to the host's IPv4 network")
-        doc = host.request(b"I", json.dumps({"iface": iface}).encode(), b"i", timeout=60.0)
+        doc = host.request(protocol.IFACE, json.dumps({"iface": iface}).encode(), protocol.IFACE_ANSWER, timeout=60.0)
         if "error" in doc:
             raise ConfigError(f"{host.label}: {doc['error']}; set DMLC_INTERFACE to a name or CIDR that every "
                               "host has (a CIDR such as 10.1.0.0/16 works when names differ)")
@@ -791,7 +772,7 @@ class SSHBackend(Backend):
         """A start failed or was interrupted: kill everything it started, now, then close the wrapper
         channels (a wrapper whose channel closes stops its groups too, should the kill not get through)."""
         for host in hosts:
-            pgids = [p.pgid for p in host.procs if p.pgid and p.running]
+            pgids = [p.pid for p in host.procs if p.pid and p.running]
             if pgids and not host.lost and not host.closed:
                 host.kill_now(pgids)
             if host.chan is not None:

@@ -3,20 +3,21 @@
 
 The programs here run beside the user's command, on the node that runs it:
 
-* :mod:`.ssh_wrapper` runs one host's processes for the ssh backend, over one ssh channel
-  (frames: :mod:`.ssh_wire`);
-* :mod:`.mpirank` is every MPI rank of the mpi backend's single ``mpirun``;
-* :mod:`.task` is every task of a batch system (sge, yarn, slurm);
-* both run the command through :mod:`.agent`, which reports to the launcher over an
-  authenticated TCP channel (:mod:`.wire`);
+* :mod:`.agent` is the node agent: it runs a node's processes for the launcher, reports them and
+  obeys it, speaking :mod:`.protocol` (frames, and the three transports that carry them);
+* :mod:`.ssh_wrapper` is the ssh backend's agent for one host, over one ssh channel (with the
+  interface lookup and the tree sync, :mod:`.treesync`, before the processes start);
+* :mod:`.mpirank` is every MPI rank of the mpi backend's single ``mpirun``, and :mod:`.task` every
+  task of a batch system (sge, yarn, slurm): each works out its one command and hands it to the agent;
 * :mod:`.watchdog` is the dead-man switch, on the launching host and on the nodes;
 * :func:`command` also starts the builtin ps-lite scheduler (``--scheduler builtin``) on the
   launching host, though it lives in :mod:`launcher.trackers.pslite` (it needs pyzmq);
 * :mod:`.procgroup` holds the process-group helpers all of them share with the launcher.
 
 Rules (``tests/unit/test_architecture.py`` enforces the first): these modules import only the
-standard library, :mod:`pscontract` and each other; :mod:`.procgroup`, :mod:`.ssh_wire` and
-:mod:`.ssh_wrapper` keep Python 3.5 syntax (the ssh backend runs them with a host's own
+standard library, :mod:`pscontract` and each other; what an ssh host runs (:mod:`.protocol`,
+:mod:`.agent`, :mod:`.ssh_wrapper`, :mod:`.ssh_loader`, :mod:`.procgroup`, :mod:`.treesync`)
+keeps Python 3.5 syntax (the ssh backend runs it with a host's own
 ``python3``); the rest need Python 3.7. Nothing here finds a sibling by its own path arithmetic:
 :func:`command` starts a node program from this installation, :func:`bundle` packs the node
 programs for a host that has no installation (a yarn container, an ssh host).
@@ -39,7 +40,7 @@ _BUNDLED = ("launcher/__init__.py", "pscontract/__init__.py", "pscontract/netif.
 
 
 def path(name):
-    """The file of node module ``name`` (``"ssh_wrapper"``) in this installation."""
+    """The file of node module ``name`` (``"ssh_loader"``) in this installation."""
     return os.path.join(ROOT, "launcher", "node", name + ".py")
 
 
@@ -75,8 +76,7 @@ def tracker_command(program, python):
 
 
 def source(rel):
-    """The bytes of a file this installation ships to nodes (``"pscontract/netif.py"``): sent to a
-    host on stdin (the ssh backend resolves ``DMLC_INTERFACE`` there), embedded in doctor's checks."""
+    """The bytes of a file this installation ships to nodes (``"pscontract/netif.py"``), for :func:`bundle_files`."""
     if rel not in _BUNDLED and not (rel.startswith("launcher/node/") and rel.endswith(".py")):
         raise ValueError("%r is not a node file" % rel)
     with open(os.path.join(ROOT, rel), "rb") as f:
@@ -85,7 +85,7 @@ def source(rel):
 
 def bundle_files(main):
     """``{path in the bundle: source bytes}``: the node package, the contract, and a ``__main__.py``
-    that runs node program ``main`` (``python3 bundle.zip ARGS`` or the ssh bootstrap)."""
+    that runs node program ``main`` (``python3 bundle.zip ARGS``, or the ssh bootstrap's loader)."""
     files = {"__main__.py": ("import sys\nfrom launcher.node.%s import main\nsys.exit(main())\n" % main).encode()}
     names = sorted(n for n in os.listdir(os.path.join(ROOT, "launcher", "node")) if n.endswith(".py"))
     for rel in [*_BUNDLED, *("launcher/node/" + n for n in names)]:

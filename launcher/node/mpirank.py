@@ -10,11 +10,11 @@ mpirun runs ``node.command("mpirank") -- COMMAND...`` as every MPI rank. The wra
    rank and task id, and builds the command's environment: what mpirun gave this rank, plus
    the role's and the rank's own variables, plus ``DMLC_NODE_HOST`` worked out here on the
    node (:func:`pscontract.netif.node_address`);
-3. connects to the launcher's hub (the table's ``hub`` address; :mod:`.wire`), and runs the
-   command through the node agent (:mod:`.agent`), which reports its start, output and exit
-   code as records. If the connection cannot be made, the records go through mpirun's output
-   instead, with a warning (Open MPI's chunks from different ranks may then interleave in
-   the middle of long lines, which is why the connection is the normal way).
+3. connects to the launcher's hub (the table's ``hub`` address; :mod:`.protocol`, transport b),
+   and runs the command through the node agent (:mod:`.agent`), which reports its start, output
+   and exit code as frames. If the connection cannot be made, the frames go through mpirun's
+   output instead (transport c), with a warning (Open MPI's chunks from different ranks may then
+   interleave in the middle of long lines, which is why the connection is the normal way).
 
 mpirun's SIGTERM, SIGINT and SIGHUP (and the death of its daemon, our parent) stop the
 command's group gracefully; SIGUSR1 (which both Open MPI and MPICH forward to every rank)
@@ -32,8 +32,8 @@ from typing import Optional, Sequence
 import pscontract as pc
 from pscontract import netif
 
-from . import mpi_wire, wire
-from .agent import Agent, AgentError, catch_signals
+from . import mpi_wire, protocol
+from .agent import Agent, AgentError, Channel, catch_signals, connect
 from .procgroup import set_parent_death_signal
 
 PREFIX = "pslaunch rank wrapper"
@@ -57,7 +57,7 @@ def _rank(environ: dict[str, str]) -> tuple[int, Optional[int], object]:
     return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(), MPI
 
 
-def _connect(table: dict, rank: int, env: dict[str, str]) -> Optional[wire.Channel]:
+def _connect(table: dict, rank: int, env: dict[str, str]) -> Optional[Channel]:
     """The channel to the launcher's hub, or None (with a warning) when it cannot be opened."""
     address = table.get("hub")
     if not address:
@@ -66,12 +66,12 @@ def _connect(table: dict, rank: int, env: dict[str, str]) -> Optional[wire.Chann
         secret = env.get(pc.SECRET, "")
         if not secret:
             raise ValueError(f"{pc.SECRET} is not set")
-        return wire.Channel(address, rank, secret)
+        return connect(address, rank, secret)
     except (OSError, ValueError) as e:
         message = (f"{PREFIX}: warning: cannot send this rank's output to the launcher at {address[0]}:{address[1]} "
                    f"from {socket.gethostname()} ({e}); it goes through mpirun's output instead, where long "
-                   "lines of different ranks may mix").encode("utf-8", "replace")[:wire.MAX_PAYLOAD]
-        os.write(2, wire.record(rank, wire.STDERR_LINE, message))
+                   "lines of different ranks may mix").encode("utf-8", "replace")[:protocol.LINE_PAYLOAD]
+        os.write(2, protocol.envelope(protocol.STDERR, rank, message))
         return None
 
 
@@ -86,7 +86,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     environ = dict(os.environ)
     rank: Optional[int] = None
     mpi = None
-    agent: Optional[Agent] = None
     try:
         if not args:
             raise AgentError("no command given")
@@ -107,15 +106,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 env.update(pc.torch_sockets(env, netif.interface_name(env[pc.INTERFACE])))
         except netif.NetifError as e:
             raise AgentError(f"on {socket.gethostname()}: cannot work out this node's address: {e}") from None
-        agent = Agent(rank, float(table.get("grace", 10.0)), _connect(table, rank, env), fallback="records",
-                      prefix=PREFIX, linger=LINGER)
-        code = agent.run(args, env, start={"addr": env[pc.NODE_HOST], "source": "mpi4py" if mpi else "env"})
+        agent = Agent(float(table.get("grace", 10.0)), _connect(table, rank, env), fallback="records",
+                      linger=LINGER, here=socket.gethostname(), prefix=PREFIX, watchdog=True)
+        start = {"addr": env[pc.NODE_HOST], "source": "mpi4py" if mpi else "env"}
+        code = agent.run([{"id": rank, "argv": args, "env": env, "start": start}])[0]
     except AgentError as e:
         code = e.code
         if rank is None:
             os.write(2, f"{PREFIX}: error: {e}\n".encode("utf-8", "replace"))
         else:
-            (agent or Agent(rank, 0.0, None, fallback="records", prefix=PREFIX)).error(str(e), code)
+            Agent(0.0, fallback="records", prefix=PREFIX).error(rank, str(e), code)
     if mpi is not None:
         try:
             mpi.Finalize()  # type: ignore[attr-defined]

@@ -4,7 +4,7 @@
 Every process a job starts is the leader of its own session and process group, so signalling
 the group reaches whatever it started (unless that called ``setsid()`` itself: see
 :func:`become_subreaper` and :func:`kill_children`). Standard library only, Python 3.5 syntax:
-the ssh wrapper imports this module on hosts with an old ``python3``.
+the node agent imports this module on ssh hosts with an old ``python3``.
 """
 
 import collections
@@ -45,7 +45,7 @@ def group_alive(pgid):
 
 
 def exit_status(pid):
-    """The exit code of child ``pid`` once it has ended (negative: killed by that signal), else None.
+    """The exit code of child ``pid`` once it has ended (128+N: killed by signal N), else None.
 
     Does not reap it: while the zombie exists its pid, which is also its group's id, cannot be
     reused, so signalling the group later can never hit a stranger.
@@ -53,12 +53,12 @@ def exit_status(pid):
     try:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:
-        return -signal.SIGKILL
+        return 128 + signal.SIGKILL
     if info is None or info.si_pid == 0:
         return None
     if info.si_code == os.CLD_EXITED:
         return info.si_status
-    return -info.si_status
+    return 128 + info.si_status
 
 
 def resolve_program(argv0, environ, cwd=None):

@@ -1,10 +1,11 @@
 # ruff: noqa: UP004, UP031
-"""Runs the ssh wrapper from the node bundle, in memory (Python 3.5 syntax).
+"""Runs a node program from the node bundle, in memory (Python 3.5 syntax).
 
-:data:`launcher.node.ssh_wire.BOOTSTRAP` runs this file's source; it reads the node bundle
-(a zip, length-prefixed) from stdin, makes its modules importable from memory (first on the
-import path, so nothing installed on the host can stand in for them) and runs
-``launcher.node.ssh_wrapper``. Nothing is written to the host's disk.
+:data:`launcher.node.protocol.BOOTSTRAP` runs this file's source; it reads the node bundle (a zip,
+length-prefixed) from stdin, makes its modules importable from memory (first on the import path,
+so nothing installed on the host can stand in for them) and runs the bundle's ``__main__.py``, as
+``python3 bundle.zip`` would: the ssh backend's node agent (:mod:`.ssh_wrapper`). Nothing is
+written to the host's disk.
 """
 
 import importlib.abc
@@ -50,9 +51,9 @@ class BundleImporter(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def run():
-    sys.meta_path.insert(0, BundleImporter(_read(int(_read(10)))))
-    from launcher.node import ssh_wrapper
-    sys.exit(ssh_wrapper.Wrapper().run())
+    importer = BundleImporter(_read(int(_read(10))))
+    sys.meta_path.insert(0, importer)
+    exec(compile(importer.files["__main__.py"], "pslaunch-bundle/__main__.py", "exec"), {"__name__": "__main__"})
 
 
 if __name__ == "__main__":  # (the bootstrap runs this source as __main__)

@@ -40,7 +40,7 @@ Task file (JSON)::
 
 With ``placement``, the agent tells the launcher which host it runs on and waits (at most
 ``timeout`` seconds) for the variables that depend on which tasks share a host (torch's
-``RANK``, ``LOCAL_RANK``, ...; ``launcher.node.wire``, *Placement*), then starts the command
+``RANK``, ``LOCAL_RANK``, ...; :mod:`.protocol`, *Placement*), then starts the command
 with them.
 
 Run as ``node.command("task") --task-file F --role worker --index sge`` (or from the node
@@ -61,8 +61,7 @@ from typing import Any, Mapping, MutableMapping, Sequence
 import pscontract as pc
 from pscontract import netif
 
-from . import wire
-from .agent import Agent, AgentError, catch_signals
+from .agent import Agent, AgentError, Channel, catch_signals, connect
 
 TASK_FILE_VERSION = 2
 # What the batch systems set in each task: Grid Engine's 1-based array index and job number,
@@ -212,13 +211,13 @@ def _report(directory: str, role: str, rank: int, env: Mapping[str, str]) -> Non
         pass  # only informational (labels and --summary-json)
 
 
-def _connect(doc: Mapping[str, Any], ident: int, env: Mapping[str, str]) -> Any:
+def _connect(doc: Mapping[str, Any], ident: int, env: Mapping[str, str]) -> Channel | None:
     """The channel to the launcher's hub, or None (with a note in the task's error file)."""
     address = doc.get("hub")
     if not address:
         return None
     try:
-        return wire.Channel(address, ident, env.get(pc.SECRET, ""))
+        return connect(address, ident, env.get(pc.SECRET, ""))
     except (OSError, ValueError) as e:
         print(f"{PREFIX}: warning: cannot connect to the launcher at {address[0]}:{address[1]} from "
               f"{socket.gethostname()} ({e}); the output stays in this task's files", file=sys.stderr, flush=True)
@@ -256,19 +255,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.report_dir:
         _report(a.report_dir, a.role, index, env)
     ident = int(env[pc.TASK_ID])
-    agent = Agent(ident, float(doc.get("grace", 10.0)), _connect(doc, ident, env),
-                  fallback="records" if a.in_band else "plain", tee=not a.no_tee, prefix=PREFIX)
+    agent = Agent(float(doc.get("grace", 10.0)), _connect(doc, ident, env),
+                  fallback="records" if a.in_band else "plain", tee=not a.no_tee, here=socket.gethostname(),
+                  prefix=PREFIX, watchdog=True)
     placement = doc.get("placement")
     if placement:
         try:
-            env.update(agent.placement(float(placement.get("timeout", 120.0))))
+            env.update(agent.placement(ident, float(placement.get("timeout", 120.0))))
         except AgentError as e:
-            return agent.fail(str(e), e.code)
+            return agent.fail(ident, str(e), e.code)
     start = {"addr": env[pc.NODE_HOST]}
     if a.index == "slurm" and os.environ.get(SLURM_STEP_ID, "").isdigit():
         start["step"] = f"{os.environ.get(SLURM_JOB_ID, '')}.{os.environ[SLURM_STEP_ID]}"
-    return agent.run(command, env, start=start)
-
+    return agent.run([{"id": ident, "argv": command, "env": env, "start": start}])[0]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,16 +1,16 @@
-"""The hub: where node agents connect to report their process, and receive commands.
+"""The hub: where node agents connect to report their process, and receive the launcher's frames.
 
 A backend whose processes run under a node agent (``launcher.node.agent``: the mpi rank
 wrapper, the batch task wrapper) opens one hub per job, on an address every node reaches and
 a free port of ``--port-range``, and tells the agents where it is. Each agent opens one TCP
-connection, and both sides prove they hold the job's secret (``launcher.node.wire``). A
-connection is served only after that, only for a process of this job, and only once per
-process; unauthenticated connections are bounded in number and in time, and what they send
-before proving anything is bounded in size.
+connection, and both sides prove they hold the job's secret (``launcher.node.protocol``,
+transport b). A connection is served only after that, only for a process of this job, and only
+once per process; unauthenticated connections are bounded in number and in time, and what they
+send before proving anything is bounded in size.
 
-Records are read on the backend's pump thread (:class:`~launcher.runtime.output.PipePump`)
-and handed to the backend's callbacks; commands (``TERM``, ``KILL``, ``ABRT``, ``INT``) go
-back on the same connection.
+Frames are read on the backend's pump thread (:class:`~launcher.runtime.output.PipePump`) and
+handed to the process they are about (:class:`~launcher.runtime.remote.RemoteProcess`); signals
+and placements go back on the same connection.
 """
 
 from __future__ import annotations
@@ -22,22 +22,21 @@ import os
 import socket
 import threading
 import time
-from typing import Callable, Iterable, Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Sequence
 
-from ..node import wire
+from ..node import protocol
 from .output import PipePump
+from .remote import RemoteProcess
 
 log = logging.getLogger(__name__)
 
 # Connections that have not proven the job secret: how many may wait, and how long.
 PENDING_MAX = 64
 HANDSHAKE_WAIT = 15.0
-# A longer run of bytes without a newline cannot be a record (those are short): cut there.
-MAX_UNTERMINATED = 64 * 1024
 
 
 class _Conn:
-    """One accepted connection: the handshake, then the records of the process it proved to be."""
+    """One accepted connection: the handshake, then the frames of the process it proved to be."""
 
     def __init__(self, hub: Hub, sock: socket.socket, peer: str) -> None:
         self.hub = hub
@@ -45,38 +44,32 @@ class _Conn:
         self.peer = peer
         self.nonce = os.urandom(16)
         self.since = time.monotonic()
-        self.ident: Optional[int] = None
+        self.ident: int | None = None
         self.rejected = False
         self.buf = b""
-        self._send_lock = threading.Lock()  # commands and the placement line come from different threads
+        self.decoder = protocol.Decoder(protocol.MAX_FROM_NODE)
+        self._send_lock = threading.Lock()  # signals and the placement come from different threads
 
     def feed(self, data: bytes) -> None:
         if self.rejected:
             return
-        self.buf += data
         if self.ident is None:
-            line, newline, rest = self.buf.partition(b"\n")
+            self.buf += data
+            line, newline, data = self.buf.partition(b"\n")
             if not newline:
-                if len(self.buf) > wire.LINE_MAX:
+                if len(self.buf) > protocol.LINE_MAX:
                     self.reject("its greeting is too long")
                 return
             self.buf = b""
             if not self._handshake(line):
                 return
-            self.buf = rest
-        *lines, self.buf = self.buf.split(b"\n")
-        if len(self.buf) > MAX_UNTERMINATED:
-            lines.append(self.buf)
-            self.buf = b""
-        for line in lines:
-            self._record(line)
-
-    def _record(self, line: bytes) -> None:
-        parsed = wire.parse_record(line)
-        if parsed is None or parsed[0] != self.ident:
-            log.debug("process %s's connection sent a line that is not one of its records: %r", self.ident, line[:80])
-            return
-        self.hub.on_record(parsed[0], parsed[1], parsed[2])
+        procs = self.hub.procs
+        for kind, ident, payload in self.decoder.feed(data):
+            proc = procs.get(ident) if ident == self.ident else None
+            if proc is None:
+                log.debug("process %s's connection sent a frame %r for process %d: dropped", self.ident, kind, ident)
+                continue
+            proc.frame(kind, payload)
 
     def _handshake(self, line: bytes) -> bool:
         hub = self.hub
@@ -86,7 +79,7 @@ class _Conn:
         except ValueError:
             self.reject("it does not speak the node agents' protocol")
             return False
-        expected = wire.channel_mac(hub.secret, "client", self.nonce, client_nonce, ident)
+        expected = protocol.channel_mac(hub.secret, "client", self.nonce, client_nonce, ident)
         if not hmac.compare_digest(mac, expected):
             self.reject("it does not hold the job's secret")
             return False
@@ -99,18 +92,17 @@ class _Conn:
             self.reject(f"process {ident} is not in the job or already connected")
             return False
         self.ident = ident
-        hub.on_open(ident)  # before the agent hears "ok" and starts its command
+        proc = hub.procs.get(ident)
+        if proc is not None:
+            proc.channel_opened()  # before the agent hears "ok" and starts its command
         try:
-            proof = wire.channel_mac(hub.secret, "server", self.nonce, client_nonce, ident)
+            proof = protocol.channel_mac(hub.secret, "server", self.nonce, client_nonce, ident)
             self.sock.send(f"ok {proof}\n".encode())  # a few bytes into an empty buffer
         except OSError:
             pass  # the agent sees the connection fail and falls back
         return True
 
-    def send(self, command: str) -> bool:
-        return self.send_bytes(command.encode() + b"\n")
-
-    def send_bytes(self, data: bytes) -> bool:
+    def send(self, data: bytes) -> bool:
         try:
             with self._send_lock:
                 self.sock.sendall(data)
@@ -137,35 +129,31 @@ class _Conn:
             if self.ident is not None and self.hub.conns.get(self.ident) is self:
                 del self.hub.conns[self.ident]
         if self.ident is not None:
-            if self.buf:
-                self._record(self.buf)
-                self.buf = b""
-            self.hub.on_close(self.ident)
+            proc = self.hub.procs.get(self.ident)
+            if proc is not None:
+                proc.channel_closed()
 
 
 class Hub:
     """One job's hub (see the module docstring).
 
     Args:
-        pump: reads the connections (the backend's pump: records and its other pipes are
+        pump: reads the connections (the backend's pump: frames and its other pipes are
             handled on one thread).
         secret: the job's secret.
         address: where to listen (an address of this host that every node reaches).
         ports: ports to try first, in order (a free one of ``--port-range``); else any port.
-        idents: the processes that may connect.
-        on_record: ``(ident, kind, payload)`` for every record.
-        on_open / on_close: a process's connection was accepted / ended.
+        idents: the process ids that may connect.
+        procs: the processes by process id, as the backend knows them (it may add to it while the
+            agents connect); their frames and their connection's ends go to them.
     """
 
     def __init__(self, pump: PipePump, secret: str, address: str, ports: Sequence[int], idents: Iterable[int],
-                 on_record: Callable[[int, str, bytes], None], on_open: Callable[[int], None] = lambda i: None,
-                 on_close: Callable[[int], None] = lambda i: None) -> None:
+                 procs: Mapping[int, RemoteProcess]) -> None:
         self.pump = pump
         self.secret = secret
         self.idents = frozenset(idents)
-        self.on_record = on_record
-        self.on_open = on_open
-        self.on_close = on_close
+        self.procs = procs
         self.lock = threading.Lock()
         self.conns: dict[int, _Conn] = {}
         self.pending: set[_Conn] = set()
@@ -195,7 +183,7 @@ class Hub:
                 continue
             try:
                 sock.settimeout(5.0)
-                sock.sendall(wire.HELLO + conn.nonce.hex().encode() + b"\n")
+                sock.sendall(protocol.HELLO + conn.nonce.hex().encode() + b"\n")
                 fd = os.dup(sock.fileno())
             except OSError:
                 with self.lock:
@@ -221,20 +209,19 @@ class Hub:
         with self.lock:
             return ident in self.conns
 
-    def send(self, ident: int, command: str) -> bool:
-        """Send ``command`` to process ``ident``'s agent; False if it has no connection."""
-        if command not in wire.COMMANDS:
-            raise ValueError(f"unknown command {command!r}")
-        with self.lock:
-            conn = self.conns.get(ident)
-        return conn is not None and conn.send(command)
+    def send(self, ident: int, signame: str) -> bool:
+        """Send process ``ident``'s agent a signal (``TERM``, ``INT``, ``KILL``, ``ABRT``); False if it
+        has no connection."""
+        return self._send(ident, protocol.signal_frame(ident, signame))
 
     def send_env(self, ident: int, env: Mapping[str, str]) -> bool:
-        """Send process ``ident``'s agent its placement variables (``launcher.node.wire``: ``ENV``);
-        False if it has no connection."""
+        """Send process ``ident``'s agent its placement variables (``E``); False if it has no connection."""
+        return self._send(ident, protocol.env_frame(ident, env))
+
+    def _send(self, ident: int, data: bytes) -> bool:
         with self.lock:
             conn = self.conns.get(ident)
-        return conn is not None and conn.send_bytes(wire.env_line(env))
+        return conn is not None and conn.send(data)
 
     def stop(self) -> None:
         self._stop.set()

@@ -4,8 +4,8 @@ The working directory is listed once per job (:class:`TreeSync`); per host, the 
 the host's wrapper, which compares it with what the target holds and asks for the files that
 differ (size or modification time), which follow in pieces on the same channel; then the wrapper
 sets directories, links and modes and, with ``--sync-delete``, removes what is gone here. The
-rules and the host's half are in :mod:`launcher.node.treesync`; the frames in
-:mod:`launcher.node.ssh_wire`.
+rules and the host's half are in :mod:`launcher.node.treesync`; the frames (``S``, ``F``, ``D``
+and their answers) in :mod:`launcher.node.protocol`.
 
 No second connection, no rsync or SFTP on either end, no shell command: the connection the job
 already has, and the wrapper that starts the processes next. An unchanged tree costs one round
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..errors import LaunchError
-from ..node import treesync
-from ..node.ssh_wire import SYNC_CHUNK, SYNC_HEAD
+from ..node import protocol, treesync
+from ..node.protocol import SYNC_CHUNK, SYNC_HEAD
 
 
 @dataclass
@@ -64,7 +64,7 @@ class TreeSync:
         wrapper's JSON answer, ``send(kind, payload)`` sends one. Returns the absolute target
         directory there and the stats."""
         t0 = time.monotonic()
-        reply = request(b"S", self.request_body, b"s")
+        reply = request(protocol.SYNC, self.request_body, protocol.SYNC_ANSWER)
         if "error" in reply:
             raise LaunchError(f"sync to {label}:{self.dst} failed: {reply['error']}")
         for rel in reply.get("need") or ():
@@ -72,7 +72,7 @@ class TreeSync:
             if entry is None or entry[0] != treesync.FILE:
                 raise LaunchError(f"sync to {label}:{self.dst} failed: the host asked for {rel!r}")
             self._send_file(label, rel, send)
-        done = request(b"D", b"", b"d")
+        done = request(protocol.DONE, b"", protocol.DONE_ANSWER)
         if "error" in done:
             raise LaunchError(f"sync to {label}:{reply.get('dir') or self.dst} failed: {done['error']}")
         stats = SyncStats(files=int(done.get("files", 0)), bytes=int(done.get("bytes", 0)),
@@ -87,7 +87,7 @@ class TreeSync:
                 piece = f.read(SYNC_CHUNK)
                 while True:
                     after = f.read(SYNC_CHUNK)
-                    send(b"F", head + (b"\x00" if after else b"\x01") + piece)
+                    send(protocol.FILE, head + (protocol.SYNC_MORE if after else protocol.SYNC_LAST) + piece)
                     if not after:
                         return
                     piece = after

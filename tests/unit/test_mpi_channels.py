@@ -1,6 +1,6 @@
 """The hub and the node agents' channels, with the mpi backend's job behind them: each rank
-wrapper sends its records to the launcher over its own TCP connection, after both sides proved
-they hold the job secret, and takes the launcher's commands on it. Real sockets, a real pump and
+wrapper sends its frames to the launcher over its own TCP connection, after both sides proved
+they hold the job secret, and takes the launcher's signals on it. Real sockets, a real pump and
 real wrapper processes (no mpirun: the wrapper takes its rank from the environment)."""
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from support.helpers import REPO, pid_alive, wait_for
 from launcher import node
 from launcher.backends.mpi import command as mc
 from launcher.backends.mpi import job as mj
-from launcher.node import mpi_wire, wire
+from launcher.node import mpi_wire, protocol
+from launcher.node.agent import connect
+from launcher.node.protocol import EXIT, STARTED, STDERR, STDOUT
 from launcher.runtime import hub as hub_module
 from launcher.runtime.hub import Hub
 from launcher.runtime.output import Console, PipePump
@@ -40,9 +42,7 @@ class Job:
         self.job.attach([mj.MPIRank(p, console.proc(p.name, p.label, "worker"), self.job, i)
                          for i, p in enumerate(self.procs)])
         self.pump = PipePump()
-        self.channels = self.job.hub = Hub(self.pump, SECRET, "127.0.0.1", (), range(n),
-                                           on_record=self.job.channel_record, on_open=self.job.channel_opened,
-                                           on_close=self.job.channel_closed)
+        self.channels = self.job.hub = Hub(self.pump, SECRET, "127.0.0.1", (), range(n), self.job.by_rank)
 
     def stdout(self) -> str:
         return self.out.getvalue().decode()
@@ -60,14 +60,15 @@ def job():
 
 
 def test_a_rank_that_proves_the_secret_is_heard_in_order(job: Job) -> None:
-    ch = wire.Channel(job.channels.address, 1, SECRET)
-    ch.send(wire.record(1, wire.START, json.dumps({"pid": 4242, "host": "h"}).encode()))
-    long = b"y" * (3 * wire.MAX_PAYLOAD)
+    ch = connect(job.channels.address, 1, SECRET)
+    ch.send(STARTED, 1, json.dumps({"pid": 4242, "host": "h"}).encode())
+    long = b"y" * (3 * protocol.LINE_PAYLOAD)
     for i in range(200):
-        ch.send(wire.record(1, wire.STDOUT_LINE, b"line %d" % i))
-    ch.send(wire.record(1, wire.STDOUT_PART, long[:5000]) + wire.record(1, wire.STDOUT_LINE, long[5000:]))
-    ch.send(wire.record(1, wire.STDERR_LINE, b"oops"))
-    ch.send(wire.record(1, wire.EXIT, b"3"))
+        ch.send(STDOUT, 1, b"line %d\n" % i)
+    ch.send(STDOUT, 1, long[:5000])
+    ch.send(STDOUT, 1, long[5000:] + b"\n")
+    ch.send(STDERR, 1, b"oops")  # (no newline: the line is whole when the stream ends)
+    ch.send(EXIT, 1, b"3")
     ch.close()
     rank = job.job.ranks[1]
     wait_for(lambda: rank.channel == "closed", 5, what="the connection to end")
@@ -83,26 +84,26 @@ def test_a_rank_that_proves_the_secret_is_heard_in_order(job: Job) -> None:
 
 def test_a_wrong_secret_is_refused_and_never_served(job: Job, caplog) -> None:
     with pytest.raises(ConnectionError):
-        wire.Channel(job.channels.address, 0, "0" * 64)
+        connect(job.channels.address, 0, "0" * 64)
     assert job.job.ranks[0].channel == "none"
     assert "does not hold the job's secret" in caplog.text
-    # Records without a handshake are not records of anyone.
+    # Frames without a handshake are not frames of anyone.
     with socket.create_connection(job.channels.address, timeout=5) as s:
-        s.sendall(b"0 " + b"00" * 16 + b" " + b"ab" * 32 + b"\n" + wire.record(0, wire.EXIT, b"0"))
-        assert s.recv(4096).startswith(wire.HELLO)
+        s.sendall(b"0 " + b"00" * 16 + b" " + b"ab" * 32 + b"\n" + protocol.frame(EXIT, 0, b"0"))
+        assert s.recv(4096).startswith(protocol.HELLO)
         assert s.recv(4096) == b""  # refused: closed without an answer
     assert job.job.ranks[0].reported is None
     assert SECRET not in caplog.text
 
 
 def test_each_rank_connects_once_and_only_with_its_own_records(job: Job) -> None:
-    ch = wire.Channel(job.channels.address, 0, SECRET)
+    ch = connect(job.channels.address, 0, SECRET)
     with pytest.raises(ConnectionError):
-        wire.Channel(job.channels.address, 0, SECRET)  # rank 0 is taken
+        connect(job.channels.address, 0, SECRET)  # rank 0 is taken
     with pytest.raises(ConnectionError):
-        wire.Channel(job.channels.address, 7, SECRET)  # no such rank
-    ch.send(wire.record(2, wire.EXIT, b"9"))  # rank 0 speaking for rank 2
-    ch.send(wire.record(0, wire.EXIT, b"0"))
+        connect(job.channels.address, 7, SECRET)  # no such rank
+    ch.send(EXIT, 2, b"9")  # rank 0 speaking for rank 2
+    ch.send(EXIT, 0, b"0")
     ch.close()
     wait_for(lambda: job.job.ranks[0].channel == "closed", 5, what="the connection to end")
     assert job.job.ranks[0].reported == 0 and job.job.ranks[2].reported is None
@@ -111,7 +112,7 @@ def test_each_rank_connects_once_and_only_with_its_own_records(job: Job) -> None
 def test_a_connection_that_never_finishes_the_handshake_is_dropped(job: Job, monkeypatch) -> None:
     monkeypatch.setattr(hub_module, "HANDSHAKE_WAIT", 0.5)
     with socket.create_connection(job.channels.address, timeout=10) as s:
-        assert s.recv(4096).startswith(wire.HELLO)
+        assert s.recv(4096).startswith(protocol.HELLO)
         assert s.recv(4096) == b""  # closed by the launcher, within seconds
     wait_for(lambda: not job.channels.pending, 5, what="the connection to be forgotten")
 
@@ -122,7 +123,7 @@ def test_the_wrapper_refuses_a_listener_that_cannot_prove_the_secret() -> None:
     def impostor() -> None:
         conn, _ = srv.accept()
         with conn:
-            conn.sendall(wire.HELLO + b"00" * 16 + b"\n")
+            conn.sendall(protocol.HELLO + b"00" * 16 + b"\n")
             conn.recv(4096)
             conn.sendall(b"ok " + b"ab" * 32 + b"\n")
             conn.recv(4096)
@@ -130,7 +131,7 @@ def test_the_wrapper_refuses_a_listener_that_cannot_prove_the_secret() -> None:
     t = threading.Thread(target=impostor, daemon=True)
     t.start()
     with pytest.raises(ConnectionError, match="did not prove"):
-        wire.Channel(srv.getsockname(), 0, SECRET)
+        connect(srv.getsockname(), 0, SECRET)
     t.join(5)
     srv.close()
 
@@ -174,14 +175,16 @@ def test_a_wrapper_that_cannot_connect_falls_back_to_mpiruns_output(tmp_path) ->
         dead = s.getsockname()
     r = _run_wrapper(_table(None, dead), tmp_path, sys.executable, "-c", PRINTER)  # type: ignore[arg-type]
     assert r.returncode == 5
-    out = [wire.parse_record(line) for line in r.stdout.splitlines()]
-    assert all(p is not None and p[0] == 1 for p in out)
-    assert [p[1] for p in out][0] == wire.START and [p[1] for p in out][-1] == wire.EXIT
-    err = [wire.parse_record(line) for line in r.stderr.splitlines()]
+    out = [protocol.unwrap(line) for line in r.stdout.splitlines()]
+    assert all(p is not None and p[1] == 1 for p in out)
+    assert [p[0] for p in out][0] == STARTED and [p[0] for p in out][-1] == EXIT
+    lines = b"".join(p[2] for p in out if p[0] == STDOUT).decode().splitlines()
+    assert lines == [f"{'x' * 5000} {i}" for i in range(300)]
+    err = [protocol.unwrap(line) for line in r.stderr.splitlines()]
     warning = err[0][2].decode()
     assert "cannot send this rank's output to the launcher at 127.0.0.1:" in warning
     assert "goes through mpirun's output" in warning
-    assert err[1][2] == b"bye" and err[-1][1] == wire.EXIT
+    assert err[1][2] == b"bye\n" and err[-1][0] == EXIT
 
 
 # --- the launcher's commands, and the agent on its own ----------------------------------------------

@@ -22,7 +22,9 @@ from launcher.backends.mpi import job as mj
 from launcher.backends.mpi.command import MPIImpl, build_mpirun_argv, rank_layout, rank_table
 from launcher.cli import run
 from launcher.errors import BackendUnavailableError, ConfigError
-from launcher.node import agent, mpi_wire, wire
+from launcher.node import mpi_wire, protocol
+from launcher.node.agent import Agent
+from launcher.node.protocol import EXIT, STARTED, STDERR, STDOUT
 from launcher.spec.job import Host, JobSpec, Role
 from launcher.spec.plan import ProcSpec, build_plan
 from pscontract import netif
@@ -194,19 +196,23 @@ def test_node_address_prefers_given_then_interface_then_route() -> None:
         netif.node_address("nosuchif9", None)
 
 
-# --- records ---------------------------------------------------------------------------------------------
+# --- in-band frames (the agent without a channel, under mpirun) ------------------------------------------
 
 
-def test_records_round_trip_and_long_lines_are_split(tmp_path) -> None:
+def rec(rank: int, kind: bytes, payload: bytes) -> bytes:
+    """A rank's frame as its agent writes it to mpirun's output (in-band)."""
+    return protocol.envelope(kind, rank, payload)
+
+
+def test_in_band_frames_round_trip_and_long_output_is_split(tmp_path) -> None:
     r, w = os.pipe()
     saved = os.dup(1)
-    os.dup2(w, 1)  # the agent without a channel writes its records to its own stdout (mpirun's)
+    os.dup2(w, 1)  # the agent without a channel writes its frames to its own stdout (mpirun's)
+    long = b"x" * (protocol.LINE_PAYLOAD * 2 + 10)
     try:
-        relay = agent.Agent(7, 1.0, None, fallback="records")
-        long = b"x" * (wire.MAX_PAYLOAD * 2 + 10)
-        relay._output(1, b"one\ntw")
-        relay._output(1, b"o\n" + long + b"\npartial")
-        relay._flush_partial()
+        relay = Agent(1.0, None, fallback="records")
+        relay.send(STDOUT, 7, b"one\ntw")
+        relay.send(STDOUT, 7, b"o\n" + long + b"\npartial")
     finally:
         os.dup2(saved, 1)
         os.close(saved)
@@ -217,12 +223,12 @@ def test_records_round_trip_and_long_lines_are_split(tmp_path) -> None:
     os.close(r)
     lines = data.split(b"\n")[:-1]
     assert all(len(line) + 1 < 4096 for line in lines)  # one write each, under PIPE_BUF
-    parsed = [wire.parse_record(line) for line in lines]
-    assert [p[1] for p in parsed] == ["o", "o", "O", "O", "o", "o"]
-    assert all(p[0] == 7 for p in parsed)
-    assert b"".join(p[2] for p in parsed[2:5]) == long
-    assert parsed[0][2] == b"one" and parsed[1][2] == b"two" and parsed[5][2] == b"partial"
-    assert wire.parse_record(b"[mpirun] something") is None
+    parsed = [protocol.unwrap(line) for line in lines]
+    assert [(p[0], p[1]) for p in parsed] == [(STDOUT, 7)] * 4  # the second in three pieces
+    assert [len(p[2]) for p in parsed[1:]] == [protocol.LINE_PAYLOAD, protocol.LINE_PAYLOAD,
+                                               len(long) + 10 - 2 * protocol.LINE_PAYLOAD]
+    assert b"".join(p[2] for p in parsed) == b"one\ntwo\n" + long + b"\npartial"
+    assert protocol.unwrap(b"[mpirun] something") is None
 
 
 def test_wrapper_error_after_the_start_takes_the_command_along(tmp_path) -> None:
@@ -231,16 +237,16 @@ def test_wrapper_error_after_the_start_takes_the_command_along(tmp_path) -> None
     procs = [ProcSpec(Role.WORKER, 0, 0, None, ("x",), {"DMLC_ROLE": "worker", "DMLC_NODE_HOST": "127.0.0.1"})]
     common, table = mc.rank_table(procs, mc.rank_layout(procs), grace=1.0)
     driver = ("import sys, launcher.node.agent as a, launcher.node.mpirank as m\n"
-              "def boom(self, child): raise RuntimeError('boom')\n"
-              "a.Agent._pump = boom\n"
+              "def boom(self): raise RuntimeError('boom')\n"
+              "a.Agent._step = boom\n"
               "sys.exit(m.main(sys.argv[1:]))\n")
     env = {**os.environ, **common, "PYTHONPATH": str(REPO), "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1",
            "PSLAUNCH_MPI_TABLE": mpi_wire.encode_table(table)}
     r = subprocess.run([sys.executable, "-c", driver, "--", "sleep", "30"], capture_output=True, timeout=30,
                        env=env, cwd=tmp_path)
     assert r.returncode != 0 and b"boom" in r.stderr
-    starts = [wire.parse_record(line) for line in r.stdout.splitlines()]
-    pid = next(json.loads(p[2])["pid"] for p in starts if p and p[1] == wire.START)
+    starts = [protocol.unwrap(line) for line in r.stdout.splitlines()]
+    pid = next(json.loads(p[2])["pid"] for p in starts if p and p[0] == STARTED)
     try:
         wait_for(lambda: not pid_alive(pid), 5, what="the command to be stopped")
     finally:
@@ -416,12 +422,12 @@ def _job(n: int = 2, s: int = 1):
 
 def test_demux_routes_records_to_ranks_and_the_rest_to_mpirun() -> None:
     job, ranks, out, err = _job()
-    rec = wire.record
-    job.feed(False, rec(1, "s", b'{"pid": 4242, "host": "h"}') + rec(1, "o", "héllo".encode()) + b"mpirun says hi\n")
-    split = rec(0, "o", b"x")  # a record cut in two by the pipe
-    job.feed(False, rec(2, "O", b"par") + rec(2, "o", b"tial") + split[:3])
+    job.feed(False, rec(1, STARTED, b'{"pid": 4242, "host": "h"}') + rec(1, STDOUT, "héllo\n".encode())
+             + b"mpirun says hi\n")
+    split = rec(0, STDOUT, b"x\n")  # a frame cut in two by the pipe
+    job.feed(False, rec(2, STDOUT, b"par") + rec(2, STDOUT, b"tial\n") + split[:3])
     job.feed(False, split[3:])
-    job.feed(True, rec(2, "e", b"oops") + b"[mpiexec@vm] something")
+    job.feed(True, rec(2, STDERR, b"oops\n") + b"[mpiexec@vm] something")
     job.close(False)
     job.close(True)
     text = out.getvalue().decode()
@@ -433,13 +439,13 @@ def test_demux_routes_records_to_ranks_and_the_rest_to_mpirun() -> None:
 
 def test_exit_codes_fail_fast_and_wait_for_mpirun_on_zero() -> None:
     job, ranks, _, _ = _job()
-    job.feed(False, wire.record(0, "x", b"0") + wire.record(2, "x", b"3"))
+    job.feed(False, rec(0, EXIT, b"0") + rec(2, EXIT, b"3"))
     assert ranks[2].poll() == 3  # a failure counts at once
     assert ranks[0].poll() is None  # a zero waits for mpirun
     assert ranks[1].poll() is None
     job.popen.code = 1
     assert ranks[1].poll() is None  # mpirun exited, but its last records may still be in the pipe
-    job.feed(False, wire.record(0, "o", b"late line"))
+    job.feed(False, rec(0, STDOUT, b"late line\n"))
     job.close(False)
     assert ranks[0].poll() == 0
     assert ranks[1].poll() == 1 and "before this rank started" in ranks[1].note
@@ -447,7 +453,7 @@ def test_exit_codes_fail_fast_and_wait_for_mpirun_on_zero() -> None:
 
 def test_all_zero_but_mpirun_fails_is_blamed_on_rank_0() -> None:
     job, ranks, _, _ = _job()
-    job.feed(False, b"".join(wire.record(r, "x", b"0") for r in range(3)))
+    job.feed(False, b"".join(rec(r, EXIT, b"0") for r in range(3)))
     job.popen.code = 7
     job.close(False)
     assert [r.poll() for r in ranks] == [7, 0, 0]
@@ -456,7 +462,7 @@ def test_all_zero_but_mpirun_fails_is_blamed_on_rank_0() -> None:
 
 def test_started_rank_that_never_reports_was_killed() -> None:
     job, ranks, _, _ = _job()
-    job.feed(False, wire.record(1, "s", b'{"pid": 5}'))
+    job.feed(False, rec(1, STARTED, b'{"pid": 5}'))
     job.popen.code = 143
     job.close(False)
     assert ranks[1].poll() == 137 and "without reporting" in ranks[1].note
@@ -465,8 +471,8 @@ def test_started_rank_that_never_reports_was_killed() -> None:
 def test_first_failure_time_is_when_the_record_arrived() -> None:
     job, ranks, _, _ = _job()
     job.clock = types.SimpleNamespace(time=iter([10.0, 20.0]).__next__)  # the two records' arrival
-    job.feed(False, wire.record(2, "x", b"3"))
-    job.feed(False, wire.record(1, "x", b"143"))
+    job.feed(False, rec(2, EXIT, b"3"))
+    job.feed(False, rec(1, EXIT, b"143"))
     ranks[1].poll()  # looked at first, but it ended later
     ranks[2].poll()
     assert (ranks[2].end_time, ranks[1].end_time) == (10.0, 20.0)
@@ -474,7 +480,7 @@ def test_first_failure_time_is_when_the_record_arrived() -> None:
 
 def test_lingering_mpirun_does_not_hold_a_finished_job(monkeypatch) -> None:
     job, ranks, _, _ = _job()
-    job.feed(False, b"".join(wire.record(r, "x", b"0") for r in range(3)))
+    job.feed(False, b"".join(rec(r, EXIT, b"0") for r in range(3)))
     assert ranks[0].poll() is None
     monkeypatch.setattr(mj, "MPIRUN_EXIT_WAIT", 0.0)
     assert [r.poll() for r in ranks] == [0, 0, 0]
@@ -484,7 +490,7 @@ def test_exit_record_read_after_mpirun_exited_still_counts(monkeypatch) -> None:
     job, ranks, _, _ = _job()
     job.popen.code = 0  # mpirun seen gone ...
     assert [r.poll() for r in ranks] == [None, None, None]
-    job.feed(False, b"".join(wire.record(r, "x", b"0") for r in range(3)))  # ... its records read after
+    job.feed(False, b"".join(rec(r, EXIT, b"0") for r in range(3)))  # ... its frames read after
     job.close(False)
     assert [r.poll() for r in ranks] == [0, 0, 0]
 
@@ -498,9 +504,9 @@ def test_a_pipe_held_open_delays_the_verdict_only_briefly(monkeypatch) -> None:
 
 def test_lost_exit_record_with_mpirun_0_means_0() -> None:
     job, ranks, _, _ = _job()
-    job.feed(False, b"".join(wire.record(r, "s", b'{"pid": 7}') for r in range(3)))
-    job.feed(True, wire.record(0, "x", b"0") + wire.record(1, "x", b"0"))  # rank 2's never came
-    job.feed(False, wire.record(0, "x", b"0"))  # the copy on the other stream is ignored
+    job.feed(False, b"".join(rec(r, STARTED, b'{"pid": 7}') for r in range(3)))
+    job.feed(True, rec(0, EXIT, b"0") + rec(1, EXIT, b"0"))  # rank 2's never came
+    job.feed(False, rec(0, EXIT, b"0"))  # the copy on the other stream is ignored
     job.popen.code = 0
     job.close(False)
     assert [r.poll() for r in ranks] == [0, 0, 0]

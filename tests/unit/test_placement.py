@@ -1,4 +1,4 @@
-"""Placement over the node agents' channel (``launcher.node.wire``, *Placement*): where a batch
+"""Placement over the node agents' channel (``launcher.node.protocol``, *Placement*): where a batch
 system decides where the tasks of a torch job run, each agent says which host it is on and waits;
 once every task has said so, the launcher sends each its ``RANK``, ``LOCAL_RANK``, ... numbered
 host by host. Real sockets, a real hub, real agents, and real task wrappers as processes (a
@@ -23,8 +23,9 @@ import pscontract as pc
 from launcher import node
 from launcher.backends.batch import BatchBackend, BatchTask
 from launcher.errors import LaunchError
-from launcher.node import wire
-from launcher.node.agent import Agent, AgentError
+from launcher.node import protocol
+from launcher.node.agent import Agent, AgentError, Channel, connect
+from launcher.node.protocol import HERE
 from launcher.runtime.hub import Hub
 from launcher.runtime.output import Console, PipePump
 from launcher.spec.job import JobSpec
@@ -36,16 +37,16 @@ SECRET = "7a" * 32
 # --- the wire ---------------------------------------------------------------------------------------
 
 
-def test_env_line_round_trip_and_limits() -> None:
+def test_env_frame_round_trip_and_limits() -> None:
     env = {"RANK": "3", "LOCAL_RANK": "1", "NAME": "é ü"}
-    line = wire.env_line(env)
-    assert line.endswith(b"\n") and line.isascii() and b"\n" not in line[:-1]
-    assert wire.parse_env_line(line.decode().strip()) == env
-    for bad in ("ENV", "ENV {", "ENV [1]", 'ENV {"A": 1}', "TERM", 'ENVX {"A": "1"}'):
-        assert wire.parse_env_line(bad) is None, bad
+    data = protocol.env_frame(4, env)
+    ((kind, ident, payload),) = protocol.Decoder().feed(data)
+    assert (kind, ident) == (protocol.PLACE, 4) and payload.isascii()
+    assert protocol.parse_env(payload) == env
+    for bad in (b"", b"{", b"[1]", b'{"A": 1}', b"TERM", "{\"A\": \"é\"}".encode()):
+        assert protocol.parse_env(bad) is None, bad
     with pytest.raises(ValueError, match="at most"):
-        wire.env_line({"BIG": "x" * wire.ENV_MAX})
-    assert wire.parse_record(wire.record(4, wire.HERE, b'{"host": "n1"}')[:-1]) == (4, "h", b'{"host": "n1"}')
+        protocol.env_frame(0, {"BIG": "x" * protocol.ENV_MAX})
 
 
 # --- the launcher's side: a batch backend whose tasks the test plays ----------------------------------
@@ -147,29 +148,31 @@ class Played:
         except BaseException as e:  # noqa: BLE001 - the test looks at it
             self.error = e
 
-    def agent(self, ident: int) -> wire.Channel:
+    def agent(self, ident: int) -> Channel:
         assert self.backend.hub is not None
-        return wire.Channel(self.backend.hub.address, ident, SECRET)
+        return connect(self.backend.hub.address, ident, SECRET)
 
     def close(self) -> None:
         self.backend.close()
         self.thread.join(10)
 
 
-def read_env(channel: wire.Channel, timeout: float) -> Optional[dict]:
+def read_env(channel: Channel, timeout: float) -> Optional[dict]:
     """The placement a played agent received within ``timeout``, or None."""
     end = time.monotonic() + timeout
-    channel.sock.settimeout(0.05)
-    while channel.env is None and time.monotonic() < end:
+    while time.monotonic() < end:
         try:
-            channel.commands()
+            frames = channel.wait(0.05)
         except EOFError:
             break
-    return channel.env
+        for kind, _, payload in frames:
+            if kind == protocol.PLACE:
+                return protocol.parse_env(payload)
+    return None
 
 
-def here(channel: wire.Channel, ident: int, host: str) -> None:
-    channel.send(wire.record(ident, wire.HERE, json.dumps({"host": host}).encode()))
+def here(channel: Channel, ident: int, host: str) -> None:
+    channel.send(HERE, ident, json.dumps({"host": host}).encode())
 
 
 def test_the_launcher_answers_once_every_task_said_where_it_runs(tmp_path: Path) -> None:
@@ -231,16 +234,30 @@ def test_real_task_wrappers_start_their_commands_with_their_placement(tmp_path: 
 # --- the agent's side ------------------------------------------------------------------------------------
 
 
+class Heard:
+    """A process as the hub sees it, that keeps every frame."""
+
+    def __init__(self, ident: int, frames: list) -> None:
+        self.ident, self.frames = ident, frames
+
+    def frame(self, kind: bytes, payload: bytes) -> None:
+        self.frames.append((self.ident, kind, payload))
+
+    def channel_opened(self) -> None:
+        pass
+
+    def channel_closed(self) -> None:
+        pass
+
+
 class Launcher:
     """A hub that records what agents say, and answers a placement when told to."""
 
     def __init__(self, idents: Sequence[int]) -> None:
-        self.records: list[tuple[int, str, bytes]] = []
+        self.records: list[tuple[int, bytes, bytes]] = []
         self.pump = PipePump()
-        self.hub = Hub(self.pump, SECRET, "127.0.0.1", (), idents, on_record=self._record)
-
-    def _record(self, ident: int, kind: str, payload: bytes) -> None:
-        self.records.append((ident, kind, payload))
+        self.hub = Hub(self.pump, SECRET, "127.0.0.1", (), idents,
+                       {i: Heard(i, self.records) for i in idents})  # type: ignore[misc]
 
     def close(self) -> None:
         self.hub.stop()
@@ -255,16 +272,16 @@ def launcher():
 
 
 def agent_for(launcher: Launcher) -> Agent:
-    return Agent(0, 1.0, wire.Channel(launcher.hub.address, 0, SECRET), prefix="test agent")
+    return Agent(1.0, connect(launcher.hub.address, 0, SECRET), prefix="test agent")
 
 
 def test_an_agent_says_where_it_is_and_gets_its_variables(launcher: Launcher) -> None:
     agent = agent_for(launcher)
     result: dict = {}
-    t = threading.Thread(target=lambda: result.update(env=agent.placement(10.0)), daemon=True)
+    t = threading.Thread(target=lambda: result.update(env=agent.placement(0, 10.0)), daemon=True)
     t.start()
-    wait_for(lambda: any(k == wire.HERE for _, k, _ in launcher.records), 10, what="the agent's h record")
-    (payload,) = [p for _, k, p in launcher.records if k == wire.HERE]
+    wait_for(lambda: any(k == HERE for _, k, _ in launcher.records), 10, what="the agent's h frame")
+    (payload,) = [p for _, k, p in launcher.records if k == HERE]
     assert json.loads(payload)["host"] == os.uname().nodename
     assert t.is_alive()  # it waits
     assert launcher.hub.send_env(0, {"RANK": "5", "LOCAL_RANK": "1"})
@@ -277,7 +294,7 @@ def test_an_agent_gives_up_on_a_placement_that_never_comes(launcher: Launcher) -
     agent = agent_for(launcher)
     t0 = time.monotonic()
     with pytest.raises(AgentError, match="sent no placement within 0.5s") as e:
-        agent.placement(0.5)
+        agent.placement(0, 0.5)
     assert e.value.code == 1 and time.monotonic() - t0 < 5
     agent.channel.close()
 
@@ -286,7 +303,7 @@ def test_an_agent_stopped_while_it_waits_does_not_start_the_command(launcher: La
     agent = agent_for(launcher)
     threading.Timer(0.3, lambda: launcher.hub.send(0, "TERM")).start()
     with pytest.raises(AgentError, match="stopped by the launcher") as e:
-        agent.placement(10.0)
+        agent.placement(0, 10.0)
     assert e.value.code == 143
     agent.channel.close()
 
@@ -295,9 +312,9 @@ def test_an_agent_whose_launcher_is_gone_stops_waiting(launcher: Launcher) -> No
     agent = agent_for(launcher)
     threading.Timer(0.3, launcher.hub.stop).start()
     with pytest.raises(AgentError, match="closed the connection before it sent the placement"):
-        agent.placement(10.0)
+        agent.placement(0, 10.0)
 
 
 def test_an_agent_without_a_connection_cannot_wait_for_a_placement() -> None:
     with pytest.raises(AgentError, match="without a connection to the launcher"):
-        Agent(0, 1.0, None, prefix="test agent").placement(1.0)
+        Agent(1.0, None, prefix="test agent").placement(0, 1.0)

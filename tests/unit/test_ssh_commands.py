@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import shlex
 import struct
 
@@ -18,7 +19,7 @@ from launcher.backends.ssh import (
     wrapper_header,
     wrapper_payload,
 )
-from launcher.node.ssh_wire import BOOTSTRAP, HOST_ID, KEEPALIVE, MAGIC, FrameDecoder
+from launcher.node.protocol import BOOTSTRAP, HEAD, HEADER, NODE
 from launcher.spec.job import Host, JobSpec, Role
 from launcher.spec.plan import ProcSpec, build_plan
 from launcher.transport.ssh import SSHOptions
@@ -32,7 +33,21 @@ def test_wrapper_command_is_the_bootstrap_and_nothing_job_specific() -> None:
 
 
 #: what a host's python3 runs for the ssh backend: Python 3.5 syntax
-OLD_PYTHON_MODULES = ("ssh_loader", "ssh_wrapper", "ssh_wire", "procgroup", "treesync", "__init__")
+OLD_PYTHON_MODULES = ("ssh_loader", "ssh_wrapper", "protocol", "agent", "procgroup", "treesync", "__init__")
+
+
+def test_the_old_python_modules_are_what_the_ssh_wrapper_imports() -> None:
+    """Every node module that the wrapper imports on a host is in OLD_PYTHON_MODULES (what it
+    imports only with Python 3.7, netif and the watchdog, is imported where it is used)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import launcher.node.ssh_wrapper; "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('launcher.node'))))")
+    r = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60,
+                       cwd=node.ROOT, check=True)
+    loaded = {m.rpartition(".")[2] for m in r.stdout.split()}
+    assert loaded - {"node"} <= set(OLD_PYTHON_MODULES) and "watchdog" not in loaded
 
 
 @pytest.mark.parametrize("name", OLD_PYTHON_MODULES)
@@ -45,6 +60,8 @@ def test_what_the_ssh_wrapper_runs_is_python_35_syntax(name: str) -> None:
     assert all(a.annotation is None for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
                for a in n.args.args) and all(n.returns is None for n in ast.walk(tree)
                                             if isinstance(n, ast.FunctionDef))
+    with open(node.path(name), encoding="utf-8") as f:  # 1_000 (3.6) parses to a plain int
+        assert not re.search(r"\b\d+_\d", f.read())
 
 
 def test_wrapper_payload_layout() -> None:
@@ -61,9 +78,9 @@ def test_wrapper_payload_layout() -> None:
     assert payload[:10] == b"%010d" % n and payload[10:10 + n] == loader  # what BOOTSTRAP runs
     assert payload[10 + n:20 + n] == b"0000000003" and payload[20 + n:23 + n] == b"ZIP"  # what the loader imports
     rest = payload[23 + n:]
-    kind, length = struct.unpack(">cI", rest[:5])
-    assert kind == b"H" and json.loads(rest[5:5 + length]) == header and len(rest) == 5 + length
-    assert KEEPALIVE == b"k\0\0\0\0"
+    kind, ident, length = struct.unpack(">cHI", rest[:7])
+    assert (kind, ident) == (HEADER, NODE) and json.loads(rest[7:7 + length]) == header and len(rest) == 7 + length
+    assert HEAD.size == 7
     # the secret travels on stdin only: the command line is the same for every host and job
     assert "s3cr3t" not in wrapper_command() and "DMLC" not in wrapper_command()
 
@@ -79,20 +96,6 @@ def test_kill_command_signals_process_groups_only() -> None:
         kill_command("TERM", [1, 0])
     with pytest.raises(ValueError):
         kill_command("TERM; rm -rf /", [99])
-
-
-def test_frame_decoder_handles_split_and_joined_frames() -> None:
-    frames = [(b"p", 0, b'{"pid": 5, "pgid": 5}'), (b"o", 3, b"hello\n"), (b"h", HOST_ID, b""),
-              (b"x", 0, b'{"code": 0}')]
-    data = b"".join(struct.pack(">cHI", k, n, len(p)) + p for k, n, p in frames)
-    stream = b"Welcome to node1\n" + MAGIC + data  # a chatty .bashrc first
-    dec = FrameDecoder()
-    got = []
-    for i in range(0, len(stream), 3):
-        got += dec.feed(stream[i:i + 3])
-    assert got == frames and dec.pending == 0 and bytes(dec.preamble) == b"Welcome to node1\n"
-    assert FrameDecoder().feed(MAGIC + data) == frames
-    assert FrameDecoder(expect_marker=False).feed(data) == frames
 
 
 def _spec(**kw) -> JobSpec:

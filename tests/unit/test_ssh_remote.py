@@ -1,5 +1,6 @@
-"""The remote wrapper's wire protocol, run locally through the exact remote command (no ssh):
-the bootstrap, the loader and the node bundle imported from memory, then the frames."""
+"""The ssh backend's node agent, run locally through the exact remote command (no ssh): the
+bootstrap, the loader and the node bundle imported from memory, then the frames
+(``launcher.node.protocol``, transport a)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +17,19 @@ import pytest
 from support.helpers import pid_alive, wait_for
 
 from launcher.backends.ssh import wrapper_command, wrapper_header, wrapper_payload
-from launcher.node.ssh_wire import HOST_ID, KEEPALIVE, FrameDecoder
+from launcher.node import protocol
+from launcher.node.protocol import (
+    ALIVE,
+    EXIT,
+    FAILED,
+    MAGIC,
+    NODE,
+    PING,
+    STARTED,
+    STDERR,
+    STDOUT,
+    frame,
+)
 from launcher.spec.job import Role
 from launcher.spec.plan import ProcSpec
 
@@ -33,7 +47,7 @@ class Wrapped:
         if lost_after is not None:
             header["lost_after"] = lost_after
         self.send(wrapper_payload(header))
-        self.decoder = FrameDecoder()
+        self.decoder = protocol.Decoder(marker=MAGIC)
         self.frames: list[tuple[bytes, int, bytes]] = []
 
     def send(self, data: bytes) -> None:
@@ -65,7 +79,7 @@ class Wrapped:
                 raise AssertionError(f"EOF before a {kind!r} frame; have {self.frames!r}; stderr "
                                      f"{self.p.stderr.read()!r}")  # type: ignore[union-attr]
 
-    def output(self, kind: bytes = b"o", ident: int = 0) -> bytes:
+    def output(self, kind: bytes = STDOUT, ident: int = 0) -> bytes:
         """Everything of ``kind`` received so far for process ``ident`` (reads what is ready first)."""
         while select.select([self.p.stdout.fileno()], [], [], 0.01)[0]:  # type: ignore[union-attr]
             if not self._pump(0):
@@ -88,12 +102,13 @@ def test_runs_the_process_and_reports_pid_output_and_exit_code(tmp_path) -> None
                    "sys.stderr.write('err\\n'); sys.exit(3)") + ["a b", "'", "$(id)", ";"],
                 env={"FOO": "bar baz"}, cwd=str(tmp_path))
     try:
-        info = json.loads(w.read_until(b"p"))
-        assert info["pid"] == info["pgid"] and info["pid"] > 1
-        assert json.loads(w.read_until(b"x")) == {"code": 3}
-        out = w.output(b"o").decode()
+        info = json.loads(w.read_until(STARTED))
+        assert info["pid"] > 1 and info["agent"] == w.p.pid and info["host"] == socket.gethostname()
+        assert w.read_until(EXIT) == b"3"
+        assert os.getpgid(info["pid"]) == info["pid"]  # a group leader, and not reaped while the agent runs
+        out = w.output(STDOUT).decode()
         assert out == f"bar baz ['a b', \"'\", '$(id)', ';'] {tmp_path}\n"
-        assert w.output(b"e") == b"err\n"
+        assert w.output(STDERR) == b"err\n"
         w.p.stdin.close()  # type: ignore[union-attr]
         assert w.p.wait(timeout=10) == 0
     finally:
@@ -111,8 +126,8 @@ def test_the_wrapper_runs_on_an_old_python() -> None:
     """The bootstrap, the loader and the bundle's modules it imports run on a host's python3.6."""
     w = Wrapped(py("import sys; print(sys.argv[1]); sys.exit(4)") + ["ok"], python=str(OLD_PYTHON))
     try:
-        assert json.loads(w.read_until(b"x")) == {"code": 4}
-        assert w.output(b"o") == b"ok\n"
+        assert w.read_until(EXIT) == b"4"
+        assert w.output(STDOUT) == b"ok\n"
     finally:
         w.close()
 
@@ -121,7 +136,7 @@ def test_the_wrapper_runs_on_an_old_python() -> None:
 def test_process_gets_its_own_group_and_devnull_stdin() -> None:
     w = Wrapped(py("import os,sys; print(os.getpgid(0) == os.getpid() == os.getsid(0), sys.stdin.read() == '')"))
     try:
-        w.read_until(b"x")
+        w.read_until(EXIT)
         assert w.output().decode().strip() == "True True"
     finally:
         w.close()
@@ -131,10 +146,10 @@ def test_process_gets_its_own_group_and_devnull_stdin() -> None:
 def test_keepalive_is_answered() -> None:
     w = Wrapped(py("import time; time.sleep(30)"))
     try:
-        w.read_until(b"p")
-        w.send(KEEPALIVE + KEEPALIVE)
-        w.read_until(b"h", HOST_ID)
-        w.read_until(b"h", HOST_ID)
+        w.read_until(STARTED)
+        w.send(frame(PING, NODE) + frame(PING, NODE))
+        w.read_until(ALIVE, NODE)
+        w.read_until(ALIVE, NODE)
     finally:
         w.close()
 
@@ -148,7 +163,7 @@ def test_the_group_dies_when_the_channel_goes(how: str) -> None:
             "time.sleep(60)")
     w = Wrapped(py(code), keepalive=0.5, grace=1.0, lost_after=1.5)
     try:
-        info = json.loads(w.read_until(b"p"))
+        info = json.loads(w.read_until(STARTED))
         wait_for(lambda: w.output().strip(), 10, what="the grandchild's pid")
         pids = [info["pid"], int(w.output().split()[0])]
         assert all(pid_alive(p) for p in pids)
@@ -170,7 +185,7 @@ def test_the_group_dies_when_the_channel_goes(how: str) -> None:
 def test_missing_program_is_reported_with_127() -> None:
     w = Wrapped(["no-such-program-xyz"])
     try:
-        info = json.loads(w.read_until(b"f"))
+        info = json.loads(w.read_until(FAILED))
         assert info["code"] == 127 and "no such program" in info["error"]
     finally:
         w.close()
@@ -182,9 +197,9 @@ def test_a_process_that_cannot_start_leaves_the_others_supervised() -> None:
     is reported; the wrapper does not die and leave the processes it started unsupervised."""
     w = Wrapped(py("import time; time.sleep(30)"), ["echo", "a\0b"])
     try:
-        info = json.loads(w.read_until(b"f", 1))
+        info = json.loads(w.read_until(FAILED, 1))
         assert info["code"] == 1 and "cannot run" in info["error"]
-        pid = json.loads(w.read_until(b"p", 0))["pid"]
+        pid = json.loads(w.read_until(STARTED, 0))["pid"]
         assert pid_alive(pid)
         w.p.stdin.close()  # type: ignore[union-attr]  # the launcher goes: the wrapper stops the group
         wait_for(lambda: not pid_alive(pid), 10, what="the started process to be stopped")
@@ -207,7 +222,7 @@ def test_a_wrapper_that_fails_stops_what_it_started(tmp_path) -> None:
         p.stdin.write(wrapper_payload(header))  # type: ignore[union-attr]
         p.stdin.flush()  # type: ignore[union-attr]
         out, _ = p.communicate(timeout=15)  # the wrapper gives up on the bad entry (stdin still open)...
-        starts = [json.loads(f[2]) for f in FrameDecoder().feed(out) if f[:2] == (b"p", 0)]
+        starts = [json.loads(f[2]) for f in protocol.Decoder(marker=MAGIC).feed(out) if f[:2] == (STARTED, 0)]
         assert starts, "the wrapper died without reporting the process it had started"
         pid = starts[0]["pid"]
         wait_for(lambda: not pid_alive(pid), 5, what="the started process to be stopped")  # ...and takes it along
@@ -225,7 +240,7 @@ def test_a_wrapper_that_fails_stops_what_it_started(tmp_path) -> None:
 def test_bad_directory_is_reported(tmp_path) -> None:
     w = Wrapped(["true"], cwd=str(tmp_path / "missing"))
     try:
-        info = json.loads(w.read_until(b"f"))
+        info = json.loads(w.read_until(FAILED))
         assert "cannot change to directory" in info["error"] and str(tmp_path / "missing") in info["error"]
     finally:
         w.close()
@@ -238,17 +253,17 @@ def test_program_in_cwd_runs_as_dot_slash(tmp_path) -> None:
     script.chmod(0o755)
     w = Wrapped(["job.sh"], cwd=str(tmp_path), env={"PATH": "/usr/bin:/bin"})
     try:
-        assert json.loads(w.read_until(b"x")) == {"code": 0}
+        assert w.read_until(EXIT) == b"0"
         assert w.output() == b"ran\n"
     finally:
         w.close()
 
 
 @pytest.mark.timeout(30)
-def test_killed_by_signal_is_negative() -> None:
+def test_killed_by_signal_is_128_plus_the_signal() -> None:
     w = Wrapped(py("import os,signal; os.kill(os.getpid(), signal.SIGSEGV)"))
     try:
-        assert json.loads(w.read_until(b"x")) == {"code": -signal.SIGSEGV}
+        assert w.read_until(EXIT) == b"%d" % (128 + signal.SIGSEGV)
     finally:
         w.close()
 
@@ -258,9 +273,9 @@ def test_exit_code_is_not_delayed_by_a_grandchild_holding_the_pipes() -> None:
     w = Wrapped(py("import subprocess,sys; subprocess.Popen([sys.executable,'-c','import time; time.sleep(20)']); "
                    "print('bye')"))
     try:
-        w.read_until(b"p")
+        w.read_until(STARTED)
         t0 = time.monotonic()
-        assert json.loads(w.read_until(b"x")) == {"code": 0}
+        assert w.read_until(EXIT) == b"0"
         assert time.monotonic() - t0 < 2.0
         assert w.output() == b"bye\n"
     finally:
@@ -271,7 +286,7 @@ def test_exit_code_is_not_delayed_by_a_grandchild_holding_the_pipes() -> None:
 def test_large_output_arrives_whole() -> None:
     w = Wrapped(py("import sys; sys.stdout.write('x' * 3000000 + '\\n')"))
     try:
-        w.read_until(b"x", timeout=20)
+        w.read_until(EXIT, timeout=20)
         assert len(w.output()) == 3000001
     finally:
         w.close()
@@ -282,11 +297,11 @@ def test_several_processes_on_one_channel_each_in_its_own_group() -> None:
     code = "import os,sys; print(os.getpid(), os.getpgid(0), flush=True); sys.exit(int(sys.argv[1]))"
     w = Wrapped(py(code) + ["0"], py(code) + ["4"], ["no-such-program-xyz"], py(code) + ["7"])
     try:
-        pids = [json.loads(w.read_until(b"p", i))["pid"] for i in (0, 1, 3)]
+        pids = [json.loads(w.read_until(STARTED, i))["pid"] for i in (0, 1, 3)]
         assert len(set(pids)) == 3
-        assert json.loads(w.read_until(b"f", 2))["code"] == 127
-        assert [json.loads(w.read_until(b"x", i))["code"] for i in (0, 1, 3)] == [0, 4, 7]
+        assert json.loads(w.read_until(FAILED, 2))["code"] == 127
+        assert [int(w.read_until(EXIT, i)) for i in (0, 1, 3)] == [0, 4, 7]
         for i, pid in zip((0, 1, 3), pids):
-            assert w.output(b"o", i).decode().split() == [str(pid), str(pid)]
+            assert w.output(STDOUT, i).decode().split() == [str(pid), str(pid)]
     finally:
         w.close()

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from launcher import node
-from launcher.node import task, wire
+from launcher.node import protocol, task
 
 DOC = {
     "version": 2,
@@ -170,10 +170,11 @@ def test_in_band_records_without_a_connection() -> None:
     r = _run_env(doc, ["--role", "worker", "--index", "slurm", "--no-tee", "--in-band"],
                  {"SLURM_PROCID": "2", "SLURM_JOB_ID": "9", "SLURM_STEP_ID": "1", "PATH": "/usr/bin:/bin"})
     assert r.returncode == 3
-    lines = [x for x in (r.stdout + r.stderr).split("\n") if x]  # (str.splitlines would cut at \x1e)
-    records = [wire.parse_record(line.encode()) for line in lines]
-    assert all(records), r.stdout + r.stderr
-    kinds = {(ident, kind): payload for ident, kind, payload in records}  # type: ignore[misc]
-    assert kinds[(2, "o")] == b"out" and kinds[(2, "e")] == b"err" and kinds[(2, "x")] == b"3"
-    start = json.loads(kinds[(2, "s")])
+    frames = {"out": [protocol.unwrap(x.encode()) for x in r.stdout.split("\n") if x],  # (str.splitlines
+              "err": [protocol.unwrap(x.encode()) for x in r.stderr.split("\n") if x]}  # would cut at \x1e)
+    assert all(frames["out"]) and all(frames["err"]), r.stdout + r.stderr
+    kinds = {(stream, ident, kind): payload for stream, found in frames.items() for kind, ident, payload in found}
+    assert kinds[("out", 2, protocol.STDOUT)] == b"out\n" and kinds[("err", 2, protocol.STDERR)] == b"err\n"
+    assert kinds[("out", 2, protocol.EXIT)] == kinds[("err", 2, protocol.EXIT)] == b"3"  # on both: the first counts
+    start = json.loads(kinds[("out", 2, protocol.STARTED)])
     assert start["step"] == "9.1" and start["addr"] == "127.0.0.1"

@@ -177,8 +177,7 @@ class MPIBackend(Backend):
         try:
             address = netif.resolve_ipv4(root) if layout.hosts else "127.0.0.1"
             assert self.pump is not None
-            hub = Hub(self.pump, secret, address, ports, range(len(procs)), on_record=job.channel_record,
-                      on_open=job.channel_opened, on_close=job.channel_closed)
+            hub = Hub(self.pump, secret, address, ports, range(len(procs)), job.by_rank)
         except (OSError, netif.NetifError) as e:
             log.warning("cannot listen for the ranks' output on %s (%s); it goes through mpirun's output, "
                         "where long lines of different ranks may mix", root or "127.0.0.1", e)

@@ -1,17 +1,16 @@
 """The mpi backend's running job: one mpirun, its output demultiplexed into one handle per rank.
 
 Each rank's wrapper (``launcher.node.mpirank``) reports its command's start, output and exit
-code as records (``launcher.node.wire``): over its own connection to the job's hub, or, when
-it cannot connect, in-band on mpirun's output. :class:`MPIJob` turns both into one
-:class:`MPIRank` per server and worker, so the supervisor sees per-rank output, pids and exit
-codes, and names the first rank that failed, as on every other backend. (mpirun's output is
-no channel for records when it can be avoided: Open MPI forwards each rank's output in chunks
-of its own size, and chunks of different ranks interleave in the middle of lines.)
+code as frames (``launcher.node.protocol``): over its own connection to the job's hub, or, when
+it cannot connect, in-band on mpirun's output. Both reach one :class:`MPIRank` per server and
+worker, so the supervisor sees per-rank output, pids and exit codes, and names the first rank
+that failed, as on every other backend. (mpirun's output is no channel for frames when it can be
+avoided: Open MPI forwards each rank's output in chunks of its own size, and chunks of different
+ranks interleave in the middle of lines.)
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -20,21 +19,24 @@ import threading
 import time
 from typing import Any, Mapping, Optional, Sequence
 
-from ...node import wire
+from ...node import protocol
 from ...node.procgroup import group_alive
 from ...node.watchdog import Client as Watchdog
 from ...node.watchdog import remove_matching
 from ...runtime.handle import ProcessHandle, ProcGroup, group_members, normalize_exitcode
-from ...runtime.hub import MAX_UNTERMINATED, Hub
+from ...runtime.hub import Hub
 from ...runtime.output import ProcOutput
+from ...runtime.remote import RemoteProcess
 from ...spec.plan import ProcSpec
 
 log = logging.getLogger(__name__)
 
-# After mpirun exited, how long to wait for the rest of its output (the last records).
+# After mpirun exited, how long to wait for the rest of its output (the last frames).
 OUTPUT_DRAIN_WAIT = 5.0
 # After every rank exited 0, how long mpirun may take to exit before it is stopped.
 MPIRUN_EXIT_WAIT = 30.0
+# A longer run of bytes without a newline in mpirun's output cannot be a frame (those are short): cut there.
+MAX_UNTERMINATED = 64 * 1024
 
 
 def this_machine() -> tuple[Optional[str], Optional[int]]:
@@ -47,30 +49,29 @@ def this_machine() -> tuple[Optional[str], Optional[int]]:
         return None, None
 
 
-class MPIRank(ProcessHandle):
+class MPIRank(RemoteProcess):
     """One server or worker, a rank of the job's single mpirun.
 
-    Its output, pid and exit code come from its wrapper's records. A rank that
+    Its output, pid and exit code come from its wrapper's frames. A rank that
     reported 0 counts as finished once mpirun has exited too, so an all-zero
     job ends when mpirun does; a non-zero report counts at once (fail fast).
     """
 
     def __init__(self, proc: ProcSpec, output: ProcOutput, job: MPIJob, mpi_rank: int) -> None:
-        super().__init__(proc, output, proc.host.name if proc.host is not None else "localhost")
+        super().__init__(proc, output, proc.host.name if proc.host is not None else "localhost", mpi_rank)
         self.job = job
         self.mpi_rank = mpi_rank
-        self.reported: Optional[int] = None
-        self.reported_at: Optional[float] = None
-        self.node: dict[str, Any] = {}
         self.local_pgid: Optional[int] = None
         self.note = ""
-        self.channel = "none"  # its wrapper's connection to the hub: "none", "open" or "closed"
 
-    def started(self, info: dict[str, Any]) -> None:
-        """The wrapper's start record: the command's pid, the node, its address."""
-        self.node = info
-        pid = info.get("pid")
-        self.pid = pid if isinstance(pid, int) else None
+    @property
+    def node(self) -> dict[str, Any]:
+        """What the wrapper said of where the rank runs (its start, or its failure)."""
+        return self.info
+
+    def on_start(self, info: dict[str, Any]) -> None:
+        """The wrapper's start frame: the command's pid, the node, its address."""
+        super().on_start(info)
         log.debug("%s is MPI rank %d (rank from %s) on %s, pid %s, DMLC_NODE_HOST %s", self.label, self.mpi_rank,
                   info.get("source"), info.get("host"), self.pid, info.get("addr"))
         if self.pid is not None and self.job.is_this_machine(info):
@@ -78,18 +79,20 @@ class MPIRank(ProcessHandle):
             if self.job.watchdog is not None:
                 self.job.watchdog.watch(self.local_pgid)
 
-    def exited(self, code: int) -> None:
-        """The wrapper's exit record: the command's exit code (128+N for signal N)."""
+    def on_failed(self, error: str, code: int, info: dict[str, Any]) -> None:
+        """The wrapper's failure frame: the command (or the wrapper) could not start."""
         if self.reported is None:
-            self.reported = code
-            self.ended_at = self.job.clock.time()  # when the rank ended, not when we looked
+            self.info = {"host": info.get("host"), **self.info}
+        super().on_failed(error, code, info)
 
-    def failed(self, info: Mapping[str, Any]) -> None:
-        """The wrapper's failure record: the command (or the wrapper) could not start."""
-        if self.reported is None:
-            self.failure = str(info.get("error") or "could not start")
-            self.node = {"host": info.get("host"), **self.node}
-            self.exited(int(info.get("code") or 1))
+    def now(self) -> float:
+        return self.job.clock.time()  # (tests: when a frame arrived)
+
+    def channel_closed(self) -> None:
+        super().channel_closed()
+        for err, closed in self.job._mpirun_closed.items():
+            if closed:
+                (self.output.stderr if err else self.output.stdout).close()
 
     def _poll(self) -> Optional[int]:
         return self.job.rank_code(self)
@@ -132,6 +135,8 @@ class MPIJob:
     def __init__(self, ranks: Sequence[MPIRank], mpirun_out: ProcOutput, watchdog: Optional[Watchdog],
                  clock: Any = time) -> None:
         self.ranks = list(ranks)
+        #: the ranks by MPI rank, their process id in the frames (the hub's)
+        self.by_rank: dict[int, MPIRank] = dict(enumerate(self.ranks))
         self.hub: Optional[Hub] = None
         self.clock = clock  # (tests: when a record arrived)
         self.out = mpirun_out
@@ -153,6 +158,7 @@ class MPIJob:
     def attach(self, ranks: Sequence[MPIRank]) -> None:
         """The rank handles, in MPI rank order (they need the job first, the job needs them)."""
         self.ranks = list(ranks)
+        self.by_rank.update(enumerate(self.ranks))
 
     def is_this_machine(self, info: Mapping[str, Any]) -> bool:
         """A pid the rank reported is one of ours if it shares our kernel and pid namespace."""
@@ -162,11 +168,11 @@ class MPIJob:
     # -- mpirun's output --------------------------------------------------------------
 
     def feed(self, err: bool, data: bytes) -> None:
-        """Bytes from mpirun's stdout (``err`` false) or stderr: records go to their rank."""
+        """Bytes from mpirun's stdout (``err`` false) or stderr: in-band frames go to their rank."""
         with self._lock:
             data = self._buffers[err] + data
             *lines, rest = data.split(b"\n")
-            if len(rest) > MAX_UNTERMINATED:  # not a record (those are short): mpirun's own text
+            if len(rest) > MAX_UNTERMINATED:  # not a frame (those are short): mpirun's own text
                 lines.append(rest)
                 rest = b""
             self._buffers[err] = rest
@@ -188,55 +194,12 @@ class MPIJob:
         if not err:
             self._out_closed.set()
 
-    # -- the rank wrappers' connections to the hub (called on the pump's thread) ------
-
-    def channel_opened(self, rank: int) -> None:
-        self.ranks[rank].channel = "open"
-
-    def channel_record(self, rank: int, kind: str, payload: bytes) -> None:
-        self._record(self.ranks[rank], kind, payload)
-
-    def channel_closed(self, rank: int) -> None:
-        r = self.ranks[rank]
-        r.channel = "closed"
-        for err, closed in self._mpirun_closed.items():
-            if closed:
-                (r.output.stderr if err else r.output.stdout).close()
-
     def _line(self, err: bool, line: bytes) -> None:
-        parsed = wire.parse_record(line)
-        if parsed is None or not 0 <= parsed[0] < len(self.ranks):
+        frame = protocol.unwrap(line)
+        if frame is None or not 0 <= frame[1] < len(self.ranks):
             (self.out.stderr if err else self.out.stdout).feed(line + b"\n")
             return
-        rank, kind, payload = parsed
-        self._record(self.ranks[rank], kind, payload)
-
-    def _record(self, r: MPIRank, kind: str, payload: bytes) -> None:
-        if kind == wire.STDOUT_LINE:
-            r.output.stdout.feed(payload + b"\n")
-        elif kind == wire.STDOUT_PART:
-            r.output.stdout.feed(payload)
-        elif kind == wire.STDERR_LINE:
-            r.output.stderr.feed(payload + b"\n")
-        elif kind == wire.STDERR_PART:
-            r.output.stderr.feed(payload)
-        elif kind == wire.START:
-            try:
-                info = json.loads(payload)
-            except ValueError:
-                info = {}
-            r.started(info if isinstance(info, dict) else {})
-        elif kind == wire.EXIT:
-            try:
-                r.exited(int(payload))
-            except ValueError:
-                r.exited(1)
-        elif kind == wire.FAILED:
-            try:
-                info = json.loads(payload)
-            except ValueError:
-                info = {}
-            r.failed(info if isinstance(info, dict) else {})
+        self.ranks[frame[1]].frame(frame[0], frame[2])
 
     # -- status ------------------------------------------------------------------------
 
@@ -264,9 +227,9 @@ class MPIJob:
             return 0
         if r.node:
             if code == 0:
-                # Both families exit non-zero if any rank did: its exit record was lost on the
+                # Both families exit non-zero if any rank did: its exit frame was lost on the
                 # way, and the command exited 0 (the wrapper exits with the command's code).
-                log.debug("%s: no exit record, but mpirun exited 0, so it exited 0", r.label)
+                log.debug("%s: no exit frame, but mpirun exited 0, so it exited 0", r.label)
                 return 0
             r.note = "its wrapper ended without reporting"
             return 128 + signal.SIGKILL
@@ -277,11 +240,11 @@ class MPIJob:
         return code or 1
 
     def _finished(self) -> Optional[int]:
-        """mpirun's exit code once it has exited *and* the ranks' records are read (its
+        """mpirun's exit code once it has exited *and* the ranks' frames are read (its
         stdout and every rank connection reached their end).
 
-        mpirun can be seen to exit before the pump has read the last records;
-        a rank's exit record must not be taken for missing.
+        mpirun can be seen to exit before the pump has read the last frames;
+        a rank's exit frame must not be taken for missing.
         """
         code = self.mpirun_code()
         if code is None:
