@@ -9,6 +9,7 @@ The programs here run beside the user's command, on the node that runs it:
   interface lookup and the tree sync, :mod:`.treesync`, before the processes start);
 * :mod:`.mpirank` is every MPI rank of the mpi backend's single ``mpirun``, and :mod:`.task` every
   task of a batch system (sge, yarn, slurm): each works out its one command and hands it to the agent;
+* :mod:`.probe` is ``pslaunch doctor``'s checks on a host, sent as the ssh wrapper is;
 * :mod:`.watchdog` is the dead-man switch, on the launching host and on the nodes;
 * :func:`command` also starts the builtin ps-lite scheduler (``--scheduler builtin``) on the
   launching host, though it lives in :mod:`launcher.trackers.pslite` (it needs pyzmq);
@@ -16,8 +17,8 @@ The programs here run beside the user's command, on the node that runs it:
 
 Rules (``tests/unit/test_architecture.py`` enforces the first): these modules import only the
 standard library, :mod:`pscontract` and each other; what an ssh host runs (:mod:`.protocol`,
-:mod:`.agent`, :mod:`.ssh_wrapper`, :mod:`.ssh_loader`, :mod:`.procgroup`, :mod:`.treesync`)
-keeps Python 3.5 syntax (the ssh backend runs it with a host's own
+:mod:`.agent`, :mod:`.ssh_wrapper`, :mod:`.ssh_loader`, :mod:`.probe`, :mod:`.procgroup`,
+:mod:`.treesync`) keeps Python 3.5 syntax (the ssh backend runs it with a host's own
 ``python3``); the rest need Python 3.7. Nothing here finds a sibling by its own path arithmetic:
 :func:`command` starts a node program from this installation, :func:`bundle` packs the node
 programs for a host that has no installation (a yarn container, an ssh host).

@@ -4,8 +4,8 @@
 :data:`launcher.node.protocol.BOOTSTRAP` runs this file's source; it reads the node bundle (a zip,
 length-prefixed) from stdin, makes its modules importable from memory (first on the import path,
 so nothing installed on the host can stand in for them) and runs the bundle's ``__main__.py``, as
-``python3 bundle.zip`` would: the ssh backend's node agent (:mod:`.ssh_wrapper`). Nothing is
-written to the host's disk.
+``python3 bundle.zip`` would: the ssh backend's node agent (:mod:`.ssh_wrapper`) or ``pslaunch
+doctor``'s checks (:mod:`.probe`). Nothing is written to the host's disk.
 """
 
 import importlib.abc

@@ -40,7 +40,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from .. import backends, node
+from ..backends.ssh import bootstrap_command, wrapper_preamble
 from ..errors import ConfigError, LauncherError
+from ..node.protocol import blob
 from ..spec import env as jobenv
 from ..spec.job import Host, JobSpec
 from ..transport.ssh import (
@@ -56,143 +58,8 @@ from . import addresses
 log = logging.getLogger(__name__)
 
 COLUMNS = ("ssh", "python3", "cwd", "program", "imports", "interface", "port", "reach")
-MIN_PYTHON = (3, 7)  # pscontract/netif.py, run by python3 on the hosts; the process wrapper itself needs 3.5
+MIN_PYTHON = (3, 7)  # pscontract/netif.py, run by python3 on the hosts; the node agent itself needs 3.5
 WRAPPER_PYTHON = "python3"
-
-# Runs on the host (``python3 -``), after netif.py's source; ARGS is filled in by the launcher.
-# Python 3.5 syntax: it must run far enough on an old python3 to say how old it is.
-_REMOTE_CHECKS = r"""
-import json as _json, os as _os, re as _re, shutil as _sh, socket as _socket, subprocess as _sp, sys as _sys
-import time as _time
-_A = _json.loads(ARGS)
-_r = {"python": _sys.executable, "version": "%d.%d.%d" % tuple(_sys.version_info[:3])}
-_env = dict(_os.environ)
-_env.update(_A["env"])
-_cwd = _os.path.expanduser(_A["cwd"])  # a relative one is below the login's home
-if not _os.path.isabs(_cwd):
-    _cwd = _os.path.join(_os.path.expanduser("~"), _cwd)
-_r["cwd"] = {"path": _cwd, "exists": _os.path.isdir(_cwd)}
-_run_in = _cwd if _os.path.isdir(_cwd) else None
-_PY = _re.compile(r"^python[0-9.]*$")
-_VERSION = "import sys; print('%d.%d.%d' % tuple(sys.version_info[:3]))"
-
-
-def _last(text):
-    lines = [l for l in text.decode("utf-8", "replace").splitlines() if l.strip()]
-    return lines[-1] if lines else ""
-
-
-def _run(argv, timeout=60):
-    try:
-        p = _sp.run(argv, env=_env, cwd=_run_in, stdin=_sp.DEVNULL, stdout=_sp.PIPE, stderr=_sp.PIPE,
-                    timeout=timeout)
-    except (OSError, _sp.TimeoutExpired) as e:
-        return 1, "", str(e)
-    return p.returncode, p.stdout.decode("utf-8", "replace").strip(), _last(p.stderr)
-
-
-def _resolve(name):
-    # the job's rule (launcher/node/procgroup.py): PATH first; a bare name in the directory runs as ./name
-    if "/" in name:
-        path = name if _os.path.isabs(name) else _os.path.join(_cwd, name)
-        return path, False
-    found = _sh.which(name, path=_env.get("PATH", _os.defpath))
-    if found:
-        return found, False
-    local = _os.path.join(_cwd, name)
-    if _os.path.isfile(local) and _os.access(local, _os.X_OK):
-        return local, True
-    return None, False
-
-
-def _interpreter(path):
-    # the Python a script's #! line names: "#!/usr/bin/env python3", "#!/opt/venv/bin/python -u"
-    try:
-        with open(path, "rb") as f:
-            first = f.readline(512).decode("utf-8", "replace")
-    except OSError:
-        return None
-    if not first.startswith("#!"):
-        return None
-    words = first[2:].split()
-    if words and _os.path.basename(words[0]) == "env":
-        words = [w for w in words[1:] if not w.startswith("-")]
-    if words and _PY.match(_os.path.basename(words[0])):
-        return words[0] if "/" in words[0] else _sh.which(words[0], path=_env.get("PATH", _os.defpath))
-    return None
-
-
-_py = None
-_cmd = _A["command"]
-if _cmd:
-    _prog = {"name": _cmd[0]}
-    _path, _local = _resolve(_cmd[0])
-    _prog["path"] = _path
-    _prog["local"] = _local
-    if _path is None or not _os.path.exists(_path):
-        _prog["error"] = "not found"
-        _prog["code"] = 127
-    elif _os.path.isdir(_path) or not _os.access(_path, _os.X_OK):
-        _prog["error"] = "not executable"
-        _prog["code"] = 126
-    elif _PY.match(_os.path.basename(_path)):
-        _py = _path
-        _args = _cmd[1:]
-        while _args and _args[0].startswith("-") and _args[0] not in ("-m", "-c", "-"):
-            _args = _args[1:]
-        if _args[:1] == ["-m"] and len(_args) > 1:
-            _code, _out, _err = _run([_path, "-c", "import importlib.util, sys; "
-                                      "sys.exit(importlib.util.find_spec(sys.argv[1]) is None)", _args[1]])
-            _prog["module"] = {"name": _args[1], "ok": _code == 0, "error": _err}
-        elif _args and not _args[0].startswith("-"):
-            _script = _args[0] if _os.path.isabs(_args[0]) else _os.path.join(_cwd, _args[0])
-            _prog["script"] = {"name": _args[0], "ok": _os.path.isfile(_script)}
-    else:
-        _py = _interpreter(_path)
-if _A["python"]:
-    _py = _A["python"] if "/" in _A["python"] else _sh.which(_A["python"], path=_env.get("PATH", _os.defpath))
-    if _py is None:
-        _r["python_error"] = "%s not found" % _A["python"]
-if _cmd:
-    _r["program"] = _prog
-if _py:
-    _code, _out, _err = _run([_py, "-c", _VERSION])
-    _r["interpreter"] = {"path": _py, "version": _out if _code == 0 else None, "error": _err or "exit %d" % _code}
-    if _code == 0:
-        _imports = {}
-        for _m in _A["imports"]:
-            _code, _out, _err = _run([_py, "-c", "import " + _m])
-            _imports[_m] = "ok" if _code == 0 else (_err or "exit %d" % _code)
-        _r["imports"] = _imports
-_addr = _A["peer"]
-if _A["iface"]:
-    try:
-        _i = match(_A["iface"], interfaces())
-        _r["interface"] = {"name": _i.name, "address": _i.address}
-        _addr = _i.address
-    except NetifError as _e:
-        _r["interface"] = {"error": str(_e)}
-        _addr = None
-if _addr:
-    _s = _socket.socket()
-    try:
-        _s.bind((_addr, 0))
-        _s.listen(1)
-        _r["port"] = {"address": _addr, "port": _s.getsockname()[1]}
-    except OSError as _e:
-        _r["port"] = {"error": "cannot bind %s: %s" % (_addr, _e.strerror)}
-    finally:
-        _s.close()
-_t0 = _time.monotonic()
-try:
-    _c = _socket.create_connection((_A["root"], _A["root_port"]), timeout=_A["timeout"])
-    _c.close()
-    _r["reach"] = {"ms": (_time.monotonic() - _t0) * 1000}
-except OSError as _e:
-    _r["reach"] = {"error": "%s:%d: %s" % (_A["root"], _A["root_port"], _e.strerror or _e)}
-print("PSLAUNCH-DOCTOR " + _json.dumps(_r))
-"""
-
 
 @dataclass
 class Row:
@@ -228,21 +95,21 @@ class Checks:
     env: dict[str, str] = field(default_factory=dict)
 
     def args(self, peer: str, root: tuple[str, int], timeout: float) -> dict[str, Any]:
-        """The remote script's ARGS (pure)."""
+        """The arguments of the checks on a host (pure; ``launcher.node.probe``)."""
         return {"cwd": self.cwd, "env": self.env, "iface": self.iface, "peer": peer, "root": root[0],
                 "root_port": root[1], "timeout": timeout, "command": list(self.command),
                 "python": self.python, "imports": list(self.imports)}
 
 
-def remote_script(args: dict[str, Any]) -> bytes:
-    """netif.py's functions, then the checks, with ``args`` embedded (pure)."""
-    source = node.source("pscontract/netif.py").decode("utf-8")
-    source = source.replace('if __name__ == "__main__":', "if False:")
-    return (source + f"\nARGS = {json.dumps(json.dumps(args))}\n" + _REMOTE_CHECKS).encode()
+def probe_input(args: dict[str, Any], bundle: Optional[bytes] = None) -> bytes:
+    """What the checks' channel reads on its stdin (pure): the loader, the node bundle that runs
+    ``launcher.node.probe``, then ``args``."""
+    return wrapper_preamble(node.bundle("probe") if bundle is None else bundle) + blob(json.dumps(args).encode())
 
 
-def check_host(host: Host, opts: SSHOptions, checks: Checks, root: tuple[str, int], timeout: float) -> Row:
-    """Run every check on one host; never raises."""
+def check_host(host: Host, opts: SSHOptions, checks: Checks, root: tuple[str, int], timeout: float,
+               bundle: Optional[bytes] = None) -> Row:
+    """Run every check on one host (``bundle``: the probe's node bundle, built once); never raises."""
     row = Row(host)
     t0 = time.monotonic()
     try:
@@ -258,7 +125,7 @@ def check_host(host: Host, opts: SSHOptions, checks: Checks, root: tuple[str, in
         key = transport.get_remote_server_key()
         row.cells["ssh"] = f"ok {target.user}, {key_type_label(key)} ({(time.monotonic() - t0) * 1000:.0f} ms)"
         args = checks.args(session.peer_address, root, min(timeout, 5.0))
-        r = session.exec(f"{WRAPPER_PYTHON} -", stdin=remote_script(args), timeout=max(60.0, timeout))
+        r = session.exec(bootstrap_command(WRAPPER_PYTHON), stdin=probe_input(args, bundle), timeout=max(60.0, timeout))
         line = next((x for x in r.stdout.decode(errors="replace").splitlines() if x.startswith("PSLAUNCH-DOCTOR ")),
                     None)
         if line is None:
@@ -449,10 +316,11 @@ def run_doctor(hosts: Sequence[Host], opts: SSHOptions, *, cwd: str, env: dict[s
     listener = _Listener(root, *port_range)
     try:
         unique = list(dict.fromkeys(hosts))
+        bundle = node.bundle("probe")
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(unique))),
                                                    thread_name_prefix="pslaunch-doctor") as pool:
             rows = list(pool.map(lambda h: check_host(h, opts, checks, (root, listener.port),
-                                                      opts.connect_timeout), unique))
+                                                      opts.connect_timeout, bundle), unique))
     finally:
         listener.close()
     report = format_table(rows, (root, listener.port), checks, info)

@@ -1,4 +1,5 @@
-"""pslaunch doctor's remote checks, run here as a host would run them (no ssh), and its table."""
+"""pslaunch doctor's checks on a host (``launcher.node.probe``), run here through the exact remote
+command as a host would run them (no ssh), and its table."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.run.doctor import Checks, Row, fill, format_table, remote_script
+from launcher.backends.ssh import bootstrap_command
+from launcher.run.doctor import WRAPPER_PYTHON, Checks, Row, fill, format_table, probe_input
 from launcher.spec.job import Host
 
 
@@ -23,8 +25,8 @@ def _run_checks(tmp_path: Path, cwd: str, command: tuple[str, ...] = (), python:
     path = f"{Path(sys.executable).parent}:/usr/bin:/bin"
     with socket.create_server(("127.0.0.1", 0)) as scheduler:  # what "reach" connects to
         args = checks.args("127.0.0.1", ("127.0.0.1", scheduler.getsockname()[1]), 5.0)
-        r = subprocess.run([sys.executable, "-"], input=remote_script(args), capture_output=True, timeout=60,
-                           cwd=home, env={"HOME": str(home), "PATH": path})
+        r = subprocess.run(["sh", "-c", bootstrap_command(WRAPPER_PYTHON)], input=probe_input(args),
+                           capture_output=True, timeout=60, cwd=home, env={"HOME": str(home), "PATH": path})
     line = next(x for x in r.stdout.decode().splitlines() if x.startswith("PSLAUNCH-DOCTOR "))
     return json.loads(line.split(" ", 1)[1])
 

@@ -32,17 +32,17 @@ def test_wrapper_command_is_the_bootstrap_and_nothing_job_specific() -> None:
     compile(BOOTSTRAP, "bootstrap", "exec")
 
 
-#: what a host's python3 runs for the ssh backend: Python 3.5 syntax
-OLD_PYTHON_MODULES = ("ssh_loader", "ssh_wrapper", "protocol", "agent", "procgroup", "treesync", "__init__")
+#: what a host's python3 runs for the ssh backend (the wrapper, doctor's probe): Python 3.5 syntax
+OLD_PYTHON_MODULES = ("ssh_loader", "ssh_wrapper", "protocol", "agent", "probe", "procgroup", "treesync", "__init__")
 
 
-def test_the_old_python_modules_are_what_the_ssh_wrapper_imports() -> None:
-    """Every node module that the wrapper imports on a host is in OLD_PYTHON_MODULES (what it
-    imports only with Python 3.7, netif and the watchdog, is imported where it is used)."""
+def test_the_old_python_modules_are_what_the_ssh_wrapper_and_the_probe_import() -> None:
+    """Every node module that the wrapper or the probe imports on a host is in OLD_PYTHON_MODULES
+    (what they import only with Python 3.7, netif and the watchdog, is imported where it is used)."""
     import subprocess
     import sys
 
-    code = ("import sys; import launcher.node.ssh_wrapper; "
+    code = ("import sys; import launcher.node.ssh_wrapper, launcher.node.probe; "
             "print(' '.join(sorted(m for m in sys.modules if m.startswith('launcher.node'))))")
     r = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60,
                        cwd=node.ROOT, check=True)
