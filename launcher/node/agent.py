@@ -29,7 +29,7 @@ The agent
    (:func:`.procgroup.kill_marked`) and to every descendant left (:func:`.procgroup.kill_children`).
 
 Where frames go: on the channel (transport a or b of :mod:`.protocol`); without one (it could not
-be opened, or broke), by the ``fallback`` rule: ``"records"`` writes them in-band to the agent's
+be opened, or broke), by the ``fallback`` rule: ``"in-band"`` writes them in-band to the agent's
 stdout and stderr (transport c: mpirun and srun relay them), ``"plain"`` writes the output as it
 is and a failure as one line of text (a batch system keeps both in the task's files), None drops
 them. ``tee`` also writes the output as it is while the channel carries it.
@@ -272,7 +272,7 @@ class Agent(object):
     Args:
         grace: seconds between a graceful stop and SIGKILL.
         channel: the connection to the launcher (:class:`Channel`, :func:`connect`), or None.
-        fallback: where frames go without a channel: ``"records"``, ``"plain"`` or None.
+        fallback: where frames go without a channel: ``"in-band"``, ``"plain"`` or None.
         tee: also write the output as it is to the agent's stdout/stderr while the channel carries it.
         hold: stay after the last process, until the launcher closes the channel (it sweeps a
             host once the whole job is over); its end then does not lose the channel's output side.
@@ -288,7 +288,7 @@ class Agent(object):
 
     def __init__(self, grace, channel=None, fallback=None, tee=False, hold=False, lost_after=None, linger=0.0,
                  here=None, prefix="pslaunch agent", watchdog=False):
-        if fallback not in (None, "records", "plain"):
+        if fallback not in (None, "in-band", "plain"):
             raise ValueError("unknown fallback %r" % fallback)
         self.grace = grace
         self.channel = channel
@@ -318,7 +318,7 @@ class Agent(object):
                 self._lose_channel()
         if self.tee and kind in _OUTPUT:
             return  # (written as it came: see _output)
-        if self.fallback == "records":
+        if self.fallback == "in-band":
             self._in_band(kind, ident, payload)
         elif self.fallback == "plain":
             if kind in _OUTPUT:

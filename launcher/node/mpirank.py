@@ -106,7 +106,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 env.update(pc.torch_sockets(env, netif.interface_name(env[pc.INTERFACE])))
         except netif.NetifError as e:
             raise AgentError(f"on {socket.gethostname()}: cannot work out this node's address: {e}") from None
-        agent = Agent(float(table.get("grace", 10.0)), _connect(table, rank, env), fallback="records",
+        agent = Agent(float(table.get("grace", 10.0)), _connect(table, rank, env), fallback="in-band",
                       linger=LINGER, here=socket.gethostname(), prefix=PREFIX, watchdog=True)
         start = {"addr": env[pc.NODE_HOST], "source": "mpi4py" if mpi else "env"}
         code = agent.run([{"id": rank, "argv": args, "env": env, "start": start}])[0]
@@ -115,7 +115,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if rank is None:
             os.write(2, f"{PREFIX}: error: {e}\n".encode("utf-8", "replace"))
         else:
-            Agent(0.0, fallback="records", prefix=PREFIX).error(rank, str(e), code)
+            Agent(0.0, fallback="in-band", prefix=PREFIX).error(rank, str(e), code)
     if mpi is not None:
         try:
             mpi.Finalize()  # type: ignore[attr-defined]

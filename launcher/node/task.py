@@ -256,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _report(a.report_dir, a.role, index, env)
     ident = int(env[pc.TASK_ID])
     agent = Agent(float(doc.get("grace", 10.0)), _connect(doc, ident, env),
-                  fallback="records" if a.in_band else "plain", tee=not a.no_tee, here=socket.gethostname(),
+                  fallback="in-band" if a.in_band else "plain", tee=not a.no_tee, here=socket.gethostname(),
                   prefix=PREFIX, watchdog=True)
     placement = doc.get("placement")
     if placement:

@@ -1,2 +1,3 @@
 """The mechanism below the backends: process handles and groups, local processes, labelled
-output, and the hub that node agents report to. Every backend builds on these."""
+output, the processes node agents run (remote.py) and the hub they report to. Every backend builds
+on these."""

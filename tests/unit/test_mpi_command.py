@@ -210,7 +210,7 @@ def test_in_band_frames_round_trip_and_long_output_is_split(tmp_path) -> None:
     os.dup2(w, 1)  # the agent without a channel writes its frames to its own stdout (mpirun's)
     long = b"x" * (protocol.LINE_PAYLOAD * 2 + 10)
     try:
-        relay = Agent(1.0, None, fallback="records")
+        relay = Agent(1.0, None, fallback="in-band")
         relay.send(STDOUT, 7, b"one\ntw")
         relay.send(STDOUT, 7, b"o\n" + long + b"\npartial")
     finally:

@@ -8,6 +8,8 @@ import ast
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -131,15 +133,23 @@ def test_golden_frames_from_the_agent(wire: Wire) -> None:
     assert wire.written() == b"h\x00\x03" + len(here).to_bytes(4, "big") + here
 
 
-def test_golden_frames_of_a_process_the_agent_runs(wire: Wire) -> None:
-    agent = Agent(1.0, wire.channel, linger=0.0)
-    codes = agent.run([{"id": 2, "argv": ["sh", "-c", "echo hi; kill -9 $$"], "env": {"PATH": os.defpath},
-                        "start": {"addr": "10.0.0.1"}}])
-    assert codes == [137]  # killed by SIGKILL: 128 + 9, always
-    frames = Decoder().feed(wire.written())
+def test_golden_frames_of_a_process_the_agent_runs() -> None:
+    """A real agent (in its own process: it becomes a subreaper) on a pipe channel runs a process
+    that prints and is killed by SIGKILL."""
+    code = ("import sys; from launcher.node.agent import Agent, Channel; "
+            "sys.exit(Agent(1.0, Channel(0, 1)).run([{'id': 2, 'argv': ['sh', '-c', 'echo hi; kill -9 $$'], "
+            "'env': {'PATH': '/usr/bin:/bin'}, 'start': {'addr': '10.0.0.1'}}])[0])")
+    p = subprocess.Popen([sys.executable, "-S", "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT)
+    try:
+        out = p.stdout.read()  # type: ignore[union-attr]  # (its stdin stays open: the launcher is there)
+        assert p.wait(timeout=30) == 137  # killed by SIGKILL: 128 + 9, always
+    finally:
+        p.kill()
+        p.wait()
+    frames = Decoder().feed(out)
     assert [(k, i) for k, i, _ in frames] == [(protocol.STARTED, 2), (protocol.STDOUT, 2), (protocol.EXIT, 2)]
     start = json.loads(frames[0][2])
-    assert start == {**machine(), "pid": start["pid"], "agent": os.getpid(), "addr": "10.0.0.1"}
+    assert start == {**machine(), "pid": start["pid"], "agent": start["agent"], "addr": "10.0.0.1"}
     assert frames[0][2] == json.dumps(start, separators=(",", ":")).encode()
     assert frame(*frames[1][:2], frames[1][2]) == b"o\x00\x02\x00\x00\x00\x03hi\n"
     assert frame(*frames[2][:2], frames[2][2]) == b"x\x00\x02\x00\x00\x00\x03137"
