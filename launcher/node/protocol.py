@@ -63,7 +63,8 @@ f     :data:`FAILED`         a process   JSON ``{"error", "code", "host"}``: it 
 o     :data:`STDOUT`         a process   bytes of its stdout, as they came
 e     :data:`STDERR`         a process   bytes of its stderr
 x     :data:`EXIT`           a process   ASCII decimal exit code (N, or 128+N for signal N); after
-                                         everything the process wrote before it exited
+                                         the process's output, once its pipes ended (or 0.5 s
+                                         after it exited, when what it started holds them open)
 h     :data:`HERE`           a process   JSON ``{"host", ...}`` (as ``p``): it awaits its ``E``
 k     :data:`ALIVE`          NODE        empty: the answer to ``K``
 i     :data:`IFACE_ANSWER`   NODE        JSON ``{"address", "interface"}`` or ``{"error"}``
@@ -85,7 +86,7 @@ launcher writes :func:`blob` (the loader, :mod:`.ssh_loader`), which the bootstr
 the node writes :data:`MAGIC` (whatever a login shell's rc files printed before it is not the
 node's), then frames. Its stderr is the node program's own (a traceback, a shell's ``python3: not
 found``). No handshake: the connection is authenticated already. The node answers each ``K``;
-when none came for ``lost_after`` seconds, or its stdin reaches its end (the launcher is done,
+when nothing came for ``lost_after`` seconds, or its stdin reaches its end (the launcher is done,
 gone, or unreachable), it stops every process.
 
 (b) **TCP to the launcher's hub** (``launcher.runtime.hub``: the mpi rank wrappers and the batch
@@ -103,10 +104,10 @@ gone: the agent stops it.
 
 (c) **In-band**, when an agent cannot connect: node -> launcher only, on mpirun's or srun's
 output, which carries every rank's or task's output and the launcher's tools' own text. Each frame
-is one line, written with one ``write`` below ``PIPE_BUF`` so that no other writer's bytes can
-land inside it::
+is one line, the byte ``\\x1e`` (the record separator), the frame in base64, a newline, written
+with one ``write`` below ``PIPE_BUF`` so that no other writer's bytes can land inside it::
 
-    \\x1e <base64 of the frame> \\n
+    \\x1eeAACAAAAATM=\\n        (x, process 2, exit code 3)
 
 An in-band frame carries at most :data:`LINE_PAYLOAD` bytes (a process's output is cut into such
 pieces), so its line stays under 4096 bytes. ``p``, ``o`` and ``x`` go to the agent's stdout, ``e``
