@@ -290,12 +290,7 @@ def test_the_hub_drops_an_oversized_frame_and_serves_the_connection_on(monkeypat
 
 #: One-letter bytes literals in launcher/ that are not frame kinds, and why (a new one must say why here).
 NOT_KINDS = {
-    ("launcher/node/procgroup.py", b"Z"): "a zombie's state in /proc/<pid>/stat",
-    ("launcher/node/procgroup.py", b"X"): "a dead process's state in /proc/<pid>/stat",
-    ("launcher/runtime/handle.py", b"Z"): "a zombie's state in /proc/<pid>/stat",
-    ("launcher/runtime/handle.py", b"X"): "a dead process's state in /proc/<pid>/stat",
     ("launcher/runtime/output.py", b"x"): "the byte that wakes the pump's select",
-    ("launcher/trackers/rabit.py", b"x"): "the byte that wakes the tracker's select",
 }
 
 
