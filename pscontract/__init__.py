@@ -18,9 +18,12 @@ backend (Grid Engine's, skein's, MPI's) live with the code that uses them.
 
 from __future__ import annotations
 
+import errno
 import re
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence, TypeVar
+
+_Held = TypeVar("_Held")
 
 # --- the dmlc / ps-lite contract -------------------------------------------
 ROLE = "DMLC_ROLE"
@@ -418,15 +421,45 @@ def heartbeat_settings(environ: Mapping[str, str]) -> tuple[float, float]:
     return interval, timeout
 
 
+# --- port ranges (--port-range, PS_PORT_RANGE) ---------------------------------
+# A port range is LOW-HIGH, both ends included. Whoever listens in one (the launcher's scheduler
+# port, hub, torch store and doctor; the trainer's servers) takes the first free port from LOW up,
+# by first_free_port; errors of a bind that mean "this port is not free, try the next":
+PORT_TAKEN = (errno.EADDRINUSE, errno.EACCES)
+
+
+def check_port_range(lo: int, hi: int) -> None:
+    """The rule of a port range, ``1 <= LOW <= HIGH <= 65535``; raises ValueError saying so."""
+    if not 1 <= lo <= hi <= 65535:
+        raise ValueError("need 1 <= LOW <= HIGH <= 65535")
+
+
 def parse_port_range(text: str) -> tuple[int, int]:
     """``"9000-9100"`` -> ``(9000, 9100)``; raises ValueError with the rule on bad input."""
     parts = [p.strip() for p in (text or "").split("-")]  # (LOW-HIGH, spaces allowed: no re needed)
     if len(parts) != 2 or not all(0 < len(p) <= 5 and p.isdecimal() for p in parts):
         raise ValueError(f"bad port range {text!r}: expected LOW-HIGH, for example 9091-9998")
     lo, hi = int(parts[0]), int(parts[1])
-    if not (1 <= lo <= hi <= 65535):
-        raise ValueError(f"bad port range {text!r}: need 1 <= LOW <= HIGH <= 65535")
+    try:
+        check_port_range(lo, hi)
+    except ValueError as e:
+        raise ValueError(f"bad port range {text!r}: {e}") from None
     return lo, hi
+
+
+def first_free_port(lo: int, hi: int, take: Callable[[int], _Held | None], after: int = 0) -> tuple[int, _Held] | None:
+    """The first port of ``lo..hi`` above ``after`` that ``take`` gets, and what it returned.
+
+    ``take(port)`` binds the port (or claims it) and returns what holds it, or None when the port
+    is not free (a bind's error in :data:`PORT_TAKEN`); the ports are tried from the lowest up.
+    An exception of ``take`` ends the search: another error of a bind (an address that is not
+    this host's) would be the same on every port. None when no port of the range was free.
+    """
+    for port in range(max(lo, after + 1), hi + 1):
+        held = take(port)
+        if held is not None:
+            return port, held
+    return None
 
 
 @dataclass(frozen=True)

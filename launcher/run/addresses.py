@@ -3,15 +3,14 @@
 ``DMLC_PS_ROOT_URI`` is, in order: this host's address on ``DMLC_INTERFACE``; ``--host-ip``
 (an address, or dmlc's guesses ``ip``/``dns``); 127.0.0.1 when everything runs on this
 machine; else the address that routes to the first host. The port is the first free one of
-``--port-range`` that no other pslaunch on this machine has claimed (:class:`PortClaim`);
-whether the scheduler really listens on it is checked against the listening sockets of
-``/proc/net/tcp*`` and the processes' descriptors (another program may take the port between
-the check and the scheduler's bind).
+``--port-range`` that no other pslaunch on this machine has claimed
+(:func:`launcher.runtime.ports.claim_free_port`); whether the scheduler really listens on it is
+checked against the listening sockets of ``/proc/net/tcp*`` and the processes' descriptors
+(another program may take the port between the check and the scheduler's bind).
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import socket
@@ -21,8 +20,9 @@ from typing import Callable, Mapping, Optional
 from pscontract import netif
 
 from ..backends.base import Backend
-from ..errors import ConfigError, LaunchError
+from ..errors import ConfigError
 from ..runtime.handle import group_members
+from ..runtime.ports import port_is_free
 from ..spec.job import Host, JobSpec
 
 log = logging.getLogger(__name__)
@@ -89,84 +89,6 @@ def dry_run_address(spec: JobSpec, backend: type[Backend]) -> str:
     if backend.all_here(spec) or not spec.hosts:
         return "127.0.0.1"
     return "<this host's address toward the hosts>"
-
-
-def port_is_free(port: int) -> bool:
-    """True when nothing holds ``port`` on any address (a plain bind succeeds)."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.bind(("", port))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
-def first_free_port(lo: int, hi: int, after: int = 0) -> int:
-    for port in range(max(lo, after + 1), hi + 1):
-        if port_is_free(port):
-            return port
-    raise _no_free_port(lo, hi)
-
-
-def _no_free_port(lo: int, hi: int) -> LaunchError:
-    return LaunchError(f"no free port in --port-range {lo}-{hi} for the scheduler; "
-                       "free one or give another range")
-
-
-class PortClaim:
-    """This launcher's claim on its scheduler's port, against every other pslaunch on this machine.
-
-    The scheduler binds its port a while after the launcher found it free (a ps-lite program
-    imports for seconds first). Two jobs started together with the same ``--port-range`` would
-    both find the same port free, and one of them lose it: if the loser's servers and workers
-    reach the winner's scheduler before they are stopped, ps-lite counts them as the winner's
-    nodes, and that job goes wrong too. A claim is a Unix socket bound to the abstract name
-    ``pslaunch/port/PORT``: per network namespace, as ports are; another pslaunch cannot bind it
-    while this one holds it, and the kernel lets go of it when this process ends, however it ends.
-    It does not touch the TCP port itself (the scheduler binds that as it likes). Without
-    abstract Unix sockets (not Linux) there is no claim, only the race's recovery.
-    """
-
-    PREFIX = b"\0pslaunch/port/"
-
-    def __init__(self, sock: Optional[socket.socket]) -> None:
-        self._sock = sock
-
-    @classmethod
-    def take(cls, port: int) -> Optional[PortClaim]:
-        """The claim on ``port``, or None when another pslaunch holds it."""
-        try:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        except (OSError, AttributeError):
-            return cls(None)
-        try:
-            sock.bind(cls.PREFIX + str(port).encode())
-        except OSError as e:
-            sock.close()
-            if e.errno == errno.EADDRINUSE:  # claimed
-                return None
-            return cls(None)  # (no abstract names here)
-        return cls(sock)
-
-    def release(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-
-
-def claim_free_port(lo: int, hi: int, after: int = 0) -> tuple[int, PortClaim]:
-    """The first port of ``lo..hi`` after ``after`` that is free and that no other pslaunch on
-    this machine has claimed, with this launcher's claim on it (release it when the job ends)."""
-    for port in range(max(lo, after + 1), hi + 1):
-        claim = PortClaim.take(port)
-        if claim is None:
-            continue
-        if port_is_free(port):
-            return port, claim
-        claim.release()
-    raise _no_free_port(lo, hi)
 
 
 def is_listening(host: str, port: int, timeout: float = 0.2) -> bool:

@@ -30,10 +30,8 @@ listed below the table, one line each.
 from __future__ import annotations
 
 import concurrent.futures
-import errno
 import json
 import logging
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -41,8 +39,9 @@ from typing import Any, Optional, Sequence
 
 from .. import backends, node
 from ..backends.ssh import bootstrap_command, wrapper_preamble
-from ..errors import ConfigError, LauncherError
+from ..errors import ConfigError, LauncherError, LaunchError
 from ..node.protocol import blob
+from ..runtime import ports
 from ..spec import env as jobenv
 from ..spec.job import Host, JobSpec
 from ..transport.ssh import (
@@ -260,20 +259,15 @@ class _Listener:
     """The launching host's scheduler address, listening while the hosts try to reach it."""
 
     def __init__(self, address: str, lo: int, hi: int) -> None:
-        self.port = 0
-        while True:
-            # Another job may take the port between the check and the bind or the listen: try the next.
-            self.port = addresses.first_free_port(lo, hi, after=self.port)
-            self.sock = socket.socket()
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                self.sock.bind((address, self.port))
-                self.sock.listen(128)
-                break
-            except OSError as e:
-                self.sock.close()
-                if e.errno != errno.EADDRINUSE:
-                    raise ConfigError(f"cannot listen on {address}:{self.port} here: {e.strerror}") from None
+        try:
+            self.sock = ports.bind_in_range(address, lo, hi)
+        except ports.NoFreePort:
+            raise LaunchError(f"no free port in --port-range {lo}-{hi} for the scheduler; "
+                              "free one or give another range") from None
+        except ports.BindError as e:
+            raise ConfigError(f"cannot listen on {address}:{e.port} here: {e.strerror}") from None
+        self.port = self.sock.getsockname()[1]
+        self.sock.listen(128)
         self.sock.settimeout(0.2)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="pslaunch-doctor-listen", daemon=True)

@@ -40,6 +40,7 @@ from ..node.watchdog import Client as Watchdog
 from ..runtime.handle import ProcessHandle, ProcGroup
 from ..runtime.local import LocalProcess
 from ..runtime.output import Console, PipePump, is_terminal
+from ..runtime.ports import NoFreePort, PortClaim, claim_free_port
 from ..spec.job import Host, JobSpec
 from ..spec.plan import Plan, ProcSpec, build_plan
 from ..trackers.pslite import require_pyzmq
@@ -121,7 +122,7 @@ class Supervisor:
         self._ids = (os.urandom(32).hex(), os.urandom(6).hex())  # (secret, job id): secrets.token_hex's way
         self._backend: Optional[Backend] = None  # while an attempt runs
         self._watch: Optional[addr.SchedulerWatch] = None  # while the job starts: who gets the port
-        self._claim: Optional[addr.PortClaim] = None  # the attempt's port, against other pslaunch runs here
+        self._claim: Optional[PortClaim] = None  # the attempt's port, against other pslaunch runs here
         self._wake = Wakeup()  # set when a process's output ends: look now, not at the next tick
         self.console.on_stream_end = self._wake.set
         self.signals.on_signal = self._wake.set
@@ -299,7 +300,11 @@ class Supervisor:
             port = tracker.start(root_uri)
             self.tracker.pid = tracker.pid
         else:
-            port, self._claim = addr.claim_free_port(lo, hi, after=after_port)
+            try:
+                port, self._claim = claim_free_port(lo, hi, after=after_port)
+            except NoFreePort:
+                raise LaunchError(f"no free port in --port-range {lo}-{hi} for the scheduler; "
+                                  "free one or give another range") from None
         plan = build_plan(spec, root_uri=root_uri, root_port=port, secret=secret, job_id=job_id,
                           addresses=addresses, here=here, inherit_environ=not self.backend_cls.remote)
         self.plan = plan

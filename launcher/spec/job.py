@@ -141,8 +141,10 @@ class JobSpec:
         if not self.launcher:
             raise ConfigError("no launcher given: choose one with --launcher")
         lo, hi = self.port_range
-        if not 1 <= lo <= hi <= 65535:
-            raise ConfigError(f"--port-range {lo}-{hi}: need 1 <= LOW <= HIGH <= 65535")
+        try:
+            pc.check_port_range(lo, hi)
+        except ValueError as e:
+            raise ConfigError(f"--port-range {lo}-{hi}: {e}") from None
         for name, value in (("--start-timeout", self.start_timeout), ("--kill-grace", self.kill_grace),
                             ("--timeout", self.timeout)):
             if value is not None and not math.isfinite(value):

@@ -4,7 +4,6 @@ with the tracker Python. See :mod:`launcher.trackers`.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ from .. import node
 from ..errors import LaunchError
 from ..node.procgroup import signal_group
 from ..node.watchdog import Client as Watchdog
+from ..runtime import ports
 from ..runtime.handle import spawn_guard
 from ..runtime.output import PipePump, ProcOutput
 from ..spec import env as jobenv
@@ -341,27 +341,6 @@ class XGBoostService(_XGBoostTracker):
 # --- torch: a TCPStore for torch.distributed's env:// -------------------------------------------------
 
 
-def listen_first(address: str, lo: int, hi: int) -> socket.socket:
-    """A socket listening on ``address`` and the first free port of ``lo..hi``.
-
-    Raises:
-        LaunchError: no free port in the range, or not an address of this host.
-    """
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    for port in range(lo, hi + 1):
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.bind((address, port))
-            sock.listen(socket.SOMAXCONN)
-            return sock
-        except OSError as e:
-            sock.close()
-            if e.errno not in (errno.EADDRINUSE, errno.EACCES):
-                raise LaunchError(f"cannot listen on {address}:{port} for the torch store: {e.strerror or e}; "
-                                  "give an address of this host (DMLC_INTERFACE or --host-ip)") from None
-    raise LaunchError(f"no free port in --port-range {lo}-{hi} for the torch store; free one or give another range")
-
-
 class TorchService(_ChildService):
     """The job's rendezvous store, hosted by :mod:`.torch_store` on a socket bound here first."""
 
@@ -376,8 +355,16 @@ class TorchService(_ChildService):
 
     def start(self, address: str) -> int:
         lo, hi = self.spec.port_range
-        sock = listen_first(address, lo, hi)
         try:
+            sock = ports.bind_in_range(address, lo, hi)
+        except ports.NoFreePort:
+            raise LaunchError(f"no free port in --port-range {lo}-{hi} for the torch store; free one or give "
+                              "another range") from None
+        except ports.BindError as e:
+            raise LaunchError(f"cannot listen on {address}:{e.port} for the torch store: {e.strerror}; "
+                              "give an address of this host (DMLC_INTERFACE or --host-ip)") from None
+        try:
+            sock.listen(socket.SOMAXCONN)
             port = sock.getsockname()[1]
             self._spawn(["--listen-fd", str(sock.fileno()), "--host", address, "--port", str(port)],
                         pass_fds=(sock.fileno(),))

@@ -86,6 +86,7 @@ import struct
 import sys
 import threading
 import time
+from typing import Any, Callable
 
 #: the longest string (task id, command, print message) a rabit worker may send
 MAX_STRING = 4 << 20
@@ -116,6 +117,27 @@ def _parse_range(text: str) -> tuple[int, int]:
     if not 0 <= low <= high <= 65535:
         raise SystemExit(f"bad --port-range {text!r}: need 0 <= LOW <= HIGH <= 65535")
     return low, high
+
+
+def _on_first_free_port(low: int, high: int, start: Callable[[int], Any],
+                        in_use: Callable[[Exception], bool]) -> tuple[Any, int, Exception | None]:
+    """``start(port)`` on the ports of ``low..high`` from the lowest up until it does not fail
+    with a port in use (``in_use(error)``): ``(what it returned, the port, None)``, else
+    ``(None, the last port tried, its error)`` (``(None, 0, None)`` for an empty range).
+
+    The launcher's rule for a port range (``pscontract.first_free_port``), written again here:
+    XGBoost's trackers take a port number, not a socket that the launcher could bind for them (as
+    it does for the torch store), and this program imports nothing of pslaunch.
+    """
+    port, error = 0, None
+    for port in range(low, high + 1):
+        try:
+            return start(port), port, None
+        except Exception as e:
+            error = e
+            if not in_use(e):
+                break
+    return None, port, error
 
 
 def _major_minor(version: str) -> tuple[int, ...]:
@@ -157,18 +179,12 @@ def main(argv: list[str] | None = None) -> int:
                                          "(2.1): use --tracker rabit for it")
         return 2
 
-    tracker = None
-    last = "empty port range"
-    for port in range(low, high + 1):
-        try:
-            tracker = RabitTracker(n_workers=a.n_workers, host_ip=a.host_ip, port=port, sortby=a.sortby,
-                                   timeout=a.timeout)
-            break
-        except Exception as e:  # XGBoostError; its text names the cause
-            last = _first_line(e)
-            if "in use" not in last:
-                break
+    tracker, _, error = _on_first_free_port(
+        low, high, lambda port: RabitTracker(n_workers=a.n_workers, host_ip=a.host_ip, port=port, sortby=a.sortby,
+                                             timeout=a.timeout),
+        lambda e: "in use" in _first_line(e))  # (an XGBoostError; its text names the cause)
     if tracker is None:
+        last = "empty port range" if error is None else _first_line(error)
         _emit(out, event="failed", error=f"cannot start XGBoost's tracker on {a.host_ip} port {low}-{high}: "
                                          f"{last}")
         return 2
@@ -259,17 +275,16 @@ def _rabit(out, n_workers: int, host: str, low: int, high: int, header_timeout: 
     logging.getLogger().addHandler(handler)
     logging.getLogger().setLevel(logging.DEBUG)
 
-    tracker, why = None, f"no free port in {low}-{high} on {host}: widen --port-range"
-    for port in range(low, high + 1):
-        try:
-            tracker = tracker_class(host, n_workers, port=port)
-            break
-        except OSError as e:
-            if e.errno not in (errno.EADDRINUSE, errno.EACCES):
-                why = f"cannot listen on {host}:{port}: {e.strerror or e}; give an address of this host"
-                break
+    def in_use(e: Exception) -> bool:
+        return isinstance(e, OSError) and e.errno in (errno.EADDRINUSE, errno.EACCES)
+
+    tracker, port, error = _on_first_free_port(low, high, lambda port: tracker_class(host, n_workers, port=port),
+                                               in_use)
     if tracker is None:
-        _emit(out, event="failed", error=why)
+        _emit(out, event="failed", error=f"no free port in {low}-{high} on {host}: widen --port-range"
+              if error is None or in_use(error) else
+              f"cannot listen on {host}:{port}: {getattr(error, 'strerror', None) or error}; give an address of "
+              "this host")
         return 2
     _emit(out, event="listening", xgboost=version, pid=os.getpid(),
           env={"DMLC_TRACKER_URI": host, "DMLC_TRACKER_PORT": str(tracker.port)})

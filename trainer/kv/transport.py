@@ -158,9 +158,19 @@ def scheduler_address(env: ClusterEnv) -> str:
 
 def bind(sock: zmq.Socket, host: str, port: int = 0,
          port_range: tuple[int, int] | None = None, what: str = "this node") -> int:
-    """Bind ``sock`` on ``host`` to ``port``, a free port of ``port_range``, or an ephemeral one."""
+    """Bind ``sock`` on ``host`` to ``port``, the first free port of ``port_range``
+    (:func:`pscontract.first_free_port`), or an ephemeral one."""
     def attempt(p: int | str) -> None:
         sock.bind(f"tcp://{host}:{p}")
+
+    def take(p: int) -> bool | None:
+        try:
+            attempt(p)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno in pc.PORT_TAKEN:
+                return None
+            raise
 
     try:
         if port:
@@ -168,15 +178,11 @@ def bind(sock: zmq.Socket, host: str, port: int = 0,
             return port
         if port_range is not None:
             lo, hi = port_range
-            for p in range(lo, hi + 1):
-                try:
-                    attempt(p)
-                    return p
-                except zmq.ZMQError as e:
-                    if e.errno != errno.EADDRINUSE:
-                        raise
-            raise KVConfigError(f"no free port in {pc.PORT_RANGE}={lo}-{hi} on {host} for {what}; "
-                                "widen the range")
+            found = pc.first_free_port(lo, hi, take)
+            if found is None:
+                raise KVConfigError(f"no free port in {pc.PORT_RANGE}={lo}-{hi} on {host} for {what}; "
+                                    "widen the range")
+            return found[0]
         attempt("*")
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         return int(endpoint.rsplit(":", 1)[1])

@@ -1,0 +1,221 @@
+"""Ports of a range (``launcher.runtime.ports`` and the rule in ``pscontract``): the first free port
+from the low end up, ``after``, a full range, an address that is not this host's, the hub's port
+beside the scheduler's, and the claims that keep two pslaunch runs on one machine apart; real
+sockets on loopback."""
+
+from __future__ import annotations
+
+import errno
+import socket
+import subprocess
+import sys
+from contextlib import ExitStack
+
+import pytest
+
+import pscontract as pc
+from launcher.runtime import ports
+
+NOT_HERE = "10.200.255.254"  # an address of the test networks that no interface has (the network guard allows it)
+
+
+def _free_run(n: int) -> int:
+    """The first of ``n`` consecutive ports that are free on loopback now."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n <= 65535 and all(ports.port_is_free(p) for p in range(base, base + n)):
+            return base
+    pytest.skip(f"no {n} consecutive free ports here")
+
+
+def _hold(stack: ExitStack, port: int) -> socket.socket:
+    s = stack.enter_context(socket.socket())
+    s.bind(("127.0.0.1", port))
+    s.listen()
+    return s
+
+
+# -- the rule (pscontract) -------------------------------------------------------------------------
+
+
+def test_the_rule_takes_the_first_port_above_after_and_says_none_when_all_are_taken() -> None:
+    tried: list[int] = []
+
+    def take(port: int):
+        tried.append(port)
+        return f"held {port}" if port in (13, 15) else None
+
+    assert pc.first_free_port(10, 20, take) == (13, "held 13")
+    assert tried == [10, 11, 12, 13]
+    tried.clear()
+    assert pc.first_free_port(10, 20, take, after=13) == (15, "held 15")
+    assert tried == [14, 15]
+    tried.clear()
+    assert pc.first_free_port(10, 20, take, after=15) is None
+    assert tried == [16, 17, 18, 19, 20]
+    assert pc.first_free_port(10, 20, take, after=5) == (13, "held 13")  # (after below the range: from LOW)
+
+
+def test_an_error_of_take_ends_the_search() -> None:
+    tried: list[int] = []
+
+    def take(port: int):
+        tried.append(port)
+        raise OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address")
+
+    with pytest.raises(OSError):
+        pc.first_free_port(10, 20, take)
+    assert tried == [10]
+
+
+@pytest.mark.parametrize("text, error", [
+    ("10-5", "bad port range '10-5': need 1 <= LOW <= HIGH <= 65535"),
+    ("0-5", "bad port range '0-5': need 1 <= LOW <= HIGH <= 65535"),
+    ("9000", "bad port range '9000': expected LOW-HIGH, for example 9091-9998"),
+    ("1-99999", "bad port range '1-99999': need 1 <= LOW <= HIGH <= 65535"),
+])
+def test_one_validator_for_every_port_range(text: str, error: str) -> None:
+    with pytest.raises(ValueError) as e:
+        pc.parse_port_range(text)
+    assert str(e.value) == error
+    assert pc.parse_port_range(" 9000 - 9100 ") == (9000, 9100)
+    with pytest.raises(ValueError, match=r"^need 1 <= LOW <= HIGH <= 65535$"):
+        pc.check_port_range(5, 1)
+    pc.check_port_range(1, 65535)
+
+
+# -- bind_in_range -------------------------------------------------------------------------------------
+
+
+def test_bind_in_range_skips_ports_in_use_and_honours_after() -> None:
+    base = _free_run(4)
+    with ExitStack() as stack:
+        _hold(stack, base)
+        got = stack.enter_context(ports.bind_in_range("127.0.0.1", base, base + 3))
+        assert got.getsockname() == ("127.0.0.1", base + 1)
+        above = stack.enter_context(ports.bind_in_range("127.0.0.1", base, base + 3, after=base + 1))
+        assert above.getsockname()[1] == base + 2
+
+
+def test_a_full_range_is_no_free_port() -> None:
+    base = _free_run(2)
+    with ExitStack() as stack:
+        _hold(stack, base)
+        _hold(stack, base + 1)
+        with pytest.raises(ports.NoFreePort) as e:
+            ports.bind_in_range("127.0.0.1", base, base + 1)
+        assert (e.value.lo, e.value.hi) == (base, base + 1)
+        with pytest.raises(ports.NoFreePort):
+            ports.bind_in_range("127.0.0.1", base, base + 1, after=base + 1)  # (nothing above it)
+
+
+def test_an_address_that_is_not_this_hosts_ends_the_search_at_its_first_port() -> None:
+    base = _free_run(3)
+    with pytest.raises(ports.BindError) as e:
+        ports.bind_in_range(NOT_HERE, base, base + 2)
+    assert (e.value.errno, e.value.host, e.value.port) == (errno.EADDRNOTAVAIL, NOT_HERE, base)
+    assert isinstance(e.value, OSError) and e.value.strerror
+
+
+def test_bind_in_range_binds_ipv6_addresses() -> None:
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    base = _free_run(1)
+    try:
+        sock = ports.bind_in_range("::1", base, base)
+    except ports.BindError as e:
+        pytest.skip(f"no ::1 here: {e}")
+    with sock:
+        assert sock.family == socket.AF_INET6 and sock.getsockname()[1] == base
+
+
+def test_the_hubs_port_is_above_the_schedulers_else_below_else_any() -> None:
+    base = _free_run(4)
+    sched = base + 2
+    with ExitStack() as stack:
+        _hold(stack, sched)
+        above = stack.enter_context(ports.bind_beside("127.0.0.1", base, base + 3, sched))
+        assert above.getsockname()[1] == base + 3
+        below = stack.enter_context(ports.bind_beside("127.0.0.1", base, base + 3, sched))
+        assert below.getsockname()[1] == base  # the range above is full: the first below
+        _hold(stack, base + 1)
+        anywhere = stack.enter_context(ports.bind_beside("127.0.0.1", base, base + 3, sched))
+        assert not base <= anywhere.getsockname()[1] <= base + 3  # the range is full: the system's choice
+    with pytest.raises(ports.BindError):
+        ports.bind_beside(NOT_HERE, base, base + 3, sched)
+
+
+# -- claims: two pslaunch runs on one machine never pick the same scheduler port ---------------------
+
+
+def _free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_claimed_port_is_skipped_until_its_claim_is_released() -> None:
+    port = _free_tcp_port()
+    first, claim = ports.claim_free_port(port, port + 20)
+    assert first == port
+    assert ports.PortClaim.take(port) is None  # another run's try
+    second, other = ports.claim_free_port(port, port + 20)
+    assert second > port
+    claim.release()
+    again = ports.PortClaim.take(port)
+    assert again is not None
+    again.release()
+    other.release()
+
+
+def test_a_claim_skips_a_port_in_use_and_honours_after() -> None:
+    base = _free_run(3)
+    with ExitStack() as stack:
+        _hold(stack, base)
+        port, claim = ports.claim_free_port(base, base + 2)
+        assert port == base + 1
+        claim.release()
+        assert ports.PortClaim.take(base) is not None  # (the port in use was not left claimed)
+        port, claim = ports.claim_free_port(base, base + 2, after=base + 1)
+        assert port == base + 2
+        claim.release()
+
+
+def test_a_claim_leaves_the_tcp_port_to_the_scheduler() -> None:
+    port, claim = ports.claim_free_port(*(2 * [_free_tcp_port()]))
+    try:
+        with socket.socket() as s:  # a plain bind, no SO_REUSEADDR: ps-lite's scheduler binds as it likes
+            s.bind(("127.0.0.1", port))
+            s.listen()
+    finally:
+        claim.release()
+
+
+def test_a_range_whose_every_port_is_claimed_is_no_free_port() -> None:
+    port = _free_tcp_port()
+    _, claim = ports.claim_free_port(port, port)
+    try:
+        with pytest.raises(ports.NoFreePort):
+            ports.claim_free_port(port, port)
+    finally:
+        claim.release()
+
+
+def test_the_claim_of_a_killed_launcher_is_gone_with_it() -> None:
+    # SIGKILL runs no clean-up: the kernel lets go of the claim with the process
+    port = _free_tcp_port()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from launcher.runtime import ports; "
+        f"held = ports.claim_free_port({port}, {port}); print(held[0], flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == str(port)
+        assert ports.PortClaim.take(port) is None
+    finally:
+        holder.kill()
+        holder.wait()
+    claim = ports.PortClaim.take(port)
+    assert claim is not None
+    claim.release()
