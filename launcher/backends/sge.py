@@ -59,8 +59,8 @@ import pscontract as pc
 
 from .. import node
 from ..errors import BackendUnavailableError, ConfigError, LaunchError
-from ..runtime.handle import spawn_guard
 from ..runtime.output import ProcOutput
+from ..runtime.spawn import spawn_guard
 from ..spec.job import JobSpec, Role
 from ..spec.plan import Plan, ProcSpec
 from .base import BackendOption

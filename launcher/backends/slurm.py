@@ -51,7 +51,6 @@ command line or in a file.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import math
@@ -65,15 +64,15 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import pscontract as pc
 
 from .. import external, node
 from ..errors import BackendUnavailableError, ConfigError, LaunchError
 from ..node.protocol import unwrap
-from ..runtime.handle import spawn_guard
 from ..runtime.output import ProcOutput
+from ..runtime.spawn import spawn, spawn_guard
 from ..spec.job import Host, JobSpec, Role
 from ..spec.plan import Plan, ProcSpec, place
 from .base import BackendOption
@@ -442,27 +441,6 @@ def down_nodes(sinfo_output: str) -> list[str]:
 # --- running Slurm's commands -------------------------------------------------------------
 
 
-def _prctl_function() -> Optional[Callable[..., int]]:
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
-    except (OSError, AttributeError):
-        return None
-
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _death_signal(sig: int) -> Callable[[], None]:
-    """A ``preexec_fn``: the child gets ``sig`` when the thread that started it ends (the
-    supervisor's main thread, which lives as long as the launcher)."""
-    prctl = _prctl_function()  # looked up here: nothing is looked up between fork and exec
-
-    def set_it() -> None:
-        if prctl is not None:
-            prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    return set_it
-
-
 def _which(name: str, path: Optional[str] = None) -> Optional[str]:
     return shutil.which(name, path=path)
 
@@ -720,13 +698,9 @@ class SlurmBackend(BatchBackend):
         argv = build_salloc(self.spec, _which("salloc") or "salloc")
         log.debug("asking Slurm for an allocation: %s", shlex.join(argv))
         with spawn_guard():  # a Ctrl-C is raised once the process is registered (close() stops it)
-            try:
-                self._salloc = subprocess.Popen(
-                    argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                    start_new_session=True, preexec_fn=_death_signal(signal.SIGTERM))  # noqa: PLW1509
-            except OSError as e:
-                raise LaunchError(f"cannot run {argv[0]}: {e.strerror or e}") from None
-        reader = threading.Thread(target=self._read_salloc, args=(self._salloc,), name="pslaunch-salloc",
+            child = spawn(argv, merge_stderr=True, death_signal=signal.SIGTERM)
+            self._salloc = child.popen
+        reader = threading.Thread(target=self._read_salloc, args=(child.stdout,), name="pslaunch-salloc",
                                   daemon=True)
         reader.start()
         timeout = max(self.spec.start_timeout, 1.0)
@@ -755,24 +729,24 @@ class SlurmBackend(BatchBackend):
         log.info("Slurm granted allocation %s: %s (released when the job ends)", job, alloc.nodelist)
         return alloc
 
-    def _read_salloc(self, proc: subprocess.Popen) -> None:
-        assert proc.stdout is not None
-        for raw in proc.stdout:
-            line = raw.decode("utf-8", "replace").rstrip()
-            log.debug("%s", line)
-            if _PENDING.search(line):
-                self._salloc_pending = True
-            m = _PENDING.search(line) or _GRANTED.search(line)
-            if m and not self._salloc_job:
-                self._salloc_job = m.group(1)
-                if self.watchdog is not None:  # a pending request is withdrawn by salloc's death
-                    cmd = scancel_command([self._salloc_job], self._scancel)  # signal; a granted one needs this
-                    if cmd:
-                        self.watchdog.on_abandon(cmd)
-            elif line.startswith("salloc: error:") or not line.startswith("salloc:"):
-                self._salloc_lines.append(line.removeprefix("salloc: error: "))
-            elif "queued and waiting" not in line and "has been allocated" not in line:
-                self._salloc_lines.append(line.removeprefix("salloc: "))
+    def _read_salloc(self, fd: int) -> None:
+        with open(fd, "rb") as out:
+            for raw in out:
+                line = raw.decode("utf-8", "replace").rstrip()
+                log.debug("%s", line)
+                if _PENDING.search(line):
+                    self._salloc_pending = True
+                m = _PENDING.search(line) or _GRANTED.search(line)
+                if m and not self._salloc_job:
+                    self._salloc_job = m.group(1)
+                    if self.watchdog is not None:  # a pending request is withdrawn by salloc's death
+                        cmd = scancel_command([self._salloc_job], self._scancel)  # signal; a granted one needs this
+                        if cmd:
+                            self.watchdog.on_abandon(cmd)
+                elif line.startswith("salloc: error:") or not line.startswith("salloc:"):
+                    self._salloc_lines.append(line.removeprefix("salloc: error: "))
+                elif "queued and waiting" not in line and "has been allocated" not in line:
+                    self._salloc_lines.append(line.removeprefix("salloc: "))
 
     def _pending_reason(self) -> str:
         if not self._salloc_job:
@@ -837,19 +811,13 @@ class SlurmBackend(BatchBackend):
         return self.tasks
 
     def _spawn(self, step: Step, env: Mapping[str, str]) -> None:
-        try:
-            proc = subprocess.Popen(step.argv, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, start_new_session=True, cwd=self.spec.workdir,
-                                    preexec_fn=_death_signal(signal.SIGKILL))  # noqa: PLW1509
-        except OSError as e:
-            raise LaunchError(f"cannot run {step.argv[0]}: {e.strerror or e}") from None
-        step.proc = proc
+        child = spawn(step.argv, env, self.spec.workdir, death_signal=signal.SIGKILL)
+        step.proc = child.popen
         step.open_streams = 2
-        assert self.pump is not None and proc.stdout is not None and proc.stderr is not None
-        for pipe, err in ((proc.stdout, False), (proc.stderr, True)):
+        assert self.pump is not None
+        for fd, err in ((child.stdout, False), (child.stderr, True)):
             stream = _StepStream(self, step, err)
-            self.pump.add(os.dup(pipe.fileno()), stream.feed, stream.closed)
-            pipe.close()
+            self.pump.add(fd, stream.feed, stream.closed)
 
     def describe_pending(self, pending: Sequence[BatchTask], timeout: float) -> str:
         steps = {t.step.role: t.step for t in pending if isinstance(t, SlurmTask)}

@@ -66,8 +66,8 @@ import pscontract as pc
 
 from .. import node
 from ..errors import BackendUnavailableError, ConfigError, LaunchError
-from ..runtime.handle import spawn_guard
 from ..runtime.output import ProcOutput
+from ..runtime.spawn import spawn_guard
 from ..spec import env as jobenv
 from ..spec.job import JobSpec, Role
 from ..spec.plan import Plan, ProcSpec

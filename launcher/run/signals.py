@@ -16,7 +16,7 @@ import signal
 import threading
 from typing import Callable, Optional
 
-from ..runtime.handle import spawning
+from ..runtime.spawn import spawning
 
 log = logging.getLogger(__name__)
 

@@ -10,33 +10,15 @@ reads each handle's :meth:`~ProcessHandle.record` for the report.
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import time
 from dataclasses import asdict, dataclass
-from typing import Iterable, Iterator, Mapping, Optional
+from typing import Iterable, Mapping, Optional
 
 from ..node import procgroup
 from ..node.procgroup import group_alive
 from ..spec.plan import ProcSpec
 from .output import ProcOutput
-
-_spawning = 0
-
-
-def spawning() -> bool:
-    """True while a child is being created and registered (signal handlers must not raise then)."""
-    return _spawning > 0
-
-
-@contextlib.contextmanager
-def spawn_guard() -> Iterator[None]:
-    global _spawning
-    _spawning += 1
-    try:
-        yield
-    finally:
-        _spawning -= 1
 
 
 def normalize_exitcode(code: int) -> int:

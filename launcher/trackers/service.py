@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import signal
 import socket
@@ -22,8 +21,8 @@ from ..errors import LaunchError
 from ..node.procgroup import signal_group
 from ..node.watchdog import Client as Watchdog
 from ..runtime import ports
-from ..runtime.handle import spawn_guard
 from ..runtime.output import PipePump, ProcOutput
+from ..runtime.spawn import spawn
 from ..spec import env as jobenv
 from ..spec.job import JobSpec
 from ..spec.plan import Plan
@@ -60,26 +59,12 @@ class _Child:
         self._buf = b""
         self._eof = False
         self.stopping = False
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        try:
-            with spawn_guard():
-                self.popen = subprocess.Popen(list(argv), env=env, cwd=cwd, stdin=subprocess.PIPE, stdout=out_w,
-                                              stderr=err_w, start_new_session=True, close_fds=True,
-                                              pass_fds=tuple(pass_fds))
-                if watchdog is not None:
-                    watchdog.watch(self.popen.pid)
-        except OSError as e:
-            for fd in (out_r, err_r):
-                os.close(fd)
-            raise LaunchError(f"cannot run {argv[0]}: {e.strerror or e}") from None
-        finally:
-            os.close(out_w)
-            os.close(err_w)
-        self.pid = self.popen.pid
+        child = spawn(argv, env, cwd, stdin=subprocess.PIPE, pass_fds=pass_fds, watchdog=watchdog)
+        self.popen, self.pid = child.popen, child.pid
         self.pump = PipePump()
-        self.pump.add(err_r, output.stderr.feed, output.stderr.close)
-        self.pump.add(out_r, self._feed, self._close)
+        assert child.stderr is not None
+        self.pump.add(child.stderr, output.stderr.feed, output.stderr.close)
+        self.pump.add(child.stdout, self._feed, self._close)
 
     def _feed(self, data: bytes) -> None:
         *lines, self._buf = (self._buf + data).split(b"\n")

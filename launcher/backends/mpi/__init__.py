@@ -29,9 +29,10 @@ from pscontract import netif
 from ...errors import BackendUnavailableError, ConfigError, LaunchError
 from ...node import mpi_wire
 from ...node.watchdog import Client as Watchdog
-from ...runtime.handle import ProcGroup, spawn_guard
+from ...runtime.handle import ProcGroup
 from ...runtime.hub import Hub, hub_ports
 from ...runtime.output import Console, PipePump
+from ...runtime.spawn import spawn_guard
 from ...spec.job import JobSpec
 from ...spec.plan import Plan, ProcSpec
 from ..base import Backend, BackendOption
