@@ -203,10 +203,15 @@ class _XGBoostTracker(_ChildService):
         return [*(("--tracker", "rabit") if cls.kind == "rabit" else ()), "--n-workers", str(spec.num_workers),
                 "--host-ip", address, "--port-range", f"{lo}-{hi}"]
 
+    about = ""  # the dry run's words: which tracker
+    ranks = ""  # and how the workers get their ranks
+
     @classmethod
-    def _argv(cls, spec: JobSpec, address: str) -> list[str]:
-        """What a dry run shows."""
-        return [*node.tracker_command(cls.program, python_for(spec)), *cls._args(spec, address)]
+    def describe(cls, spec: JobSpec, plan: Plan) -> list[str]:
+        lo, hi = spec.port_range
+        argv = [*node.tracker_command(cls.program, python_for(spec)), *cls._args(spec, plan.root_uri)]
+        return [f"tracker: {cls.about}, a child process on this machine: {' '.join(argv)}; it takes the first free "
+                f"port of {lo}-{hi} (shown as {plan.root_port}); {cls.ranks}"]
 
     def start(self, address: str) -> int:
         child = self._spawn(self._args(self.spec, address), on_event=self._event)
@@ -239,6 +244,8 @@ class RabitService(_XGBoostTracker):
     kind = "rabit"
     label = "rabit tracker"
     needs = "xgboost 2.0 or older"
+    about = "rabit (dmlc's protocol, XGBoost up to 2.0), XGBoost's own"
+    ranks = "rank = DMLC_TASK_ID; the workers' rabit print messages appear as [rabit tracker]"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -294,13 +301,6 @@ class RabitService(_XGBoostTracker):
                       "connections", self.asked, n, len(self.joined["ranks"]) if self.joined else 0, self.prints,
                       self.dropped)
 
-    @classmethod
-    def describe(cls, spec: JobSpec, plan: Plan) -> list[str]:
-        lo, hi = spec.port_range
-        argv = cls._argv(spec, plan.root_uri)
-        return [f"tracker: rabit (dmlc's protocol, XGBoost up to 2.0), XGBoost's own, a child process on this "
-                f"machine: {' '.join(argv)}; it takes the first free port of {lo}-{hi} (shown as {plan.root_port}); "
-                "rank = DMLC_TASK_ID; the workers' rabit print messages appear as [rabit tracker]"]
 
 
 class XGBoostService(_XGBoostTracker):
@@ -309,18 +309,13 @@ class XGBoostService(_XGBoostTracker):
     kind = "xgboost"
     label = "xgboost tracker"
     needs = "xgboost 2.1 or later"
+    about = "xgboost (XGBoost 2.1+'s own)"
+    ranks = "ranks follow its order (by host, then task id as a string), not DMLC_TASK_ID, from 10 workers on"
 
     def _listening(self, event: dict) -> None:
         log.info("xgboost tracker: XGBoost %s's tracker (pid %s) listens on %s:%d", event.get("xgboost", "?"),
                  self.pid, self.address, self.port)
 
-    @classmethod
-    def describe(cls, spec: JobSpec, plan: Plan) -> list[str]:
-        lo, hi = spec.port_range
-        argv = cls._argv(spec, plan.root_uri)
-        return [f"tracker: xgboost (XGBoost 2.1+'s own), a child process on this machine: {' '.join(argv)}; it takes "
-                f"the first free port of {lo}-{hi} (shown as {plan.root_port}); ranks follow its order (by host, then "
-                "task id as a string), not DMLC_TASK_ID, from 10 workers on"]
 
 
 # --- torch: a TCPStore for torch.distributed's env:// -------------------------------------------------

@@ -14,7 +14,9 @@ from contextlib import ExitStack
 import pytest
 
 import pscontract as pc
+from launcher.errors import ConfigError
 from launcher.runtime import ports
+from launcher.spec.job import JobSpec
 
 NOT_HERE = "10.200.255.254"  # an address of the test networks that no interface has (the network guard allows it)
 
@@ -70,20 +72,20 @@ def test_an_error_of_take_ends_the_search() -> None:
     assert tried == [10]
 
 
-@pytest.mark.parametrize("text, error", [
-    ("10-5", "bad port range '10-5': need 1 <= LOW <= HIGH <= 65535"),
-    ("0-5", "bad port range '0-5': need 1 <= LOW <= HIGH <= 65535"),
-    ("9000", "bad port range '9000': expected LOW-HIGH, for example 9091-9998"),
-    ("1-99999", "bad port range '1-99999': need 1 <= LOW <= HIGH <= 65535"),
-])
-def test_one_validator_for_every_port_range(text: str, error: str) -> None:
-    with pytest.raises(ValueError) as e:
-        pc.parse_port_range(text)
-    assert str(e.value) == error
+def test_one_validator_for_every_port_range() -> None:
+    rule = "need 1 <= LOW <= HIGH <= 65535"
+    for text, why in (("10-5", rule), ("0-5", rule), ("1-99999", rule),
+                      ("9000", "expected LOW-HIGH, for example 9091-9998")):
+        with pytest.raises(ValueError) as e:
+            pc.parse_port_range(text)
+        assert str(e.value) == f"bad port range {text!r}: {why}"
     assert pc.parse_port_range(" 9000 - 9100 ") == (9000, 9100)
-    with pytest.raises(ValueError, match=r"^need 1 <= LOW <= HIGH <= 65535$"):
+    with pytest.raises(ValueError, match=rf"^{rule}$"):
         pc.check_port_range(5, 1)
     pc.check_port_range(1, 65535)
+    with pytest.raises(ConfigError) as e:  # the spec asks the same rule
+        JobSpec(command=("x",), num_workers=1, num_servers=0, launcher="local", port_range=(5, 1))
+    assert str(e.value) == f"--port-range 5-1: {rule}"
 
 
 # -- bind_in_range -------------------------------------------------------------------------------------
