@@ -31,8 +31,9 @@ import pscontract as pc
 from ..errors import LaunchError
 from ..node.procgroup import resolve_program
 from ..runtime.handle import ProcGroup
-from ..runtime.hub import Hub, hub_ports
+from ..runtime.hub import Hub, stop_all
 from ..runtime.output import PipePump, ProcOutput
+from ..runtime.ports import bind_beside
 from ..runtime.remote import RemoteProcess
 from ..spec.job import JobSpec, Role
 from ..spec.plan import ProcSpec, placement_env
@@ -291,11 +292,11 @@ class BatchBackend(Backend):
             return None
 
         root = service[0]
-        ports = hub_ports(self.spec.port_range, service[1] or self.spec.port_range[0])
+        lo, hi = self.spec.port_range
         assert self.pump is not None
         try:
-            hub = Hub(self.pump, secret, root, ports, [p.task_id for p in procs if p.task_id is not None],
-                      self._by_ident)
+            hub = Hub(self.pump, secret, bind_beside(root, lo, hi, service[1] or lo),
+                      [p.task_id for p in procs if p.task_id is not None], self._by_ident)
         except OSError as e:
             log.warning("cannot listen for the tasks on %s (%s): they run without a connection to the launcher "
                         "(output from their files, no graceful stop, no stack dumps)", root, e)
@@ -413,10 +414,6 @@ class BatchBackend(Backend):
             for t in self.tasks:
                 self.final_output(t)
                 t.output.close()
-            if self.hub is not None:
-                self.hub.stop()
-                self.hub = None
-            if self.pump is not None:
-                self.pump.stop()
-                self.pump = None
+            stop_all(self.hub, self.pump)
+            self.hub = self.pump = None
             self.release()

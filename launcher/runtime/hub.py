@@ -15,14 +15,13 @@ and placements go back on the same connection.
 
 from __future__ import annotations
 
-import errno
 import hmac
 import logging
 import os
 import socket
 import threading
 import time
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Optional
 
 from ..node import protocol
 from .output import PipePump
@@ -141,14 +140,15 @@ class Hub:
         pump: reads the connections (the backend's pump: frames and its other pipes are
             handled on one thread).
         secret: the job's secret.
-        address: where to listen (an address of this host that every node reaches).
-        ports: ports to try first, in order (a free one of ``--port-range``); else any port.
+        sock: a TCP socket bound where the agents connect, an address of this host that every
+            node reaches (a port of ``--port-range``: :func:`launcher.runtime.ports.bind_beside`);
+            the hub listens on it, and closes it when it stops.
         idents: the process ids that may connect.
         procs: the processes by process id, as the backend knows them (it may add to it while the
             agents connect); their frames and their connection's ends go to them.
     """
 
-    def __init__(self, pump: PipePump, secret: str, address: str, ports: Sequence[int], idents: Iterable[int],
+    def __init__(self, pump: PipePump, secret: str, sock: socket.socket, idents: Iterable[int],
                  procs: Mapping[int, RemoteProcess]) -> None:
         self.pump = pump
         self.secret = secret
@@ -158,8 +158,8 @@ class Hub:
         self.conns: dict[int, _Conn] = {}
         self.pending: set[_Conn] = set()
         self._warned = False
-        self.sock = bind_first(address, ports)
-        self.address = (address, self.sock.getsockname()[1])
+        self.sock = sock
+        self.address: tuple[str, int] = sock.getsockname()[:2]
         self.sock.listen(128)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="pslaunch-hub", daemon=True)
@@ -240,21 +240,10 @@ class Hub:
                 pass
 
 
-def bind_first(address: str, ports: Sequence[int]) -> socket.socket:
-    """A TCP socket bound to ``address`` on the first free of ``ports``, else any port."""
-    for port in [*ports, 0]:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            sock.bind((address, port))
-            return sock
-        except OSError as e:
-            sock.close()
-            if port == 0 or e.errno == errno.EADDRNOTAVAIL:  # (no other port will do better)
-                raise
-    raise AssertionError("unreachable")
-
-
-def hub_ports(port_range: tuple[int, int], after: int) -> list[int]:
-    """The ports a hub tries: the first 64 of ``--port-range`` after the scheduler's, then 16 below."""
-    lo, hi = port_range
-    return [*range(after + 1, hi + 1)][:64] + [*range(lo, after)][:16]
+def stop_all(hub: Optional[Hub], pump: Optional[PipePump]) -> None:
+    """A backend's end: its hub stops (no new connection, the open ones shut down), then the pump
+    that read them and the backend's other pipes."""
+    if hub is not None:
+        hub.stop()
+    if pump is not None:
+        pump.stop()

@@ -42,7 +42,8 @@ class Job:
         self.job.attach([mj.MPIRank(p, console.proc(p.name, p.label, "worker"), self.job, i)
                          for i, p in enumerate(self.procs)])
         self.pump = PipePump()
-        self.channels = self.job.hub = Hub(self.pump, SECRET, "127.0.0.1", (), range(n), self.job.by_rank)
+        self.channels = self.job.hub = Hub(self.pump, SECRET, socket.create_server(("127.0.0.1", 0)), range(n),
+                                           self.job.by_rank)
 
     def stdout(self) -> str:
         return self.out.getvalue().decode()

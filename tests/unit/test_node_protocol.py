@@ -8,6 +8,7 @@ import ast
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -270,7 +271,7 @@ def test_the_hub_drops_an_oversized_frame_and_serves_the_connection_on(monkeypat
     secret = "ab" * 32
     pump = PipePump()
     heard = Heard()
-    hub = Hub(pump, secret, "127.0.0.1", (), [0], {0: heard})  # type: ignore[dict-item]
+    hub = Hub(pump, secret, socket.create_server(("127.0.0.1", 0)), [0], {0: heard})  # type: ignore[dict-item]
     try:
         ch = connect(hub.address, 0, secret)
         assert ch.sock is not None

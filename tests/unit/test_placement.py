@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -256,7 +257,7 @@ class Launcher:
     def __init__(self, idents: Sequence[int]) -> None:
         self.records: list[tuple[int, bytes, bytes]] = []
         self.pump = PipePump()
-        self.hub = Hub(self.pump, SECRET, "127.0.0.1", (), idents,
+        self.hub = Hub(self.pump, SECRET, socket.create_server(("127.0.0.1", 0)), idents,
                        {i: Heard(i, self.records) for i in idents})  # type: ignore[misc]
 
     def close(self) -> None:

@@ -18,7 +18,6 @@ import logging
 import os
 import shlex
 import shutil
-import subprocess
 import tempfile
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence
@@ -30,9 +29,10 @@ from ...errors import BackendUnavailableError, ConfigError, LaunchError
 from ...node import mpi_wire
 from ...node.watchdog import Client as Watchdog
 from ...runtime.handle import ProcGroup
-from ...runtime.hub import Hub, hub_ports
+from ...runtime.hub import Hub, stop_all
 from ...runtime.output import Console, PipePump
-from ...runtime.spawn import spawn_guard
+from ...runtime.ports import bind_beside
+from ...runtime.spawn import spawn, spawn_guard
 from ...spec.job import JobSpec
 from ...spec.plan import Plan, ProcSpec
 from ..base import Backend, BackendOption
@@ -138,28 +138,17 @@ class MPIBackend(Backend):
                  for r, i in enumerate(layout.order)]
         job.attach(ranks)
         self.job = job
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        try:
-            with spawn_guard():
-                job.popen = subprocess.Popen(argv, env=env, cwd=spec.workdir, stdin=subprocess.DEVNULL,
-                                             stdout=out_w, stderr=err_w, start_new_session=True, close_fds=True)
-                if self.watchdog is not None:
-                    self.watchdog.watch(job.popen.pid)
-                if self.info.impl is MPIImpl.OPENMPI:
-                    job.session_dirs = openmpi_session_dirs(job.popen.pid, env, os.getuid())
-                    if self.watchdog is not None:  # (killed, mpirun leaves it behind)
-                        for pattern in job.session_dirs:
-                            self.watchdog.remove_after_kill(pattern)
-        except OSError as e:
-            for fd in (out_r, err_r):
-                os.close(fd)
-            raise LaunchError(f"cannot run {argv[0]}: {e.strerror or e}") from None
-        finally:
-            os.close(out_w)
-            os.close(err_w)
-        self.pump.add(out_r, lambda data: job.feed(False, data), lambda: job.close(False))
-        self.pump.add(err_r, lambda data: job.feed(True, data), lambda: job.close(True))
+        with spawn_guard():  # (the session directories are known to the watchdog before a Ctrl-C)
+            child = spawn(argv, env, spec.workdir, watchdog=self.watchdog)
+            job.popen = child.popen
+            if self.info.impl is MPIImpl.OPENMPI:
+                job.session_dirs = openmpi_session_dirs(child.pid, env, os.getuid())
+                if self.watchdog is not None:  # (killed, mpirun leaves it behind)
+                    for pattern in job.session_dirs:
+                        self.watchdog.remove_after_kill(pattern)
+        assert child.stderr is not None
+        self.pump.add(child.stdout, lambda data: job.feed(False, data), lambda: job.close(False))
+        self.pump.add(child.stderr, lambda data: job.feed(True, data), lambda: job.close(True))
         log.info("mpirun (%s, pid %d) starts %d ranks%s", self.info.impl.title, job.popen.pid, len(ranks),
                  f" on {len(layout.hosts)} host{'s' if len(layout.hosts) != 1 else ''}" if layout.hosts else "")
         by_proc = {i: ranks[r] for r, i in enumerate(layout.order)}
@@ -174,11 +163,12 @@ class MPIBackend(Backend):
         root = service[0] if service else ""
         if not secret or (layout.hosts and not root):
             return None
-        ports = hub_ports(self.spec.port_range, (service[1] if service else 0) or self.spec.port_range[0])
+        lo, hi = self.spec.port_range
         try:
             address = netif.resolve_ipv4(root) if layout.hosts else "127.0.0.1"
             assert self.pump is not None
-            hub = Hub(self.pump, secret, address, ports, range(len(procs)), job.by_rank)
+            hub = Hub(self.pump, secret, bind_beside(address, lo, hi, (service[1] if service else 0) or lo),
+                      range(len(procs)), job.by_rank)
         except (OSError, netif.NetifError) as e:
             log.warning("cannot listen for the ranks' output on %s (%s); it goes through mpirun's output, "
                         "where long lines of different ranks may mix", root or "127.0.0.1", e)
@@ -228,12 +218,8 @@ class MPIBackend(Backend):
     def close(self) -> None:
         if self.job is not None:
             self.job.stop(timeout=5.0)
-        if self.hub is not None:
-            self.hub.stop()
-            self.hub = None
-        if self.pump is not None:
-            self.pump.stop()
-            self.pump = None
+        stop_all(self.hub, self.pump)
+        self.hub = self.pump = None
         if self.tmpdir is not None:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
             self.tmpdir = None
