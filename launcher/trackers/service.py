@@ -253,8 +253,15 @@ class RabitService(_XGBoostTracker):
         self.joined: Optional[dict] = None  # the "joined" event: every worker has its rank and links
         self.prints = 0
         self.dropped = 0  # connections it dropped (not rabit, or broken)
+        self.stand_in = False  # no XGBoost: the program's stand-in holds the port
 
     def _listening(self, event: dict) -> None:
+        if event.get("stand_in"):
+            self.stand_in = True
+            log.debug("rabit tracker: %s has no XGBoost; a stand-in (pid %s) holds %s:%d and ends the job with what "
+                      "to install if a worker asks it for a rank", python_for(self.spec), self.pid, self.address,
+                      self.port)
+            return
         log.debug("rabit tracker: XGBoost %s's tracker (pid %s) listens on %s:%d for %d workers",
                   event.get("xgboost", "?"), self.pid, self.address, self.port, self.spec.num_workers)
 
@@ -280,7 +287,8 @@ class RabitService(_XGBoostTracker):
                 log.info("rabit tracker: more connections dropped; counting them without a note")
         elif kind == "log":
             log.debug("rabit tracker: %s", event.get("text"))
-        elif kind == "failed" and self.port:  # (said now: a worker that fails with it may be the job's report)
+        elif kind == "failed" and self.port and not self.stand_in:
+            # (said now: a worker that fails with it may be the job's report; the stand-in's holds its worker)
             log.info("rabit tracker: %s", event.get("error"))
 
     def close(self) -> None:

@@ -24,8 +24,8 @@ the range it can bind, then writes JSON lines on its stdout, one object each:
       with xgboost.collective.CommunicatorContext(**args):
           rank = xgboost.collective.get_rank()  # shard the data by this
 * ``{"event": "done"}`` when every worker has finished (exit code 0), or
-  ``{"event": "failed", "error": "..."}`` (exit code 1; 2 when it could not start: no xgboost,
-  an xgboost of the other protocol, no free port).
+  ``{"event": "failed", "error": "..."}`` (exit code 1; 2 when it could not start: no xgboost
+  (``--tracker xgboost``), an xgboost of the other protocol, no free port).
 
 Nothing else goes to stdout: the file descriptor is moved aside before xgboost is imported,
 and whatever xgboost or (2.1+) the workers' ``communicator_print`` messages write goes to
@@ -69,6 +69,23 @@ use, and which take most of a second to import), and run with these changes:
     ``communicator_print``: rank 0's evaluation log);
   * ``{"event": "log", "level": "INFO", "text": "..."}``: the tracker's ``logging`` records;
   * ``{"event": "dropped", "error": "..."}``: a connection was dropped, and why.
+
+The stand-in
+------------
+``--tracker rabit`` with a Python that has no xgboost at all does not fail at once: many ``-s 0``
+jobs are "N workers, no servers" whose programs never talk to the tracker (a shell script, a
+probe), and launch.py's tracker simply listened for them. So a stand-in of a few lines holds the
+tracker's port (``{"event": "listening", ..., "xgboost": null, "stand_in": true}``) until the
+launcher closes stdin (``stopped``, exit code 0), and says why a rabit job cannot go on when a
+worker asks it for a rank: a connection whose first 4 bytes are rabit's magic number (dmlc's
+``MAGIC_NUM``, 0xff99 as a 32-bit int in the machine's byte order, the first thing every rabit
+worker, XGBoost 2.1+'s too, sends and then waits to see echoed). It echoes the magic, reads what
+comes next (XGBoost 2.1+ sends a length and a JSON object, 2.0 two ints) and emits ``failed``: the
+line says what to install or which ``--tracker-python`` to give, or, for a 2.1+ worker, to use
+``--tracker xgboost``. It keeps that worker's connection open and exits (code 1) only when stdin
+closes: a worker whose tracker went away fails at once, and its failure would be the job's report
+instead of this line. Any other connection (one that closes, is silent for ``--header-timeout``
+seconds, or begins with other bytes) is ``dropped``, as the tracker drops it.
 
 Standard library and xgboost only; nothing from the launcher is imported.
 """
@@ -196,10 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     return _serve(out, tracker.wait_for)
 
 
-def _serve(out, wait) -> int:
-    """Run ``wait()`` (the tracker, until every worker is done) beside the stdin leash; exit."""
+def _serve(out, wait, linger: bool = False) -> int:
+    """Run ``wait()`` (the tracker, until every worker is done) beside the stdin leash; exit. With
+    ``linger``, a failure is said at once but the program exits only when the leash ends."""
     result: dict = {}
     finished = threading.Event()
+    leash_ended = threading.Event()
 
     def run() -> None:
         try:
@@ -215,6 +234,7 @@ def _serve(out, wait) -> int:
                 pass
         except OSError:
             pass
+        leash_ended.set()
         result.setdefault("stopped", True)
         finished.set()
 
@@ -227,6 +247,8 @@ def _serve(out, wait) -> int:
     elif "error" in result:
         _emit(out, event="failed", error=result["error"])
         code = 1
+        if linger:
+            leash_ended.wait()
     else:
         _emit(out, event="stopped")
         code = 0
@@ -241,10 +263,7 @@ def _serve(out, wait) -> int:
 def _rabit(out, n_workers: int, host: str, low: int, high: int, header_timeout: float) -> int:
     spec = importlib.util.find_spec("xgboost")
     if spec is None or not spec.submodule_search_locations:
-        _emit(out, event="failed", error=f"cannot import xgboost with {sys.executable}: install xgboost 2.0 or "
-                                         "older there (pip install 'xgboost<2.1') or give --tracker-python a "
-                                         "Python that has it")
-        return 2
+        return _stand_in(out, host, low, high, header_timeout)
     package = spec.submodule_search_locations[0]
     try:  # where xgboost reads its own version (core._py_version)
         with open(os.path.join(package, "VERSION"), encoding="ascii") as f:
@@ -275,20 +294,27 @@ def _rabit(out, n_workers: int, host: str, low: int, high: int, header_timeout: 
     logging.getLogger().addHandler(handler)
     logging.getLogger().setLevel(logging.DEBUG)
 
-    def in_use(e: Exception) -> bool:
-        return isinstance(e, OSError) and e.errno in (errno.EADDRINUSE, errno.EACCES)
-
-    tracker, port, error = _on_first_free_port(low, high, lambda port: tracker_class(host, n_workers, port=port),
-                                               in_use)
+    tracker = _listen(out, host, low, high, lambda port: tracker_class(host, n_workers, port=port))
     if tracker is None:
-        _emit(out, event="failed", error=f"no free port in {low}-{high} on {host}: widen --port-range"
-              if error is None or in_use(error) else
-              f"cannot listen on {host}:{port}: {getattr(error, 'strerror', None) or error}; give an address of "
-              "this host")
         return 2
     _emit(out, event="listening", xgboost=version, pid=os.getpid(),
           env={"DMLC_TRACKER_URI": host, "DMLC_TRACKER_PORT": str(tracker.port)})
     return _serve(out, lambda: tracker.accept_workers(n_workers))
+
+
+def _listen(out, host: str, low: int, high: int, start: Callable[[int], Any]) -> Any:
+    """``start(port)`` (a rabit tracker or the stand-in's socket) on the first free port of the
+    range, or None once a ``failed`` event has said why not."""
+    def in_use(e: Exception) -> bool:
+        return isinstance(e, OSError) and e.errno in (errno.EADDRINUSE, errno.EACCES)
+
+    listening, port, error = _on_first_free_port(low, high, start, in_use)
+    if listening is None:
+        _emit(out, event="failed", error=f"no free port in {low}-{high} on {host}: widen --port-range"
+              if error is None or in_use(error) else
+              f"cannot listen on {host}:{port}: {getattr(error, 'strerror', None) or error}; give an address of "
+              "this host")
+    return listening
 
 
 class _Fatal(Exception):
@@ -390,6 +416,73 @@ def _adapt(dmlc, out, n_workers: int, header_timeout: float) -> type:
 
     dmlc.ExSocket, dmlc.WorkerEntry = Socket, Entry
     return Tracker
+
+
+# --- the stand-in: no xgboost at all (see *The stand-in* in the module docstring) ---------------------
+
+#: what a rabit worker sends first and waits to see echoed: dmlc's ``MAGIC_NUM`` as ``ExSocket.sendint`` sends it
+RABIT_MAGIC = struct.pack("@i", 0xFF99)
+
+
+def _stand_in(out, host: str, low: int, high: int, header_timeout: float) -> int:
+    def listen(port: int) -> socket.socket:
+        return socket.create_server((host, port), family=socket.getaddrinfo(host, None)[0][0], backlog=256)
+
+    listener = _listen(out, host, low, high, listen)
+    if listener is None:
+        return 2
+    asked = threading.Event()
+    why: list[str] = []  # what the first asking worker makes of it
+    held: list[socket.socket] = []  # its connection: open until the program exits
+
+    def greet(sock: socket.socket, addr: tuple) -> None:
+        """One connection, on its own thread: a silent stranger holds up nobody."""
+        try:
+            sock.settimeout(header_timeout)
+            first = _recv_exactly(sock, 4)
+            if first != RABIT_MAGIC:
+                raise ValueError(f"invalid magic number={struct.unpack('@i', first)[0]} from {addr[0]}")
+            sock.sendall(RABIT_MAGIC)
+            request = _recv_exactly(sock, 6)  # (2.1+: a length, then JSON; 2.0: rank and world size)
+        except Exception as e:  # (not a rabit worker: the tracker drops it too)
+            _emit(out, event="dropped", error=f"a connection from {addr[0]}: {_first_line(e)}")
+            sock.close()
+            return
+        held.append(sock)
+        why.append(f"the worker at {addr[0]} speaks XGBoost 2.1+'s tracker protocol, which this rabit tracker "
+                   "does not: run the job with --tracker xgboost" if request[4:6] == b'{"' else
+                   f"the worker at {addr[0]} asked for its rank, but {sys.executable} has no XGBoost: install "
+                   "xgboost 2.0 or older there (pip install 'xgboost<2.1') or give --tracker-python a Python that "
+                   "has it")
+        asked.set()
+
+    def accept() -> None:
+        while True:
+            try:
+                sock, addr = listener.accept()
+            except OSError:  # (out of descriptors, say: a moment later there may be some)
+                time.sleep(0.1)
+                continue
+            threading.Thread(target=greet, args=(sock, addr), daemon=True).start()
+
+    def wait() -> None:
+        threading.Thread(target=accept, daemon=True).start()
+        asked.wait()
+        raise _Fatal(why[0])
+
+    _emit(out, event="listening", xgboost=None, stand_in=True, pid=os.getpid(),
+          env={"DMLC_TRACKER_URI": host, "DMLC_TRACKER_PORT": str(listener.getsockname()[1])})
+    return _serve(out, wait, linger=True)
+
+
+def _recv_exactly(sock: socket.socket, nbytes: int) -> bytes:
+    data = b""
+    while len(data) < nbytes:
+        chunk = sock.recv(nbytes - len(data))
+        if not chunk:
+            raise EOFError("the connection closed")
+        data += chunk
+    return data
 
 
 if __name__ == "__main__":

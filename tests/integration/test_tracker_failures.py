@@ -74,17 +74,38 @@ def test_a_torch_store_that_fails_stops_the_job_naming_it(tmp_path: Path) -> Non
 
 
 @pytest.mark.timeout(60)
-def test_a_rabit_tracker_python_without_xgboost_fails_before_any_worker(tmp_path: Path, probe) -> None:
-    # (-s 0: the rabit tracker is XGBoost's own, run with the command's Python: here the main
-    # venv's, which has no xgboost)
+def test_without_xgboost_the_rabit_tracker_holds_its_port_for_workers_that_never_ask(tmp_path: Path, probe) -> None:
+    # (-s 0: the rabit tracker is XGBoost's own, run with the command's Python: here the main venv's,
+    # which has no xgboost; N workers and no servers whose programs never talk to it run as before)
     cluster = LocalCluster(tmp_path)
     try:
         r = cluster.run("-n", "2", "-s", "0", *probe())
+        assert r.returncode == 0, r.stderr
+        assert sorted(read_probes(probe.dir)) == ["worker-0", "worker-1"]
+        assert "rabit tracker: no worker asked it for a rank" in r.stderr
+        assert not cluster.leftovers()
+    finally:
+        cluster.close()
+
+
+@pytest.mark.xgboost
+@pytest.mark.timeout(120)
+def test_an_xgboost20_worker_that_asks_a_tracker_without_xgboost_ends_the_job_with_what_to_install(
+        tmp_path: Path) -> None:
+    xgb20 = xgboost_python("2.0")
+    if xgb20 is None:
+        pytest.skip("the XGBoost 2.0.3 venv is missing (run scripts/deps/70-xgboost.sh)")
+    cluster = LocalCluster(tmp_path)
+    try:
+        r = cluster.run("-n", "2", "-s", "0", "--tracker-python", sys.executable, "--kill-grace", "2", xgb20,
+                        str(BIN / "xgb_worker.py"), "--api", "env", "--out", str(tmp_path))
         assert r.returncode == 1, r.stderr
-        assert one_line_error(r.stderr) == (
-            f"pslaunch: error: the rabit tracker cannot start: cannot import xgboost with {sys.executable}: install "
-            "xgboost 2.0 or older there (pip install 'xgboost<2.1') or give --tracker-python a Python that has it")
-        assert read_probes(probe.dir) == {}  # no worker started
+        lines = r.stderr.splitlines()  # the job's start, then one line: the tracker's
+        assert len(lines) == 2 and lines[0].startswith("pslaunch: starting 2 workers"), r.stderr
+        assert lines[1].startswith("pslaunch: error: the rabit tracker (on localhost, pid "), r.stderr
+        assert lines[1].endswith(
+            f": the worker at 127.0.0.1 asked for its rank, but {sys.executable} has no XGBoost: install xgboost 2.0 "
+            "or older there (pip install 'xgboost<2.1') or give --tracker-python a Python that has it"), r.stderr
         assert not cluster.leftovers()
     finally:
         cluster.close()

@@ -10,7 +10,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import stat
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -79,16 +81,110 @@ def run_child(*args: str, env: dict | None = None) -> tuple[int, list[dict], str
     return r.returncode, [json.loads(x) for x in r.stdout.splitlines()], r.stderr
 
 
-@pytest.mark.parametrize("tracker, install", [("rabit", "install xgboost 2.0 or older there (pip install "
-                                                        "'xgboost<2.1') or give --tracker-python a Python that has it"),
-                                              ("xgboost", "install xgboost>=2.1 there or choose another "
-                                                          "--tracker-python")])
-def test_without_xgboost_the_program_says_what_to_install_in_one_event(tracker: str, install: str) -> None:
-    code, events, err = run_child("--tracker", tracker)
+def test_without_xgboost_the_xgboost_tracker_says_what_to_install_in_one_event() -> None:
+    code, events, err = run_child("--tracker", "xgboost")
     assert code == 2 and len(events) == 1 and err == ""
     assert events[0]["event"] == "failed"
     assert events[0]["error"].startswith(f"cannot import xgboost with {sys.executable}")
-    assert events[0]["error"].endswith(install)
+    assert events[0]["error"].endswith("install xgboost>=2.1 there or choose another --tracker-python")
+
+
+# --- the stand-in: --tracker rabit with a Python that has no xgboost at all ---------------------------------
+
+RABIT_MAGIC = struct.pack("@i", 0xFF99)
+NO_XGBOOST = (f"asked for its rank, but {sys.executable} has no XGBoost: install xgboost 2.0 or older there (pip "
+              "install 'xgboost<2.1') or give --tracker-python a Python that has it")
+
+
+class StandIn:
+    """``xgboost_child.py --tracker rabit`` run with this venv's Python (no xgboost), stdin a pipe."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen([*CHILD, "--tracker", "rabit", "--n-workers", "2", "--host-ip", "127.0.0.1",
+                                      *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.events: list[dict] = []
+        listening = self.next()
+        assert listening["event"] == "listening" and listening["xgboost"] is None and listening["stand_in"]
+        self.port = int(listening["env"]["DMLC_TRACKER_PORT"])
+
+    def next(self) -> dict:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, f"the program ended (code {self.proc.wait(10)}) after {self.events}"
+        self.events.append(json.loads(line))
+        return self.events[-1]
+
+    def stop(self) -> int:
+        """The launcher's end of the job: stdin closes; the program's exit code."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()
+        code = self.proc.wait(10)
+        self.events += [json.loads(x) for x in self.proc.stdout.read().splitlines()]
+        self.proc.stdout.close()
+        return code
+
+    def ask(self, after_magic: bytes) -> socket.socket:
+        """A worker's first words: the magic number, echoed, then ``after_magic``."""
+        s = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+        s.sendall(RABIT_MAGIC)
+        assert s.recv(4) == RABIT_MAGIC
+        s.sendall(after_magic)
+        return s
+
+
+def closed(s: socket.socket) -> bool:
+    """The other end closed ``s`` (a reset when it left unread bytes behind)."""
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_the_stand_in_holds_the_port_for_workers_that_never_ask() -> None:
+    child = StandIn()
+    assert child.stop() == 0
+    assert [e["event"] for e in child.events] == ["listening", "stopped"]
+
+
+def test_a_worker_that_asks_the_stand_in_for_its_rank_hears_what_to_install() -> None:
+    child = StandIn()
+    worker = child.ask(struct.pack("@ii", -1, 2))  # (XGBoost 2.0: rank, world size, task id, command)
+    failed = child.next()
+    assert failed == {"event": "failed", "error": f"the worker at 127.0.0.1 {NO_XGBOOST}"}
+    # the worker's connection stays open until the job ends: its failure would otherwise come first
+    worker.settimeout(0.5)
+    with pytest.raises(socket.timeout):
+        worker.recv(1)
+    assert child.stop() == 1
+    assert closed(worker)
+    worker.close()
+
+
+def test_a_worker_of_xgboost_21_is_told_to_use_the_xgboost_tracker() -> None:
+    child = StandIn()
+    body = b'{"cmd": "start"}'
+    worker = child.ask(struct.pack("@i", len(body)) + body)  # (2.1+: a length, then a JSON object)
+    assert child.next()["error"] == ("the worker at 127.0.0.1 speaks XGBoost 2.1+'s tracker protocol, which this "
+                                     "rabit tracker does not: run the job with --tracker xgboost")
+    assert child.stop() == 1
+    worker.close()
+
+
+def test_strangers_on_the_stand_ins_port_are_dropped_and_hold_up_nobody() -> None:
+    child = StandIn("--header-timeout", "30")
+    silent = socket.create_connection(("127.0.0.1", child.port))  # (a greeting that never comes)
+    socket.create_connection(("127.0.0.1", child.port)).close()  # a port probe
+    with socket.create_connection(("127.0.0.1", child.port)) as s:  # not rabit
+        s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        assert closed(s)
+    assert sorted(child.next()["error"] for _ in range(2)) == [
+        "a connection from 127.0.0.1: invalid magic number=542393671 from 127.0.0.1",
+        "a connection from 127.0.0.1: the connection closed"]
+    worker = child.ask(struct.pack("@ii", 0, 2))  # the silent one does not delay it (30 s of header timeout)
+    assert child.next() == {"event": "failed", "error": f"the worker at 127.0.0.1 {NO_XGBOOST}"}
+    assert child.stop() == 1
+    silent.close()
+    worker.close()
 
 
 def fake_xgboost(site: Path, version: str, tracker_py: str = "") -> dict:
@@ -127,15 +223,34 @@ def rabit_service(console: Console, **kw) -> service.RabitService:
     return service.RabitService(spec, console, None)
 
 
-def test_the_rabit_tracker_that_cannot_start_is_one_line_and_leaves_nothing() -> None:
-    tracker = rabit_service(Console(io.BytesIO(), io.BytesIO(), color=False))
+def test_the_rabit_tracker_that_cannot_start_is_one_line_and_leaves_nothing(tmp_path: Path) -> None:
+    env = fake_xgboost(tmp_path, "3.0.2")  # (the tracker Python's XGBoost speaks the other protocol)
+    tracker = rabit_service(Console(io.BytesIO(), io.BytesIO(), color=False), env=(("PYTHONPATH", env["PYTHONPATH"]),))
     with pytest.raises(LaunchError) as e:
         tracker.start("127.0.0.1")
-    assert str(e.value) == (f"the rabit tracker cannot start: cannot import xgboost with {sys.executable}: install "
-                            "xgboost 2.0 or older there (pip install 'xgboost<2.1') or give --tracker-python a Python "
-                            "that has it")
+    assert str(e.value) == (f"the rabit tracker cannot start: xgboost 3.0.2 at {sys.executable} speaks XGBoost 2.1+'s "
+                            "tracker protocol, which this rabit tracker does not: run the job with --tracker xgboost "
+                            "(or give --tracker-python a Python with xgboost 2.0 or older)")
     tracker.close()
     assert tracker.child is not None and tracker.child.popen.returncode == 2  # reaped
+
+
+def test_the_rabit_tracker_without_xgboost_starts_a_stand_in_that_a_job_can_end_with(caplog) -> None:
+    tracker = rabit_service(Console(io.BytesIO(), io.BytesIO(), color=False))
+    port = tracker.start("127.0.0.1")
+    try:
+        assert tracker.stand_in and tracker.failure() is None
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(RABIT_MAGIC)
+            assert s.recv(4) == RABIT_MAGIC
+            s.sendall(struct.pack("@ii", -1, 2))
+            assert tracker.child is not None
+            assert tracker.child.wait_event(["failed"], 10) is not None
+            assert tracker.failure() == f"the worker at 127.0.0.1 {NO_XGBOOST}"
+    finally:
+        tracker.close()
+    assert tracker.child.popen.returncode == 1  # reaped
+    assert "no worker asked it for a rank" not in caplog.text
 
 
 def test_the_rabit_tracker_shows_prints_and_notes_what_it_dropped(caplog) -> None:
