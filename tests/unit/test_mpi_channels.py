@@ -171,10 +171,10 @@ def test_a_wrapper_sends_everything_on_its_connection(job: Job, tmp_path) -> Non
 
 
 def test_a_wrapper_that_cannot_connect_falls_back_to_mpiruns_output(tmp_path) -> None:
-    with socket.socket() as s:  # a port with nobody listening
+    with socket.socket() as s:  # a port with nobody listening (held bound: nobody else takes it meanwhile)
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()
-    r = _run_wrapper(_table(None, dead), tmp_path, sys.executable, "-c", PRINTER)  # type: ignore[arg-type]
+        r = _run_wrapper(_table(None, dead), tmp_path, sys.executable, "-c", PRINTER)  # type: ignore[arg-type]
     assert r.returncode == 5
     out = [protocol.unwrap(line) for line in r.stdout.splitlines()]
     assert all(p is not None and p[1] == 1 for p in out)
