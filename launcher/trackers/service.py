@@ -10,6 +10,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -254,6 +255,17 @@ class RabitService(_XGBoostTracker):
         self.prints = 0
         self.dropped = 0  # connections it dropped (not rabit, or broken)
         self.stand_in = False  # no XGBoost: the program's stand-in holds the port
+
+    def _python(self) -> str:
+        """The tracker Python; where it is not here and no ``--tracker-python`` was given, the
+        launcher's own (most likely without XGBoost: the stand-in). A job of N workers that never
+        talk to the tracker then runs on a machine without ``python3`` on PATH, as it did under
+        launch.py's tracker, and one whose worker asks for a rank is told what to give."""
+        if self.spec.tracker_python or resolve_python(self.spec) is not None:
+            return super()._python()
+        log.debug("rabit tracker: %s is not here; the launcher's Python (%s) runs it", python_for(self.spec),
+                  sys.executable)
+        return sys.executable
 
     def _listening(self, event: dict) -> None:
         if event.get("stand_in"):

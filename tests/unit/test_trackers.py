@@ -253,6 +253,20 @@ def test_the_rabit_tracker_without_xgboost_starts_a_stand_in_that_a_job_can_end_
     assert "no worker asked it for a rank" not in caplog.text
 
 
+def test_without_python3_here_the_launchers_python_runs_the_rabit_tracker(tmp_path: Path) -> None:
+    # (a shell command's tracker Python is python3 through PATH; with none, the job still runs)
+    job = JobSpec(command=("./run.sh",), num_workers=2, num_servers=0, environ=(("PATH", str(tmp_path)),))
+    tracker = service.RabitService(job, Console(io.BytesIO(), io.BytesIO(), color=False), None)
+    tracker.start("127.0.0.1")
+    try:
+        assert tracker.stand_in and tracker.child is not None and tracker.child.popen.args[0] == sys.executable
+    finally:
+        tracker.close()
+    named = JobSpec(command=("./run.sh",), num_workers=2, num_servers=0, tracker_python=str(tmp_path / "python"))
+    with pytest.raises(LaunchError, match="which is not here: give --tracker-python"):
+        service.RabitService(named, Console(io.BytesIO(), io.BytesIO(), color=False), None).start("127.0.0.1")
+
+
 def test_the_rabit_tracker_shows_prints_and_notes_what_it_dropped(caplog) -> None:
     out = io.BytesIO()
     tracker = rabit_service(Console(out, io.BytesIO(), color=False))
