@@ -123,7 +123,8 @@ def match(spec: str, ifaces: Sequence[Iface]) -> Iface:
     for i in ifaces:
         if i.name.startswith(spec):
             return i
-    raise NetifError(f"DMLC_INTERFACE={spec} matches no interface with an IPv4 address (interfaces: {describe(ifaces)})")
+    raise NetifError(f"DMLC_INTERFACE={spec} matches no interface with an IPv4 address "
+                     f"(interfaces: {describe(ifaces)})")
 
 
 def interface_address(spec: str) -> str:

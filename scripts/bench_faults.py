@@ -40,7 +40,8 @@ ROLE = b"DMLC_ROLE="
 TASK = b"DMLC_TASK_ID="
 TRAIN = [sys.executable, "trainer/train_mnist.py", "--network", "mlp", "--kv-store", "dist_sync",
          "--num-epochs", "1000", "--num-examples", "6400", "--disp-batches", "5"]
-PROBE = [sys.executable, os.path.join(REPO, "tests", "bin", "probe.py"), "--out", "{out}", "--listen", "--sleep", "300", "--escape"]
+PROBE = [sys.executable, os.path.join(REPO, "tests", "bin", "probe.py"), "--out", "{out}",
+         "--listen", "--sleep", "300", "--escape"]
 
 
 def job_envs() -> dict[int, dict[bytes, bytes | int]]:

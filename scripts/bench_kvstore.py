@@ -402,7 +402,8 @@ def main() -> None:
         for size in sizes:
             for w in sorted({w for w, _ in grid}):
                 ps = table.get((names[0], w, 1), {}).get(size)
-                print(f"| {show_size(size)} | {w} | {mbs(size, ps)} | {mbs(size, table[('allreduce', w, 0)].get(size))} |")
+                ar = table[("allreduce", w, 0)].get(size)
+                print(f"| {show_size(size)} | {w} | {mbs(size, ps)} | {mbs(size, ar)} |")
     print("\nraw TCP: W client processes echoing through S echo processes with plain sockets, all "
           "at once (no ZeroMQ, no server work): what this machine moves at that scale")
     if args.json:

@@ -225,7 +225,8 @@ def bench_first_batch(a: argparse.Namespace, compare: bool) -> None:
             if example:
                 shutil.copytree(example, os.path.join(workdir, "ex"),
                                 ignore=shutil.ignore_patterns("data", "*.pyc", "__pycache__"))
-                subprocess.run([sys.executable, "-m", "trainer.data", "--export-idx", os.path.join(workdir, "ex", "data")],
+                subprocess.run([sys.executable, "-m", "trainer.data",
+                                "--export-idx", os.path.join(workdir, "ex", "data")],
                                check=True, capture_output=True, timeout=300, cwd=REPO)
                 mx_cwd, mx_prog, mx_name = os.path.join(workdir, "ex"), ["train_mnist.py"], "MXNet's train_mnist.py"
             else:
@@ -340,7 +341,8 @@ def main() -> int:
                 if compare and not r % 2:
                     theirs.append(bench_dmlc(a.mxnet_python, job, root, n))
             row = [statistics.median(x[i] for x in ours) for i in range(3)]
-            line = f"{n:>3} {2 * n + 1:>5} | {row[0] * 1000:>11.0f} ms {row[1] * 1000:>5.0f} ms {row[2] * 1000:>5.0f} ms"
+            line = (f"{n:>3} {2 * n + 1:>5} | {row[0] * 1000:>11.0f} ms "
+                    f"{row[1] * 1000:>5.0f} ms {row[2] * 1000:>5.0f} ms")
             if compare:
                 peer = [statistics.median(x[i] for x in theirs) for i in range(3)]
                 line += (f" | {peer[0] * 1000:>12.0f} ms {peer[1] * 1000:>5.0f} ms {peer[2] * 1000:>5.0f} ms"

@@ -61,7 +61,8 @@ JOB_SH = """#!/bin/sh
 if [ "$DMLC_ROLE" = scheduler ]; then
     exec "$BENCH_PYTHON" -S "$BENCH_DIR/sched.py" "$BENCH_OUT" "$BENCH_EXPECTED"
 fi
-date +%s.%N > "$BENCH_OUT/.$DMLC_ROLE-$DMLC_TASK_ID" && mv "$BENCH_OUT/.$DMLC_ROLE-$DMLC_TASK_ID" "$BENCH_OUT/$DMLC_ROLE-$DMLC_TASK_ID"
+me="$DMLC_ROLE-$DMLC_TASK_ID"
+date +%s.%N > "$BENCH_OUT/.$me" && mv "$BENCH_OUT/.$me" "$BENCH_OUT/$me"
 if [ "$BENCH_FAIL" = 1 ]; then
     if [ "$DMLC_ROLE-$DMLC_TASK_ID" = worker-0 ]; then  # once every process runs
         while [ "$(ls "$BENCH_OUT" | wc -l)" -lt "$BENCH_EXPECTED" ]; do sleep 0.01; done

@@ -64,7 +64,8 @@ def one_launch(tb, hosts: int, per_host: int, src: Path, dst: str | None) -> dic
     """One launch (``dst``: the --sync-dst-dir, or None); returns seconds per phase."""
     lines = tuple(Host(h.addr_a, origin=f"bench:{h.index}") for h in tb.hosts[:hosts])
     spec = JobSpec(command=PROGRAM, num_workers=hosts * per_host, num_servers=0, launcher="ssh", hosts=lines,
-                   workdir=str(src) if dst else "/", kill_grace=1.0, sync_dst_dir=dst,  # (no sync: a directory every host has)
+                   # (no sync: a directory every host has)
+                   workdir=str(src) if dst else "/", kill_grace=1.0, sync_dst_dir=dst,
                    options=SSHOptions(connect_timeout=20.0))
     console = Console(stdout=io.BytesIO(), stderr=io.BytesIO(), color=False)  # type: ignore[arg-type]
     backend = SSHBackend(spec, console, None)
@@ -154,7 +155,8 @@ def bench_ssh_main(host_counts: list[int], per_host: list[int], repeats: int, sy
                     print(f"{h:>5} {p:>8} {h * p:>5} {what:>9} | " + " ".join(f"{row[k]:>11.2f}s" for k in PHASES)
                           + f" | {row['sent']:>10.0f}", flush=True)
                 if sync:
-                    print(f"{'':>21} the sync's cost, total minus none: fresh {totals['fresh'] - totals['none']:+.2f}s, "
+                    print(f"{'':>21} the sync's cost, total minus none: "
+                          f"fresh {totals['fresh'] - totals['none']:+.2f}s, "
                           f"unchanged {totals['unchanged'] - totals['none']:+.2f}s", flush=True)
     finally:
         if old_home is not None:

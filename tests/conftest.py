@@ -108,5 +108,6 @@ def mpirun(request: pytest.FixtureRequest) -> str:
     """The path of a real mpirun, once per family (Open MPI, MPICH)."""
     path = mpirun_path(request.param)
     if path is None:
-        pytest.skip(f"{request.param}: mpirun not found (run scripts/deps/40-mpi.sh or set {MPIRUNS[request.param][0]})")
+        pytest.skip(f"{request.param}: mpirun not found "
+                    f"(run scripts/deps/40-mpi.sh or set {MPIRUNS[request.param][0]})")
     return path

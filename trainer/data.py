@@ -200,7 +200,8 @@ def parse_idx(data: bytes, where: str = "IDX data") -> np.ndarray:
     expected = math.prod(shape)
     got = len(data) - header
     if got < expected:
-        raise DataError(f"{where}: truncated: the header promises {expected} bytes of data for shape {shape}, found {got}")
+        raise DataError(f"{where}: truncated: the header promises {expected} bytes of data "
+                        f"for shape {shape}, found {got}")
     if got > expected:
         raise DataError(f"{where}: {got - expected} unexpected bytes after the data of shape {shape}")
     return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(shape)
@@ -229,7 +230,8 @@ def _check_arrays(arrays: dict[str, np.ndarray], where: str) -> None:
     for key, spec in FILES.items():
         a = arrays[key]
         if a.dtype != np.uint8 or a.shape[1:] != spec.shape[1:] or a.ndim != len(spec.shape):
-            raise DataError(f"{where}: {spec.name} has shape {a.shape} ({a.dtype}), expected (N{', ' if len(spec.shape) > 1 else ''}{', '.join(map(str, spec.shape[1:]))}) uint8")
+            expected = ", ".join(["N", *map(str, spec.shape[1:])])
+            raise DataError(f"{where}: {spec.name} has shape {a.shape} ({a.dtype}), expected ({expected}) uint8")
     for split in ("train", "test"):
         n_img, n_lab = len(arrays[f"{split}_images"]), len(arrays[f"{split}_labels"])
         if n_img != n_lab:
@@ -406,7 +408,8 @@ def read_mnist_csv(path: str | os.PathLike[str]) -> tuple[np.ndarray, np.ndarray
                 raise DataError(f"{path}: line 1 is not the expected header 'label,1x1,...'")
             width = header.count(b",") + 1
             if width != 1 + IMAGE_SHAPE[0] * IMAGE_SHAPE[1]:
-                raise DataError(f"{path}: the header has {width} columns, expected {1 + IMAGE_SHAPE[0] * IMAGE_SHAPE[1]}")
+                raise DataError(f"{path}: the header has {width} columns, "
+                                f"expected {1 + IMAGE_SHAPE[0] * IMAGE_SHAPE[1]}")
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # "input contained no data": checked below
                 rows = np.loadtxt(f, delimiter=",", dtype=np.uint8, ndmin=2)

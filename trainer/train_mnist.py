@@ -396,7 +396,8 @@ def _check_plot(path: str) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install matplotlib (or pip install '.[trainer]' in your clone of pslaunch)") from None
+        raise UsageError("--plot needs matplotlib: pip install matplotlib "
+                         "(or pip install '.[trainer]' in your clone of pslaunch)") from None
     formats = FigureCanvasAgg(Figure()).get_supported_filetypes()
     ext = os.path.splitext(path)[1].lstrip(".").lower()
     if ext and ext not in formats:

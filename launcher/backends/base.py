@@ -18,7 +18,8 @@ The supervisor drives a backend in this order::
         ...                              # poll the handles, signal the group
 
 The CLI imports every backend to build its options: an optional dependency (paramiko,
-drmaa, skein) is imported inside the methods that need it. Pure builders of commands and job templates live in the backend's module, for golden tests.
+drmaa, skein) is imported inside the methods that need it. Pure builders of commands and
+job templates live in the backend's module, for golden tests.
 """
 
 from __future__ import annotations

@@ -214,7 +214,8 @@ def parse_job(text: str, job_id: str) -> Allocation:
     records = [r for r in re.split(r"\n\s*\n", text) if r.strip()]
     found = [r for r in records if re.search(rf"(?:^|\s)JobId={re.escape(job_id)}(?:\s|$)", r)]
     if not found:
-        raise LaunchError(f"scontrol show job {job_id} printed no record of job {job_id}: {' '.join(text.split())[:200]}")
+        raise LaunchError(f"scontrol show job {job_id} printed no record of job {job_id}: "
+                          f"{' '.join(text.split())[:200]}")
     rec = found[0]
     fields = dict(re.findall(r"(?:^|\s)([A-Za-z/:_]+)=(\S*)", rec))
     nodelist = fields.get("NodeList", "")
@@ -710,7 +711,8 @@ class SlurmBackend(BatchBackend):
             if time.monotonic() > deadline:
                 why = self._pending_reason()
                 self._stop_salloc()
-                raise LaunchError(f"Slurm has not granted the allocation{' ' + self._salloc_job if self._salloc_job else ''}"
+                job = f" {self._salloc_job}" if self._salloc_job else ""
+                raise LaunchError(f"Slurm has not granted the allocation{job}"
                                   f" within --start-timeout {timeout:g}s{why}; raise --start-timeout, or ask for "
                                   "less (-n, --*-cores, --*-memory, --queue)")
             if self._salloc_pending and not told:
@@ -1183,8 +1185,8 @@ def doctor_rows(environ: Mapping[str, str], *, queue: Optional[str] = None,
                      f"({', '.join(sorted(available)) or 'sinfo lists none'})"))
         return rows
     if name not in available:
-        rows.append(("partition", False, f"no partition {name!r} (sinfo lists {', '.join(sorted(available)) or 'none'});"
-                     " give another with --queue"))
+        listed = ", ".join(sorted(available)) or "none"
+        rows.append(("partition", False, f"no partition {name!r} (sinfo lists {listed}); give another with --queue"))
         return rows
     if available[name] != "up":
         rows.append(("partition", False, f"partition {name} is {available[name]}: ask the admins, or --queue another"))
@@ -1199,7 +1201,8 @@ def doctor_rows(environ: Mapping[str, str], *, queue: Optional[str] = None,
         total += 1
         state = parts_[1].rstrip("*~#!%$@^-")
         alloc_idle = parts_[2].split("/")
-        if state in ("idle", "mix") and not parts_[1].endswith("*") and len(alloc_idle) >= 2 and alloc_idle[1].isdigit():
+        if (state in ("idle", "mix") and not parts_[1].endswith("*")
+                and len(alloc_idle) >= 2 and alloc_idle[1].isdigit()):
             free.append(parts_[0])
             cpus += int(alloc_idle[1])
     opts = options or SlurmOptions()

@@ -26,9 +26,10 @@ Lifecycle (driven by the supervisor, see :mod:`launcher.backends.base`):
    groups on its own when the keep-alives stop reaching it.
 4. Teardown: ``X`` frames ask a host's wrapper to send ``TERM`` (with ``CONT``) to
    the processes' groups, ``KILL`` after ``--kill-grace``; then the wrapper's stdin
-   is closed and it kills what is left of every group (and what left them). If the launcher dies (``kill -9``), sshd closes the channel and the
-   wrapper does the same. Only a start that failed half-way sends ``kill`` as a
-   shell command (:func:`kill_command`).
+   is closed and it kills what is left of every group (and what left them). If the
+   launcher dies (``kill -9``), sshd closes the channel and the wrapper does the same.
+   Only a start that failed half-way sends ``kill`` as a shell command
+   (:func:`kill_command`).
 
 Every remote command line is built by a pure function (:func:`wrapper_command`,
 :func:`kill_command`) with every argument ``shlex``-quoted.

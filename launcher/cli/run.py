@@ -149,10 +149,12 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
 # cluster schedulers (dmlc-submit's options)
 @click.option("--queue", default=None, help="sge/yarn/slurm: queue (slurm: partition) to submit to.")
 @click.option("--jobname", default=None, help="sge/yarn/slurm: job name (default: pslaunch-<program>).")
-@click.option("--worker-cores", type=BOUNDED_INT, default=1, show_default=True, help="sge/yarn/slurm: cores per worker.")
+@click.option("--worker-cores", type=BOUNDED_INT, default=1, show_default=True,
+              help="sge/yarn/slurm: cores per worker.")
 @click.option("--worker-memory", default=None, help="sge/yarn/slurm: memory per worker (e.g. 2g, 512m; "
               "default: 1g on yarn, no limit on sge, the partition's default on slurm).")
-@click.option("--server-cores", type=BOUNDED_INT, default=1, show_default=True, help="sge/yarn/slurm: cores per server.")
+@click.option("--server-cores", type=BOUNDED_INT, default=1, show_default=True,
+              help="sge/yarn/slurm: cores per server.")
 @click.option("--server-memory", default=None, help="sge/yarn/slurm: memory per server (as --worker-memory).")
 @click.version_option(__version__, "--version", prog_name="pslaunch")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)

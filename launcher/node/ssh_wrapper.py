@@ -68,7 +68,8 @@ def prepare(channel):
                 n = protocol.SYNC_HEAD.unpack(payload[:protocol.SYNC_HEAD.size])[0]
                 rest = payload[protocol.SYNC_HEAD.size:]
                 try:
-                    receiver.write(rest[:n].decode("utf-8", "surrogateescape"), rest[n + 1:], rest[n:n + 1] == protocol.SYNC_LAST)
+                    receiver.write(rest[:n].decode("utf-8", "surrogateescape"), rest[n + 1:],
+                                   rest[n:n + 1] == protocol.SYNC_LAST)
                 except (OSError, ValueError) as e:
                     answer(protocol.DONE_ANSWER, {"error": _error_text(e)})
                     receiver = None

@@ -64,7 +64,8 @@ def parse_host(token: str, where: str = "<host>") -> Host:
             raise ConfigError(f"{where}: a user name of {len(user)} characters is too long (at most {MAX_USER})")
 
         if not re.match(_USER_RE, user):
-            raise ConfigError(f"{where}: bad user name {user!r} (letters, digits, '.', '_', '-'; not starting with '-')")
+            raise ConfigError(f"{where}: bad user name {user!r} "
+                              "(letters, digits, '.', '_', '-'; not starting with '-')")
     port = None
     if token.startswith("["):
         close = token.find("]")

@@ -392,6 +392,7 @@ class TorchService(_ChildService):
                 f"{lo}-{hi} (shown as {plan.root_port}), bound by the launcher and served by "
                 f"{' '.join(node.tracker_command(cls.program, python))} (torch from {python}); every rank connects "
                 "to it (TORCHELASTIC_USE_AGENT_STORE=True), as torchrun's workers connect to their agent's store"] + (
-            ["RANK, ROLE_RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE: sent to each task once every "
-             "task has said which host it runs on (the batch system places them), numbered host by host"]
+            ["RANK, ROLE_RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE: "
+             "sent to each task once every task has said which host it runs on (the batch system places them), "
+             "numbered host by host"]
             if any(p.awaits_placement for p in plan.procs) else [])

@@ -459,7 +459,8 @@ def _authenticate(transport: paramiko.Transport, target: Target, timeout: float)
         raise SSHConnectError(
             f"{target.label}: the key {locked[0]} needs a passphrase and no ssh-agent holds it: run "
             f"eval \"$(ssh-agent)\" && ssh-add {locked[0]} (pslaunch never prompts)")
-    what = ", ".join(dict.fromkeys(tried)) if tried else "no key found (no --ssh-key, IdentityFile, agent or ~/.ssh/id_*)"
+    what = (", ".join(dict.fromkeys(tried)) if tried
+            else "no key found (no --ssh-key, IdentityFile, agent or ~/.ssh/id_*)")
     raise SSHConnectError(
         f"{target.label}: ssh authentication as {user} on {target.hostname}:{target.port} failed (tried: {what}); "
         "check the user (user@host in the hostfile, --ssh-user) and the key (--ssh-key, ssh-add), and that "

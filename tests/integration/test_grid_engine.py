@@ -184,7 +184,8 @@ def test_native_specification_reaches_grid_engine(job) -> None:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err
-    assert "submitted 1 worker task as Grid Engine job" in err and "(-q all.q -pe smp 2 -l h_vmem=1536M -l h_rt=600 -p -1)" in err
+    assert "submitted 1 worker task as Grid Engine job" in err
+    assert "(-q all.q -pe smp 2 -l h_vmem=1536M -l h_rt=600 -p -1)" in err
     assert_no_jobs_left(job["name"])
 
 
@@ -211,7 +212,8 @@ def test_failing_task_exit_code_and_the_others_are_deleted(job) -> None:
 
 @pytest.mark.timeout(90)
 def test_kill_9_of_the_launcher_deletes_every_job(job) -> None:
-    proc = subprocess.Popen(pslaunch_argv("-n", "1", "-s", "1", *sge_args(job), *probe(job, "--listen", "--sleep", "60")),
+    proc = subprocess.Popen(pslaunch_argv("-n", "1", "-s", "1", *sge_args(job),
+                                          *probe(job, "--listen", "--sleep", "60")),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     try:
         wait_for(lambda: len(list(job["probes"].glob("*.json"))) == 3, 40, what="every task to start")

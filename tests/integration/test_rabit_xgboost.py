@@ -67,7 +67,8 @@ def finish(procs: list[subprocess.Popen], timeout: float = JOB_DEADLINE) -> list
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            raise AssertionError("a worker hung:\n" + "\n".join(q.log_path.read_text()[-2000:] for q in procs)) from None
+            logs = "\n".join(q.log_path.read_text()[-2000:] for q in procs)
+            raise AssertionError("a worker hung:\n" + logs) from None
     return codes
 
 

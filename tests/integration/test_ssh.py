@@ -254,7 +254,8 @@ def test_dmlc_interface_name_that_every_host_has(testbed: Testbed, out: Path, tm
 
 
 def _running_job(testbed: Testbed, out: Path, tmp_path: Path, *extra: str, n: int = 3, hosts: int = 3,
-                 probe_args: tuple[str, ...] = ("--listen", "--sleep", "60", "--child")) -> tuple[subprocess.Popen, dict]:
+                 probe_args: tuple[str, ...] = ("--listen", "--sleep", "60", "--child"),
+                 ) -> tuple[subprocess.Popen, dict]:
     p = start_ssh(testbed, "-n", str(n), "-s", "1", "-H", hostfile(testbed, tmp_path, hosts), *extra,
                   *probe(out, *probe_args))
     try:
@@ -520,7 +521,8 @@ def test_sync_dst_dir(testbed: Testbed, tmp_path: Path) -> None:
     # the sync was each wrapper's first request, so its time includes the wrapper's start; after
     # the interface lookup (DMLC_INTERFACE) the wrapper has answered once already and it does not
     def started(r) -> list[bool]:
-        return [x.endswith("(with the wrapper's start there)") for x in r.stderr.splitlines() if f"synced {src} to " in x]
+        return [x.endswith("(with the wrapper's start there)")
+                for x in r.stderr.splitlines() if f"synced {src} to " in x]
 
     assert started(r) == [True, True], r.stderr
     r = run_ssh(testbed, *args, "./run.sh", env={**env, "DMLC_INTERFACE": testbed.subnet_b}, cwd=src)
@@ -640,7 +642,8 @@ def test_mxnet_dist_sync_over_ssh(testbed: Testbed, mxnet: str, tmp_path: Path, 
     assert len(pulled) == 2, r.stdout
     h = testbed.hosts
     for line in pulled:
-        assert line.startswith((f"[worker 0 @ {h[1].addr_a}]", f"[worker 1 @ {h[2].addr_a}]")) and "expected 3.0" in line
+        assert line.startswith((f"[worker 0 @ {h[1].addr_a}]", f"[worker 1 @ {h[2].addr_a}]"))
+        assert "expected 3.0" in line
     text = r.stdout + r.stderr
     for label in ("scheduler", f"server 0 @ {h[0].addr_a}", f"worker 0 @ {h[1].addr_a}", f"worker 1 @ {h[2].addr_a}"):
         said = "assign rank=" if label == "scheduler" and scheduler == "builtin" else "van.cc"

@@ -117,7 +117,8 @@ def test_an_xgboost3_worker_under_the_rabit_tracker_is_told_which_tracker(tmp_pa
     python = xgboost_python("3.0")
     if python is None:
         pytest.skip("the XGBoost 3.0 venv is missing (run scripts/deps/70-xgboost.sh)")
-    hint = "speaks XGBoost 2.1+'s tracker protocol, which this rabit tracker does not: run the job with --tracker xgboost"
+    hint = ("speaks XGBoost 2.1+'s tracker protocol, which this rabit tracker does not: "
+            "run the job with --tracker xgboost")
     # the tracker Python (the command's) has XGBoost 3.0: said before any worker starts
     r = run_pslaunch("-n", "2", "-s", "0", "--kill-grace", "2", python, *probe()[1:], timeout=100)
     assert r.returncode == 1, r.stderr

@@ -150,7 +150,8 @@ def test_files_archives_and_the_secret_are_staged(job, tmp_path) -> None:
         t.add(data, arcname="sub/data.txt")
     proc = subprocess.Popen(
         pslaunch_argv("-n", "1", "-s", "1",
-                      *yarn_args(job, "--files", str(tmp_path / "conf.json"), "--archives", str(tmp_path / "env.tar.gz")),
+                      *yarn_args(job, "--files", str(tmp_path / "conf.json"),
+                                 "--archives", str(tmp_path / "env.tar.gz")),
                       *probe(job, "--listen", "--sleep", "8")),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -251,7 +252,8 @@ def test_failing_worker_exit_code_is_reported(job) -> None:
 
 @pytest.mark.timeout(120)
 def test_ctrl_c_kills_the_application(job) -> None:
-    proc = subprocess.Popen(pslaunch_argv("-n", "2", "-s", "1", *yarn_args(job), *probe(job, "--listen", "--sleep", "60")),
+    proc = subprocess.Popen(pslaunch_argv("-n", "2", "-s", "1", *yarn_args(job),
+                                          *probe(job, "--listen", "--sleep", "60")),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: len(list(job["probes"].glob("*.json"))) == 4, 60, what="every container to start")
@@ -274,7 +276,8 @@ def test_ctrl_c_kills_the_application(job) -> None:
 
 @pytest.mark.timeout(120)
 def test_kill_9_of_the_launcher_kills_the_application(job) -> None:
-    proc = subprocess.Popen(pslaunch_argv("-n", "2", "-s", "1", *yarn_args(job), *probe(job, "--listen", "--sleep", "60")),
+    proc = subprocess.Popen(pslaunch_argv("-n", "2", "-s", "1", *yarn_args(job),
+                                          *probe(job, "--listen", "--sleep", "60")),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for(lambda: len(list(job["probes"].glob("*.json"))) == 4, 60, what="every container to start")

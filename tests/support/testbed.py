@@ -444,7 +444,8 @@ def build(num_hosts: int = 3, owner: Optional[int] = None) -> Testbed:
             _start_sshd(tb, h)
         for h in hosts:
             _wait_port(h.addr_a, 22, 15)
-        (state / "testbed.json").write_text(json.dumps({**tb.describe(), "owner_start": _proc_start(owner) if owner else ""}))
+        owner_start = _proc_start(owner) if owner else ""
+        (state / "testbed.json").write_text(json.dumps({**tb.describe(), "owner_start": owner_start}))
     except BaseException:
         teardown(n, state)
         raise

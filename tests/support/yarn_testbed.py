@@ -79,7 +79,8 @@ def assert_nothing_left(app_id: str, timeout: float = 20.0) -> float:
     try:
         wait_for(lambda: not container_pids(app_id), timeout, interval=0.1, what=f"{app_id}'s containers to end")
     except AssertionError:
-        raise AssertionError(f"processes of {app_id} still running after {timeout}s: {container_pids(app_id)}") from None
+        raise AssertionError(f"processes of {app_id} still running after {timeout}s: "
+                             f"{container_pids(app_id)}") from None
     return time.monotonic() - t0
 
 

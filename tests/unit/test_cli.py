@@ -80,7 +80,8 @@ def test_memory_and_cores() -> None:
      dict(env=(("A", "1"),), env_server=(("C", "2"),), env_worker=(("D", "3"),))),
     (["-n", "1", "--log-level=Warning", "--timeout", "1.5", "--start-timeout", "30", "--dry-run", "--p3", "true"], {},
      dict(log_level="WARNING", timeout=1.5, start_timeout=30.0, dry_run=True, p3=True)),
-    (["-n", "1", "--no-progress", "--port-range", "9000-9100", "true"], {}, dict(progress=False, port_range=(9000, 9100))),
+    (["-n", "1", "--no-progress", "--port-range", "9000-9100", "true"], {},
+     dict(progress=False, port_range=(9000, 9100))),
     (["-n", "007", "-n", "2", "true"], {}, dict(num_workers=2)),  # (the last one counts)
     (["-n", "1", "-", "true"], {}, dict(command=("-", "true"))),  # (a lone dash is the command)
     (["-n", "1", "true"], {"DMLC_SUBMIT_CLUSTER": "sge"}, dict(launcher="sge")),
@@ -108,10 +109,12 @@ def run_err(args: list[str], capsys) -> tuple[int, str]:
     (["-n", "x", "true"], "Invalid value for '-n' / '--num-workers'"),
     (["true"], "Missing option '-n' / '--num-workers'"),
     (["-n", "1", "--env", "1BAD=x", "true"], "--env '1BAD=x': expected NAME, NAME=VALUE or NAME:VALUE"),
-    (["-n", "1", "--env", "NOT_SET_ANYWHERE_123", "true"], "--env NOT_SET_ANYWHERE_123: NOT_SET_ANYWHERE_123 is not set"),
+    (["-n", "1", "--env", "NOT_SET_ANYWHERE_123", "true"],
+     "--env NOT_SET_ANYWHERE_123: NOT_SET_ANYWHERE_123 is not set"),
     (["-n", "1", "--env-worker", "JUSTNAME", "true"], "--env-worker 'JUSTNAME': expected NAME=VALUE"),
     # a malformed name that looks secret: its value is not echoed
-    (["-n", "1", "--env", "MY-TOKEN=hunter2", "true"], "--env 'MY-TOKEN=<redacted>': expected NAME, NAME=VALUE or NAME:VALUE"),
+    (["-n", "1", "--env", "MY-TOKEN=hunter2", "true"],
+     "--env 'MY-TOKEN=<redacted>': expected NAME, NAME=VALUE or NAME:VALUE"),
     (["-n", "1", "--env-worker", "DB PASSWORD:hunter2", "true"],
      "--env-worker 'DB PASSWORD:<redacted>': expected NAME=VALUE"),
     (["-n", "1", "-H", "/nonexistent/hosts", "true"], "cannot read hostfile /nonexistent/hosts"),
@@ -380,7 +383,7 @@ def test_yaml_aliases_are_measured_expanded(tmp_path) -> None:
 
     ok = "env: &e {A: 1}\nenv-server: *e\n"
     assert parse_yaml(ok, "j.yaml") == {"env": {"A": 1}, "env-server": {"A": 1}}
-    levels = ["a: &a0 [x, x, x, x]"] + [f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}]" for i in range(1, 8)]
+    levels = ["a: &a0 [x, x, x, x]"] + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 4)}]" for i in range(1, 8)]
     assert 4 ** 8 > MAX_NODES
     with pytest.raises(ConfigError, match="once its aliases"):
         parse_yaml("\n".join(levels) + "\n", "j.yaml")

@@ -29,5 +29,6 @@ def test_allreduce_outside_a_torch_job_is_one_line(monkeypatch) -> None:
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(kvstore.KVConfigError, match=r"dist_allreduce needs torch.distributed's variables \(RANK, "
-                       r"WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set\): start the workers with pslaunch --tracker torch"):
+                       r"WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set\): "
+                       r"start the workers with pslaunch --tracker torch"):
         kvstore.create("dist_allreduce")

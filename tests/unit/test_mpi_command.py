@@ -284,8 +284,9 @@ def _fake_mpirun(tmp_path, text: str) -> str:
 
 def test_cli_unknown_mpirun_is_a_one_line_error(tmp_path) -> None:
     fake = _fake_mpirun(tmp_path, "Totally Different MPI 9.9")
-    result = CliRunner().invoke(run.with_backend_options(), ["--launcher", "mpi", "--mpirun", fake, "-n", "1", "-s", "0",
-                                                  "true"], standalone_mode=False, catch_exceptions=True)
+    result = CliRunner().invoke(run.with_backend_options(),
+                                ["--launcher", "mpi", "--mpirun", fake, "-n", "1", "-s", "0", "true"],
+                                standalone_mode=False, catch_exceptions=True)
     assert isinstance(result.exception, BackendUnavailableError)
     assert "'Totally Different MPI 9.9'" in str(result.exception) and result.exception.exit_code == 2
 
@@ -433,7 +434,8 @@ def test_demux_routes_records_to_ranks_and_the_rest_to_mpirun() -> None:
     text = out.getvalue().decode()
     assert "[worker 0] héllo\n" in text and "[worker 1] partial\n" in text and "[server 0] x\n" in text
     assert "[mpirun] mpirun says hi\n" in text
-    assert "[worker 1] oops\n" in err.getvalue().decode() and "[mpirun] [mpiexec@vm] something\n" in err.getvalue().decode()
+    said = err.getvalue().decode()
+    assert "[worker 1] oops\n" in said and "[mpirun] [mpiexec@vm] something\n" in said
     assert ranks[1].pid == 4242 and "\x1e" not in text
 
 

@@ -261,7 +261,8 @@ def test_a_library_that_is_not_libdrmaa_is_one_line(tmp_path) -> None:
         pytest.skip("needs the drmaa package and libz")
     r = subprocess.run([sys.executable, "-m", "launcher", "--launcher", "sge", "--host-ip", "127.0.0.1",
                         "-n", "1", "-s", "0", "true"], capture_output=True, text=True, timeout=60, cwd=tmp_path,
-                       env={**os.environ, "PYTHONPATH": str(REPO), "DRMAA_LIBRARY_PATH": lib, "SGE_ROOT": str(tmp_path)})
+                       env={**os.environ, "PYTHONPATH": str(REPO), "DRMAA_LIBRARY_PATH": lib,
+                            "SGE_ROOT": str(tmp_path)})
     assert r.returncode != 0
     assert "Traceback" not in r.stderr
     lines = [x for x in r.stderr.splitlines() if x.strip()]

@@ -257,7 +257,8 @@ def test_parse_srun_line() -> None:
     said = S.parse_srun_line("slurmstepd-sn0: error: *** STEP 124.1 ON sn0 CANCELLED AT 2026-12-01T21:37:41 DUE TO "
                              "NODE FAILURE, SEE SLURMCTLD LOG FOR DETAILS ***")
     assert (said.kind, said.node, said.text) == ("cancelled", "sn0", "NODE FAILURE")
-    said = S.parse_srun_line("slurmstepd: error: *** JOB 9 ON n1 CANCELLED AT 2026-01-01T00:00:00 DUE TO TIME LIMIT ***")
+    said = S.parse_srun_line("slurmstepd: error: *** JOB 9 ON n1 CANCELLED AT 2026-01-01T00:00:00 "
+                             "DUE TO TIME LIMIT ***")
     assert (said.kind, said.text) == ("cancelled", "TIME LIMIT")
     said = S.parse_srun_line("slurmstepd-sn1: error: *** STEP 9.0 ON sn1 CANCELLED AT 2026-01-01T00:00:00 ***")
     assert (said.kind, said.text) == ("cancelled", "")

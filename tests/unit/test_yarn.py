@@ -163,7 +163,8 @@ def test_ship_command(tmp_path) -> None:
 @pytest.mark.parametrize("kw, message", [
     (dict(files=("nope.txt",)), "--files nope.txt: no such file"),
     (dict(archives=("conf.json",)), "--archives conf.json: YARN unpacks only .zip, .tar.gz, .tgz, .tar, .jar archives"),
-    (dict(files=("conf.json", "sub/conf.json")), "--files sub/conf.json and --files conf.json would both be localized as 'conf.json'"),
+    (dict(files=("conf.json", "sub/conf.json")),
+     "--files sub/conf.json and --files conf.json would both be localized as 'conf.json'"),
     (dict(files=("pslaunch-task.json",)), "--files pslaunch-task.json and the task file would both be localized"),
     (dict(command=("python", "a/data.csv", "b/data.csv")), "the command names two files called data.csv"),
     (dict(queue="my queue"), "--queue 'my queue': a queue name has no spaces"),
@@ -322,7 +323,8 @@ def test_dependency_problems_are_one_line() -> None:
     assert _problem({**ok_env, "JAVA_HOME": "/opt/jdk"}, java=True, files=ok_files) == \
         "JAVA_HOME=/opt/jdk has no bin/java; point it at a JDK or unset it"
     assert _problem({**ok_env, "JAVA_HOME": "/opt/jdk"}, java=False, files=ok_files + ["/opt/jdk/bin/java"]) is None
-    assert _problem({}, files=ok_files).startswith("HADOOP_HOME is not set: export HADOOP_HOME=<your Hadoop installation>")
+    assert _problem({}, files=ok_files).startswith(
+        "HADOOP_HOME is not set: export HADOOP_HOME=<your Hadoop installation>")
     assert _problem(ok_env) == "HADOOP_HOME=/opt/hadoop has no bin/yarn; point it at a Hadoop installation"
 
 
