@@ -160,7 +160,7 @@ def resolve_ipv4(host: str) -> str:
         infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
     except socket.gaierror as e:
         raise NetifError(f"cannot resolve host {host!r} to an IPv4 address: {e.strerror}") from None
-    return infos[0][4][0]
+    return str(infos[0][4][0])  # (an AF_INET address is a (host, port) pair)
 
 
 def node_address(interface: str | None, scheduler: str | None, given: str | None = None) -> str:
@@ -206,7 +206,7 @@ def _main(argv: list[str]) -> int:
     """``netif.py SPEC``: print ``{"address": ..., "interface": ...}`` or ``{"error": ...}``."""
     try:
         ifaces = interfaces()
-        result = {"interfaces": [list(i) for i in ifaces]}
+        result: dict[str, object] = {"interfaces": [list(i) for i in ifaces]}
         if argv:
             chosen = match(argv[0], ifaces)
             result.update(address=chosen.address, interface=chosen.name)

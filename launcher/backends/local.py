@@ -12,13 +12,14 @@ starts.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ..errors import ConfigError
+from ..node.watchdog import Client as Watchdog
 from ..runtime import limits
 from ..runtime.handle import ProcessHandle, ProcGroup
 from ..runtime.local import LocalProcess
-from ..runtime.output import PipePump
+from ..runtime.output import Console, PipePump
 from ..spec.job import JobSpec
 from ..spec.plan import ProcSpec
 from .base import Backend
@@ -33,8 +34,8 @@ class LocalBackend(Backend):
     name = "local"
     node_address_from_launcher = True
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, spec: JobSpec, console: Console, watchdog: Optional[Watchdog]) -> None:
+        super().__init__(spec, console, watchdog)
         self.pump: PipePump | None = None
 
     @classmethod

@@ -817,6 +817,7 @@ class SlurmBackend(BatchBackend):
         step.proc = child.popen
         step.open_streams = 2
         assert self.pump is not None
+        assert child.stderr is not None  # (not merged into stdout: a pipe of its own)
         for fd, err in ((child.stdout, False), (child.stderr, True)):
             stream = _StepStream(self, step, err)
             self.pump.add(fd, stream.feed, stream.closed)

@@ -50,7 +50,7 @@ import shlex
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import pscontract as pc
 from pscontract import netif
@@ -59,8 +59,9 @@ from .. import node
 from ..errors import ConfigError, LauncherError, LaunchError
 from ..node import protocol
 from ..node.protocol import BOOTSTRAP, NODE, blob, frame
+from ..node.watchdog import Client as Watchdog
 from ..runtime.handle import ProcGroup
-from ..runtime.output import ProcOutput
+from ..runtime.output import Console, ProcOutput
 from ..runtime.remote import RemoteProcess
 from ..spec.job import Host, JobSpec
 from ..spec.plan import Plan, ProcSpec, place
@@ -187,7 +188,7 @@ class RemoteHost:
         self.interval = max(0.1, spec.options.keepalive)
         self.lost_after = LOST_FACTOR * self.interval
         self._stop = threading.Event()
-        self._signals: queue.Queue[Optional[tuple[str, SSHProcess]]] = queue.Queue()
+        self._signals: queue.Queue[Optional[tuple[str, list[SSHProcess]]]] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._cleaned: set[int] = set()
@@ -271,8 +272,8 @@ class RemoteHost:
         self._start_thread(self._keepalive_loop, "keepalive")
         self._start_thread(self._signal_loop, "signals")
 
-    def _start_thread(self, target: object, name: str) -> None:
-        t = threading.Thread(target=target, name=f"pslaunch-{name}-{self.label}", daemon=True)  # type: ignore[arg-type]
+    def _start_thread(self, target: Callable[[], object], name: str) -> None:
+        t = threading.Thread(target=target, name=f"pslaunch-{name}-{self.label}", daemon=True)
         t.start()
         self._threads.append(t)
 
@@ -448,7 +449,7 @@ class SSHProcess(RemoteProcess):
         """The wrapper channel ended before this process's exit code came."""
         if not self.started.is_set():
             self.failure = why
-            self.failure_code = status if status not in (None, 0) else EXIT_LOST
+            self.failure_code = status or EXIT_LOST  # (None or 0: no code of its own)
         self.reported = EXIT_LOST if status in (None, 0) or self.started.is_set() else status
 
     @property
@@ -544,15 +545,15 @@ class SSHBackend(Backend):
     )
 
     @classmethod
-    def make_options(cls, values: Mapping[str, object]) -> SSHOptions:
+    def make_options(cls, values: Mapping[str, Any]) -> SSHOptions:
         opts = super().make_options(values)
         changes: dict[str, object] = {"sync_exclude": SSHOptions.sync_exclude + tuple(values.get("sync_exclude") or ())}
         if opts.key:
             changes["key"] = os.path.expanduser(opts.key)
         return dataclasses.replace(opts, **changes)
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, spec: JobSpec, console: Console, watchdog: Optional[Watchdog]) -> None:
+        super().__init__(spec, console, watchdog)
         self.opts: SSHOptions = self.spec.options or SSHOptions()
         self.hosts: dict[tuple, RemoteHost] = {}
         self._adopted: dict[tuple, RemoteHost] = {}
@@ -647,7 +648,12 @@ class SSHBackend(Backend):
                                  delete=self.opts.sync_delete)
         self._per_host(self._prepare_host, "prepare")
         self.timings["prepare"] = time.monotonic() - t1
-        return {line: self.by_line[line].node_address for line in lines}
+        addresses = {}
+        for line in lines:
+            address = self.by_line[line].node_address
+            assert address is not None  # (_prepare_host set it, or raised)
+            addresses[line] = address
+        return addresses
 
     def _prepare_host(self, host: RemoteHost) -> None:
         """Per host, in parallel: start its wrapper, then through it work out ``DMLC_NODE_HOST`` and
@@ -673,14 +679,14 @@ class SSHBackend(Backend):
             self._adopted[session.target.ident] = host
             self.hosts[session.target.ident] = host  # close() reaches it from now on
 
-    def _per_host(self, fn: object, what: str) -> None:
+    def _per_host(self, fn: Callable[[RemoteHost], object], what: str) -> None:
         """Run ``fn(host)`` for every host in parallel; raise the first error in hostfile order."""
         hosts = list(self.hosts.values())
         errors: dict[int, BaseException] = {}
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(hosts))),
                                                      thread_name_prefix=f"pslaunch-{what}")
         try:
-            futures = {pool.submit(fn, h): i for i, h in enumerate(hosts)}  # type: ignore[arg-type]
+            futures = {pool.submit(fn, h): i for i, h in enumerate(hosts)}
             for fut in concurrent.futures.as_completed(futures):
                 try:
                     fut.result()
@@ -757,11 +763,11 @@ class SSHBackend(Backend):
         return SSHGroup(handles)
 
     @staticmethod
-    def _run_parallel(fn: object, items: list) -> None:
+    def _run_parallel(fn: Callable[[Any], object], items: list) -> None:
         errors: list[BaseException] = []
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(items))),
                                                    thread_name_prefix="pslaunch-start") as pool:
-            for fut in [pool.submit(fn, item) for item in items]:  # type: ignore[arg-type]
+            for fut in [pool.submit(fn, item) for item in items]:
                 try:
                     fut.result()
                 except Exception as e:  # noqa: BLE001
@@ -796,8 +802,11 @@ class SSHBackend(Backend):
             h.close()
         lost = [h for h in hosts if h.lost]
         if lost:  # closing a connection to a lost host may block: do it in the background
-            t = threading.Thread(target=lambda: [h.close() for h in lost], daemon=True,
-                                 name="pslaunch-close-lost")
+            def close_lost() -> None:
+                for h in lost:
+                    h.close()
+
+            t = threading.Thread(target=close_lost, daemon=True, name="pslaunch-close-lost")
             t.start()
             t.join(2.0)
 

@@ -10,6 +10,7 @@ import click
 
 from .. import backends
 from ..backends.base import Backend
+from ..backends.ssh import SSHBackend
 from ..errors import ConfigError
 from ..run.doctor import run_doctor
 from ..run.preflight import run_preflight
@@ -18,7 +19,7 @@ from .clickutil import add_backend_options, invoke
 from .common import configure_logging, parse_env_item, parse_port_range_option
 
 #: doctor checks what an ssh job needs, over the ssh backend's connection settings
-SSH = backends.get("ssh")
+SSH = SSHBackend
 
 DOCTOR_HELP = """Check every host before a job, in parallel, and print one table.
 
@@ -84,8 +85,9 @@ add_backend_options(doctor_command, [(SSH.name, SSH.connection_options)])
 # --- pslaunch doctor --launcher NAME: a backend with checks of its own (slurm) ---------------------
 
 
-def _own_doctor(cls: type) -> bool:
-    return cls.doctor.__func__ is not Backend.doctor.__func__  # type: ignore[attr-defined]
+def _own_doctor(cls: type[Backend]) -> bool:
+    """Whether ``cls`` (or a base class of its own) overrides :meth:`Backend.doctor`."""
+    return next(c for c in cls.__mro__ if "doctor" in vars(c)) is not Backend
 
 
 CHECKED = [cls for cls in backends.classes() if _own_doctor(cls)]

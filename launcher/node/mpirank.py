@@ -27,6 +27,7 @@ import os
 import signal
 import socket
 import sys
+from types import ModuleType
 from typing import Optional, Sequence
 
 import pscontract as pc
@@ -42,7 +43,7 @@ PREFIX = "pslaunch rank wrapper"
 LINGER = 5.0
 
 
-def _rank(environ: dict[str, str]) -> tuple[int, Optional[int], object]:
+def _rank(environ: dict[str, str]) -> tuple[int, Optional[int], Optional[ModuleType]]:
     """``(rank, size, the MPI module when mpi4py initialised MPI, else None)``."""
     rank = None if environ.get(mpi_wire.RANK_SOURCE) == "mpi4py" else mpi_wire.rank_from_environ(environ)
     if rank is not None:
@@ -85,7 +86,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     set_parent_death_signal(signal.SIGTERM)
     environ = dict(os.environ)
     rank: Optional[int] = None
-    mpi = None
+    mpi: Optional[ModuleType] = None
     try:
         if not args:
             raise AgentError("no command given")
@@ -118,7 +119,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             Agent(0.0, fallback="in-band", prefix=PREFIX).error(rank, str(e), code)
     if mpi is not None:
         try:
-            mpi.Finalize()  # type: ignore[attr-defined]
+            mpi.Finalize()
         except Exception:  # noqa: BLE001 - the exit code matters more than a finalize problem
             pass
     return code

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import signal
 import sys
-from typing import TYPE_CHECKING, BinaryIO, Optional, Sequence
+from typing import IO, TYPE_CHECKING, BinaryIO, Optional, Sequence
 
 from .procgroup import group_alive, kill_marked, marked, signal_group, stop_group
 
@@ -126,7 +126,7 @@ class Client:
         import threading
 
         self._lock = threading.Lock()
-        self._stdin: Optional[BinaryIO] = None
+        self._stdin: Optional[IO[bytes]] = None
         self._proc: Optional[subprocess.Popen] = None  # (a started one; a fork has only its pid)
         self.pid: Optional[int] = None
         try:
@@ -207,7 +207,7 @@ class Client:
             pass
 
 
-def _start(python: str) -> subprocess.Popen:
+def _start(python: str) -> subprocess.Popen[bytes]:
     """This module as a program of ``python``, in its own session, reading its stdin."""
     import subprocess
 

@@ -269,7 +269,9 @@ class SchedulerWatch:
             ended, code = True, None
         else:
             ended = info is not None and info.si_pid == self.pid
-            code = (info.si_status if info.si_code == os.CLD_EXITED else -info.si_status) if ended else None
+            code = None
+            if info is not None and ended:
+                code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
         if ended and code == 0:
             return "up"
         who = listener(self.pid, self.host, self.port)

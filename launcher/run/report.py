@@ -69,7 +69,9 @@ def find_cause(first: ProcessHandle, handles: Sequence[ProcessHandle]) -> Option
     if not said:
         return None
     reporter = first if first in said else min(said, key=lambda h: h.end_time or float("inf"))
-    role, rank, reason = reporter.output.cause  # type: ignore[misc]
+    cause = reporter.output.cause
+    assert cause is not None  # (the reporter is one of those that said)
+    role, rank, reason = cause
     culprit = None
     if role is not None:
         culprit = next((h for h in handles if str(h.proc.role) == role and (rank is None or h.proc.rank == rank)),

@@ -14,14 +14,18 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from typing import Callable, Optional
+from types import FrameType
+from typing import Any, Callable, Optional, Union
 
 from ..runtime.spawn import spawning
 
 log = logging.getLogger(__name__)
 
+#: A handler as signal.signal returns it (None: one set outside Python)
+OldHandler = Union[Callable[[int, Optional[FrameType]], Any], int, None]
+
 #: The launcher's exit code per signal (the shell's 128+N).
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
+EXIT_CODES: dict[int, int] = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 
 
 class Interrupted(Exception):
@@ -42,7 +46,7 @@ class Signals:
         self.deferred: Optional[int] = None
         self.timed_out = False
         self.on_signal: Optional[Callable[[], None]] = None  # called by each handled signal
-        self._old: dict[int, object] = {}
+        self._old: dict[int, OldHandler] = {}
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -69,7 +73,7 @@ class Signals:
     def restore(self) -> None:
         self.alarm(0)
         for signum, old in self._old.items():
-            signal.signal(signum, old)  # type: ignore[arg-type]
+            signal.signal(signum, old)
         self._old.clear()
 
     def handle(self, signum: int, frame: object = None) -> None:
@@ -100,7 +104,8 @@ class Signals:
         """The first signal by name: ``SIGINT (Ctrl-C)``, ``SIGTERM``, ``SIGHUP (the terminal closed)``."""
         signum = self.first or signal.SIGINT
         name = signal.Signals(signum).name
-        hint = {signal.SIGINT: " (Ctrl-C)", signal.SIGHUP: " (the terminal closed)"}.get(signum, "")
+        hints: dict[int, str] = {signal.SIGINT: " (Ctrl-C)", signal.SIGHUP: " (the terminal closed)"}
+        hint = hints.get(signum, "")
         return f"{name}{hint}"
 
     @property

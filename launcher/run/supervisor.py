@@ -182,6 +182,7 @@ class Supervisor:
                     self.console.hold()  # until the port's verdict (see _on_verdict)
                     self.scheduler = self._spawn_local(plan.scheduler)
                     self._add(ProcGroup([self.scheduler]))
+                    assert self.scheduler.pid is not None  # (a started local process)
                     self._watch = addr.SchedulerWatch(self.scheduler.pid, plan.root_uri, plan.root_port,
                                                      on_verdict=self._on_verdict).start()
                     self._timing("scheduler started")

@@ -13,12 +13,18 @@ from __future__ import annotations
 import signal
 import time
 from dataclasses import asdict, dataclass
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping, Optional, Protocol
 
 from ..node import procgroup
 from ..node.procgroup import group_alive
 from ..spec.plan import ProcSpec
 from .output import ProcOutput
+
+
+class Clock(Protocol):
+    """What a handle reads its times from: the ``time`` module, or a test's clock."""
+
+    def time(self) -> float: ...
 
 
 def normalize_exitcode(code: int) -> int:
@@ -70,13 +76,13 @@ class ProcessHandle:
     first failure is the first to have happened, not the first to be seen.
     """
 
-    def __init__(self, proc: ProcSpec, output: ProcOutput, host: str, clock: object = time) -> None:
+    def __init__(self, proc: ProcSpec, output: ProcOutput, host: str, clock: Clock = time) -> None:
         self.proc = proc
         self.output = output
         self.host = host
         self.clock = clock
         self.pid: int | None = None
-        self.start_time = clock.time()  # type: ignore[attr-defined]
+        self.start_time = clock.time()
         self.end_time: float | None = None
         self.ended_at: float | None = None
         self.exit_code: int | None = None
@@ -100,7 +106,7 @@ class ProcessHandle:
             code = self._poll()
             if code is not None:
                 self.exit_code = normalize_exitcode(code)
-                self.end_time = self.ended_at or self.clock.time()  # type: ignore[attr-defined]
+                self.end_time = self.ended_at or self.clock.time()
         return self.exit_code
 
     def terminate(self) -> None:

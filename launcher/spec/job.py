@@ -93,7 +93,8 @@ class JobSpec:
     host_ip: Optional[str] = None
     log_level: str = "INFO"
     log_file: Optional[str] = None
-    queue: str = "default"
+    #: --queue (slurm: the partition); the CLI gives None when it is not set
+    queue: Optional[str] = "default"
     jobname: Optional[str] = None
     worker_cores: int = 1
     # None: the backend's default (yarn asks for 1024 MB; sge sets no h_vmem limit)
@@ -145,13 +146,13 @@ class JobSpec:
             pc.check_port_range(lo, hi)
         except ValueError as e:
             raise ConfigError(f"--port-range {lo}-{hi}: {e}") from None
-        for name, value in (("--start-timeout", self.start_timeout), ("--kill-grace", self.kill_grace),
-                            ("--timeout", self.timeout)):
-            if value is not None and not math.isfinite(value):
-                raise ConfigError(f"{name} must be a finite number of seconds, got {value}")
-        for name, value in (("--start-timeout", self.start_timeout), ("--kill-grace", self.kill_grace)):
-            if value < 0:
-                raise ConfigError(f"{name} must not be negative, got {value}")
+        for name, seconds in (("--start-timeout", self.start_timeout), ("--kill-grace", self.kill_grace),
+                              ("--timeout", self.timeout)):
+            if seconds is not None and not math.isfinite(seconds):
+                raise ConfigError(f"{name} must be a finite number of seconds, got {seconds}")
+        for name, seconds in (("--start-timeout", self.start_timeout), ("--kill-grace", self.kill_grace)):
+            if seconds < 0:
+                raise ConfigError(f"{name} must not be negative, got {seconds}")
         if self.timeout is not None and self.timeout <= 0:
             raise ConfigError(f"--timeout must be positive, got {self.timeout}")
         for name, value in (("--worker-cores", self.worker_cores), ("--server-cores", self.server_cores)):
@@ -162,9 +163,9 @@ class JobSpec:
             raise ConfigError("the command contains a NUL byte (\\0), which no program can receive as an argument")
         for option, pairs in (("--env", self.env), ("--env-server", self.env_server),
                               ("--env-worker", self.env_worker)):
-            for name, value in pairs:
-                if "\0" in name or "\0" in value:
-                    raise ConfigError(f"{option} {name.replace(chr(0), '?')}: contains a NUL byte (\\0), which "
+            for var, val in pairs:
+                if "\0" in var or "\0" in val:
+                    raise ConfigError(f"{option} {var.replace(chr(0), '?')}: contains a NUL byte (\\0), which "
                                       "no environment variable can hold")
         if self.tracker is None:
             object.__setattr__(self, "tracker", "ps" if self.num_servers > 0 else "rabit")

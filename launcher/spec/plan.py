@@ -14,6 +14,7 @@ Nothing here touches the network or the file system.
 from __future__ import annotations
 
 import collections
+import functools
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
@@ -170,9 +171,9 @@ def build_plan(
     cli_env = _pairs(spec.env)
     if spec.p3:
         cli_env = {pc.PS_VAN_TYPE: "p3", pc.PS_WATER_MARK: "10", **cli_env}
-    common = dict(root_uri=root_uri, root_port=root_port, num_workers=spec.num_workers,
-                  num_servers=spec.num_servers, secret=secret, start_timeout=spec.start_timeout,
-                  job_id=job_id)
+    ps_contract = functools.partial(pc.contract, root_uri=root_uri, root_port=root_port,
+                                    num_workers=spec.num_workers, num_servers=spec.num_servers, secret=secret,
+                                    start_timeout=spec.start_timeout, job_id=job_id)
     overridden: set[str] = set()
 
     def env_for(contract: dict[str, str], role_env: Mapping[str, str], inherit: bool) -> dict[str, str]:
@@ -195,15 +196,15 @@ def build_plan(
             contract = _collective_contract(spec, s, root_uri, root_port, secret, job_id,
                                             place_ if placed else None, node_host, local_procs)
         else:
-            contract = pc.contract(str(s.role), task_id=s.task_id, cluster=spec.launcher, node_host=node_host,
-                                   local_procs=local_procs, process=f"{s.role}-{s.rank}", **common)
+            contract = ps_contract(str(s.role), task_id=s.task_id, cluster=spec.launcher, node_host=node_host,
+                                   local_procs=local_procs, process=f"{s.role}-{s.rank}")
         role_env = _pairs(spec.env_server if s.role is Role.SERVER else spec.env_worker)
         procs.append(ProcSpec(s.role, s.rank, s.task_id, s.host, spec.command,
                               env_for(contract, role_env, inherit_environ),
                               awaits_placement=spec.tracker == "torch" and not placed))
     scheduler = None
     if spec.has_scheduler:
-        contract = pc.contract("scheduler", **common)
+        contract = ps_contract("scheduler")
         command = tuple(node.command("pslite")) if spec.scheduler == "builtin" else spec.command
         scheduler = ProcSpec(Role.SCHEDULER, 0, None, None, command, env_for(contract, {}, scheduler_inherits))
     return Plan(spec=spec, root_uri=root_uri, root_port=root_port, job_id=job_id, scheduler=scheduler,
@@ -214,11 +215,13 @@ def _collective_contract(spec: JobSpec, s: Slot, service: str, port: int, secret
                          place_: Optional[pc.HostRank], node_host: Optional[str],
                          local_procs: Optional[int]) -> dict[str, str]:
     """A worker's contract under a tracker: rabit's (``rabit``, ``xgboost``) or torch's."""
-    common = dict(task_id=s.task_id, num_workers=spec.num_workers, cluster=spec.launcher, secret=secret,
-                  job_id=job_id, start_timeout=spec.start_timeout, node_host=node_host)
     if spec.tracker == "torch":
-        return pc.torch_contract(master_addr=service, master_port=port, place=place_, **common)
-    return pc.rabit_contract(tracker_uri=service, tracker_port=port, local_procs=local_procs, **common)
+        return pc.torch_contract(master_addr=service, master_port=port, place=place_, task_id=s.task_id,
+                                 num_workers=spec.num_workers, cluster=spec.launcher, secret=secret, job_id=job_id,
+                                 start_timeout=spec.start_timeout, node_host=node_host)
+    return pc.rabit_contract(tracker_uri=service, tracker_port=port, local_procs=local_procs, task_id=s.task_id,
+                             num_workers=spec.num_workers, cluster=spec.launcher, secret=secret, job_id=job_id,
+                             start_timeout=spec.start_timeout, node_host=node_host)
 
 
 def placement_env(procs: Sequence[ProcSpec], hosts: Mapping[int, str]) -> dict[int, dict[str, str]]:
@@ -234,10 +237,10 @@ def placement_env(procs: Sequence[ProcSpec], hosts: Mapping[int, str]) -> dict[i
     Raises:
         ValueError: a process that awaits placement has no host in ``hosts``.
     """
-    waiting = sorted((p for p in procs if p.awaits_placement and p.task_id is not None),
-                     key=lambda p: p.task_id or 0)
-    missing = [p.label for p in waiting if p.task_id not in hosts]
+    waiting = sorted(((p.task_id, p) for p in procs if p.awaits_placement and p.task_id is not None),
+                     key=lambda w: w[0])
+    missing = [p.label for task_id, p in waiting if task_id not in hosts]
     if missing:
         raise ValueError(f"no host reported for {', '.join(missing)}")
-    places = pc.host_ranks([hosts[p.task_id] for p in waiting])  # type: ignore[index]
-    return {p.task_id: pc.torch_placement(r) for p, r in zip(waiting, places)}  # type: ignore[misc]
+    places = pc.host_ranks([hosts[task_id] for task_id, _ in waiting])
+    return {task_id: pc.torch_placement(r) for (task_id, _), r in zip(waiting, places)}

@@ -37,7 +37,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional, cast
 
 import pscontract as pc
 
@@ -139,8 +139,8 @@ def _fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
             raise WireError(f"protobuf wire type {wire} (groups) is not in ps-lite's meta.proto")
         if i + size > len(buf):
             raise WireError("a protobuf field runs past the end of the frame")
-        value = buf[i:i + size]
-        yield number, wire, value if wire == 2 else int.from_bytes(value, "little")
+        data = buf[i:i + size]
+        yield number, wire, data if wire == 2 else int.from_bytes(data, "little")
         i += size
 
 
@@ -344,7 +344,7 @@ class Scheduler:
         while self.barriers_passed < 2:
             identity, *frames = self.receiver.recv_multipart(copy=False)
             try:
-                peer = identity.get("Peer-Address")
+                peer = cast(str, identity.get("Peer-Address"))  # (this property is a str)
             except zmq.ZMQError:
                 peer = "?"
             try:
@@ -486,7 +486,9 @@ def _reason(e: Exception) -> str:
     """An error's reason (pyzmq's messages add the address, which ours name already)."""
     import zmq
 
-    return zmq.strerror(e.errno) if isinstance(e, zmq.ZMQError) else getattr(e, "strerror", None) or str(e)
+    if isinstance(e, zmq.ZMQError) and e.errno is not None:
+        return zmq.strerror(e.errno)
+    return getattr(e, "strerror", None) or str(e)
 
 
 def _fail(text: str) -> int:

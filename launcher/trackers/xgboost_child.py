@@ -280,6 +280,8 @@ def _rabit(out, n_workers: int, host: str, low: int, high: int, header_timeout: 
     path = os.path.join(package, "tracker.py")
     try:
         file_spec = importlib.util.spec_from_file_location("dmlc_tracker", path)
+        if file_spec is None or file_spec.loader is None:  # (not for a .py file)
+            raise ImportError(f"no loader for {path}")
         dmlc = importlib.util.module_from_spec(file_spec)
         file_spec.loader.exec_module(dmlc)
         tracker_class = _adapt(dmlc, out, n_workers, header_timeout)
@@ -289,9 +291,11 @@ def _rabit(out, n_workers: int, host: str, low: int, high: int, header_timeout: 
                                          "(pip install 'xgboost==2.0.*')")
         return 2
 
-    handler = logging.Handler(logging.DEBUG)
-    handler.emit = lambda r: _emit(out, event="log", level=r.levelname, text=r.getMessage())
-    logging.getLogger().addHandler(handler)
+    class Forward(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            _emit(out, event="log", level=record.levelname, text=record.getMessage())
+
+    logging.getLogger().addHandler(Forward(logging.DEBUG))
     logging.getLogger().setLevel(logging.DEBUG)
 
     tracker = _listen(out, host, low, high, lambda port: tracker_class(host, n_workers, port=port))
@@ -400,7 +404,7 @@ def _adapt(dmlc, out, n_workers: int, header_timeout: float) -> type:
             return done
 
     class Tracker(dmlc.RabitTracker):
-        listener = None  # its socket: a dropped connection's entry accepts the next one
+        listener: socket.socket  # its socket (from __init__): a dropped connection's entry accepts the next one
         started = 0.0
         joined: dict = {}  # rank -> (rank, task id, host), once its links are set up
         shut_down: set = set()

@@ -262,7 +262,7 @@ def read_known_hosts(path: str) -> paramiko.HostKeys:
                 revoked.append(entry.key)
             elif not marker:
                 keys._entries.append(entry)  # (HostKeys.add would merge lines: all are kept, as OpenSSH does)
-    keys.revoked = revoked  # type: ignore[attr-defined]
+    keys.revoked = revoked  # (an attribute of our own, read by check_host_key)
     return keys
 
 

@@ -109,7 +109,7 @@ class MPIBackend(Backend):
             log.warning("--sync-dst-dir is ignored by --launcher mpi (as by dmlc's): mpirun runs the command "
                         "at the same path on every host; copy it there first, or use --launcher ssh")
         self.info = probe_mpirun(self.opts.mpirun)
-        log.debug("mpirun: %s (%s) at %s", self.info.impl.title, self.info.version, self.info.path)
+        log.debug("mpirun: %s (%s) at %s", self.info.impl.label, self.info.version, self.info.path)
         # a DMLC_INTERFACE that mpirun cannot be told about fails before anything starts
         mpi_interface(self.info.impl, self.spec.interface, netif.interfaces())
 
@@ -149,7 +149,7 @@ class MPIBackend(Backend):
         assert child.stderr is not None
         self.pump.add(child.stdout, lambda data: job.feed(False, data), lambda: job.close(False))
         self.pump.add(child.stderr, lambda data: job.feed(True, data), lambda: job.close(True))
-        log.info("mpirun (%s, pid %d) starts %d ranks%s", self.info.impl.title, job.popen.pid, len(ranks),
+        log.info("mpirun (%s, pid %d) starts %d ranks%s", self.info.impl.label, job.popen.pid, len(ranks),
                  f" on {len(layout.hosts)} host{'s' if len(layout.hosts) != 1 else ''}" if layout.hosts else "")
         by_proc = {i: ranks[r] for r, i in enumerate(layout.order)}
         return MPIGroup([by_proc[i] for i in range(len(procs))], job)
@@ -187,7 +187,7 @@ class MPIBackend(Backend):
         lines: list[str] = []
         try:
             infos = [probe_mpirun((spec.options or MPIOptions()).mpirun)]
-            lines.append(f"mpi: {infos[0].impl.title} ({infos[0].version}) at {infos[0].path}")
+            lines.append(f"mpi: {infos[0].impl.label} ({infos[0].version}) at {infos[0].path}")
         except BackendUnavailableError as e:
             lines.append(f"mpi: {e}; showing the command for both Open MPI and MPICH")
             mpirun = (spec.options or MPIOptions()).mpirun
@@ -197,9 +197,9 @@ class MPIBackend(Backend):
             try:
                 argv, _env, hostfile_text = mpirun_command(spec, info, procs, layout, resolve=False)
             except (ConfigError, LaunchError) as e:
-                lines.append(f"{info.impl.title}: {e}")
+                lines.append(f"{info.impl.label}: {e}")
                 continue
-            lines.append(f"mpirun command ({info.impl.title}): the variables all ranks share go by name (values "
+            lines.append(f"mpirun command ({info.impl.label}): the variables all ranks share go by name (values "
                          f"from the environment above), the role's and rank's in {mpi_wire.TABLE}:")
             lines.append("  " + shlex.join(argv))
             if hostfile_text is not None:

@@ -45,7 +45,7 @@ class MPIImpl(str, enum.Enum):
     MPICH = "mpich"
 
     @property
-    def title(self) -> str:
+    def label(self) -> str:  # (not title: that is str.title)
         return "Open MPI" if self is MPIImpl.OPENMPI else "MPICH"
 
 
