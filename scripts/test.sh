@@ -6,6 +6,8 @@
 # The tests run in PSLAUNCH_TEST_WORKERS pytest-xdist workers (2; 0 runs them in this process):
 # most of their time is waiting on real processes and services. The tests of one shared service
 # (Slurm, Grid Engine, YARN: tests/suite_rules.py) run in one worker, one after the other.
+# Before the tests, ruff and mypy check the code (config in pyproject.toml); a lint or type error
+# fails the run too, but the tests still run, so that one run reports everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s.%N)
@@ -19,6 +21,14 @@ phase() {  # phase NAME CMD...: run a phase, print its time, return its exit cod
     return "$status"
 }
 phase "set-up (scripts/setup.sh)" scripts/setup.sh
+lint() {  # both, whatever the first says: 0 when both pass
+    local status=0
+    .venv/bin/ruff check . || status=1
+    .venv/bin/mypy || status=1
+    return "$status"
+}
+lint_rc=0
+phase "lint (ruff check ., mypy)" lint || lint_rc=$?
 DEPS_ENV=$(mktemp)
 phase "test dependencies and services (scripts/install-test-deps.sh)" \
     bash -c "scripts/install-test-deps.sh > '$DEPS_ENV'"
@@ -29,5 +39,9 @@ rc=0
 WORKERS=${PSLAUNCH_TEST_WORKERS:-2}
 [[ $WORKERS =~ ^[0-9]+$ ]] || { echo "PSLAUNCH_TEST_WORKERS must be a number (0: no workers)" >&2; exit 2; }
 phase "tests (pytest, $WORKERS workers)" .venv/bin/python -m pytest -n "$WORKERS" --dist loadgroup "$@" || rc=$?
-printf '=== total %.1fs, pytest exit code %d\n' "$(awk -v a="$T0" -v b="$(date +%s.%N)" 'BEGIN{print b-a}')" "$rc" >&2
+printf '=== total %.1fs, lint exit code %d, pytest exit code %d\n' \
+    "$(awk -v a="$T0" -v b="$(date +%s.%N)" 'BEGIN{print b-a}')" "$lint_rc" "$rc" >&2
+if [ "$rc" -eq 0 ] && [ "$lint_rc" -ne 0 ]; then
+    rc=1  # the tests passed, the lint did not
+fi
 exit $rc
