@@ -295,7 +295,7 @@ def load_drmaa(environ: Mapping[str, str] = os.environ) -> Any:
     """Import the ``drmaa`` package, or raise a one-line :class:`BackendUnavailableError`."""
     if importlib.util.find_spec("drmaa") is None:
         raise BackendUnavailableError("the sge backend needs the drmaa package: "
-                                      "pip install 'pslaunch[sge]' (drmaa==0.7.9)")
+                                      "pip install '.[sge]' in your clone of pslaunch (drmaa==0.7.9)")
     problem = environment_problem(environ)
     if problem:
         raise BackendUnavailableError(problem)

@@ -307,7 +307,7 @@ def dependency_problem(environ: Mapping[str, str], *, has_skein: bool,
     """What the launching host lacks for skein, as one line; ``None`` if nothing."""
     which = which or shutil.which
     if not has_skein:
-        return "the yarn backend needs skein: pip install 'pslaunch[yarn]' (skein>=0.8)"
+        return "the yarn backend needs skein: pip install '.[yarn]' in your clone of pslaunch (skein>=0.8)"
     java_home = environ.get(JAVA_HOME, "")
     if java_home:
         if not exists(os.path.join(java_home, "bin", "java")):

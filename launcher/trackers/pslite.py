@@ -66,7 +66,7 @@ LINGER = 5.0
 #: how long a connection to a node may take to open, in seconds
 CONNECT_TIMEOUT = 30.0
 #: what to install for this program
-INSTALL = "pip install 'pslaunch[pslite]' (or pip install pyzmq)"
+INSTALL = "pip install '.[pslite]' in your clone of pslaunch (or pip install pyzmq)"
 
 
 class WireError(Exception):

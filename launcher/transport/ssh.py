@@ -71,7 +71,8 @@ def require_paramiko() -> None:
         import paramiko  # noqa: F401
     except ImportError:
         raise BackendUnavailableError(
-            "the ssh backend needs paramiko: pip install 'pslaunch[ssh]' (or pip install paramiko)") from None
+            "the ssh backend needs paramiko: pip install '.[ssh]' in your clone of pslaunch "
+            "(or pip install paramiko)") from None
 
 
 class SSHConnectError(LaunchError):

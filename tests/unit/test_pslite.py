@@ -154,10 +154,11 @@ def test_without_pyzmq_the_scheduler_says_what_to_install(monkeypatch: pytest.Mo
     monkeypatch.setitem(sys.modules, "zmq", None)  # (Python's own way to make an import fail)
     assert pslite.main(_ENV) == 1
     assert capsys.readouterr().err == ("pslaunch scheduler: error: the builtin scheduler needs pyzmq (import of zmq "
-                                       "halted; None in sys.modules): pip install 'pslaunch[pslite]' (or pip install "
-                                       "pyzmq)\n")
+                                       "halted; None in sys.modules): pip install '.[pslite]' in your clone of "
+                                       "pslaunch (or pip install pyzmq)\n")
     with pytest.raises(BackendUnavailableError, match=r"^--scheduler builtin needs pyzmq: pip install "
-                                                      r"'pslaunch\[pslite\]' \(or pip install pyzmq\)$"):
+                                                      r"'\.\[pslite\]' in your clone of pslaunch "
+                                                      r"\(or pip install pyzmq\)$"):
         pslite.require_pyzmq()
 
 
@@ -169,5 +170,5 @@ def test_without_pyzmq_a_builtin_job_is_one_line_before_anything_starts(tmp_path
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     assert one_line_error(r.stderr) == ("pslaunch: error: --scheduler builtin needs pyzmq: pip install "
-                                        "'pslaunch[pslite]' (or pip install pyzmq)")
+                                        "'.[pslite]' in your clone of pslaunch (or pip install pyzmq)")
     assert not mark.exists()

@@ -235,7 +235,8 @@ def test_environment_problems_say_what_to_set() -> None:
 
 def test_missing_drmaa_package(monkeypatch) -> None:
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(BackendUnavailableError, match=r"pip install 'pslaunch\[sge\]' \(drmaa==0.7.9\)"):
+    with pytest.raises(BackendUnavailableError,
+                       match=r"pip install '\.\[sge\]' in your clone of pslaunch \(drmaa==0.7.9\)"):
         sge.load_drmaa({})
 
 

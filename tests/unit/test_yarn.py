@@ -317,7 +317,7 @@ def test_dependency_problems_are_one_line() -> None:
     ok_files = ["/opt/hadoop/bin/yarn"]
     assert _problem(ok_env, files=ok_files) is None
     assert _problem(ok_env, has_skein=False, files=ok_files) == \
-        "the yarn backend needs skein: pip install 'pslaunch[yarn]' (skein>=0.8)"
+        "the yarn backend needs skein: pip install '.[yarn]' in your clone of pslaunch (skein>=0.8)"
     assert _problem(ok_env, java=False, files=ok_files).startswith(
         "skein's driver needs Java: install a JDK (the one your Hadoop supports) and put java on PATH or set JAVA_HOME")
     assert _problem({**ok_env, "JAVA_HOME": "/opt/jdk"}, java=True, files=ok_files) == \
@@ -556,7 +556,8 @@ def test_check_reports_missing_dependencies(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     spec = JobSpec(command=("x",), num_workers=1, num_servers=0, launcher="yarn", workdir=str(tmp_path))
     backend = yarn.YarnBackend(spec, Console(stdout=io.BytesIO(), stderr=io.BytesIO()), None)
-    with pytest.raises(BackendUnavailableError, match=r"needs skein: pip install 'pslaunch\[yarn\]'"):
+    with pytest.raises(BackendUnavailableError,
+                       match=r"needs skein: pip install '\.\[yarn\]' in your clone of pslaunch"):
         backend.check()
 
 
