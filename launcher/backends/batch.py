@@ -1,4 +1,4 @@
-"""What every batch-system backend shares (sge, yarn): tasks, the task file, the hub, the follower.
+"""What the batch-system backends (sge, yarn, slurm) share: tasks, the task file, the hub, the follower.
 
 A batch system decides where and when the tasks run. The launcher writes one task file (mode
 0600: the job's variables, the secret among them, never go into the job's description), submits
@@ -14,7 +14,7 @@ the tasks through the system's API, and then learns about them two ways:
 A subclass provides the system's part: :meth:`~BatchBackend.submit`,
 :meth:`~BatchBackend.poll_once`, :meth:`~BatchBackend.cancel`, :meth:`~BatchBackend.release`
 and what its tasks look like (:meth:`~BatchBackend.describe_pending`); the rest (task file,
-hub, records, the wait until every task runs, signals, teardown) is here.
+hub, the agents' frames, the wait until every task runs, signals, teardown) is here.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def write_private_json(path: str, doc: Mapping[str, Any]) -> None:
 
 
 class BatchTask(RemoteProcess):
-    """One task of a batch job. Its state is kept by its backend: records from its agent, and the
+    """One task of a batch job. Its state is kept by its backend: frames from its agent, and the
     batch system's view from the follower thread.
 
     Attributes:

@@ -22,9 +22,9 @@ the role), which works out ``DMLC_NODE_HOST`` on its node and runs the command u
 agent. The agent connects back to the launcher's hub (``launcher.backends.batch``): start,
 output and exit code arrive as they happen, and the launcher stops processes gracefully and
 makes them dump their stacks through it, which srun cannot do (it SIGKILLs its tasks on
-SIGTERM). An agent that cannot connect writes the same records to its stdout instead
-(``--in-band``), which srun relays: nothing is lost, only graceful stops go through
-``scancel --signal``.
+SIGTERM). An agent that cannot connect writes the same frames in-band to its stdout and
+stderr instead (``--in-band``: transport c of :mod:`launcher.node.protocol`), which srun
+relays: nothing is lost, only graceful stops go through ``scancel --signal``.
 
 **The environment.** srun carries the launcher's environment to the tasks (Slurm's default,
 ``--export=ALL``: loaded modules and virtual environments work as they do with srun), straight

@@ -487,7 +487,8 @@ class SSHProcess(RemoteProcess):
 
 
 class SSHGroup(ProcGroup):
-    """The processes of an ssh job: a signal is one kill command per host, for all its groups at once."""
+    """The processes of an ssh job: a signal is one write per host to its wrapper, an ``X`` frame per
+    running process (:meth:`RemoteHost.signal`), and the wrapper signals their groups."""
 
     def _each_host(self, signame: str) -> None:
         by_host: dict[int, tuple[RemoteHost, list[SSHProcess]]] = {}

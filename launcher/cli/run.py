@@ -166,8 +166,9 @@ _CORE_PARAMS = len(run_command.params)
 
 
 def with_backend_options() -> click.Command:
-    """:data:`run_command` with every backend's options as well (importing every backend module:
-    about 14 ms, a sixth of a job's start). ``--help``, a YAML config and tests want them all."""
+    """:data:`run_command` with every backend's options as well (it imports every backend
+    module, which a plain job's command line does not need). ``--help``, a YAML config and tests
+    want them all."""
     if len(run_command.params) == _CORE_PARAMS:
         add_backend_options(run_command, ((cls.name, cls.options) for cls in backends.classes()))
     return run_command

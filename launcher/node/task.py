@@ -21,10 +21,11 @@ hub (the task file's ``hub``), the task's start, output and exit code reach the 
 once, and the launcher can stop it gracefully or make it dump its stacks, which a batch
 system's own controls cannot do. The output is also written to the task's own stdout and
 stderr (the batch system's files keep it), unless ``--no-tee``. Without a connection the task
-still runs, its output only in those files; with ``--in-band`` its records (start, output,
-exit) go to its stdout instead, for a launcher that reads the task's output as it is
-written (``srun`` relays it). The wrapper exits with the command's exit code (128+N for signal N;
-127 when it does not exist, 126 when it cannot be executed).
+still runs, its output only in those files; with ``--in-band`` its frames (start, output,
+exit) go in-band to its stdout and stderr instead (transport c of :mod:`.protocol`), for a
+launcher that reads the task's output as it is written (``srun`` relays it). The wrapper
+exits with the command's exit code (128+N for signal N; 127 when it does not exist, 126 when
+it cannot be executed).
 
 Task file (JSON)::
 
@@ -69,7 +70,7 @@ TASK_FILE_VERSION = 2
 SGE_TASK_ID = "SGE_TASK_ID"
 SGE_JOB_ID = "JOB_ID"
 SKEIN_CONTAINER_ID = "SKEIN_CONTAINER_ID"
-# Slurm: the task's rank within its job step (0-based), and the step's id for the start record.
+# Slurm: the task's rank within its job step (0-based), and the step's id for the start frame (p).
 SLURM_PROCID = "SLURM_PROCID"
 SLURM_JOB_ID = "SLURM_JOB_ID"
 SLURM_STEP_ID = "SLURM_STEP_ID"
@@ -236,7 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-tee", action="store_true",
                     help="while connected, do not also write the output to this task's own stdout/stderr")
     ap.add_argument("--in-band", action="store_true",
-                    help="without a connection, write records (start, output, exit) to stdout")
+                    help="without a connection, write the frames (start, output, exit) in-band "
+                         "to stdout and stderr")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND... (else the task file's argv)")
     a = ap.parse_args(argv)
     try:

@@ -2,8 +2,8 @@
 
 A backend starts the servers and workers and returns a :class:`ProcGroup`: one
 :class:`ProcessHandle` per process, and the way to signal them all at once (one ``mpirun``,
-one YARN application, one kill command per ssh host: each backend knows its own). The
-supervisor polls the handles (:meth:`ProcessHandle.poll`), signals the groups
+one YARN application, one write of signal frames to each ssh host's wrapper: each backend
+knows its own). The supervisor polls the handles (:meth:`ProcessHandle.poll`), signals the groups
 (:meth:`ProcGroup.terminate`, :meth:`~ProcGroup.kill`, :meth:`~ProcGroup.dump_stacks`) and
 reads each handle's :meth:`~ProcessHandle.record` for the report.
 """

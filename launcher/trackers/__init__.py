@@ -1,6 +1,9 @@
 """Trackers: the service a collective job's workers find each other through (``--tracker``).
 
-A parameter-server job (``--tracker ps``) has its scheduler, a process of the job. The other
+A parameter-server job (``--tracker ps``) has its scheduler, a process of the job, not a
+:class:`Tracker`: the job's own command (``--scheduler command``) or pslaunch's ps-lite
+scheduler, :mod:`.pslite` (``--scheduler builtin``: ps-lite's rules over pyzmq, run with the
+launcher's Python as ``node.command("pslite")``; it lives here because it needs pyzmq). The other
 trackers are services the launcher runs for one job, where the ps scheduler would run: on this
 machine, on the scheduler's address (:mod:`launcher.run.addresses`) and a free port of
 ``--port-range``. Each is a child process run with the tracker Python (``--tracker-python``;
