@@ -23,7 +23,7 @@ from launcher.backends.mpi.command import MPIImpl, build_mpirun_argv, rank_layou
 from launcher.cli import run
 from launcher.errors import BackendUnavailableError, ConfigError
 from launcher.node import mpi_wire, protocol
-from launcher.node.agent import Agent
+from launcher.node.agent import Agent, machine
 from launcher.node.protocol import EXIT, STARTED, STDERR, STDOUT
 from launcher.spec.job import Host, JobSpec, Role
 from launcher.spec.plan import ProcSpec, build_plan
@@ -419,6 +419,15 @@ def _job(n: int = 2, s: int = 1):
     job.attach(ranks)
     job.popen = _FakePopen()
     return job, ranks, out, err
+
+
+def test_a_rank_runs_here_when_its_agent_reports_this_boot_and_pid_namespace() -> None:
+    job = _job()[0]
+    here = machine()  # (what each rank's agent sends in its start frame)
+    assert job.is_this_machine(here)
+    assert not job.is_this_machine({**here, "pidns": here["pidns"] + 1})  # (a container here)
+    assert not job.is_this_machine({**here, "boot": "another kernel"})
+    assert not job.is_this_machine({"host": here["host"]})  # (an agent that could not read /proc)
 
 
 def test_demux_routes_records_to_ranks_and_the_rest_to_mpirun() -> None:

@@ -20,6 +20,7 @@ import time
 from typing import Any, Mapping, Optional, Sequence
 
 from ...node import protocol
+from ...node.agent import machine
 from ...node.procgroup import group_alive
 from ...node.watchdog import Client as Watchdog
 from ...node.watchdog import remove_matching
@@ -37,16 +38,6 @@ OUTPUT_DRAIN_WAIT = 5.0
 MPIRUN_EXIT_WAIT = 30.0
 # A longer run of bytes without a newline in mpirun's output cannot be a frame (those are short): cut there.
 MAX_UNTERMINATED = 64 * 1024
-
-
-def this_machine() -> tuple[Optional[str], Optional[int]]:
-    """``(boot id, pid namespace)``: a pid a rank reports is ours if both match."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            boot = f.read().strip()
-        return boot, os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return None, None
 
 
 class MPIRank(RemoteProcess):
@@ -146,7 +137,7 @@ class MPIJob:
         self._lock = threading.Lock()
         self._buffers = {False: b"", True: b""}
         self._signalled: set[str] = set()
-        self._machine = this_machine()
+        self._machine = machine()  # (what each rank's agent reports of its own)
         self._all_done_at: Optional[float] = None
         self._lingered = False
         self._out_closed = threading.Event()
@@ -162,8 +153,8 @@ class MPIJob:
 
     def is_this_machine(self, info: Mapping[str, Any]) -> bool:
         """A pid the rank reported is one of ours if it shares our kernel and pid namespace."""
-        boot, pidns = self._machine
-        return boot is not None and info.get("boot") == boot and info.get("pidns") == pidns
+        boot, pidns = self._machine.get("boot"), self._machine.get("pidns")
+        return boot is not None and pidns is not None and info.get("boot") == boot and info.get("pidns") == pidns
 
     # -- mpirun's output --------------------------------------------------------------
 
