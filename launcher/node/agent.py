@@ -83,7 +83,7 @@ class AgentError(Exception):
 
 
 #: Signals that arrived, oldest first; acted on by the agent (see :func:`catch_signals`).
-PENDING = []
+PENDING = []  # type: list[int]
 
 
 def _on_signal(signum, frame):
