@@ -9,10 +9,10 @@
   the interface is called. This is the form to use when names differ between
   hosts.
 
-This file depends on the standard library only and runs on its own
-(``python3 netif.py SPEC`` prints JSON), so the ssh backend can send it to a
-host where nothing is installed and resolve the interface there; ``pslaunch
-doctor`` embeds it in its remote checks.
+This file depends on the standard library only: it travels in the bundle the
+node programs run from (``launcher/node``), so a host where nothing is installed
+resolves its own interface (the agent's interface request, the doctor's probe).
+It also runs on its own: ``python3 netif.py SPEC`` prints JSON.
 """
 
 from __future__ import annotations

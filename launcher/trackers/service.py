@@ -42,6 +42,12 @@ DROPS_NOTED = 5  # dropped connections that the rabit tracker's log names; the r
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
+def _line(value: Any) -> str:
+    """A tracker program's text as one line for the console: no control characters (a task id
+    or an error may come from the network), no line breaks."""
+    return _CONTROL.sub("?", str(value)).replace("\n", " ")
+
+
 # --- a tracker in a child process ----------------------------------------------------------------
 
 
@@ -171,7 +177,7 @@ class _ChildService(Tracker):
     def _failed(self, child: _Child) -> Optional[str]:
         event = child.event("failed")
         if event is not None:
-            return str(event.get("error") or "failed")
+            return _line(event.get("error") or "failed")
         code = child.exit_code()
         if code is not None and not child.stopping and child.event("done") is None:
             tail = child.stderr_tail()
@@ -254,7 +260,7 @@ class RabitService(_XGBoostTracker):
         self.joined: Optional[dict] = None  # the "joined" event: every worker has its rank and links
         self.prints = 0
         self.dropped = 0  # connections it dropped (not rabit, or broken)
-        self.stand_in = False  # no XGBoost: the program's stand-in holds the port
+        self.stand_in = False  # the program's stand-in holds the port (its Python cannot run the tracker)
 
     def _python(self) -> str:
         """The tracker Python; where it is not here and no ``--tracker-python`` was given, the
@@ -270,8 +276,8 @@ class RabitService(_XGBoostTracker):
     def _listening(self, event: dict) -> None:
         if event.get("stand_in"):
             self.stand_in = True
-            log.debug("rabit tracker: %s has no XGBoost; a stand-in (pid %s) holds %s:%d and ends the job with what "
-                      "to install if a worker asks it for a rank", python_for(self.spec), self.pid, self.address,
+            log.debug("rabit tracker: %s; a stand-in (pid %s) holds %s:%d and ends the job with that if a worker "
+                      "asks it for a rank", _line(event["stand_in"]), self.pid, self.address,
                       self.port)
             return
         log.debug("rabit tracker: XGBoost %s's tracker (pid %s) listens on %s:%d for %d workers",
@@ -288,20 +294,20 @@ class RabitService(_XGBoostTracker):
         elif kind == "joined":
             self.joined = event
             ranks = event.get("ranks") or []
-            table = ", ".join(f"rank {r} = task {t} on {h}" for r, t, h in ranks) if len(ranks) <= 16 else ""
+            table = _line(", ".join(f"rank {r} = task {t} on {h}" for r, t, h in ranks)) if len(ranks) <= 16 else ""
             log.debug("rabit tracker: all %d workers joined in %.2f s%s", len(ranks), float(event.get("seconds", 0)),
                       f": {table}" if table else "")
         elif kind == "dropped":
             self.dropped += 1
             if self.dropped <= DROPS_NOTED:
-                log.info("rabit tracker: dropped %s", event.get("error"))
+                log.info("rabit tracker: dropped %s", _line(event.get("error")))
             elif self.dropped == DROPS_NOTED + 1:
                 log.info("rabit tracker: more connections dropped; counting them without a note")
         elif kind == "log":
-            log.debug("rabit tracker: %s", event.get("text"))
+            log.debug("rabit tracker: %s", _line(event.get("text")))
         elif kind == "failed" and self.port and not self.stand_in:
             # (said now: a worker that fails with it may be the job's report; the stand-in's holds its worker)
-            log.info("rabit tracker: %s", event.get("error"))
+            log.info("rabit tracker: %s", _line(event.get("error")))
 
     def close(self) -> None:
         if self.child is None or self._closed:

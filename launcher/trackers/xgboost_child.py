@@ -25,7 +25,7 @@ the range it can bind, then writes JSON lines on its stdout, one object each:
           rank = xgboost.collective.get_rank()  # shard the data by this
 * ``{"event": "done"}`` when every worker has finished (exit code 0), or
   ``{"event": "failed", "error": "..."}`` (exit code 1; 2 when it could not start: no xgboost
-  (``--tracker xgboost``), an xgboost of the other protocol, no free port).
+  or an xgboost of the other protocol (``--tracker xgboost``), no free port).
 
 Nothing else goes to stdout: the file descriptor is moved aside before xgboost is imported,
 and whatever xgboost or (2.1+) the workers' ``communicator_print`` messages write goes to
@@ -72,11 +72,13 @@ use, and which take most of a second to import), and run with these changes:
 
 The stand-in
 ------------
-``--tracker rabit`` with a Python that has no xgboost at all does not fail at once: many ``-s 0``
+``--tracker rabit`` with a Python that cannot run dmlc's tracker (no xgboost at all, XGBoost 2.1+,
+or an XGBoost whose tracker this program does not know) does not fail at once: many ``-s 0``
 jobs are "N workers, no servers" whose programs never talk to the tracker (a shell script, a
 probe), and launch.py's tracker simply listened for them. So a stand-in of a few lines holds the
-tracker's port (``{"event": "listening", ..., "xgboost": null, "stand_in": true}``) until the
-launcher closes stdin (``stopped``, exit code 0), and says why a rabit job cannot go on when a
+tracker's port (``{"event": "listening", ..., "xgboost": "3.0.2" or null, "stand_in": "why it
+cannot run the tracker, and what to do"}``) until the launcher closes stdin (``stopped``, exit
+code 0), and says why a rabit job cannot go on when a
 worker asks it for a rank: a connection whose first 4 bytes are rabit's magic number (dmlc's
 ``MAGIC_NUM``, 0xff99 as a 32-bit int in the machine's byte order, the first thing every rabit
 worker, XGBoost 2.1+'s too, sends and then waits to see echoed). It echoes the magic, reads what
@@ -107,6 +109,8 @@ from typing import Any, Callable
 
 #: the longest string (task id, command, print message) a rabit worker may send
 MAX_STRING = 4 << 20
+#: the longest task id (launch.py's tracker took 1 KiB): longer is not a worker's
+MAX_TASK_ID = 1024
 _COMMANDS = ("start", "recover", "print", "shutdown")
 
 
@@ -261,9 +265,11 @@ def _serve(out, wait, linger: bool = False) -> int:
 
 
 def _rabit(out, n_workers: int, host: str, low: int, high: int, header_timeout: float) -> int:
+    install = ("install xgboost 2.0 or older there (pip install 'xgboost<2.1') or give --tracker-python a Python "
+               "that has it")
     spec = importlib.util.find_spec("xgboost")
     if spec is None or not spec.submodule_search_locations:
-        return _stand_in(out, host, low, high, header_timeout)
+        return _stand_in(out, host, low, high, header_timeout, None, f"{sys.executable} has no XGBoost: {install}")
     package = spec.submodule_search_locations[0]
     try:  # where xgboost reads its own version (core._py_version)
         with open(os.path.join(package, "VERSION"), encoding="ascii") as f:
@@ -273,10 +279,8 @@ def _rabit(out, n_workers: int, host: str, low: int, high: int, header_timeout: 
 
         version = xgboost.__version__
     if _major_minor(version) >= (2, 1):
-        _emit(out, event="failed", error=f"xgboost {version} at {sys.executable} speaks XGBoost 2.1+'s tracker "
-                                         "protocol, which this rabit tracker does not: run the job with --tracker "
-                                         "xgboost (or give --tracker-python a Python with xgboost 2.0 or older)")
-        return 2
+        return _stand_in(out, host, low, high, header_timeout, version,
+                         f"xgboost {version} at {sys.executable} has only XGBoost 2.1+'s tracker: {install}")
     path = os.path.join(package, "tracker.py")
     try:
         file_spec = importlib.util.spec_from_file_location("dmlc_tracker", path)
@@ -286,10 +290,9 @@ def _rabit(out, n_workers: int, host: str, low: int, high: int, header_timeout: 
         file_spec.loader.exec_module(dmlc)
         tracker_class = _adapt(dmlc, out, n_workers, header_timeout)
     except Exception as e:  # (an XGBoost older than this program knows: no WorkerEntry, ...)
-        _emit(out, event="failed", error=f"xgboost {version} at {sys.executable} has no rabit tracker this program "
-                                         f"can run ({path}: {_first_line(e)}): install xgboost 2.0 there "
-                                         "(pip install 'xgboost==2.0.*')")
-        return 2
+        return _stand_in(out, host, low, high, header_timeout, version,
+                         f"xgboost {version} at {sys.executable} has no rabit tracker this program can run ({path}: "
+                         f"{_first_line(e)}): install xgboost 2.0 there (pip install 'xgboost==2.0.*')")
 
     class Forward(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
@@ -372,6 +375,8 @@ def _adapt(dmlc, out, n_workers: int, header_timeout: float) -> type:
             """Raise for a request that dmlc's tracker would stop on (an assert) or hang for."""
             if self.cmd not in _COMMANDS:
                 raise ValueError(f"unknown command {self.cmd[:32]!r}")
+            if len(self.task_id) > MAX_TASK_ID:
+                raise ValueError(f"a task id of {len(self.task_id)} characters")
             if self.cmd == "shutdown":
                 if self.rank not in Tracker.joined or self.rank in Tracker.shut_down:
                     raise ValueError(f"a shutdown for rank {self.rank}, which has no links or has shut down")
@@ -386,7 +391,8 @@ def _adapt(dmlc, out, n_workers: int, header_timeout: float) -> type:
 
         def print(self, use_logger: bool) -> None:
             try:
-                _emit(out, event="print", text=self.sock.recvstr().strip())
+                text = self.sock.recvall(self.sock.recvint()).decode("utf-8", "replace")
+                _emit(out, event="print", text=text.strip())
             except (OSError, EOFError, ValueError) as e:
                 _emit(out, event="dropped", error=f"a print from {self.host}: {_first_line(e)}")
 
@@ -416,7 +422,11 @@ def _adapt(dmlc, out, n_workers: int, header_timeout: float) -> type:
             Tracker.started = time.monotonic()
 
         def _sort_pending(self, pending: list) -> list:
-            return sorted(pending, key=lambda s: (0, int(s.task_id), "") if s.task_id.isdigit() else (1, 0, s.host))
+            def key(s) -> tuple:  # (task ids in number order, then the rest by host)
+                numeric = s.task_id.isascii() and s.task_id.isdigit()
+                return (0, int(s.task_id), "") if numeric else (1, 0, s.host)
+
+            return sorted(pending, key=key)
 
     dmlc.ExSocket, dmlc.WorkerEntry = Socket, Entry
     return Tracker
@@ -428,7 +438,10 @@ def _adapt(dmlc, out, n_workers: int, header_timeout: float) -> type:
 RABIT_MAGIC = struct.pack("@i", 0xFF99)
 
 
-def _stand_in(out, host: str, low: int, high: int, header_timeout: float) -> int:
+def _stand_in(out, host: str, low: int, high: int, header_timeout: float, version: str | None,
+              cannot: str) -> int:
+    """Hold the tracker's port for a job whose tracker Python cannot run dmlc's tracker
+    (``cannot`` says why, and what to do, to the first XGBoost 2.0 worker that asks)."""
     def listen(port: int) -> socket.socket:
         return socket.create_server((host, port), family=socket.getaddrinfo(host, None)[0][0], backlog=256)
 
@@ -455,9 +468,7 @@ def _stand_in(out, host: str, low: int, high: int, header_timeout: float) -> int
         held.append(sock)
         why.append(f"the worker at {addr[0]} speaks XGBoost 2.1+'s tracker protocol, which this rabit tracker "
                    "does not: run the job with --tracker xgboost" if request[4:6] == b'{"' else
-                   f"the worker at {addr[0]} asked for its rank, but {sys.executable} has no XGBoost: install "
-                   "xgboost 2.0 or older there (pip install 'xgboost<2.1') or give --tracker-python a Python that "
-                   "has it")
+                   f"the worker at {addr[0]} asked for its rank, but {cannot}")
         asked.set()
 
     def accept() -> None:
@@ -474,7 +485,7 @@ def _stand_in(out, host: str, low: int, high: int, header_timeout: float) -> int
         asked.wait()
         raise _Fatal(why[0])
 
-    _emit(out, event="listening", xgboost=None, stand_in=True, pid=os.getpid(),
+    _emit(out, event="listening", xgboost=version, stand_in=cannot, pid=os.getpid(),
           env={"DMLC_TRACKER_URI": host, "DMLC_TRACKER_PORT": str(listener.getsockname()[1])})
     return _serve(out, wait, linger=True)
 

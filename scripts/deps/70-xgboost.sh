@@ -3,7 +3,7 @@
 # that neither the project's .venv nor the launcher ever imports xgboost:
 #   .venv-xgb20  xgboost 2.0.3: the last release whose rabit engine speaks dmlc's
 #                tracker protocol and reads DMLC_TRACKER_URI/PORT itself
-#                (launcher/trackers/rabit.py serves it);
+#                (its own tracker.py, run by xgboost_child.py --tracker rabit);
 #   .venv-xgb30  xgboost 3.0.x: the new tracker protocol, served by its own
 #                xgboost.tracker.RabitTracker (launcher/trackers/xgboost_child.py).
 # 3.0 is installed as the xgboost-cpu wheel: the same `xgboost` package without

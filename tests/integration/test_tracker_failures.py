@@ -119,10 +119,17 @@ def test_an_xgboost3_worker_under_the_rabit_tracker_is_told_which_tracker(tmp_pa
         pytest.skip("the XGBoost 3.0 venv is missing (run scripts/deps/70-xgboost.sh)")
     hint = ("speaks XGBoost 2.1+'s tracker protocol, which this rabit tracker does not: "
             "run the job with --tracker xgboost")
-    # the tracker Python (the command's) has XGBoost 3.0: said before any worker starts
+    # the tracker Python (the command's) has XGBoost 3.0: a program that never asks for a rank runs,
+    # and the stand-in tells the first worker that asks which tracker to use
     r = run_pslaunch("-n", "2", "-s", "0", "--kill-grace", "2", python, *probe()[1:], timeout=100)
+    assert r.returncode == 0, r.stderr
+    assert sorted(read_probes(probe.dir)) == ["worker-0", "worker-1"]
+    r = run_pslaunch("-n", "2", "-s", "0", "--kill-grace", "2", python, str(BIN / "xgb_worker.py"), "--api", "args",
+                     "--out", str(tmp_path), timeout=100)
     assert r.returncode == 1, r.stderr
-    assert hint in one_line_error(r.stderr) and read_probes(probe.dir) == {}
+    errors = [x for x in r.stderr.splitlines() if x.startswith("pslaunch: error: ")]
+    assert len(errors) == 1 and errors[0].startswith("pslaunch: error: the rabit tracker (on localhost, pid "), r.stderr
+    assert errors[0].endswith(f": the worker at 127.0.0.1 {hint}"), r.stderr
     # XGBoost 2.0's tracker (--tracker-python) and 3.0 workers: said when the first one connects
     xgb20 = xgboost_python("2.0")
     if xgb20 is None:

@@ -97,14 +97,16 @@ NO_XGBOOST = (f"asked for its rank, but {sys.executable} has no XGBoost: install
 
 
 class StandIn:
-    """``xgboost_child.py --tracker rabit`` run with this venv's Python (no xgboost), stdin a pipe."""
+    """``xgboost_child.py --tracker rabit`` run with this venv's Python (no xgboost, unless ``env``
+    puts a fake one on the path), stdin a pipe."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict | None = None, xgboost: str | None = None) -> None:
         self.proc = subprocess.Popen([*CHILD, "--tracker", "rabit", "--n-workers", "2", "--host-ip", "127.0.0.1",
-                                      *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                      *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.events: list[dict] = []
         listening = self.next()
-        assert listening["event"] == "listening" and listening["xgboost"] is None and listening["stand_in"]
+        assert listening["event"] == "listening" and listening["xgboost"] == xgboost and listening["stand_in"]
+        self.why = listening["stand_in"]  # what the first worker that asks hears
         self.port = int(listening["env"]["DMLC_TRACKER_PORT"])
 
     def next(self) -> dict:
@@ -200,21 +202,26 @@ def fake_xgboost(site: Path, version: str, tracker_py: str = "") -> dict:
     return {**os.environ, "PYTHONPATH": str(site)}
 
 
-def test_an_xgboost_of_the_new_protocol_is_told_to_use_the_xgboost_tracker(tmp_path: Path) -> None:
-    code, events, _ = run_child("--tracker", "rabit", env=fake_xgboost(tmp_path, "3.0.2"))
-    assert code == 2 and [e["event"] for e in events] == ["failed"]
-    assert events[0]["error"] == (f"xgboost 3.0.2 at {sys.executable} speaks XGBoost 2.1+'s tracker protocol, which "
-                                  "this rabit tracker does not: run the job with --tracker xgboost (or give "
-                                  "--tracker-python a Python with xgboost 2.0 or older)")
+def test_an_xgboost_of_the_new_protocol_runs_the_stand_in(tmp_path: Path) -> None:
+    # (a job of workers that never ask runs; one that asks hears what to install, or which tracker)
+    child = StandIn(env=fake_xgboost(tmp_path, "3.0.2"), xgboost="3.0.2")
+    cannot = (f"xgboost 3.0.2 at {sys.executable} has only XGBoost 2.1+'s tracker: install xgboost 2.0 or older "
+              "there (pip install 'xgboost<2.1') or give --tracker-python a Python that has it")
+    assert child.why == cannot
+    worker = child.ask(struct.pack("@ii", -1, 2))
+    assert child.next() == {"event": "failed", "error": f"the worker at 127.0.0.1 asked for its rank, but {cannot}"}
+    assert child.stop() == 1
+    worker.close()
 
 
-def test_an_xgboost_without_dmlcs_tracker_is_one_event(tmp_path: Path) -> None:
+def test_an_xgboost_without_dmlcs_tracker_runs_the_stand_in(tmp_path: Path) -> None:
     # (the version adapter knows XGBoost 2.0's tracker.py: RabitTracker, WorkerEntry, ExSocket)
     env = fake_xgboost(tmp_path, "1.2.0", "class RabitTracker:\n    pass\n")
-    code, events, _ = run_child("--tracker", "rabit", env=env)
-    assert code == 2 and [e["event"] for e in events] == ["failed"]
-    assert events[0]["error"].startswith(f"xgboost 1.2.0 at {sys.executable} has no rabit tracker this program can "
-                                         f"run ({tmp_path}/xgboost/tracker.py: ")
+    child = StandIn(env=env, xgboost="1.2.0")
+    assert child.why.startswith(f"xgboost 1.2.0 at {sys.executable} has no rabit tracker this program can run "
+                                f"({tmp_path}/xgboost/tracker.py: ")
+    assert child.why.endswith("): install xgboost 2.0 there (pip install 'xgboost==2.0.*')")
+    assert child.stop() == 0
 
 
 def rabit_service(console: Console, **kw) -> service.RabitService:
@@ -223,14 +230,16 @@ def rabit_service(console: Console, **kw) -> service.RabitService:
     return service.RabitService(spec, console, None)
 
 
-def test_the_rabit_tracker_that_cannot_start_is_one_line_and_leaves_nothing(tmp_path: Path) -> None:
-    env = fake_xgboost(tmp_path, "3.0.2")  # (the tracker Python's XGBoost speaks the other protocol)
-    tracker = rabit_service(Console(io.BytesIO(), io.BytesIO(), color=False), env=(("PYTHONPATH", env["PYTHONPATH"]),))
-    with pytest.raises(LaunchError) as e:
-        tracker.start("127.0.0.1")
-    assert str(e.value) == (f"the rabit tracker cannot start: xgboost 3.0.2 at {sys.executable} speaks XGBoost 2.1+'s "
-                            "tracker protocol, which this rabit tracker does not: run the job with --tracker xgboost "
-                            "(or give --tracker-python a Python with xgboost 2.0 or older)")
+def test_the_rabit_tracker_that_cannot_start_is_one_line_and_leaves_nothing() -> None:
+    with socket.socket() as taken:  # the whole --port-range
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        tracker = rabit_service(Console(io.BytesIO(), io.BytesIO(), color=False), port_range=(port, port))
+        with pytest.raises(LaunchError) as e:
+            tracker.start("127.0.0.1")
+    assert str(e.value) == (f"the rabit tracker cannot start: no free port in {port}-{port} on 127.0.0.1: widen "
+                            "--port-range")
     tracker.close()
     assert tracker.child is not None and tracker.child.popen.returncode == 2  # reaped
 
@@ -281,6 +290,21 @@ def test_the_rabit_tracker_shows_prints_and_notes_what_it_dropped(caplog) -> Non
                          "rabit tracker: dropped a connection from 10.0.0.1: bad"]
     assert notes[service.DROPS_NOTED:] == ["rabit tracker: more connections dropped; counting them without a note"]
     assert (tracker.prints, tracker.dropped) == (2, service.DROPS_NOTED + 3)
+
+
+def test_what_a_worker_sent_reaches_the_console_as_one_line_without_control_characters(caplog) -> None:
+    # (a task id or a host name in the tracker's words comes from whoever connected)
+    tracker = rabit_service(Console(io.BytesIO(), io.BytesIO(), color=False))
+    tracker.port = 9091
+    evil = "the worker with task id \x1b]0;owned\x07\x1b[2J\npslaunch: error: forged (10.0.0.1) expects a world of 3"
+    with caplog.at_level("DEBUG"):
+        tracker._event({"event": "failed", "error": evil})
+        tracker._event({"event": "dropped", "error": evil})
+        tracker._event({"event": "joined", "seconds": 0.1, "ranks": [[0, "\x1b[31m0", "h"]]})
+    for record in caplog.records:
+        text = record.getMessage()
+        assert "\x1b" not in text and "\x07" not in text and "\n" not in text, text
+    assert "task id ?]0;owned??[2J pslaunch: error: forged" in caplog.records[0].getMessage()
 
 
 def test_dry_run_lines_show_the_program_the_tracker_python_runs() -> None:
