@@ -51,9 +51,13 @@ use, and which take most of a second to import), and run with these changes:
 * ranks: workers whose ``DMLC_TASK_ID`` is a number come first, in its order, so that
   ``rank == DMLC_TASK_ID`` when the launcher numbers them ``0..N-1`` (dmlc sorts by host
   address, then arrival); the others follow by host;
-* a connection that does not speak the protocol, ends early or is silent for
-  ``--header-timeout`` seconds (30) is dropped and the tracker serves the next one (dmlc's
-  would stop, or spin on a closed socket); strings are at most :data:`MAX_STRING` bytes;
+* every connection's header (the magic number, rank, world size, task id, command) is read by
+  a front door (:class:`_FrontDoor`) on a thread of its own, as launch.py's tracker did, and
+  dmlc's serial loop gets only connections whose whole header has come: one that does not
+  speak the protocol, ends early or has not sent its header within ``--header-timeout``
+  seconds (30) is dropped and holds up nobody (dmlc's tracker would stop, or wait for it, or
+  spin on a closed socket); task ids and commands are at most :data:`MAX_TASK_ID` bytes,
+  print messages :data:`MAX_STRING`;
 * its connections send at once (``TCP_NODELAY``): dmlc sends each int of its replies by itself,
   and Nagle's algorithm held most of them for the worker's delayed ACK (a 4-worker job joined
   0.3 s later);
@@ -78,16 +82,15 @@ jobs are "N workers, no servers" whose programs never talk to the tracker (a she
 probe), and launch.py's tracker simply listened for them. So a stand-in of a few lines holds the
 tracker's port (``{"event": "listening", ..., "xgboost": "3.0.2" or null, "stand_in": "why it
 cannot run the tracker, and what to do"}``) until the launcher closes stdin (``stopped``, exit
-code 0), and says why a rabit job cannot go on when a
-worker asks it for a rank: a connection whose first 4 bytes are rabit's magic number (dmlc's
+code 0), and says why a rabit job cannot go on when a worker asks it for a rank. Its front door
+is the tracker's: a connection whose first 4 bytes are rabit's magic number (dmlc's
 ``MAGIC_NUM``, 0xff99 as a 32-bit int in the machine's byte order, the first thing every rabit
-worker, XGBoost 2.1+'s too, sends and then waits to see echoed). It echoes the magic, reads what
-comes next (XGBoost 2.1+ sends a length and a JSON object, 2.0 two ints) and emits ``failed``: the
-line says what to install or which ``--tracker-python`` to give, or, for a 2.1+ worker, to use
-``--tracker xgboost``. It keeps that worker's connection open and exits (code 1) only when stdin
-closes: a worker whose tracker went away fails at once, and its failure would be the job's report
-instead of this line. Any other connection (one that closes, is silent for ``--header-timeout``
-seconds, or begins with other bytes) is ``dropped``, as the tracker drops it.
+worker, XGBoost 2.1+'s too, sends and then waits to see echoed) is a worker once its header has
+come (XGBoost 2.1+ sends a length and a JSON object instead). The stand-in then emits ``failed``:
+the line says what to install or which ``--tracker-python`` to give, or, for a 2.1+ worker, to
+use ``--tracker xgboost``. It keeps that worker's connection open and exits (code 1) only when
+stdin closes: a worker whose tracker went away fails at once, and its failure would be the job's
+report instead of this line. Any other connection is ``dropped``, as the tracker drops it.
 
 Standard library and xgboost only; nothing from the launcher is imported.
 """
@@ -100,6 +103,7 @@ import importlib.util
 import json
 import logging
 import os
+import queue
 import socket
 import struct
 import sys
@@ -109,7 +113,7 @@ from typing import Any, Callable
 
 #: the longest string (task id, command, print message) a rabit worker may send
 MAX_STRING = 4 << 20
-#: the longest task id (launch.py's tracker took 1 KiB): longer is not a worker's
+#: the longest task id or command in a worker's header (launch.py's tracker took 1 KiB): longer is not a worker's
 MAX_TASK_ID = 1024
 _COMMANDS = ("start", "recover", "print", "shutdown")
 
@@ -336,6 +340,17 @@ def _adapt(dmlc, out, n_workers: int, header_timeout: float) -> type:
         getattr(dmlc.RabitTracker, name)
 
     class Socket(dmlc.ExSocket):
+        def __init__(self, sock) -> None:
+            super().__init__(sock)
+            self.echo_sent = isinstance(sock, _Greeted)  # (the front door has echoed the magic number)
+
+        def sendint(self, value: int) -> None:
+            if self.echo_sent:  # (WorkerEntry's first send is that echo)
+                self.echo_sent = False
+                if value == dmlc.MAGIC_NUM:
+                    return
+            super().sendint(value)
+
         def recvall(self, nbytes: int) -> bytes:
             if not 0 <= nbytes <= MAX_STRING:
                 raise ValueError(f"a string of {nbytes} bytes")
@@ -351,11 +366,7 @@ def _adapt(dmlc, out, n_workers: int, header_timeout: float) -> type:
         def __init__(self, sock, addr) -> None:
             while True:  # until a connection makes a request that the tracker can serve
                 try:
-                    # (dmlc sends each int by itself: without this, Nagle's algorithm holds most of them
-                    # until the worker's delayed ACK, 40 ms each on Linux)
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    sock.settimeout(header_timeout)
-                    super().__init__(sock, addr)
+                    super().__init__(sock, addr)  # (from the front door: its header is here already)
                     self._check()
                     break
                 except _Fatal:
@@ -375,8 +386,6 @@ def _adapt(dmlc, out, n_workers: int, header_timeout: float) -> type:
             """Raise for a request that dmlc's tracker would stop on (an assert) or hang for."""
             if self.cmd not in _COMMANDS:
                 raise ValueError(f"unknown command {self.cmd[:32]!r}")
-            if len(self.task_id) > MAX_TASK_ID:
-                raise ValueError(f"a task id of {len(self.task_id)} characters")
             if self.cmd == "shutdown":
                 if self.rank not in Tracker.joined or self.rank in Tracker.shut_down:
                     raise ValueError(f"a shutdown for rank {self.rank}, which has no links or has shut down")
@@ -410,7 +419,8 @@ def _adapt(dmlc, out, n_workers: int, header_timeout: float) -> type:
             return done
 
     class Tracker(dmlc.RabitTracker):
-        listener: socket.socket  # its socket (from __init__): a dropped connection's entry accepts the next one
+        listener: _FrontDoor  # its socket's front door: a dropped connection's entry accepts the next one
+        sock: Any  # (dmlc's listening socket, then the front door)
         started = 0.0
         joined: dict = {}  # rank -> (rank, task id, host), once its links are set up
         shut_down: set = set()
@@ -418,7 +428,9 @@ def _adapt(dmlc, out, n_workers: int, header_timeout: float) -> type:
 
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
-            Tracker.listener = self.sock
+            door = _FrontDoor(self.sock, out, header_timeout)
+            Tracker.listener = door
+            self.sock = door  # (what its accept_workers accepts from)
             Tracker.started = time.monotonic()
 
         def _sort_pending(self, pending: list) -> list:
@@ -448,51 +460,128 @@ def _stand_in(out, host: str, low: int, high: int, header_timeout: float, versio
     listener = _listen(out, host, low, high, listen)
     if listener is None:
         return 2
-    asked = threading.Event()
-    why: list[str] = []  # what the first asking worker makes of it
-    held: list[socket.socket] = []  # its connection: open until the program exits
-
-    def greet(sock: socket.socket, addr: tuple) -> None:
-        """One connection, on its own thread: a silent stranger holds up nobody."""
-        try:
-            sock.settimeout(header_timeout)
-            first = _recv_exactly(sock, 4)
-            if first != RABIT_MAGIC:
-                raise ValueError(f"invalid magic number={struct.unpack('@i', first)[0]} from {addr[0]}")
-            sock.sendall(RABIT_MAGIC)
-            request = _recv_exactly(sock, 6)  # (2.1+: a length, then JSON; 2.0: rank and world size)
-        except Exception as e:  # (not a rabit worker: the tracker drops it too)
-            _emit(out, event="dropped", error=f"a connection from {addr[0]}: {_first_line(e)}")
-            sock.close()
-            return
-        held.append(sock)
-        why.append(f"the worker at {addr[0]} speaks XGBoost 2.1+'s tracker protocol, which this rabit tracker "
-                   "does not: run the job with --tracker xgboost" if request[4:6] == b'{"' else
-                   f"the worker at {addr[0]} asked for its rank, but {cannot}")
-        asked.set()
-
-    def accept() -> None:
-        while True:
-            try:
-                sock, addr = listener.accept()
-            except OSError:  # (out of descriptors, say: a moment later there may be some)
-                time.sleep(0.1)
-                continue
-            threading.Thread(target=greet, args=(sock, addr), daemon=True).start()
+    door = _FrontDoor(listener, out, header_timeout)
+    held = []  # the first worker that asks: its connection stays open until the program exits
 
     def wait() -> None:
-        threading.Thread(target=accept, daemon=True).start()
-        asked.wait()
-        raise _Fatal(why[0])
+        sock, addr = door.accept()
+        held.append(sock)
+        if sock.head[8:10] == b'{"':
+            raise _Fatal(f"the worker at {addr[0]} speaks XGBoost 2.1+'s tracker protocol, which this rabit "
+                         "tracker does not: run the job with --tracker xgboost")
+        raise _Fatal(f"the worker at {addr[0]} asked for its rank, but {cannot}")
 
     _emit(out, event="listening", xgboost=version, stand_in=cannot, pid=os.getpid(),
           env={"DMLC_TRACKER_URI": host, "DMLC_TRACKER_PORT": str(listener.getsockname()[1])})
     return _serve(out, wait, linger=True)
 
 
-def _recv_exactly(sock: socket.socket, nbytes: int) -> bytes:
+# --- the front door: every connection's header read on its own thread ---------------------------------
+
+#: connections whose headers are being read at once; more are dropped until one is done
+MAX_GREETING = 256
+
+
+class _Greeted:
+    """A worker's connection whose header (``head``: the magic number, rank, world size, task id
+    and command, or up to a 2.1+ worker's JSON) the front door has read: ``recv`` gives those bytes
+    again first, so that dmlc's ``WorkerEntry`` reads them as it would from the socket."""
+
+    def __init__(self, sock: socket.socket, head: bytes) -> None:
+        self.sock, self.head, self._unread = sock, head, head
+
+    def recv(self, nbytes: int) -> bytes:
+        if self._unread:
+            data, self._unread = self._unread[:nbytes], self._unread[nbytes:]
+            return data
+        return self.sock.recv(nbytes)
+
+    def __getattr__(self, name: str) -> Any:  # sendall, settimeout, close, ...
+        return getattr(self.sock, name)
+
+
+class _FrontDoor:
+    """The tracker's listening socket as dmlc's serial accept loop sees it: each connection is
+    greeted on a thread of its own (the magic number read and echoed, then the rest of its header
+    read within ``header_timeout`` seconds in all), so that a silent or slow peer holds up nobody;
+    :meth:`accept` returns the connections whose whole header has come, as :class:`_Greeted`.
+    What is not a rabit worker is ``dropped`` (with why) and closed."""
+
+    def __init__(self, listener: socket.socket, out, header_timeout: float) -> None:
+        self.listener, self.out, self.header_timeout = listener, out, header_timeout
+        self.ready: queue.Queue = queue.Queue()
+        self.greeting = threading.BoundedSemaphore(MAX_GREETING)
+        threading.Thread(target=self._accept, name="rabit-front-door", daemon=True).start()
+
+    def accept(self) -> tuple[_Greeted, Any]:
+        return self.ready.get()
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def __getattr__(self, name: str) -> Any:  # getsockname, ...
+        return getattr(self.listener, name)
+
+    def _drop(self, addr: Any, why: str) -> None:
+        _emit(self.out, event="dropped", error=f"a connection from {addr[0]}: {why}")
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, addr = self.listener.accept()
+            except OSError:
+                if self.listener.fileno() < 0:  # (closed: the tracker is done)
+                    return
+                time.sleep(0.1)  # (out of descriptors, say: a moment later there may be some)
+                continue
+            if not self.greeting.acquire(blocking=False):
+                self._drop(addr, f"{MAX_GREETING} other connections are still sending their headers")
+                sock.close()
+                continue
+            try:
+                threading.Thread(target=self._greet, args=(sock, addr), daemon=True).start()
+            except RuntimeError as e:  # (can't start new thread)
+                self.greeting.release()
+                self._drop(addr, str(e))
+                sock.close()
+
+    def _greet(self, sock: socket.socket, addr: Any) -> None:
+        try:
+            head = self._read_header(sock, addr)
+        except Exception as e:  # (not a rabit worker: dmlc's tracker would stop or hang on it)
+            self._drop(addr, _first_line(e))
+            sock.close()
+            return
+        finally:
+            self.greeting.release()
+        self.ready.put((_Greeted(sock, head), addr))
+
+    def _read_header(self, sock: socket.socket, addr: Any) -> bytes:
+        # (dmlc sends each int by itself: without TCP_NODELAY, Nagle's algorithm holds most of them
+        # until the worker's delayed ACK, 40 ms each on Linux)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        deadline = time.monotonic() + self.header_timeout
+        head = _recv_exactly(sock, 4, deadline)
+        if head != RABIT_MAGIC:
+            raise ValueError(f"invalid magic number={struct.unpack('@i', head)[0]} from {addr[0]}")
+        sock.sendall(RABIT_MAGIC)
+        head += _recv_exactly(sock, 8, deadline)  # rank and world size
+        if head[8:10] == b'{"':  # (XGBoost 2.1+: a length, then a JSON object; the entry names it)
+            return head
+        for _ in ("task id", "command"):  # each a length, then that many bytes
+            raw = _recv_exactly(sock, 4, deadline)
+            (length,) = struct.unpack("@i", raw)
+            if not 0 <= length <= MAX_TASK_ID:
+                raise ValueError(f"a string of {length} bytes in its header")
+            head += raw + _recv_exactly(sock, length, deadline)
+        sock.settimeout(None)
+        return head
+
+
+def _recv_exactly(sock: socket.socket, nbytes: int, deadline: float) -> bytes:
     data = b""
     while len(data) < nbytes:
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
         chunk = sock.recv(nbytes - len(data))
         if not chunk:
             raise EOFError("the connection closed")

@@ -273,21 +273,43 @@ def test_what_is_not_a_worker_is_dropped_and_the_job_goes_on(xgb20: str, tmp_pat
             s.sendall(b"GET / HTTP/1.0\r\n\r\n")
         header(port, -1, -1, "x", "reboot").close()
         header(port, 5, -1, "x", "shutdown").close()
-        with socket.create_connection(("127.0.0.1", port)) as silent:
-            procs = [start_worker(xgb20, tmp_path, rabit_env(env, 2, i), "--api", "env", "--only-rank", "--name",
-                                  f"w{i}", name=f"w{i}") for i in range(2)]
-            assert finish(procs) == [0, 0], logs(procs)
-            child.until("done")
-            silent.close()
+        with socket.create_connection(("127.0.0.1", port)):  # silent: dropped after the header timeout
+            while len(child.events("dropped")) < 5:
+                child.line()
+        procs = [start_worker(xgb20, tmp_path, rabit_env(env, 2, i), "--api", "env", "--only-rank", "--name",
+                              f"w{i}", name=f"w{i}") for i in range(2)]
+        assert finish(procs) == [0, 0], logs(procs)
+        child.until("done")
     finally:
         child.close()
     assert [(r["rank"], r["world"]) for r in results(tmp_path, ["w0", "w1"])] == [(0, 2), (1, 2)]
-    assert [e["error"] for e in child.events("dropped")] == [
+    # (each connection is read on its own thread: the order of the first two may vary)
+    assert sorted(e["error"] for e in child.events("dropped")) == sorted([
         "a connection from 127.0.0.1: the connection closed",
         "a connection from 127.0.0.1: invalid magic number=542393671 from 127.0.0.1",
         "a connection from 127.0.0.1: unknown command 'reboot'",
         "a connection from 127.0.0.1: a shutdown for rank 5, which has no links or has shut down",
-        "a connection from 127.0.0.1: timed out"]
+        "a connection from 127.0.0.1: timed out"])
+
+
+@pytest.mark.timeout(240)
+def test_silent_and_slow_connections_hold_up_no_worker(xgb20: str, tmp_path: Path) -> None:
+    # a header timeout of 200 s: the tracker would wait that long for each if it read them one by one
+    child, env = rabit_child(xgb20, 2, tmp_path, "--header-timeout", "200")
+    port = int(env["DMLC_TRACKER_PORT"])
+    silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+    slow = socket.create_connection(("127.0.0.1", port))
+    send_int(slow, 0xFF99)  # the magic number, then nothing more
+    try:
+        procs = [start_worker(xgb20, tmp_path, rabit_env(env, 2, i), "--api", "env", "--only-rank", "--name",
+                              f"w{i}", name=f"w{i}") for i in range(2)]
+        assert finish(procs, 150) == [0, 0], logs(procs)  # (a liveness deadline below one header timeout)
+        child.until("done")
+    finally:
+        for s in [*silent, slow]:
+            s.close()
+        child.close()
+    assert [(r["rank"], r["world"]) for r in results(tmp_path, ["w0", "w1"])] == [(0, 2), (1, 2)]
 
 
 @pytest.mark.timeout(60)
@@ -304,11 +326,27 @@ def test_a_world_size_other_than_the_jobs_fails_it(xgb20: str, tmp_path: Path) -
 
 
 @pytest.mark.timeout(60)
+def listener_before_a_free_port() -> tuple[socket.socket, int]:
+    """A listening socket on a port P whose next port is free at this moment (tests in the other
+    worker take ports too), and P."""
+    for _ in range(50):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        p = s.getsockname()[1]
+        try:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", p + 1))
+        except OSError:
+            s.close()
+            continue
+        s.listen()
+        return s, p
+    raise AssertionError("no port here whose next one is free")
+
+
 def test_the_first_free_port_of_the_range_and_none_free(xgb20: str, tmp_path: Path) -> None:
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        p = held.getsockname()[1]
+    held, p = listener_before_a_free_port()
+    with held:
         r = subprocess.run([xgb20, CHILD, "--tracker", "rabit", "--n-workers", "2", "--host-ip", "127.0.0.1",
                             "--port-range", f"{p}-{p}"], capture_output=True, text=True, timeout=30,
                            stdin=subprocess.DEVNULL)

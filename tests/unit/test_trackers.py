@@ -96,6 +96,12 @@ NO_XGBOOST = (f"asked for its rank, but {sys.executable} has no XGBoost: install
               "install 'xgboost<2.1') or give --tracker-python a Python that has it")
 
 
+def request(rank: int, world: int, task_id: str, command: str) -> bytes:
+    """What an XGBoost 2.0 worker sends after the magic number: rank, world size, task id, command."""
+    return struct.pack("@iii", rank, world, len(task_id)) + task_id.encode() + struct.pack("@i", len(command)) + \
+        command.encode()
+
+
 class StandIn:
     """``xgboost_child.py --tracker rabit`` run with this venv's Python (no xgboost, unless ``env``
     puts a fake one on the path), stdin a pipe."""
@@ -150,7 +156,7 @@ def test_the_stand_in_holds_the_port_for_workers_that_never_ask() -> None:
 
 def test_a_worker_that_asks_the_stand_in_for_its_rank_hears_what_to_install() -> None:
     child = StandIn()
-    worker = child.ask(struct.pack("@ii", -1, 2))  # (XGBoost 2.0: rank, world size, task id, command)
+    worker = child.ask(request(-1, 2, "0", "start"))
     failed = child.next()
     assert failed == {"event": "failed", "error": f"the worker at 127.0.0.1 {NO_XGBOOST}"}
     # the worker's connection stays open until the job ends: its failure would otherwise come first
@@ -182,7 +188,7 @@ def test_strangers_on_the_stand_ins_port_are_dropped_and_hold_up_nobody() -> Non
     assert sorted(child.next()["error"] for _ in range(2)) == [
         "a connection from 127.0.0.1: invalid magic number=542393671 from 127.0.0.1",
         "a connection from 127.0.0.1: the connection closed"]
-    worker = child.ask(struct.pack("@ii", 0, 2))  # the silent one does not delay it (30 s of header timeout)
+    worker = child.ask(request(0, 2, "0", "start"))  # the silent one does not delay it (30 s of header timeout)
     assert child.next() == {"event": "failed", "error": f"the worker at 127.0.0.1 {NO_XGBOOST}"}
     assert child.stop() == 1
     silent.close()
@@ -208,7 +214,7 @@ def test_an_xgboost_of_the_new_protocol_runs_the_stand_in(tmp_path: Path) -> Non
     cannot = (f"xgboost 3.0.2 at {sys.executable} has only XGBoost 2.1+'s tracker: install xgboost 2.0 or older "
               "there (pip install 'xgboost<2.1') or give --tracker-python a Python that has it")
     assert child.why == cannot
-    worker = child.ask(struct.pack("@ii", -1, 2))
+    worker = child.ask(request(-1, 2, "1", "start"))
     assert child.next() == {"event": "failed", "error": f"the worker at 127.0.0.1 asked for its rank, but {cannot}"}
     assert child.stop() == 1
     worker.close()
@@ -252,7 +258,7 @@ def test_the_rabit_tracker_without_xgboost_starts_a_stand_in_that_a_job_can_end_
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
             s.sendall(RABIT_MAGIC)
             assert s.recv(4) == RABIT_MAGIC
-            s.sendall(struct.pack("@ii", -1, 2))
+            s.sendall(request(-1, 2, "0", "start"))
             assert tracker.child is not None
             assert tracker.child.wait_event(["failed"], 10) is not None
             assert tracker.failure() == f"the worker at 127.0.0.1 {NO_XGBOOST}"
