@@ -24,8 +24,9 @@ A node that dies is not replaced (ps-lite's recovery): pslaunch stops the job. A
 registers an address the scheduler cannot connect to ends the job with a one-line error, where
 ps-lite's scheduler retries for ever and the job hangs.
 
-Nothing from the network is unpickled or executed, and nothing from it ends the scheduler: a
-message that does not parse is ignored with a one-line warning. Sends never block: libzmq queues
+Nothing from the network is unpickled or executed, and nothing from it ends the scheduler but
+the unreachable address above (one line): a message that does not parse is ignored with a
+one-line warning. Sends never block: libzmq queues
 up to :data:`SEND_HWM` messages for a node that reads nothing, then they are dropped with a warning.
 """
 
@@ -412,10 +413,10 @@ class Scheduler:
             raise WireError(f"an ADD_NODE request names {len(meta.nodes)} nodes from node "
                             f"{'?' if sender == EMPTY else sender}; ps-lite sends one, before it has an id")
         node = meta.nodes[0]
+        problem = host_problem(node)  # (first: the address is in the messages below, and goes to a terminal)
         if node.role == SCHEDULER:
-            raise WireError(f"a second scheduler ({node.address}) registered with this one")
+            raise WireError(f"a second scheduler ({problem or node.address}) registered with this one")
         expected, role = self.num_servers + self.num_workers, ROLE_NAMES[node.role]
-        problem = host_problem(node)
         if problem:
             raise WireError(f"a {role} registered, but {problem}")
         if self.nodes:
