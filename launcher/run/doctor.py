@@ -39,7 +39,7 @@ from typing import Any, Optional, Sequence
 
 from .. import backends, node
 from ..backends.ssh import bootstrap_command, wrapper_preamble
-from ..errors import ConfigError, LauncherError, LaunchError
+from ..errors import ConfigError, LauncherError
 from ..node.protocol import blob
 from ..runtime import ports
 from ..spec import env as jobenv
@@ -261,9 +261,8 @@ class _Listener:
     def __init__(self, address: str, lo: int, hi: int) -> None:
         try:
             self.sock = ports.bind_in_range(address, lo, hi)
-        except ports.NoFreePort:
-            raise LaunchError(f"no free port in --port-range {lo}-{hi} for the scheduler; "
-                              "free one or give another range") from None
+        except ports.NoFreePort as e:
+            raise e.for_user("the scheduler") from None
         except ports.BindError as e:
             raise ConfigError(f"cannot listen on {address}:{e.port} here: {e.strerror}") from None
         self.port = self.sock.getsockname()[1]

@@ -303,9 +303,8 @@ class Supervisor:
         else:
             try:
                 port, self._claim = claim_free_port(lo, hi, after=after_port)
-            except NoFreePort:
-                raise LaunchError(f"no free port in --port-range {lo}-{hi} for the scheduler; "
-                                  "free one or give another range") from None
+            except NoFreePort as e:
+                raise e.for_user("the scheduler") from None
         plan = build_plan(spec, root_uri=root_uri, root_port=port, secret=secret, job_id=job_id,
                           addresses=addresses, here=here, inherit_environ=not self.backend_cls.remote)
         self.plan = plan

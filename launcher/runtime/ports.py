@@ -23,6 +23,8 @@ from typing import Optional
 
 import pscontract as pc
 
+from ..errors import LaunchError
+
 
 class NoFreePort(Exception):
     """Every port of ``lo..hi`` (above the one asked) was in use."""
@@ -30,6 +32,11 @@ class NoFreePort(Exception):
     def __init__(self, lo: int, hi: int) -> None:
         super().__init__(f"no free port in {lo}-{hi}")
         self.lo, self.hi = lo, hi
+
+    def for_user(self, what: str) -> LaunchError:
+        """The job's one line: ``what`` (the scheduler, the torch store) found no port of --port-range."""
+        return LaunchError(f"no free port in --port-range {self.lo}-{self.hi} for {what}; free one or give another "
+                           "range")
 
 
 class BindError(OSError):

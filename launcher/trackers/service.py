@@ -363,9 +363,8 @@ class TorchService(_ChildService):
         lo, hi = self.spec.port_range
         try:
             sock = ports.bind_in_range(address, lo, hi)
-        except ports.NoFreePort:
-            raise LaunchError(f"no free port in --port-range {lo}-{hi} for the torch store; free one or give "
-                              "another range") from None
+        except ports.NoFreePort as e:
+            raise e.for_user("the torch store") from None
         except ports.BindError as e:
             raise LaunchError(f"cannot listen on {address}:{e.port} for the torch store: {e.strerror}; "
                               "give an address of this host (DMLC_INTERFACE or --host-ip)") from None

@@ -354,13 +354,7 @@ def _adapt(dmlc, out, n_workers: int, header_timeout: float) -> type:
         def recvall(self, nbytes: int) -> bytes:
             if not 0 <= nbytes <= MAX_STRING:
                 raise ValueError(f"a string of {nbytes} bytes")
-            data = b""
-            while len(data) < nbytes:
-                chunk = self.sock.recv(min(nbytes - len(data), 1 << 16))
-                if not chunk:
-                    raise EOFError("the connection closed")
-                data += chunk
-            return data
+            return _recv_exactly(self.sock, nbytes)
 
     class Entry(dmlc.WorkerEntry):
         def __init__(self, sock, addr) -> None:
@@ -578,11 +572,14 @@ class _FrontDoor:
         return head
 
 
-def _recv_exactly(sock: socket.socket, nbytes: int, deadline: float) -> bytes:
+def _recv_exactly(sock: Any, nbytes: int, deadline: float | None = None) -> bytes:
+    """``nbytes`` bytes from ``sock`` (a socket or a :class:`_Greeted`), by ``deadline`` (a
+    ``time.monotonic()``) if given, else within the socket's own timeout."""
     data = b""
     while len(data) < nbytes:
-        sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        chunk = sock.recv(nbytes - len(data))
+        if deadline is not None:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        chunk = sock.recv(min(nbytes - len(data), 1 << 16))
         if not chunk:
             raise EOFError("the connection closed")
         data += chunk
