@@ -283,7 +283,8 @@ class RemoteHost:
         chan = self.chan
         assert chan is not None
         by_id = self._by_id
-        decoder = protocol.Decoder(protocol.MAX_FROM_NODE, marker=protocol.MAGIC)
+        decoder = protocol.Decoder(protocol.MAX_FROM_NODE, marker=protocol.MAGIC,
+                                   limits=dict.fromkeys(_ANSWERS, protocol.MAX_ANSWER), on_drop=self._dropped)
         while True:
             self._drain_stderr()
             try:
@@ -328,6 +329,14 @@ class RemoteHost:
             if not p.lost:
                 p.output.close()
         self.session.channel_closed()
+
+    def _dropped(self, kind: bytes, ident: int, length: int) -> None:
+        """A frame too long to accept: an answer that never comes fails its request now."""
+        if ident == NODE and kind in _ANSWERS:
+            self._replies.put((kind, {"error": f"its answer takes {length} bytes, more than the "
+                                               f"{protocol.MAX_ANSWER} pslaunch accepts"}))
+        else:
+            log.warning("%s: dropped a %r frame of %d bytes (more than pslaunch accepts)", self.label, kind, length)
 
     def _drain_stderr(self) -> None:
         """The wrapper's own stderr (a shell's 'python3: not found', a traceback): shown on the console."""

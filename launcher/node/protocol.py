@@ -18,7 +18,10 @@ job's process list for ssh, the MPI rank, a batch task's task id; a job has at m
 processes); :data:`NODE` (0xFFFF) stands for the node itself. JSON payloads are UTF-8 objects.
 Exit codes are always the shell's: the code, or 128+N for a process killed by signal N. A receiver
 ignores a frame of a kind it does not know, of a process it does not run, or longer than it
-accepts (its bytes are read and dropped: :class:`Decoder`), and never ends anything for it.
+accepts (its bytes are read and dropped: :class:`Decoder`), and never ends anything for it. A
+launcher accepts :data:`MAX_FROM_NODE` bytes in a frame, :data:`MAX_ANSWER` in an answer (``i``,
+``s``, ``d``: a request waiting for an answer that was dropped fails at once); a node accepts
+:data:`MAX_TO_NODE`.
 
 Launcher -> node:
 
@@ -163,6 +166,10 @@ SIGNALS = ("TERM", "INT", "KILL", "ABRT")
 MAX_FROM_NODE = 1 << 20
 #: The longest frame a node accepts from the launcher (a header carries every process's environment).
 MAX_TO_NODE = 1 << 30
+#: The longest answer (``i``, ``s``, ``d``) a launcher accepts from a node: as long as a request
+#: may be (``s`` lists every file a host lacks, which for a large tree is more than
+#: :data:`MAX_FROM_NODE`).
+MAX_ANSWER = MAX_TO_NODE
 #: The longest placement payload.
 ENV_MAX = 64 * 1024
 #: The longest payload of an in-band frame: its line, ``\\x1e``, base64 and newline, is then at most
@@ -270,10 +277,14 @@ class Decoder(object):
             kept) and counted in :attr:`dropped`; the frames after it are decoded as usual.
         marker: bytes before the first ``marker`` are not frames; they are kept in :attr:`preamble`
             (transport a: what a login shell printed).
+        limits: ``{kind: limit}`` for the kinds that may be longer (or must be shorter) than ``limit``.
+        on_drop: called as ``on_drop(kind, process id, length)`` for each frame dropped.
     """
 
-    def __init__(self, limit=MAX_FROM_NODE, marker=None):
+    def __init__(self, limit=MAX_FROM_NODE, marker=None, limits=None, on_drop=None):
         self.limit = limit
+        self.limits = dict(limits or {})
+        self.on_drop = on_drop
         self.dropped = 0
         self.preamble = bytearray()
         self._marker = marker
@@ -305,10 +316,12 @@ class Decoder(object):
             if end - pos < size:
                 break
             kind, ident, length = HEAD.unpack_from(buf, pos)
-            if length > self.limit:
+            if length > self.limits.get(kind, self.limit):
                 self.dropped += 1
                 self._skip = length
                 pos += size
+                if self.on_drop is not None:
+                    self.on_drop(kind, ident, length)
                 continue
             if end - pos < size + length:
                 break

@@ -237,6 +237,16 @@ def test_an_oversized_frame_is_dropped_without_keeping_it_and_the_rest_goes_on()
     assert got == FRAMES and dec.dropped == 1
 
 
+def test_a_kind_may_have_its_own_limit_and_a_dropped_frame_is_reported() -> None:
+    drops = []
+    dec = Decoder(limit=100, limits={protocol.SYNC_ANSWER: 1000}, on_drop=lambda *a: drops.append(a))
+    answer = frame(protocol.SYNC_ANSWER, protocol.NODE, b"a" * 500)
+    got = dec.feed(answer + frame(protocol.STDOUT, 1, b"z" * 500) + frame(protocol.DONE_ANSWER, 7, b"d" * 101))
+    assert got == [(protocol.SYNC_ANSWER, protocol.NODE, b"a" * 500)]
+    assert drops == [(protocol.STDOUT, 1, 500), (protocol.DONE_ANSWER, 7, 101)] and dec.dropped == 2
+    assert protocol.MAX_ANSWER >= protocol.MAX_TO_NODE
+
+
 def test_frames_that_say_nonsense_end_nothing() -> None:
     """Malformed payloads, unknown kinds and processes: no exception, the process keeps its state."""
     console = Console(stdout=open(os.devnull, "wb"), stderr=open(os.devnull, "wb"), color=False)

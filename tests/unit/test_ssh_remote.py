@@ -30,7 +30,7 @@ from launcher.node.protocol import (
     STDOUT,
     frame,
 )
-from launcher.spec.job import Role
+from launcher.spec.job import JobSpec, Role
 from launcher.spec.plan import ProcSpec
 
 
@@ -305,3 +305,103 @@ def test_several_processes_on_one_channel_each_in_its_own_group() -> None:
             assert w.output(STDOUT, i).decode().split() == [str(pid), str(pid)]
     finally:
         w.close()
+
+
+class PipeChannel:
+    """What RemoteHost uses of a paramiko channel, carried by a local ``sh -c COMMAND`` (no sshd)."""
+
+    def __init__(self) -> None:
+        self.p: subprocess.Popen | None = None
+        self.timeout = 0.5
+
+    def settimeout(self, timeout: float) -> None:
+        self.timeout = timeout
+
+    def exec_command(self, command: str) -> None:
+        self.p = subprocess.Popen(["sh", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, start_new_session=True)
+
+    def sendall(self, data: bytes) -> None:
+        assert self.p is not None and self.p.stdin is not None
+        self.p.stdin.write(data)
+        self.p.stdin.flush()
+
+    def recv(self, n: int) -> bytes:
+        assert self.p is not None and self.p.stdout is not None
+        if not select.select([self.p.stdout], [], [], self.timeout)[0]:
+            raise socket.timeout
+        return os.read(self.p.stdout.fileno(), n)
+
+    def recv_stderr_ready(self) -> bool:
+        return False
+
+    def exit_status_ready(self) -> bool:
+        return self.p is not None and self.p.poll() is not None
+
+    def recv_exit_status(self) -> int:
+        assert self.p is not None
+        return self.p.wait()
+
+    def close(self) -> None:
+        if self.p is not None and self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+
+
+def _ssh_spec() -> JobSpec:
+    from launcher.transport.options import SSHOptions
+
+    return JobSpec(command=("true",), num_workers=1, num_servers=0, launcher="ssh", options=SSHOptions())
+
+
+class PipeSession:
+    label = "pipe-host"
+
+    def __init__(self) -> None:
+        self.chan = PipeChannel()
+
+    def open_channel(self, timeout: float | None = None) -> PipeChannel:
+        return self.chan
+
+    def channel_closed(self) -> None:
+        pass
+
+
+@pytest.mark.timeout(120)
+def test_a_sync_whose_answer_is_longer_than_an_output_frame_arrives(tmp_path) -> None:
+    """30,000 new files: the wrapper's ``s`` answer lists them all (more than MAX_FROM_NODE, 1 MiB) and
+    the launcher reads it (it was dropped, and the sync waited 600 s for it)."""
+    from launcher.backends.ssh import RemoteHost
+    from launcher.transport.wiresync import TreeSync
+
+    src = tmp_path / "src"
+    for d in range(30):
+        (src / f"directory-{d:02d}").mkdir(parents=True)
+        for i in range(1000):
+            (src / f"directory-{d:02d}" / f"a-file-with-a-longish-name-{i:04d}.txt").write_bytes(b"x")
+    tree = TreeSync(str(src), str(tmp_path / "dst"), [])
+    assert len(json.dumps(list(tree.tree))) > protocol.MAX_FROM_NODE
+    session = PipeSession()
+    host = RemoteHost(session, _ssh_spec())  # type: ignore[arg-type]
+    try:
+        host.open()
+        t0 = time.monotonic()
+        target, stats = tree.sync(host.label, lambda k, p, r: host.request(k, p, r, timeout=60.0), host.send)
+        assert time.monotonic() - t0 < 60
+        assert (target, stats.files) == (str(tmp_path / "dst"), 30000)
+        assert (tmp_path / "dst" / "directory-29" / "a-file-with-a-longish-name-0999.txt").read_bytes() == b"x"
+    finally:
+        host.closed = True
+        session.chan.close()
+
+
+def test_an_answer_dropped_for_its_size_fails_the_request_at_once() -> None:
+    """A reply longer than the launcher accepts fails the request with one line, not after its timeout."""
+    from launcher.backends.ssh import RemoteHost
+
+    host = RemoteHost(PipeSession(), _ssh_spec())  # type: ignore[arg-type]
+    host._dropped(protocol.SYNC_ANSWER, NODE, protocol.MAX_ANSWER + 1)
+    host.send = lambda kind, payload=b"": None  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    doc = host.request(protocol.SYNC, b"{}", protocol.SYNC_ANSWER, timeout=600.0)
+    assert time.monotonic() - t0 < 5 and "more than the" in doc["error"]
