@@ -302,6 +302,7 @@ class Agent(object):
         self.use_watchdog = watchdog
         self.watchdog = None
         self.children = []
+        self.unread = []  # frames read before :meth:`run` that it must still obey
         self.listening = channel is not None  # the launcher's frames may still come
         self.stopping = False  # every process gets the staged stop, and the agent ends after them
         self.machine = machine()
@@ -404,11 +405,12 @@ class Agent(object):
                 frames = channel.wait(min(left, 0.1))
             except EOFError:
                 raise AgentError("the launcher closed the connection before it sent the placement") from None
-            for kind, fid, payload in frames:
-                if kind == protocol.SIGNAL and payload in _STOP_WORDS:
-                    raise AgentError("stopped by the launcher before the command started", 143)
+            if any(kind == protocol.SIGNAL and payload in _STOP_WORDS for kind, _, payload in frames):
+                raise AgentError("stopped by the launcher before the command started", 143)
+            for at, (kind, fid, payload) in enumerate(frames):
                 env = protocol.parse_env(payload) if kind == protocol.PLACE and fid == ident else None
                 if env is not None:
+                    self.unread = frames[at + 1:]  # (what came with it: for :meth:`run`)
                     return env
 
     def fail(self, ident, message, code):
@@ -461,7 +463,8 @@ class Agent(object):
                 child = Child(spec)
                 self.children.append(child)
                 self._start(child)
-            self._commands(frames)
+            self._commands(list(self.unread) + list(frames))
+            self.unread = []
             while not self._over():
                 self._step()
         finally:

@@ -319,3 +319,33 @@ def test_an_agent_whose_launcher_is_gone_stops_waiting(launcher: Launcher) -> No
 def test_an_agent_without_a_connection_cannot_wait_for_a_placement() -> None:
     with pytest.raises(AgentError, match="without a connection to the launcher"):
         Agent(1.0, None, prefix="test agent").placement(0, 1.0)
+
+
+def test_a_stop_that_comes_with_the_placement_is_not_lost() -> None:
+    """The launcher's ``E`` and ``X TERM`` in one read: the command does not start (it started, and was
+    killed only after the grace)."""
+    r, w = os.pipe()
+    out_r, out_w = os.pipe()
+    try:
+        os.write(w, protocol.env_frame(0, {"LOCAL_RANK": "0"}) + protocol.signal_frame(0, "TERM"))
+        agent = Agent(1.0, Channel(r, out_w), prefix="test agent")
+        with pytest.raises(AgentError, match="stopped by the launcher") as e:
+            agent.placement(0, 5.0)
+        assert e.value.code == 143
+    finally:
+        for fd in (r, w, out_r, out_w):
+            os.close(fd)
+
+
+def test_what_comes_after_the_placement_is_kept_for_run() -> None:
+    r, w = os.pipe()
+    out_r, out_w = os.pipe()
+    try:
+        ping = protocol.frame(protocol.PING, protocol.NODE)
+        os.write(w, protocol.env_frame(0, {"LOCAL_RANK": "0"}) + ping)
+        agent = Agent(1.0, Channel(r, out_w), prefix="test agent")
+        assert agent.placement(0, 5.0) == {"LOCAL_RANK": "0"}
+        assert agent.unread == [(protocol.PING, protocol.NODE, b"")]
+    finally:
+        for fd in (r, w, out_r, out_w):
+            os.close(fd)
