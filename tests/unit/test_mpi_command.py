@@ -308,6 +308,16 @@ def test_mpirun_that_exists_but_cannot_run_is_not_called_missing(tmp_path) -> No
         mc.probe_mpirun(str(tmp_path / "nope"))
 
 
+def test_mpirun_version_lines_stay_whole_when_stdout_lacks_its_last_newline(tmp_path) -> None:
+    """stdout and stderr are two streams: stdout's last line is not glued to stderr's first."""
+    fake = tmp_path / "mpirun"
+    fake.write_text("#!/bin/sh\nprintf 'HYDRA build details:\\n    Version:   4.0.2'\n"
+                    "echo 'Configure options: --prefix=/usr' >&2\n")
+    fake.chmod(0o755)
+    info = mc.probe_mpirun(str(fake))
+    assert (info.impl, info.version) == (MPIImpl.MPICH, "Version: 4.0.2")
+
+
 def test_hostfile_user_or_port_is_refused_by_line() -> None:
     with pytest.raises(ConfigError, match=r"hosts:3: root@A:2222: .*~/.ssh/config"):
         mc.check_hosts([Host("A", port=2222, user="root", origin="hosts:3")])

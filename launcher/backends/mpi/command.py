@@ -111,7 +111,7 @@ def probe_mpirun(mpirun: str) -> MPIInfo:
     except external.CommandError as e:
         raise BackendUnavailableError(f"'{path} --version' did not answer within {VERSION_TIMEOUT:g}s" if e.timed_out
                                       else str(e)) from None
-    text = r.stdout + r.stderr
+    text = "\n".join((r.stdout, r.stderr))  # (stdout's last line may lack its newline)
     impl = detect_implementation(text, path)
     version = next((line.strip() for line in text.splitlines() if line.strip()), "")
     if impl is MPIImpl.MPICH:  # Hydra's first line is a heading; its version is on a later one
