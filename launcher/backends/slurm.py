@@ -158,7 +158,7 @@ class SlurmOptions:
         return shlex.split(self.srun_args) if self.srun_args else []
 
 
-# --- pure builders and parsers ---------------------------------------------------------------
+# --- builders and parsers (pure, but for the host lists that parse_job has Slurm expand) ------
 
 
 def expand_ids(text: str) -> list[int]:
@@ -209,7 +209,8 @@ def parse_job(text: str, job_id: str) -> Allocation:
     The host lists are expanded by Slurm (:func:`hostnames`).
 
     Raises:
-        LaunchError: the text holds no record of that job, or Slurm cannot expand its host lists.
+        LaunchError: the text holds no record of that job, or Slurm cannot expand its NodeList (a
+            detail line that it cannot expand leaves the CPUs on each node unknown).
     """
     records = [r for r in re.split(r"\n\s*\n", text) if r.strip()]
     found = [r for r in records if re.search(rf"(?:^|\s)JobId={re.escape(job_id)}(?:\s|$)", r)]
@@ -232,7 +233,7 @@ def parse_job(text: str, job_id: str) -> Allocation:
         for m in re.finditer(r"(?:^|\s)Nodes=(\S+) CPU_IDs=(\S+)", rec):
             for n in expand(m.group(1)):
                 cpus[n] = cpus.get(n, 0) + len(expand_ids(m.group(2)))
-    except ValueError:
+    except (ValueError, LaunchError):  # (the CPUs on each node stay unknown)
         cpus = {}
     per_node = tuple(cpus[n] for n in nodes) if nodes and all(n in cpus for n in nodes) else ()
     per_task = fields.get("CPUs/Task", "")

@@ -103,6 +103,16 @@ def test_parse_job() -> None:
         S.parse_job(SHOW_JOB, "18")
 
 
+def test_parse_job_leaves_the_cpus_unknown_when_a_detail_line_cannot_be_expanded(monkeypatch, tmp_path) -> None:
+    """A Nodes= detail line that scontrol fails on costs the per-node CPU counts, not the start."""
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text('#!/bin/sh\ncase "$3" in "sn[0-1]") echo sn0 sn1;; *) echo "broken: $3" >&2; exit 1;; esac\n')
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    a = S.parse_job(SHOW_JOB, "183")
+    assert (a.nodes, a.cpus) == (("sn0", "sn1"), ())
+
+
 def test_parse_job_pending() -> None:
     text = "JobId=7 JobName=x\n   JobState=PENDING Reason=Resources Dependency=(null)\n   NodeList=(null)\n"
     a = S.parse_job(text, "7")
