@@ -92,11 +92,13 @@ def spawn(argv: Sequence[str], env: Optional[Mapping[str, str]] = None, cwd: Opt
                                      preexec_fn=None if death_signal is None else _death_signal(death_signal))
             if watchdog is not None:
                 watchdog.watch(popen.pid)
-    except OSError as e:
+    except BaseException as e:
         for fd in (out_r, err_r):
             if fd is not None:
                 os.close(fd)
-        raise _cannot_run(argv[0], e, label) from None
+        if isinstance(e, (OSError, ValueError)):  # (ValueError: a NUL byte in argv or env)
+            raise _cannot_run(argv[0], e, label) from None
+        raise
     finally:
         os.close(out_w)
         if err_r is not None:
@@ -104,15 +106,16 @@ def spawn(argv: Sequence[str], env: Optional[Mapping[str, str]] = None, cwd: Opt
     return Child(popen, out_r, err_r)
 
 
-def _cannot_run(program: str, e: OSError, label: Optional[str]) -> LaunchError:
+def _cannot_run(program: str, e: Exception, label: Optional[str]) -> LaunchError:
+    why = getattr(e, "strerror", None) or e
     if label is None:
-        return LaunchError(f"cannot run {program}: {e.strerror or e}")
+        return LaunchError(f"cannot run {program}: {why}")
     if isinstance(e, FileNotFoundError):
         return LaunchError(f"{label}: cannot run {program!r}: no such program or directory "
                            "(is it on PATH? give a path such as ./prog)", exit_code=127)
     if isinstance(e, PermissionError):
         return LaunchError(f"{label}: cannot run {program!r}: permission denied (is it executable?)", exit_code=126)
-    return LaunchError(f"{label}: cannot run {program!r}: {e.strerror or e}")
+    return LaunchError(f"{label}: cannot run {program!r}: {why}")
 
 
 _PR_SET_PDEATHSIG = 1

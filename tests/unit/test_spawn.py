@@ -97,6 +97,18 @@ def test_a_program_that_cannot_run_is_one_line_and_leaves_no_descriptor(tmp_path
     assert not spawning()
 
 
+def test_a_nul_byte_in_argv_or_env_is_one_line_and_leaves_no_descriptor() -> None:
+    before = _fds()
+    with pytest.raises(LaunchError) as e:
+        spawn(["true", "a\0b"], label="worker 0")
+    assert str(e.value) == "worker 0: cannot run 'true': embedded null byte" and e.value.exit_code == 1
+    with pytest.raises(LaunchError) as e:
+        spawn(["true"], env={"A": "a\0b"})
+    assert str(e.value) == "cannot run true: embedded null byte"
+    assert _fds() == before
+    assert not spawning()
+
+
 def test_the_guard_nests_and_holds_while_a_child_starts() -> None:
     assert not spawning()
     with spawn_guard():
