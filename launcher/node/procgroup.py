@@ -71,20 +71,37 @@ def resolve_program(argv0, environ, cwd=None):
     return argv0
 
 
-def _prctl(option, value):
-    """Linux ``prctl(option, value)``; False where it is not available."""
+def _libc_prctl():
+    """Linux's ``prctl`` function, or None where it is not available."""
     try:
         import ctypes  # (here: the node programs that import this module seldom need it)
 
-        libc = ctypes.CDLL(None, use_errno=True)  # the C library is loaded already
-        return libc.prctl(option, int(value), 0, 0, 0) == 0
+        return ctypes.CDLL(None, use_errno=True).prctl  # the C library is loaded already
     except (OSError, AttributeError):
-        return False
+        return None
+
+
+def _prctl(option, value):
+    """Linux ``prctl(option, value)``; False where it is not available."""
+    prctl = _libc_prctl()
+    return prctl is not None and prctl(option, int(value), 0, 0, 0) == 0
 
 
 def set_parent_death_signal(sig):
     """Linux: this process gets ``sig`` when its parent dies."""
     return _prctl(_PR_SET_PDEATHSIG, sig)
+
+
+def parent_death_signal(sig):
+    """A ``preexec_fn`` that does :func:`set_parent_death_signal` in the child: it gets ``sig`` when
+    the thread that started it ends. ``prctl`` is looked up now: nothing is looked up between fork
+    and exec."""
+    prctl, sig = _libc_prctl(), int(sig)
+
+    def set_it():
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    return set_it
 
 
 def become_subreaper():

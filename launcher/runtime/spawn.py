@@ -22,13 +22,14 @@ scheduler, a tracker program, ``mpirun``, Slurm's ``srun`` and ``salloc``) is st
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import subprocess
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 from ..errors import LaunchError
+from ..node.agent import start_error
+from ..node.procgroup import parent_death_signal
 from ..node.watchdog import Client as Watchdog
 
 _spawning = 0
@@ -89,7 +90,7 @@ def spawn(argv: Sequence[str], env: Optional[Mapping[str, str]] = None, cwd: Opt
             popen = subprocess.Popen(list(argv), env=None if env is None else dict(env), cwd=cwd, stdin=stdin,
                                      stdout=out_w, stderr=err_w, start_new_session=True, close_fds=True,
                                      pass_fds=tuple(pass_fds),
-                                     preexec_fn=None if death_signal is None else _death_signal(death_signal))
+                                     preexec_fn=None if death_signal is None else parent_death_signal(death_signal))
             if watchdog is not None:
                 watchdog.watch(popen.pid)
     except BaseException as e:
@@ -107,29 +108,7 @@ def spawn(argv: Sequence[str], env: Optional[Mapping[str, str]] = None, cwd: Opt
 
 
 def _cannot_run(program: str, e: Exception, label: Optional[str]) -> LaunchError:
-    why = getattr(e, "strerror", None) or e
     if label is None:
-        return LaunchError(f"cannot run {program}: {why}")
-    if isinstance(e, FileNotFoundError):
-        return LaunchError(f"{label}: cannot run {program!r}: no such program or directory "
-                           "(is it on PATH? give a path such as ./prog)", exit_code=127)
-    if isinstance(e, PermissionError):
-        return LaunchError(f"{label}: cannot run {program!r}: permission denied (is it executable?)", exit_code=126)
-    return LaunchError(f"{label}: cannot run {program!r}: {why}")
-
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _death_signal(sig: int) -> Callable[[], None]:
-    """A ``preexec_fn``: the child gets ``sig`` when the thread that started it ends (the
-    supervisor's main thread, which lives as long as the launcher)."""
-    try:  # looked up here: nothing is looked up between fork and exec
-        prctl: Optional[Callable[..., int]] = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        prctl = None
-
-    def set_it() -> None:
-        if prctl is not None:
-            prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    return set_it
+        return LaunchError(f"cannot run {program}: {getattr(e, 'strerror', None) or e}")
+    message, code = start_error(e, program, None)
+    return LaunchError(f"{label}: {message}", exit_code=code)
