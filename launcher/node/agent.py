@@ -338,7 +338,7 @@ class Agent(object):
         line = protocol.envelope(kind, ident, payload)
         _write(fd, line)
         if kind == protocol.EXIT:
-            _write(2, line)  # (the launcher keeps the first: a lost exit record would make it guess)
+            _write(2, line)  # (the launcher keeps the first: a lost exit frame would make it guess)
 
     def send_json(self, kind, ident, obj):
         self.send(kind, ident, json.dumps(obj, separators=(",", ":")).encode("utf-8"))

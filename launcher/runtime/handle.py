@@ -72,7 +72,7 @@ class ProcessHandle:
 
     Subclasses implement :meth:`_poll`, :meth:`terminate`, :meth:`kill`; the base class keeps
     times, the exit code and the output. A subclass that learns when the process ended (a
-    node's exit record) sets :attr:`ended_at` before :meth:`_poll` returns the code, so the
+    node's exit frame, ``x``) sets :attr:`ended_at` before :meth:`_poll` returns the code, so the
     first failure is the first to have happened, not the first to be seen.
     """
 

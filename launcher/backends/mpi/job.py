@@ -129,7 +129,7 @@ class MPIJob:
         #: the ranks by MPI rank, their process id in the frames (the hub's)
         self.by_rank: dict[int, MPIRank] = dict(enumerate(self.ranks))
         self.hub: Optional[Hub] = None
-        self.clock = clock  # (tests: when a record arrived)
+        self.clock = clock  # (tests: when a frame arrived)
         self.out = mpirun_out
         self.watchdog = watchdog
         self.popen: Optional[subprocess.Popen] = None
