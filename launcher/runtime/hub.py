@@ -205,10 +205,6 @@ class Hub:
             "refused a connection to the node agents' port from %s: %s", peer, why)
         self._warned = True
 
-    def connected(self, ident: int) -> bool:
-        with self.lock:
-            return ident in self.conns
-
     def send(self, ident: int, signame: str) -> bool:
         """Send process ``ident``'s agent a signal (``TERM``, ``INT``, ``KILL``, ``ABRT``); False if it
         has no connection."""
