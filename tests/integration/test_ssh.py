@@ -545,6 +545,24 @@ def test_sync_dst_dir(testbed: Testbed, tmp_path: Path) -> None:
     assert testbed.run(hosts[0], ["cat", f"{dst}/a.txt"]).stdout == "alpha, longer now\n"
 
 
+@pytest.mark.timeout(120)
+def test_sync_of_a_tree_whose_file_list_is_longer_than_an_output_frame(testbed: Testbed, tmp_path: Path) -> None:
+    """30,000 new files: the host's answer lists them all (over 1 MiB, more than a process's output
+    frame may be) and it arrives (it was dropped, and the sync waited 600 s for it)."""
+    src = tmp_path / "many"
+    for d in range(30):
+        (src / f"directory-{d:02d}").mkdir(parents=True)
+        for i in range(1000):
+            (src / f"directory-{d:02d}" / f"a-file-with-a-longish-name-{i:04d}.txt").write_bytes(b"x")
+    dst = f"{testbed.sync_root}/many-{uuid.uuid4().hex[:6]}"
+    host = testbed.hosts[0]
+    r = run_ssh(testbed, "-n", "1", "-s", "0", "-H", host.addr_a, "--sync-dst-dir", dst, "true",
+                env=testbed.env(), cwd=src)
+    assert r.returncode == 0, r.stderr
+    assert f"synced {src} to {host.addr_a}:{dst}: 30000 files" in r.stderr, r.stderr
+    assert testbed.run(host, ["sh", "-c", f"find {dst} -type f | wc -l"]).stdout.strip() == "30000"
+
+
 def _git_project(tmp_path: Path) -> Path:
     """A git work tree with what a job must not ship: a virtual environment, ignored build output."""
     src = tmp_path / "gitproj"
