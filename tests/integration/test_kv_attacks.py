@@ -175,4 +175,6 @@ def test_a_handshake_flood_keeps_no_node_out(job_factory, tmp_path: Path, token:
         assert re.search(r"refused or dropped \d+ .*(flood|handshake-evicted|connection-)", sched), sched
     else:
         assert sum(s["answers"] for s in stats) == 0  # strangers never hear a word
-        assert re.search(r"refused or dropped \d+ .*gate-failed: \d{3,}", sched), sched
+        # (refused at ZeroMQ's gate; how many get that far before the connection limit evicts the
+        # rest depends on the machine's speed: 51 of 5,229 on a fresh CI run, hundreds before)
+        assert re.search(r"refused or dropped \d+ .*gate-failed: [1-9]\d*", sched), sched
