@@ -175,6 +175,10 @@ def test_a_handshake_flood_keeps_no_node_out(job_factory, tmp_path: Path, token:
         assert re.search(r"refused or dropped \d+ .*(flood|handshake-evicted|connection-)", sched), sched
     else:
         assert sum(s["answers"] for s in stats) == 0  # strangers never hear a word
-        # (refused at ZeroMQ's gate; how many get that far before the connection limit evicts the
-        # rest depends on the machine's speed: 51 of 5,229 on a fresh CI run, hundreds before)
-        assert re.search(r"refused or dropped \d+ .*gate-failed: [1-9]\d*", sched), sched
+        # The scheduler refused the flood before our handshake: at ZeroMQ's gate, or evicted by the
+        # limit on connections that have not authenticated. Which of the two takes a stranger
+        # depends on the machine's speed (fresh CI runs: 51 of 5,229 and 0 of 6,563 at the gate;
+        # hundreds before), never anything of ours beyond them.
+        m = re.search(r"refused or dropped (\d+) connections or messages \(([^)]*)\)", sched)
+        assert m and int(m[1]) >= 100, sched
+        assert {part.split(":")[0] for part in m[2].split(", ")} <= {"gate-failed", "connection-evicted"}, sched
