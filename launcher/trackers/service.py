@@ -157,10 +157,13 @@ class _ChildService(Tracker):
     def _python(self) -> str:
         python = resolve_python(self.spec)
         if python is None:
-            raise LaunchError(f"--tracker {self.kind} runs its {self.label} on this machine with "
-                              f"{python_for(self.spec)}, which is not here: give --tracker-python PYTHON "
-                              f"(one with {self.needs})")
+            raise self._no_python()
         return python
+
+    def _no_python(self) -> LaunchError:
+        return LaunchError(f"--tracker {self.kind} runs its {self.label} on this machine with "
+                           f"{python_for(self.spec)}, which is not here: give --tracker-python PYTHON "
+                           f"(one with {self.needs})")
 
     def _env(self) -> dict[str, str]:
         env = self.spec.environ_dict()
@@ -267,8 +270,11 @@ class RabitService(_XGBoostTracker):
         launcher's own (most likely without XGBoost: the stand-in). A job of N workers that never
         talk to the tracker then runs on a machine without ``python3`` on PATH, as it did under
         launch.py's tracker, and one whose worker asks for a rank is told what to give."""
-        if self.spec.tracker_python or resolve_python(self.spec) is not None:
-            return super()._python()
+        python = resolve_python(self.spec)
+        if python is not None:
+            return python
+        if self.spec.tracker_python:
+            raise self._no_python()
         log.debug("rabit tracker: %s is not here; the launcher's Python (%s) runs it", python_for(self.spec),
                   sys.executable)
         return sys.executable
@@ -277,8 +283,7 @@ class RabitService(_XGBoostTracker):
         if event.get("stand_in"):
             self.stand_in = True
             log.debug("rabit tracker: %s; a stand-in (pid %s) holds %s:%d and ends the job with that if a worker "
-                      "asks it for a rank", _line(event["stand_in"]), self.pid, self.address,
-                      self.port)
+                      "asks it for a rank", _line(event["stand_in"]), self.pid, self.address, self.port)
             return
         log.debug("rabit tracker: XGBoost %s's tracker (pid %s) listens on %s:%d for %d workers",
                   event.get("xgboost", "?"), self.pid, self.address, self.port, self.spec.num_workers)

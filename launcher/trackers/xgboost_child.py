@@ -366,9 +366,8 @@ def _adapt(dmlc, out, n_workers: int, header_timeout: float) -> type:
                 except _Fatal:
                     raise
                 except Exception as e:
-                    if struct.pack("@i", getattr(self, "world_size", 0)).startswith(b'{"'):
-                        raise _Fatal(f"the worker at {addr[0]} speaks XGBoost 2.1+'s tracker protocol, which this "
-                                     "rabit tracker does not: run the job with --tracker xgboost") from None
+                    if sock.new_protocol:
+                        raise _new_protocol(addr) from None
                     _emit(out, event="dropped", error=f"a connection from {addr[0]}: {_first_line(e)}")
                     sock.close()
                     sock, addr = Tracker.listener.accept()
@@ -460,9 +459,8 @@ def _stand_in(out, host: str, low: int, high: int, header_timeout: float, versio
     def wait() -> None:
         sock, addr = door.accept()
         held.append(sock)
-        if sock.head[8:10] == b'{"':
-            raise _Fatal(f"the worker at {addr[0]} speaks XGBoost 2.1+'s tracker protocol, which this rabit "
-                         "tracker does not: run the job with --tracker xgboost")
+        if sock.new_protocol:
+            raise _new_protocol(addr)
         raise _Fatal(f"the worker at {addr[0]} asked for its rank, but {cannot}")
 
     _emit(out, event="listening", xgboost=version, stand_in=cannot, pid=os.getpid(),
@@ -476,6 +474,17 @@ def _stand_in(out, host: str, low: int, high: int, header_timeout: float, versio
 MAX_GREETING = 256
 
 
+def _opens_json(head: bytes) -> bool:
+    """Whether a header (the magic number, then what follows) is XGBoost 2.1+'s: where 2.0 sends the
+    world size, 2.1+ has begun a JSON object."""
+    return head[8:10] == b'{"'
+
+
+def _new_protocol(addr: Any) -> _Fatal:
+    return _Fatal(f"the worker at {addr[0]} speaks XGBoost 2.1+'s tracker protocol, which this rabit tracker "
+                  "does not: run the job with --tracker xgboost")
+
+
 class _Greeted:
     """A worker's connection whose header (``head``: the magic number, rank, world size, task id
     and command, or up to a 2.1+ worker's JSON) the front door has read: ``recv`` gives those bytes
@@ -483,6 +492,11 @@ class _Greeted:
 
     def __init__(self, sock: socket.socket, head: bytes) -> None:
         self.sock, self.head, self._unread = sock, head, head
+
+    @property
+    def new_protocol(self) -> bool:
+        """An XGBoost 2.1+ worker (its header is a length, then a JSON object)."""
+        return _opens_json(self.head)
 
     def recv(self, nbytes: int) -> bytes:
         if self._unread:
@@ -560,7 +574,7 @@ class _FrontDoor:
             raise ValueError(f"invalid magic number={struct.unpack('@i', head)[0]} from {addr[0]}")
         sock.sendall(RABIT_MAGIC)
         head += _recv_exactly(sock, 8, deadline)  # rank and world size
-        if head[8:10] == b'{"':  # (XGBoost 2.1+: a length, then a JSON object; the entry names it)
+        if _opens_json(head):  # (the entry names it)
             return head
         for _ in ("task id", "command"):  # each a length, then that many bytes
             raw = _recv_exactly(sock, 4, deadline)
