@@ -178,7 +178,15 @@ def test_a_handshake_flood_keeps_no_node_out(job_factory, tmp_path: Path, token:
         # The scheduler refused the flood before our handshake: at ZeroMQ's gate, or evicted by the
         # limit on connections that have not authenticated. Which of the two takes a stranger
         # depends on the machine's speed (fresh CI runs: 51 of 5,229 and 0 of 6,563 at the gate;
-        # hundreds before), never anything of ours beyond them.
+        # hundreds before), never anything of ours beyond them. A few drops may come from our
+        # handshake all the same: the job's own nodes connect from the flood's address, so the
+        # limit can evict a real node's connection between its HELLO and its AUTH, and that AUTH
+        # then arrives on the new connection ("unauthenticated": AUTH without HELLO; seen once
+        # in a fresh CI run, 1 of 23,863). Strangers cannot pass the gate to send one, so such
+        # drops stay at the nodes' few retries, never near the flood's hundreds.
         m = re.search(r"refused or dropped (\d+) connections or messages \(([^)]*)\)", sched)
         assert m and int(m[1]) >= 100, sched
-        assert {part.split(":")[0] for part in m[2].split(", ")} <= {"gate-failed", "connection-evicted"}, sched
+        counts = {part.split(": ")[0]: int(part.split(": ")[1]) for part in m[2].split(", ")}
+        assert counts.get("gate-failed", 0) + counts.get("connection-evicted", 0) >= 100, sched
+        beyond = {k: n for k, n in counts.items() if k not in ("gate-failed", "connection-evicted")}
+        assert set(beyond) <= {"unauthenticated"} and sum(beyond.values()) <= 8, sched
