@@ -42,6 +42,13 @@ def resolve(doc):
         return {"error": text if type(e).__name__ == "NetifError" else _error_text(e)}
 
 
+def _drop(receiver):
+    """Let go of a sync's target (None: none); returns None."""
+    if receiver is not None:
+        receiver.close()
+    return None
+
+
 def prepare(channel):
     """Answer the launcher's requests until the header arrives: ``(header, the frames after it)``."""
     receiver = None
@@ -56,13 +63,14 @@ def prepare(channel):
             elif kind == protocol.IFACE:
                 answer(protocol.IFACE_ANSWER, resolve(json.loads(payload.decode("utf-8"))))
             elif kind == protocol.SYNC:
-                receiver = None
+                receiver = _drop(receiver)
                 try:
                     doc = json.loads(payload.decode("utf-8"))
                     receiver = treesync.Receiver(doc["dst"], doc["rows"], doc.get("excludes") or (),
                                                  doc.get("skip") or (), bool(doc.get("delete")))
                     answer(protocol.SYNC_ANSWER, {"dir": receiver.dst, "need": receiver.need()})
                 except (OSError, ValueError, KeyError) as e:
+                    receiver = _drop(receiver)
                     answer(protocol.SYNC_ANSWER, {"error": _error_text(e)})
             elif kind == protocol.FILE and receiver is not None:  # (else the error went with its S)
                 n = protocol.SYNC_HEAD.unpack(payload[:protocol.SYNC_HEAD.size])[0]
@@ -72,13 +80,13 @@ def prepare(channel):
                                    rest[n:n + 1] == protocol.SYNC_LAST)
                 except (OSError, ValueError) as e:
                     answer(protocol.DONE_ANSWER, {"error": _error_text(e)})
-                    receiver = None
+                    receiver = _drop(receiver)
             elif kind == protocol.DONE and receiver is not None:
                 try:
                     answer(protocol.DONE_ANSWER, receiver.finish())
                 except (OSError, ValueError) as e:
                     answer(protocol.DONE_ANSWER, {"error": _error_text(e)})
-                receiver = None
+                receiver = _drop(receiver)
         channel.flush(time.monotonic() + 30.0)
 
 

@@ -19,12 +19,18 @@ The rules are rsync's for what we use of it (``-a`` without owners, ``--delete``
   ignores, virtual environments: decided by the launcher).
 
 A path from the launcher that is absolute or has a ``..`` part is refused, and nothing is written
-through a symbolic link on the host: the tree cannot reach outside the target directory.
+through a symbolic link on the host: the tree cannot reach outside the target directory. The
+target must be the user's own directory, not a link (another user may have planted it in a
+shared ``/tmp``); below it every file and directory is reached relative to an open directory,
+one component at a time without following links, and new files get unpredictable temporary names
+(:mod:`.safefiles`).
 """
 
 import fnmatch
 import os
 import stat
+
+from . import safefiles
 
 DIR, FILE, LINK = "d", "f", "l"
 
@@ -48,38 +54,50 @@ def is_excluded(rel, is_dir, patterns):
     return False
 
 
-def scan(root, excludes=(), skip=()):
-    """Every entry below ``root`` that is neither excluded nor skipped: ``{rel: (kind, size,
-    mtime, mode, link)}`` (directories are not followed through links)."""
+def scan(root, excludes=(), skip=(), ids=None):
+    """Every entry below ``root`` (a path, or an open directory's descriptor) that is neither
+    excluded nor skipped: ``{rel: (kind, size, mtime, mode, link)}``. Nothing is followed through
+    a link. ``ids``, a dict, gets each file's ``(st_dev, st_ino)`` (what the sender checks it
+    still reads)."""
     skip = frozenset(p.rstrip("/") for p in skip)
     out = {}
-    stack = [""]
+    try:
+        top = os.open(root, os.O_RDONLY | os.O_DIRECTORY) if isinstance(root, str) else os.dup(root)
+    except OSError:
+        return out
+    stack = [("", top)]
     while stack:
-        rel_dir = stack.pop()
+        rel_dir, fd = stack.pop()
         try:
-            names = sorted(os.listdir(os.path.join(root, rel_dir) if rel_dir else root))
+            names = sorted(os.listdir(fd))
         except OSError:
-            continue
+            names = []
         for name in names:
             rel = rel_dir + "/" + name if rel_dir else name
             if rel in skip:
                 continue
-            path = os.path.join(root, rel)
             try:
-                st = os.lstat(path)
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             except OSError:
                 continue
             if stat.S_ISDIR(st.st_mode):
                 if is_excluded(rel, True, excludes):
                     continue
+                try:
+                    sub = os.open(name, safefiles.NOFOLLOW_DIR, dir_fd=fd)
+                except OSError:
+                    continue
                 out[rel] = (DIR, 0, 0, stat.S_IMODE(st.st_mode), "")
-                stack.append(rel)
+                stack.append((rel, sub))
             elif is_excluded(rel, False, excludes):
                 continue
             elif stat.S_ISLNK(st.st_mode):
-                out[rel] = (LINK, 0, 0, 0, os.readlink(path))
+                out[rel] = (LINK, 0, 0, 0, os.readlink(name, dir_fd=fd))
             elif stat.S_ISREG(st.st_mode):
                 out[rel] = (FILE, st.st_size, int(st.st_mtime), stat.S_IMODE(st.st_mode), "")
+                if ids is not None:
+                    ids[rel] = (st.st_dev, st.st_ino)
+        os.close(fd)
     return out
 
 
@@ -107,7 +125,10 @@ def check_rel(rel):
 
 class Receiver(object):
     """The host's half: ``Receiver(dst, rows, excludes, skip, delete)``, then :meth:`need`, the
-    data of each needed file in order (:meth:`write`), then :meth:`finish`."""
+    data of each needed file in order (:meth:`write`), then :meth:`finish` (or :meth:`close`).
+
+    ``dst`` is created when missing; one that is a symbolic link, or another user's directory,
+    is refused (:class:`.safefiles.Refused`, a ValueError)."""
 
     def __init__(self, dst, rows, excludes=(), skip=(), delete=False):
         self.dst = os.path.abspath(os.path.expanduser(dst))
@@ -121,48 +142,35 @@ class Receiver(object):
         self.files = 0
         self.bytes = 0
         self.deleted = 0
-        self._open = None  # (rel, file, temporary path)
-        if not os.path.isdir(self.dst):
-            os.makedirs(self.dst)
-        self.have = scan(self.dst, self.excludes, self.skip)
+        self._open = None  # (rel, file descriptor, its directory's descriptor, temporary name)
+        self.fd = safefiles.open_dir(self.dst, "the destination", create=True)
+        self.have = scan(self.fd, self.excludes, self.skip)
+
+    def close(self):
+        """Let go of the target (and of a file half written: its temporary file goes)."""
+        if self._open is not None:
+            _, fd, dfd, tmp = self._open
+            self._open = None
+            os.close(fd)
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except OSError:
+                pass
+            os.close(dfd)
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     def need(self):
         """The files whose content the host lacks, in order."""
         return [rel for rel in sorted(self.want)
                 if self.want[rel][0] == FILE and differs(self.want[rel], self.have.get(rel))]
 
-    def _path(self, rel):
-        """The host path of ``rel``, after checking that no directory on the way is a link."""
-        parent = os.path.dirname(rel)
-        if parent:
-            self._make_dirs(parent)
-        return os.path.join(self.dst, rel)
-
-    def _make_dirs(self, rel_dir):
-        path = self.dst
-        for part in rel_dir.split("/"):
-            path = os.path.join(path, part)
-            try:
-                st = os.lstat(path)
-            except OSError:
-                os.mkdir(path, 0o700)
-                continue
-            if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-                self._remove(path)
-                os.mkdir(path, 0o700)
-
-    @staticmethod
-    def _remove(path):
-        try:
-            st = os.lstat(path)
-        except OSError:
-            return
-        if stat.S_ISDIR(st.st_mode):
-            for name in os.listdir(path):
-                Receiver._remove(os.path.join(path, name))
-            os.rmdir(path)
-        else:
-            os.unlink(path)
+    def _parent(self, rel):
+        """``(descriptor of rel's directory, rel's name)``: the directories on the way are made
+        (one that is a file or a link is replaced by a directory), none is followed through a link."""
+        parts = rel.split("/")
+        return safefiles.walk(self.fd, parts[:-1], make=True), parts[-1]
 
     def write(self, rel, data, last):
         """Part of file ``rel``'s content; ``last``: it is complete."""
@@ -171,45 +179,70 @@ class Receiver(object):
                 raise ValueError("the data of %r ended early" % self._open[0])
             if rel not in self.want or self.want[rel][0] != FILE:
                 raise ValueError("unexpected data for %r" % rel)
-            path = self._path(check_rel(rel))
-            tmp = os.path.join(os.path.dirname(path), ".%s.pslaunch-%d" % (os.path.basename(path), os.getpid()))
-            self._open = (rel, open(tmp, "wb"), tmp)
-        f = self._open[1]
-        f.write(data)
+            dfd, name = self._parent(check_rel(rel))
+            try:
+                fd, tmp = safefiles.temporary(dfd, name)
+            except BaseException:
+                os.close(dfd)
+                raise
+            self._open = (rel, fd, dfd, tmp)
+        _, fd, dfd, tmp = self._open
+        safefiles.write_all(fd, data)
         if last:
-            tmp = self._open[2]
-            f.close()
             self._open = None
-            _, size, mtime, mode, _ = self.want[rel]
-            os.chmod(tmp, mode)
-            os.utime(tmp, (mtime, mtime))
-            path = os.path.join(self.dst, rel)
-            if os.path.isdir(path) and not os.path.islink(path):
-                self._remove(path)
-            os.replace(tmp, path)
+            try:
+                _, size, mtime, mode, _ = self.want[rel]
+                os.fchmod(fd, mode)
+                os.utime(fd, (mtime, mtime))
+                os.close(fd)
+                fd = None
+                name = rel.rsplit("/", 1)[-1]
+                st = _lstat(dfd, name)
+                if st is not None and stat.S_ISDIR(st.st_mode):
+                    safefiles.remove(dfd, name)
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            finally:
+                if fd is not None:
+                    os.close(fd)
+                os.close(dfd)
             self.files += 1
             self.bytes += size
 
     def finish(self):
         """Directories, links and modes as the launcher has them; with ``delete``, what it does not
-        have goes (excluded and skipped paths stay). Returns the stats."""
+        have goes (excluded and skipped paths stay). Returns the stats; the target is let go."""
+        try:
+            return self._finish()
+        finally:
+            self.close()
+
+    def _finish(self):
         if self._open is not None:
             raise ValueError("the data of %r ended early" % self._open[0])
         for rel in sorted(self.want):  # parents sort before their children
             kind, _, _, mode, link = self.want[rel]
             have = self.have.get(rel)
-            path = os.path.join(self.dst, rel)
             if kind == DIR:
-                self._make_dirs(rel)  # (as it is now: a needed file may have created it already)
-                os.chmod(path, mode)
+                fd = safefiles.walk(self.fd, rel.split("/"), make=True)  # (a needed file may have made it already)
+                try:
+                    os.fchmod(fd, mode)
+                finally:
+                    os.close(fd)
             elif kind == LINK:
                 if differs(self.want[rel], have):
-                    self._path(rel)
-                    self._remove(path)
-                    os.symlink(link, path)
+                    dfd, name = self._parent(rel)
+                    try:
+                        safefiles.remove(dfd, name)
+                        os.symlink(link, name, dir_fd=dfd)
+                    finally:
+                        os.close(dfd)
                     self.files += 1
             elif have is not None and have[0] == FILE and not differs(self.want[rel], have) and have[3] != mode:
-                os.chmod(path, mode)
+                dfd, name = self._parent(rel)
+                try:
+                    _chmod_file(dfd, name, mode)
+                finally:
+                    os.close(dfd)
         if self.delete:
             gone = []
             for rel in sorted(self.have):  # a directory sorts before its contents
@@ -218,5 +251,35 @@ class Receiver(object):
                 gone.append(rel)
             for rel in gone:
                 self.deleted += 1 + sum(1 for r in self.have if r.startswith(rel + "/") and self.have[r][0] != DIR)
-                self._remove(os.path.join(self.dst, rel))
+                try:
+                    dfd = safefiles.walk(self.fd, rel.split("/")[:-1])
+                except OSError:
+                    continue  # (its directory went, or became something else: nothing of ours to delete)
+                try:
+                    safefiles.remove(dfd, rel.rsplit("/", 1)[-1])
+                finally:
+                    os.close(dfd)
         return {"dir": self.dst, "files": self.files, "bytes": self.bytes, "deleted": self.deleted}
+
+
+def _lstat(dir_fd, name):
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
+def _chmod_file(dir_fd, name, mode):
+    """Set the mode of the regular file ``name`` in ``dir_fd``, not through a link."""
+    try:
+        fd = safefiles.open_file(dir_fd, name, os.O_RDONLY)
+    except PermissionError:  # (not readable by us: a user's own file in our own directory, checked)
+        st = _lstat(dir_fd, name)
+        if st is None or not stat.S_ISREG(st.st_mode):
+            raise
+        os.chmod(name, mode, dir_fd=dir_fd)
+        return
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)

@@ -14,6 +14,7 @@ trip.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..errors import LaunchError
-from ..node import protocol, treesync
+from ..node import protocol, safefiles, treesync
 from ..node.protocol import SYNC_CHUNK, SYNC_HEAD
 
 
@@ -50,7 +51,8 @@ class TreeSync:
         self.excludes = list(excludes)
         self.skip = list(skip)
         self.delete = delete
-        self.tree = treesync.scan(self.src, self.excludes, self.skip)
+        self.ids: dict[str, tuple[int, int]] = {}  # each file's (device, inode) when listed
+        self.tree = treesync.scan(self.src, self.excludes, self.skip, self.ids)
         self.request_body = json.dumps({"dst": dst, "rows": treesync.manifest(self.tree), "excludes": self.excludes,
                                         "skip": self.skip, "delete": delete}, separators=(",", ":")).encode()
 
@@ -80,10 +82,20 @@ class TreeSync:
         return str(done.get("dir") or reply.get("dir") or self.dst), stats
 
     def _send_file(self, label: str, rel: str, send: Callable[[bytes, bytes], None]) -> None:
+        """Send ``rel``'s content: the very file listed, reached without following a link (one put
+        there since, on the file or on a directory of its path, fails the sync: its target's
+        content is never sent)."""
         name = rel.encode("utf-8", "surrogateescape")
         head = SYNC_HEAD.pack(len(name)) + name
+        path = os.path.join(self.src, rel)
         try:
-            with open(os.path.join(self.src, rel), "rb") as f:
+            fd = self._open_listed(rel)
+        except OSError as e:
+            raise LaunchError(f"sync to {label}: cannot read {path}: {e.strerror or e}") from None
+        except (ValueError, LookupError) as e:
+            raise LaunchError(f"sync to {label}: {path} changed while it was sent: {e}; run the job again") from None
+        try:
+            with open(fd, "rb") as f:
                 piece = f.read(SYNC_CHUNK)
                 while True:
                     after = f.read(SYNC_CHUNK)
@@ -92,5 +104,28 @@ class TreeSync:
                         return
                     piece = after
         except OSError as e:
-            raise LaunchError(f"sync to {label}: cannot read {os.path.join(self.src, rel)}: "
-                              f"{e.strerror or e}") from None
+            raise LaunchError(f"sync to {label}: cannot read {path}: {e.strerror or e}") from None
+
+    def _open_listed(self, rel: str) -> int:
+        """A descriptor of the file listed as ``rel``: ValueError when a link or another file is there now."""
+        *dirs, name = rel.split("/")
+        top = os.open(self.src, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            try:
+                parent = safefiles.walk(top, dirs)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise ValueError("a directory on its path is a symbolic link now (not followed)") from None
+                raise
+        finally:
+            os.close(top)
+        try:
+            fd = safefiles.open_file(parent, name, os.O_RDONLY, what="it")
+        finally:
+            os.close(parent)
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != self.ids[rel]:
+            os.close(fd)
+            raise ValueError("it was replaced by another file")
+        os.set_blocking(fd, True)
+        return fd

@@ -1,0 +1,216 @@
+"""Files on a shared machine (issue 30, items 8-10): links and files that another user plants in
+``--sync-dst-dir``, ``--log-dir`` and beside ``--summary-json`` are never followed, and a full
+``--log-dir`` disk is said at once.
+
+"Another user" is uid 65534 (nobody): the directories and links it would have made are chowned
+to it. The tests run as root, which passes every permission check: what stops root from
+writing through a planted link is ``O_NOFOLLOW``, ``O_EXCL``, unpredictable names and the
+ownership checks, which is what these tests hold. One test runs the host's half of the sync as
+nobody itself (``setpriv``). Every directory is made ``0o777`` without the sticky bit, so the
+kernel's ``fs.protected_symlinks`` (which guards only sticky world-writable directories such as
+``/tmp``) plays no part: the launcher's own checks must hold on any machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from launcher.errors import LaunchError
+from launcher.node import treesync as ts
+from launcher.transport.wiresync import TreeSync
+
+OTHER = 65534  # nobody: the other user on the machine
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make files another user owns")
+
+
+def theirs(path: Path, mode: int = 0o777) -> Path:
+    """``path`` as the other user made it (a directory, a file or a link)."""
+    os.lchown(path, OTHER, OTHER)
+    if not path.is_symlink():
+        os.chmod(path, mode)
+    return path
+
+
+def victim_dir(root: Path) -> Path:
+    """A directory of ours (mode 0700) with 3 files, which a planted link points at."""
+    d = root / "victim"
+    d.mkdir(mode=0o700)
+    for name in ("a", "b", "c"):
+        (d / name).write_text(f"precious {name}\n")
+    return d
+
+
+def rows_for(src: Path) -> list:
+    return ts.manifest(ts.scan(str(src)))
+
+
+def make_src(root: Path) -> Path:
+    src = root / "src"
+    src.mkdir()
+    (src / "train.py").write_text("print('train')\n")
+    (src / "pkg").mkdir()
+    (src / "pkg" / "model.py").write_text("MODEL = 1\n")
+    return src
+
+
+def receive(src: Path, dst: str, delete: bool = False) -> dict:
+    """The host's half of a sync of ``src`` to ``dst``, all in this process."""
+    r = ts.Receiver(dst, rows_for(src), delete=delete)
+    for rel in r.need():
+        r.write(rel, (src / rel).read_bytes(), True)
+    return r.finish()
+
+
+# --- item 8: --sync-dst-dir, the host's half -----------------------------------------------------------------
+
+
+@root_only
+def test_a_destination_that_is_a_link_another_user_planted_is_refused(tmp_path: Path) -> None:
+    victim = victim_dir(tmp_path)
+    src = make_src(tmp_path)
+    shared = theirs(_mkdir(tmp_path / "shared"))
+    os.symlink(victim, shared / "job")
+    theirs(shared / "job")
+    with pytest.raises(ValueError, match=r"is a symbolic link .*choose a directory of your own"):
+        receive(src, str(shared / "job"), delete=True)
+    assert sorted(p.name for p in victim.iterdir()) == ["a", "b", "c"]  # nothing deleted, nothing written
+
+
+@root_only
+def test_a_destination_another_user_owns_is_refused(tmp_path: Path) -> None:
+    src = make_src(tmp_path)
+    dst = tmp_path / "job"
+    dst.mkdir()
+    (dst / "keep").write_text("theirs\n")
+    theirs(dst)
+    with pytest.raises(ValueError, match=r"is owned by uid 65534, not by you \(uid 0\)"):
+        receive(src, str(dst), delete=True)
+    assert sorted(p.name for p in dst.iterdir()) == ["keep"]
+
+
+@root_only
+def test_a_destination_created_under_another_users_directory_is_ours(tmp_path: Path) -> None:
+    """A missing destination is created (and is ours); one another user creates first is refused."""
+    src = make_src(tmp_path)
+    shared = theirs(_mkdir(tmp_path / "shared"))
+    stats = receive(src, str(shared / "job"))
+    assert stats["files"] == 2 and (shared / "job" / "pkg" / "model.py").read_text() == "MODEL = 1\n"
+    assert (shared / "job").stat().st_uid == os.geteuid()
+
+
+def _mkdir(p: Path) -> Path:
+    p.mkdir()
+    return p
+
+
+@root_only
+def test_links_planted_at_the_temporary_names_are_not_followed(tmp_path: Path) -> None:
+    """The attack of issue 30: links at ``.train.py.pslaunch-PID`` for the next pids, in a
+    destination others can write to, overwrote a 0600 file and changed its mode."""
+    src = make_src(tmp_path)
+    secret = tmp_path / "secret"
+    secret.write_text("root's secret\n")
+    os.chmod(secret, 0o600)
+    dst = _mkdir(tmp_path / "job")
+    os.chmod(dst, 0o777)  # ours, but others can write in it
+    for pid in range(os.getpid() - 50, os.getpid() + 50):
+        for name in ("train.py", "model.py"):
+            link = (dst / "pkg" if name == "model.py" else dst)
+            link.mkdir(exist_ok=True)
+            os.chmod(link, 0o777)
+            os.symlink(secret, link / f".{name}.pslaunch-{pid}")
+            theirs(link / f".{name}.pslaunch-{pid}")
+    receive(src, str(dst))
+    assert secret.read_text() == "root's secret\n" and secret.stat().st_mode & 0o777 == 0o600
+    assert (dst / "train.py").read_text() == "print('train')\n" and not (dst / "train.py").is_symlink()
+    assert (dst / "pkg" / "model.py").read_text() == "MODEL = 1\n"
+
+
+def test_deleting_never_follows_a_link_in_the_destination(tmp_path: Path) -> None:
+    """``--sync-delete`` removes a link planted in the destination, not what it points at."""
+    victim = victim_dir(tmp_path)
+    src = make_src(tmp_path)
+    dst = tmp_path / "job"
+    receive(src, str(dst))
+    os.symlink(victim, dst / "gone")
+    os.symlink(victim, dst / "pkg" / "gone")
+    stats = receive(src, str(dst), delete=True)
+    assert stats["deleted"] == 2 and not os.path.lexists(dst / "gone")
+    assert sorted(p.name for p in victim.iterdir()) == ["a", "b", "c"]
+
+
+SETPRIV = shutil.which("setpriv")
+
+
+@root_only
+@pytest.mark.skipif(SETPRIV is None, reason="needs setpriv to run as another user")
+def test_the_hosts_half_as_an_unprivileged_user_refuses_a_planted_link() -> None:
+    """The same refusal with the host's half running as nobody, and root (the other user now)
+    having planted the link at nobody's destination to a directory nobody owns."""
+    base = Path(tempfile.mkdtemp(prefix="pslaunch-test-"))  # (pytest's tmp_path is closed to nobody)
+    try:
+        os.chmod(base, 0o755)
+        victim = victim_dir(base)
+        for p in (victim, *victim.iterdir()):
+            os.chown(p, OTHER, OTHER)
+        src = make_src(base)
+        os.symlink(victim, base / "job")  # planted by root, beside where nobody's destination goes
+        code = ("import json, sys; from launcher.node import treesync as ts\n"
+                "r = ts.Receiver(sys.argv[1], json.loads(sys.argv[2]), delete=True)\n"
+                "print(r.need()); print(r.finish())\n")
+        root = os.path.dirname(os.path.dirname(os.path.dirname(ts.__file__)))
+        p = subprocess.run([SETPRIV, f"--reuid={OTHER}", f"--regid={OTHER}", "--clear-groups", sys.executable, "-S",
+                            "-c", code, str(base / "job"), json.dumps(rows_for(src))],
+                           capture_output=True, text=True, timeout=60, cwd=root, env={"PYTHONPATH": root})
+        assert p.returncode != 0 and "is a symbolic link" in p.stderr, (p.stdout, p.stderr)
+        assert sorted(x.name for x in victim.iterdir()) == ["a", "b", "c"]
+    finally:
+        shutil.rmtree(base)
+
+
+# --- item 8: --sync-dst-dir, the launcher's half -------------------------------------------------------------
+
+
+def _replace_with_link(src: Path, secret: Path) -> None:
+    (src / "train.py").unlink()
+    os.symlink(secret, src / "train.py")
+
+
+def _replace_with_hard_link(src: Path, secret: Path) -> None:
+    (src / "train.py").unlink()
+    os.link(secret, src / "train.py")
+
+
+def _replace_directory_with_link(src: Path, secret: Path) -> None:
+    other = secret.parent / "otherpkg"
+    other.mkdir()
+    os.link(secret, other / "model.py")
+    shutil.rmtree(src / "pkg")
+    os.symlink(other, src / "pkg")
+
+
+@pytest.mark.parametrize("replace", [_replace_with_link, _replace_with_hard_link, _replace_directory_with_link])
+def test_a_file_replaced_during_the_sync_is_not_sent(tmp_path: Path, replace) -> None:
+    """A file listed, then replaced (by a link, by another file, or a directory on its path by a
+    link) before its content is read: the sync fails, and not one byte of what replaced it goes."""
+    src = make_src(tmp_path)
+    secret = tmp_path / "secret"
+    secret.write_text("the shadow file\n")
+    sync = TreeSync(str(src), "/dst", [])
+    replace(src, secret)
+    sent: list[bytes] = []
+
+    def request(kind: bytes, payload: bytes, reply: bytes) -> dict:
+        return {"dir": "/dst", "need": ["pkg/model.py", "train.py"]} if payload else {}
+
+    with pytest.raises(LaunchError, match="changed while it was sent|replaced"):
+        sync.sync("h", request, lambda kind, payload: sent.append(payload))
+    assert not any(b"shadow" in p for p in sent)
