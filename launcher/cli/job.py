@@ -4,6 +4,7 @@ or a dry run.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -13,6 +14,7 @@ import pscontract as pc
 
 from .. import backends, trackers
 from ..errors import ConfigError
+from ..node import safefiles
 from ..run.report import format_dry_run
 from ..run.supervisor import dry_run_plan, run_job
 from ..spec.hosts import read_hosts
@@ -72,45 +74,63 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
     return spec
 
 
-def _probe_write(path: str) -> Optional[str]:
-    """Create and remove ``path``: None if that worked, else why not."""
+def _probe_write(directory: str, name: str) -> Optional[str]:
+    """Create and remove a file beside ``name`` in ``directory`` (an unpredictable name, created
+    exclusively): None if that worked, else why not."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as e:
         return e.strerror or str(e)
-    os.close(fd)
     try:
-        os.unlink(path)
-    except OSError:
-        pass
+        fd, tmp = safefiles.temporary(dfd, name)
+        os.close(fd)
+        os.unlink(tmp, dir_fd=dfd)
+    except OSError as e:
+        return e.strerror or str(e)
+    finally:
+        os.close(dfd)
     return None
+
+
+def check_log_dir(d: str, create: bool) -> None:
+    """``--log-dir`` is the user's own directory, not a link (and, with ``create``, it exists)."""
+    what = f"--log-dir {d}"
+    try:
+        fd = safefiles.open_dir(d, what, create=create)
+    except safefiles.Refused as e:
+        if "is not a directory" in str(e):
+            raise ConfigError(f"{what} is a file, not a directory; give a directory (it is created)") from None
+        raise ConfigError(str(e)) from None
+    except FileNotFoundError as e:
+        if create:
+            raise ConfigError(f"{what}: cannot create it: {e.strerror or e}") from None
+        parent = os.path.abspath(d)  # a dry run: could it be created?
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            raise ConfigError(f"{what}: cannot create or write it ({parent} is not a writable directory)") from None
+        return
+    except OSError as e:
+        if e.errno == errno.ENOTDIR:
+            raise ConfigError(f"{what}: cannot create it: a path above it is a file") from None
+        raise ConfigError(f"{what}: cannot create it: {e.strerror or e}") from None
+    os.close(fd)
+    if create:
+        why = _probe_write(d, "probe")
+        if why:
+            raise ConfigError(f"{what}: cannot write there: {why}")
 
 
 def check_outputs(spec: JobSpec, create: bool) -> None:
     """``--log-dir`` and ``--summary-json`` can be written, checked before anything starts.
 
-    With ``create`` (a real run) the log directory is created and a file is written in each
-    place and removed again (the only proof that works for root, read-only mounts and /proc);
-    a dry run only looks.
+    The log directory must be the user's own and not a symbolic link (``launcher.node.safefiles``:
+    on a shared machine another user may have made it first). With ``create`` (a real run) it is
+    created and a file is written in each place and removed again (the only proof that works for
+    root, read-only mounts and /proc); a dry run only looks.
     """
     if spec.log_dir:
-        d = spec.log_dir
-        if os.path.exists(d) and not os.path.isdir(d):
-            raise ConfigError(f"--log-dir {d} is a file, not a directory; give a directory (it is created)")
-        if create:
-            try:
-                os.makedirs(d, exist_ok=True)
-            except OSError as e:
-                raise ConfigError(f"--log-dir {d}: cannot create it: {e.strerror or e}") from None
-            why = _probe_write(os.path.join(d, f".pslaunch-probe-{os.getpid()}"))
-            if why:
-                raise ConfigError(f"--log-dir {d}: cannot write there: {why}")
-        else:
-            parent = os.path.abspath(d)
-            while not os.path.exists(parent):
-                parent = os.path.dirname(parent)
-            if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-                raise ConfigError(f"--log-dir {d}: cannot create or write it ({parent} is not a writable directory)")
+        check_log_dir(spec.log_dir, create)
     if spec.summary_json:
         path = spec.summary_json
         if os.path.isdir(path):
@@ -118,7 +138,7 @@ def check_outputs(spec: JobSpec, create: bool) -> None:
         parent = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(parent):
             raise ConfigError(f"--summary-json {path}: the directory {parent} does not exist")
-        why = _probe_write(f"{path}.tmp{os.getpid()}") if create else (
+        why = _probe_write(parent, os.path.basename(path)) if create else (
             None if os.access(parent, os.W_OK | os.X_OK) else "permission denied")
         if why:
             raise ConfigError(f"--summary-json {path}: cannot write there: {why}")

@@ -37,18 +37,18 @@ _OWN = "choose a directory of your own"
 def open_dir(path, what, create=False):
     """A descriptor of the directory ``path``, which must not be a symbolic link and must be
     owned by this user; ``what`` names it in the error (``"--log-dir logs"``). With ``create``,
-    a missing directory is made (mode 0700 less the umask; its parents as ``os.makedirs`` would)."""
+    a missing directory is made (with its parents, as ``os.makedirs`` would)."""
     path = os.path.abspath(path)
     parent, name = os.path.split(path)
     if not name:  # "/"
         parent, name = path, "."
-    if create and not os.path.isdir(parent):
+    if create and not os.path.lexists(parent):
         os.makedirs(parent)
     pfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         if create:
             try:
-                os.mkdir(name, 0o700, dir_fd=pfd)
+                os.mkdir(name, dir_fd=pfd)
             except FileExistsError:
                 pass
         try:

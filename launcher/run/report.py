@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shlex
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from pscontract import NODE_HOST
 
+from ..node import safefiles
 from ..runtime.handle import ProcessHandle, ProcRecord, describe_exit
 from ..spec import env as jobenv
 from ..spec.job import JobSpec
@@ -37,6 +37,8 @@ class JobResult:
     end_time: float
     message: str = ""
     cause: Optional[dict] = None
+    #: lines that did not reach their ``--log-dir`` file (``Console.log_errors``), if any did not
+    log_errors: Optional[dict] = None
 
 
 def redactor(plan: Optional[Plan]) -> jobenv.Redactor:
@@ -126,14 +128,12 @@ def write_summary(path: str, spec: JobSpec, plan: Optional[Plan], result: JobRes
         "start_time": result.start_time,
         "end_time": result.end_time,
         "processes": [r.to_dict() for r in result.records],
+        "log_errors": result.log_errors,
     }
 
     text = redactor(plan)(json.dumps(doc, indent=2))
-    tmp = f"{path}.tmp{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-        os.replace(tmp, path)
+        safefiles.write_atomic(path, (text + "\n").encode("utf-8"))  # (nothing planted beside it is followed)
     except OSError as e:
         log.error("cannot write --summary-json %s: %s", path, e.strerror or e)
 

@@ -470,10 +470,15 @@ class Supervisor:
         elif reason == "signal":
             message = f"stopped by {self.signals.describe()}"
             log.error("%s after %.1fs; every process was terminated", message, elapsed)
+        log_errors = self.console.log_errors()
+        if log_errors:
+            log.warning("%s line%s of output did not reach --log-dir %s (first: %s); the console showed them",
+                        f"{log_errors['lines_not_logged']:,}", "" if log_errors["lines_not_logged"] == 1 else "s",
+                        self.spec.log_dir, log_errors["first_error"])
         result = report.JobResult(
             exit_code=code, reason=reason, first_failure=self.first.record() if self.first else None,
             records=tuple(h.record(h.name in self.stopped) for h in self.handles),
-            start_time=self.start_time, end_time=end_time, message=message,
+            start_time=self.start_time, end_time=end_time, message=message, log_errors=log_errors,
             cause=None if cause is None else {"process": cause.culprit.name if cause.culprit else None,
                                               "reason": cause.reason, "reported_by": cause.reporter.name})
         if self.spec.summary_json:

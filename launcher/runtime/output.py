@@ -8,6 +8,12 @@ and write each line once, whole, with a ``[worker 0]`` prefix, to the
 launcher's own stdout or stderr. The last lines are kept for the failure
 report; with ``--log-dir`` every line also goes to the process's own file.
 
+The log directory is opened once and must be the user's own, not a link; each log file is opened
+relative to it, never through a link, and must be the user's regular file
+(:mod:`launcher.node.safefiles`). A line that cannot be logged (a full disk, a link planted in
+the directory) is still shown: the first such line is said at once in one warning, and the count
+goes to the end of the job and ``--summary-json`` (:meth:`Console.log_errors`).
+
 On a terminal the console can also keep one *status line* at the bottom of stdout
 (:meth:`Console.set_status`, drawn by ``launcher.run.progress``): every write first erases
 it (``\\r`` and erase-to-end-of-line), writes its whole lines, then draws it again, all under
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import codecs
 import collections
+import logging
 import os
 import selectors
 import sys
@@ -34,6 +41,10 @@ from typing import BinaryIO, Callable, Optional
 from pscontract import CAUSE_PREFIX, parse_cause
 
 from .. import logs
+from ..errors import ConfigError
+from ..node import safefiles
+
+log = logging.getLogger(__name__)
 
 TAIL_LINES = 20
 _MAX_LINE = 64 * 1024  # a longer line without a newline is written in pieces
@@ -103,8 +114,44 @@ class Console:
         self._held: Optional[list[tuple[ProcOutput, str, bool, bytes]]] = None
         self._held_bytes = 0
         self._attempt: list[ProcOutput] = []
+        self._log_fd: Optional[int] = None  # the log directory, open
+        self._not_logged = 0  # lines that could not be written to their log file
+        self._log_error: Optional[str] = None  # the first reason
         if log_dir:
-            os.makedirs(log_dir, exist_ok=True)
+            try:
+                self._log_fd = safefiles.open_dir(log_dir, f"--log-dir {log_dir}", create=True)
+            except safefiles.Refused as e:
+                raise ConfigError(str(e)) from None
+
+    # -- the log files ----------------------------------------------------------------------
+
+    def _open_log(self, name: str) -> Optional[int]:
+        """``name``'s log file, opened for appending (None: it cannot be, and that was said)."""
+        assert self._log_fd is not None
+        try:
+            return safefiles.open_file(self._log_fd, name, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        except (OSError, ValueError) as e:
+            self.log_failed(name, e)
+            return None
+
+    def log_failed(self, name: str, error: Optional[Exception], lines: int = 0) -> None:
+        """A log file could not be opened or written (``error``; None: as was said before) and
+        ``lines`` were not logged: the first time, one warning at once; every time, counted."""
+        with self._lock:
+            self._not_logged += lines
+            if self._log_error is not None or error is None:
+                return
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+            self._log_error = reason if reason.startswith(name) else f"{name}: {reason}"
+        log.warning("--log-dir %s: cannot write %s; the console still shows every line, the log files miss "
+                    "those lines (counted at the end and in --summary-json)", self.log_dir, self._log_error)
+
+    def log_errors(self) -> Optional[dict]:
+        """``{"lines_not_logged", "first_error"}`` when a line did not reach its log file, else None."""
+        with self._lock:
+            if self._log_error is None:
+                return None
+            return {"lines_not_logged": self._not_logged, "first_error": self._log_error}
 
     # -- the status line ------------------------------------------------------------------
 
@@ -197,10 +244,10 @@ class Console:
         prefix = f"[{label}] "
         if self.color:
             prefix = f"\x1b[{_COLORS.get(role, '0')}m[{label}]\x1b[0m "
-        log = None
-        if self.log_dir:
-            log = open(os.path.join(self.log_dir, f"{name}.log"), "ab", buffering=0)
-        out = ProcOutput(self, prefix.encode(), log)
+        out = ProcOutput(self, prefix.encode(), None)
+        if self._log_fd is not None:
+            out.log_name = f"{name}.log"
+            out.log = self._open_log(out.log_name)
         out.observer = self._observers.get(name)
         with self._lock:
             if self._held is not None:
@@ -224,10 +271,11 @@ class Console:
 class ProcOutput:
     """One process's output: two line streams, a tail buffer and an optional log file."""
 
-    def __init__(self, console: Console, prefix: bytes, log: BinaryIO | None) -> None:
+    def __init__(self, console: Console, prefix: bytes, log: Optional[int]) -> None:
         self.console = console
         self.prefix = prefix
-        self.log = log
+        self.log = log  # the log file's descriptor
+        self.log_name: Optional[str] = None  # its name (None: no --log-dir)
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.observer: Callable[[str], None] | None = None  # Console.observe
         #: ``(role, rank, reason)`` from the first ``pslaunch-cause:`` line the process wrote
@@ -262,12 +310,18 @@ class ProcOutput:
         self.console.write(err, self.prefix + data + b"\n")
         if self.observer is not None:
             self.observer(line)
+        lost, failed = False, None
         with self._lock:
             if self.log is not None:
                 try:
-                    self.log.write(data + b"\n")
-                except (OSError, ValueError):
-                    pass
+                    safefiles.write_all(self.log, data + b"\n")
+                except OSError as e:
+                    lost, failed = True, e
+            else:
+                lost = self.log_name is not None  # (it could not be opened: that was said)
+            name = self.log_name or ""
+        if lost:
+            self.console.log_failed(name, failed, lines=1)
 
     def lines(self) -> list[str]:
         with self._lock:
@@ -288,10 +342,10 @@ class ProcOutput:
 
     def _close_log(self) -> None:
         with self._lock:
-            log, self.log = self.log, None
+            log, self.log, self.log_name = self.log, None, None
         if log is not None:
             try:
-                log.close()
+                os.close(log)
             except OSError:
                 pass
 

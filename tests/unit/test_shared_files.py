@@ -13,7 +13,9 @@ kernel's ``fs.protected_symlinks`` (which guards only sticky world-writable dire
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -23,12 +25,18 @@ from pathlib import Path
 
 import pytest
 
-from launcher.errors import LaunchError
+from launcher.errors import ConfigError, LaunchError
 from launcher.node import treesync as ts
+from launcher.runtime.output import Console
 from launcher.transport.wiresync import TreeSync
 
 OTHER = 65534  # nobody: the other user on the machine
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make files another user owns")
+
+
+class Sink(io.BytesIO):
+    def fileno(self) -> int:  # not a tty
+        raise OSError
 
 
 def theirs(path: Path, mode: int = 0o777) -> Path:
@@ -214,3 +222,152 @@ def test_a_file_replaced_during_the_sync_is_not_sent(tmp_path: Path, replace) ->
     with pytest.raises(LaunchError, match="changed while it was sent|replaced"):
         sync.sync("h", request, lambda kind, payload: sent.append(payload))
     assert not any(b"shadow" in p for p in sent)
+
+
+# --- item 9: --log-dir and --summary-json ----------------------------------------------------------------------
+
+
+@root_only
+def test_links_planted_in_the_log_dir_are_not_followed(tmp_path: Path, caplog) -> None:
+    """Issue 30: 3 job lines appended to a root-owned 0600 file, a new file created outside."""
+    secret = tmp_path / "shadow"
+    secret.write_text("root:x:0\n")
+    os.chmod(secret, 0o600)
+    logs = _mkdir(tmp_path / "logs")
+    os.chmod(logs, 0o777)  # ours, others can write in it
+    os.symlink(secret, logs / "worker-0.log")
+    os.symlink(tmp_path / "outside.log", logs / "worker-1.log")
+    for link in ("worker-0.log", "worker-1.log"):
+        theirs(logs / link)
+    out, err = Sink(), Sink()
+    console = Console(stdout=out, stderr=err, log_dir=str(logs), color=False)
+    for i in range(2):
+        p = console.proc(f"worker-{i}", f"worker {i}", "worker")
+        p.stdout.feed(b"line 1\nline 2\nline 3\n")
+        p.close()
+    assert secret.read_text() == "root:x:0\n" and secret.stat().st_mode & 0o777 == 0o600
+    assert not (tmp_path / "outside.log").exists()
+    assert out.getvalue().count(b"line ") == 6  # the console has every line
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "worker-0.log is a symbolic link (not followed)" in warnings[0], warnings
+    errors = console.log_errors()
+    assert errors is not None and errors["lines_not_logged"] == 6 and "worker-0.log" in errors["first_error"]
+
+
+@root_only
+@pytest.mark.parametrize("how", ["link", "theirs"])
+def test_a_log_dir_that_is_a_link_or_another_users_is_refused_before_anything_starts(tmp_path: Path, how: str) -> None:
+    victim = victim_dir(tmp_path)
+    logs = tmp_path / "logs"
+    if how == "link":
+        os.symlink(victim, logs)
+        theirs(logs)
+        message = f"--log-dir {logs} is a symbolic link"
+    else:
+        theirs(_mkdir(logs))
+        message = f"--log-dir {logs} is owned by uid 65534, not by you (uid 0)"
+    for dry in ([], ["--dry-run"]):
+        p = subprocess.run([sys.executable, "-m", "launcher", "-n", "1", "-s", "0", "--log-dir", str(logs), *dry,
+                            "touch", "started"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert p.returncode == 2 and p.stderr.startswith(f"pslaunch: error: {message}"), p.stderr
+        assert p.stderr.count("\n") == 1 and not (tmp_path / "started").exists()
+    assert sorted(x.name for x in victim.iterdir()) == ["a", "b", "c"]
+
+
+def test_the_log_dir_check_refuses_a_link_also_in_the_api(tmp_path: Path) -> None:
+    from launcher.cli.job import check_outputs
+    from launcher.spec.job import JobSpec
+
+    os.symlink(_mkdir(tmp_path / "real"), tmp_path / "logs")
+    spec = JobSpec(command=("true",), num_workers=1, num_servers=0, log_dir=str(tmp_path / "logs"))
+    with pytest.raises(ConfigError, match="is a symbolic link"):
+        check_outputs(spec, create=True)
+
+
+def test_summary_json_does_not_write_through_a_planted_temporary_link(tmp_path: Path) -> None:
+    """Issue 30: ``<path>.tmp<PID>`` planted during the job was written through."""
+    from launcher.run import report
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    path = tmp_path / "summary.json"
+    for pid in range(os.getpid() - 50, os.getpid() + 50):
+        os.symlink(victim, f"{path}.tmp{pid}")
+    result = report.JobResult(exit_code=0, reason="success", first_failure=None, records=(), start_time=1.0,
+                              end_time=2.0)
+    from launcher.spec.job import JobSpec
+
+    report.write_summary(str(path), JobSpec(command=("true",), num_workers=1, num_servers=0), None, result)
+    assert victim.read_text() == "precious\n"
+    assert json.loads(path.read_text())["exit_code"] == 0 and not path.is_symlink()
+
+
+# --- item 10: a full --log-dir disk ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 256 KiB tmpfs (root, and a machine that lets us mount; else the test is skipped)."""
+    mnt = _mkdir(tmp_path / "small")
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root and mount(8) for a small tmpfs")
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(mnt)],
+                       capture_output=True, text=True, timeout=30)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+
+
+def test_a_full_log_disk_is_said_at_once_and_the_console_keeps_every_line(small_disk: Path, tmp_path: Path,
+                                                                         caplog) -> None:
+    """Issue 30: 5,447 of 40,000 lines logged, rc 0, nothing said. Now: one warning line as soon as
+    a line is lost, every line on the console, and the count in ``--summary-json``."""
+    from launcher.run import report
+    from launcher.spec.job import JobSpec
+
+    out, err = Sink(), Sink()
+    console = Console(stdout=out, stderr=err, log_dir=str(small_disk), color=False)
+    p = console.proc("worker-0", "worker 0", "worker")
+    lines = 40_000
+    seen_warning_at = None
+    for i in range(lines):
+        p.stdout.feed(b"%06d a log line of forty bytes or so\n" % i)
+        if seen_warning_at is None and caplog.records:
+            seen_warning_at = i
+    p.close()
+    logged = (small_disk / "worker-0.log").read_bytes().count(b"\n")
+    assert 0 < logged < lines
+    assert out.getvalue().count(b"\n") == lines  # the console kept every line
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "worker-0.log: No space left on device" in warnings[0], warnings
+    assert seen_warning_at == logged  # at once: with the first line lost (the one after the last whole line logged)
+    errors = console.log_errors()
+    assert errors is not None and errors["lines_not_logged"] == lines - logged
+    result = report.JobResult(exit_code=0, reason="success", first_failure=None, records=(), start_time=1.0,
+                              end_time=2.0, log_errors=errors)
+    spec = JobSpec(command=("true",), num_workers=1, num_servers=0)
+    report.write_summary(str(tmp_path / "s.json"), spec, None, result)
+    assert json.loads((tmp_path / "s.json").read_text())["log_errors"]["lines_not_logged"] == lines - logged
+
+
+def test_a_job_on_a_full_log_disk_says_it_once_and_records_it(small_disk: Path, tmp_path: Path) -> None:
+    """The whole job (the measurement of issue 30): rc 0 as the job's, every line on the console,
+    one warning at once and one count at the end, and the count in --summary-json."""
+    lines = 40_000
+    code = f"for i in range({lines}): print('%06d a log line of forty bytes or so' % i)"
+    p = subprocess.run([sys.executable, "-m", "launcher", "-n", "1", "-s", "0", "--no-progress", "--log-dir",
+                        str(small_disk), "--summary-json", str(tmp_path / "s.json"), sys.executable, "-c", code],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    logged = (small_disk / "worker-0.log").read_bytes().count(b"\n")
+    warnings = [x for x in p.stderr.splitlines() if x.startswith("pslaunch: warning: ")]
+    assert p.returncode == 0 and p.stdout.count("\n") == lines and 0 < logged < lines, p.stderr
+    assert len(warnings) == 2, warnings
+    assert "cannot write worker-0.log: No space left on device" in warnings[0]
+    errors = json.loads((tmp_path / "s.json").read_text())["log_errors"]
+    assert errors["first_error"] == "worker-0.log: No space left on device"
+    # (the tracker's own log is in the same directory: what it printed after the disk filled counts too)
+    assert errors["lines_not_logged"] >= lines - logged
+    assert f"{errors['lines_not_logged']:,} lines of output did not reach --log-dir" in warnings[1]
