@@ -640,7 +640,34 @@ def test_sync_failure_on_one_host_stops_the_launch(testbed: Testbed, out: Path, 
     line = [x for x in r.stderr.splitlines() if "error" in x]
     assert len(line) == 1, r.stderr
     assert line[0].startswith(f"pslaunch: error: sync to {bad.addr_a}:{dst} failed: "), line[0]
-    assert "File exists" in line[0], line[0]
+    assert "the destination is not a directory" in line[0], line[0]
+    assert read_probes(out) == {}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("planted", ["link", "theirs"])
+def test_sync_refuses_a_destination_another_user_planted(testbed: Testbed, out: Path, tmp_path: Path,
+                                                         planted: str) -> None:
+    """Issue 30: a link planted at the destination by another user (uid 65534) made --sync-delete
+    delete the files of its target and write there, rc 0. Now one line, nothing deleted, nothing
+    started; the same for a destination directory another user made."""
+    src = _project(tmp_path)
+    base = f"{testbed.sync_root}/planted-{uuid.uuid4().hex[:6]}"
+    dst, victim = f"{base}/job", f"{base}/victim"
+    plant = (f"ln -s {victim} {dst} && chown -h 65534 {dst}" if planted == "link" else
+             f"mkdir {dst} && chown 65534 {dst} && chmod 777 {dst}")
+    bad = testbed.hosts[1]
+    testbed.run(bad, ["sh", "-c", f"mkdir -p {victim} && chmod 700 {victim} && touch {victim}/a {victim}/b "
+                                  f"{victim}/c && {plant}"], check=True)
+    r = run_ssh(testbed, "-n", "2", "-s", "1", "-H", hostfile(testbed, tmp_path, 2), "--sync-dst-dir", dst,
+                "--sync-delete", *probe(out), cwd=src)
+    assert r.returncode == 1, r.stderr
+    line = [x for x in r.stderr.splitlines() if "error" in x]
+    assert len(line) == 1, r.stderr
+    why = "is a symbolic link" if planted == "link" else "is owned by uid 65534, not by you"
+    assert line[0].startswith(f"pslaunch: error: sync to {bad.addr_a}:{dst} failed: the destination {why}"), line[0]
+    assert "choose a directory of your own" in line[0]
+    assert testbed.run(bad, ["ls", "-A", victim]).stdout.split() == ["a", "b", "c"]
     assert read_probes(out) == {}
 
 
