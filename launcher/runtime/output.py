@@ -143,8 +143,8 @@ class Console:
                 return
             reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
             self._log_error = reason if reason.startswith(name) else f"{name}: {reason}"
-        log.warning("--log-dir %s: cannot write %s; the console still shows every line, the log files miss "
-                    "those lines (counted at the end and in --summary-json)", self.log_dir, self._log_error)
+        log.warning("--log-dir %s: %s; the console still shows every line, the lines the log files miss are "
+                    "counted (at the end and in --summary-json)", self.log_dir, self._log_error)
 
     def log_errors(self) -> Optional[dict]:
         """``{"lines_not_logged", "first_error"}`` when a line did not reach its log file, else None."""

@@ -365,7 +365,7 @@ def test_a_job_on_a_full_log_disk_says_it_once_and_records_it(small_disk: Path, 
     warnings = [x for x in p.stderr.splitlines() if x.startswith("pslaunch: warning: ")]
     assert p.returncode == 0 and p.stdout.count("\n") == lines and 0 < logged < lines, p.stderr
     assert len(warnings) == 2, warnings
-    assert "cannot write worker-0.log: No space left on device" in warnings[0]
+    assert f"--log-dir {small_disk}: worker-0.log: No space left on device; the console still shows" in warnings[0]
     errors = json.loads((tmp_path / "s.json").read_text())["log_errors"]
     assert errors["first_error"] == "worker-0.log: No space left on device"
     # (the tracker's own log is in the same directory: what it printed after the disk filled counts too)
