@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+from . import safefiles
 from .procgroup import resolve_program
 from .protocol import read_blob
 
@@ -106,6 +107,12 @@ class Probe(object):
         a = self.args
         r = {"python": sys.executable, "version": "%d.%d.%d" % tuple(sys.version_info[:3]),
              "cwd": {"path": self.cwd, "exists": os.path.isdir(self.cwd)}}
+        try:  # what --sync-dst-dir would refuse there: a link, another user's directory
+            os.close(safefiles.open_dir(self.cwd, self.cwd))
+        except safefiles.Refused as e:
+            r["cwd"]["refused"] = str(e)
+        except OSError:
+            pass
         py = None
         if a["command"]:
             r["program"], py = self.program(a["command"])

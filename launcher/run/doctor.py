@@ -155,7 +155,9 @@ def fill(row: Row, res: dict, checks: Checks) -> None:
     else:
         row.cells["python3"] = f"ok {res['version']}"
     cwd = res["cwd"]
-    if cwd["exists"]:
+    if checks.sync and cwd.get("refused"):
+        row.fail("cwd", "not yours", f"--sync-dst-dir refuses it: {cwd['refused']}")
+    elif cwd["exists"]:
         row.cells["cwd"] = "ok"
     elif checks.sync:
         row.cells["cwd"] = "ok (synced)"

@@ -52,6 +52,20 @@ def test_sync_dst_dir_with_a_tilde_is_the_remote_home(tmp_path) -> None:
     assert not row.ok and row.problems[0].startswith(f"h1: cwd: the job's working directory {home}/missing")
 
 
+def test_a_sync_dst_dir_the_sync_would_refuse_fails_the_cwd_check(tmp_path) -> None:
+    """A link at --sync-dst-dir (another user's, planted in /tmp) is what the sync refuses: the
+    doctor says so; without --sync-dst-dir the job just runs there."""
+    home = tmp_path / "home"
+    home.mkdir()
+    os.symlink(home / "job", home / "planted")
+    res = _run_checks(tmp_path, "~/planted")
+    assert res["cwd"]["exists"] and "is a symbolic link" in res["cwd"]["refused"]
+    row = _row(res, Checks(cwd="~/planted", sync=True))
+    assert row.cells["cwd"] == "FAIL not yours"
+    assert row.problems[0].startswith(f"h1: cwd: --sync-dst-dir refuses it: {home}/planted is a symbolic link")
+    assert _row(res, Checks(cwd="~/planted")).cells["cwd"] == "ok"
+
+
 def test_the_commands_program_and_its_python(tmp_path) -> None:
     job = tmp_path / "home" / "job"
     job.mkdir(parents=True)
