@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher import node
 from launcher.errors import ConfigError, LaunchError
 from launcher.node import treesync as ts
 from launcher.runtime.output import Console
@@ -174,10 +175,15 @@ def test_the_hosts_half_as_an_unprivileged_user_refuses_a_planted_link() -> None
         code = ("import json, sys; from launcher.node import treesync as ts\n"
                 "r = ts.Receiver(sys.argv[1], json.loads(sys.argv[2]), delete=True)\n"
                 "print(r.need()); print(r.finish())\n")
-        root = os.path.dirname(os.path.dirname(os.path.dirname(ts.__file__)))
-        p = subprocess.run([SETPRIV, f"--reuid={OTHER}", f"--regid={OTHER}", "--clear-groups", sys.executable, "-S",
-                            "-c", code, str(base / "job"), json.dumps(rows_for(src))],
-                           capture_output=True, text=True, timeout=60, cwd=root, env={"PYTHONPATH": root})
+        lib = base / "lib"  # the host's half as a host gets it (this checkout may be closed to nobody)
+        for name, data in node.bundle_files("ssh_wrapper").items():
+            (lib / name).parent.mkdir(parents=True, exist_ok=True)
+            (lib / name).write_bytes(data)
+        as_nobody = [SETPRIV, f"--reuid={OTHER}", f"--regid={OTHER}", "--clear-groups", sys.executable, "-S"]
+        if subprocess.run([*as_nobody, "-c", "pass"], capture_output=True, timeout=60).returncode != 0:
+            pytest.skip(f"nobody cannot run {sys.executable} here")
+        p = subprocess.run([*as_nobody, "-c", code, str(base / "job"), json.dumps(rows_for(src))],
+                           capture_output=True, text=True, timeout=60, cwd=lib, env={"PYTHONPATH": str(lib)})
         assert p.returncode != 0 and "is a symbolic link" in p.stderr, (p.stdout, p.stderr)
         assert sorted(x.name for x in victim.iterdir()) == ["a", "b", "c"]
     finally:
