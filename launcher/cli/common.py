@@ -22,6 +22,7 @@ import pscontract as pc
 
 from .. import logs
 from ..errors import ConfigError, LauncherError
+from ..node import safefiles
 from ..spec import env as jobenv
 
 # --- value parsers ------------------------------------------------------------------------------
@@ -72,6 +73,8 @@ def configure_logging(level: str, log_file: Optional[str] = None) -> None:
         logs.configure(level, log_file)
     except OSError as e:
         raise ConfigError(f"cannot open --log-file {log_file}: {e.strerror or e}") from None
+    except safefiles.Refused as e:
+        raise ConfigError(f"cannot open --log-file: {e}; name a file of your own") from None
 
 
 # --- running a command --------------------------------------------------------------------------------

@@ -280,6 +280,25 @@ def test_a_log_dir_that_is_a_link_or_another_users_is_refused_before_anything_st
     assert sorted(x.name for x in victim.iterdir()) == ["a", "b", "c"]
 
 
+@root_only
+def test_a_log_file_planted_as_a_link_is_not_followed(tmp_path: Path) -> None:
+    """``--log-file`` (the launcher's own log) at a name another user planted as a link: one line,
+    rc 2, nothing written through it, nothing started."""
+    victim = tmp_path / "victim.log"
+    victim.write_text("precious\n")
+    os.chmod(victim, 0o600)
+    shared = theirs(_mkdir(tmp_path / "shared"))
+    link = shared / "launcher.log"
+    os.symlink(victim, link)
+    theirs(link)
+    p = subprocess.run([sys.executable, "-m", "launcher", "-n", "1", "-s", "0", "--log-file", str(link),
+                        "touch", "started"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr == f"pslaunch: error: cannot open --log-file: {link} is a symbolic link (not followed); " \
+                       "name a file of your own\n"
+    assert victim.read_text() == "precious\n" and not (tmp_path / "started").exists()
+
+
 def test_the_log_dir_check_refuses_a_link_also_in_the_api(tmp_path: Path) -> None:
     from launcher.cli.job import check_outputs
     from launcher.spec.job import JobSpec
