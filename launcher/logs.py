@@ -9,19 +9,14 @@ that program's ``logging`` sends them.
 
 The stderr handler writes each line through a hook (:func:`write_around`): the live status line
 (``launcher.runtime.output``) installs one that erases the status line first and draws it again
-after, so a message never ends up inside it. This module imports nothing of the launcher but
-:mod:`launcher.node.safefiles` (standard library only), with which ``--log-file`` is opened.
+after, so a message never ends up inside it. This module imports nothing of the launcher.
 """
 
 from __future__ import annotations
 
-import io
 import logging
-import os
 import sys
-from typing import Callable
-
-from .node import safefiles
+from typing import Callable, TextIO
 
 LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR}
 
@@ -71,27 +66,25 @@ class StderrHandler(logging.Handler):
             self.handleError(record)
 
 
-def _open_own_file(path: str) -> io.TextIOWrapper:
-    """``path`` opened to append, as :func:`launcher.node.safefiles.open_file` allows: a link
-    planted at the name is not followed, another user's file is not written (Refused)."""
-    parent, name = os.path.split(os.path.abspath(path))
-    dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fd = safefiles.open_file(dfd, name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666, what=path)
-    finally:
-        os.close(dfd)
-    return open(fd, "a", encoding="utf-8")
+class _OpenFileHandler(logging.StreamHandler):
+    """To a file opened by the caller (``logging.FileHandler`` opens by name, following links),
+    which it closes when it is closed."""
+
+    def close(self) -> None:
+        try:
+            self.stream.close()
+        finally:
+            super().close()
 
 
-def configure(level: str, log_file: str | None = None) -> None:
+def configure(level: str, log_file: TextIO | None = None) -> None:
     """The launcher's messages at ``level`` and above go to stderr, prefixed ``pslaunch:``, and
-    with ``log_file`` also to that file (timestamped); raises OSError if it cannot be opened."""
+    with ``log_file`` (an open text file, which the handler closes when replaced) also there,
+    timestamped."""
     handlers: list[logging.Handler] = [StderrHandler()]
     handlers[0].setFormatter(Formatter())
-    if log_file:
-        to_file = logging.FileHandler(log_file, encoding="utf-8", delay=True)
-        to_file.stream = _open_own_file(log_file)  # never through a planted link
-        handlers.append(to_file)
+    if log_file is not None:
+        handlers.append(_OpenFileHandler(log_file))
         handlers[1].setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("launcher")
     for old in root.handlers[:]:

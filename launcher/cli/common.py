@@ -15,6 +15,7 @@ Exit codes are mapped only in :func:`guarded` and :func:`.clickutil.invoke`.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable, Mapping, Optional
 
@@ -68,13 +69,23 @@ def parse_port_range_option(text: str) -> tuple[int, int]:
 
 def configure_logging(level: str, log_file: Optional[str] = None) -> None:
     """The launcher's own messages go to stderr (and ``--log-file``), prefixed ``pslaunch:``
-    (:mod:`launcher.logs`)."""
-    try:
-        logs.configure(level, log_file)
-    except OSError as e:
-        raise ConfigError(f"cannot open --log-file {log_file}: {e.strerror or e}") from None
-    except safefiles.Refused as e:
-        raise ConfigError(f"cannot open --log-file: {e}; name a file of your own") from None
+    (:mod:`launcher.logs`). The file is opened as ``--log-dir``'s are: a link planted at its
+    name is not followed, another user's file is not written."""
+    stream = None
+    if log_file:
+        parent, name = os.path.split(os.path.abspath(log_file))
+        try:
+            dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                fd = safefiles.open_file(dfd, name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666, what=log_file)
+            finally:
+                os.close(dfd)
+        except OSError as e:
+            raise ConfigError(f"cannot open --log-file {log_file}: {e.strerror or e}") from None
+        except safefiles.Refused as e:
+            raise ConfigError(f"cannot open --log-file: {e}; name a file of your own") from None
+        stream = open(fd, "a", encoding="utf-8")
+    logs.configure(level, stream)
 
 
 # --- running a command --------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ def test_the_lines_on_stderr_and_in_the_log_file(level, tmp_path, capsys) -> Non
     assert log.isEnabledFor(logging.DEBUG) == (level == "DEBUG")
     _say(log)
     assert capsys.readouterr().err.splitlines() == expected
-    logs.configure(level, str(tmp_path / "launcher.log"))  # the same on stderr, and the file
+    logs.configure(level, open(tmp_path / "launcher.log", "a"))  # the same on stderr, and the file
     _say(log)
     assert capsys.readouterr().err.splitlines() == expected
     written = (tmp_path / "launcher.log").read_text().splitlines()
