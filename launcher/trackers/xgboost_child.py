@@ -4,7 +4,7 @@ Usage (with a Python that has xgboost; the launcher never imports it)::
 
     python xgboost_child.py [--tracker xgboost|rabit] --n-workers N --host-ip ADDR
                             [--port-range LOW-HIGH] [--sortby host|task] [--timeout SECONDS]
-                            [--header-timeout SECONDS]
+                            [--header-timeout SECONDS] [--allow-hosts ADDR,...] [--task-ids N]
 
 ``--tracker xgboost`` (the default) starts XGBoost 2.1+'s ``xgboost.tracker.RabitTracker``;
 ``--tracker rabit`` starts dmlc's rabit tracker, which XGBoost 2.0 and older ship in the same
@@ -58,12 +58,26 @@ use, and which take most of a second to import), and run with these changes:
   seconds (30) is dropped and holds up nobody (dmlc's tracker would stop, or wait for it, or
   spin on a closed socket); task ids and commands are at most :data:`MAX_TASK_ID` bytes,
   print messages :data:`MAX_STRING`;
+* strangers (rabit has no secret; dmlc's tracker took any connection and its word): with
+  ``--allow-hosts`` (the launcher gives the job's hosts where it knows them) a connection from
+  another address is dropped before a byte is read; with ``--task-ids N`` (the launcher numbers
+  ``DMLC_TASK_ID`` ``0..N-1``) a header with another task id is dropped, and a ``start`` must ask
+  for its rank (-1); a ``start`` claims its task id at the door: a second claim is dropped
+  (``{"event": "dropped", "claimed": TASK_ID, ...}``, which the launcher shows as a warning)
+  while the first claim's connection is open or its rank given; so is a world size other than
+  N (the worker fails without its links, and the note says what to fix). A claim whose
+  connection closes before its rank is forgotten, and the next claim of that task id takes its
+  place: dmlc's loop (``accept_workers``) is written again for this, since it would give a rank
+  to the closed one (and fail the job on it). A ``recover`` must give the rank its task id has,
+  a ``shutdown`` a rank whose links are set up. What remains: a program on a job's host that
+  claims a task id before its worker does holds it (it cannot be told from the worker without a
+  secret); the worker is then refused, with that note, and fails at once instead of hanging;
 * its connections send at once (``TCP_NODELAY``): dmlc sends each int of its replies by itself,
   and Nagle's algorithm held most of them for the worker's delayed ACK (a 4-worker job joined
   0.3 s later);
 * the job cannot go on (``failed``) when a worker speaks XGBoost 2.1+'s protocol (the error
-  says to use ``--tracker xgboost``), expects another world size than N, or closes its
-  connection while it sets up its links (it died);
+  says to use ``--tracker xgboost``), or closes its connection while it sets up its links (it
+  died);
 * it says what happens, in more events:
 
   * ``{"event": "asked", "task_id": "0", "host": "10.0.0.2"}``: a worker asked for a rank;
@@ -100,6 +114,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib.util
+import ipaddress
 import json
 import logging
 import os
@@ -181,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="XGBoost's own limit on start-up and shut-down, seconds (0: none; xgboost)")
     ap.add_argument("--header-timeout", type=float, default=30.0,
                     help="seconds a new connection has to send its whole request (rabit)")
+    ap.add_argument("--allow-hosts", default=None, metavar="ADDR,...",
+                    help="the addresses the workers connect from ('local': any of this machine's); others are "
+                         "dropped unread (rabit; default: any)")
+    ap.add_argument("--task-ids", type=int, default=None, metavar="N",
+                    help="the workers' task ids are 0..N-1; a connection that gives another is dropped (rabit)")
     a = ap.parse_args(argv)
     low, high = _parse_range(a.port_range)
 
@@ -189,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     if a.tracker == "rabit":
-        return _rabit(out, a.n_workers, a.host_ip, low, high, a.header_timeout)
+        rules = _DoorRules(a.header_timeout, _Peers.parse(a.allow_hosts), a.task_ids, a.n_workers)
+        return _rabit(out, a.n_workers, a.host_ip, low, high, rules)
 
     try:
         import xgboost
@@ -268,12 +289,12 @@ def _serve(out, wait, linger: bool = False) -> int:
 # --- rabit: dmlc's tracker from XGBoost 2.0 and older ------------------------------------------------
 
 
-def _rabit(out, n_workers: int, host: str, low: int, high: int, header_timeout: float) -> int:
+def _rabit(out, n_workers: int, host: str, low: int, high: int, rules: _DoorRules) -> int:
     install = ("install xgboost 2.0 or older there (pip install 'xgboost<2.1') or give --tracker-python a Python "
                "that has it")
     spec = importlib.util.find_spec("xgboost")
     if spec is None or not spec.submodule_search_locations:
-        return _stand_in(out, host, low, high, header_timeout, None, f"{sys.executable} has no XGBoost: {install}")
+        return _stand_in(out, host, low, high, rules, None, f"{sys.executable} has no XGBoost: {install}")
     package = spec.submodule_search_locations[0]
     try:  # where xgboost reads its own version (core._py_version)
         with open(os.path.join(package, "VERSION"), encoding="ascii") as f:
@@ -283,7 +304,7 @@ def _rabit(out, n_workers: int, host: str, low: int, high: int, header_timeout: 
 
         version = xgboost.__version__
     if _major_minor(version) >= (2, 1):
-        return _stand_in(out, host, low, high, header_timeout, version,
+        return _stand_in(out, host, low, high, rules, version,
                          f"xgboost {version} at {sys.executable} has only XGBoost 2.1+'s tracker: {install}")
     path = os.path.join(package, "tracker.py")
     try:
@@ -292,9 +313,9 @@ def _rabit(out, n_workers: int, host: str, low: int, high: int, header_timeout: 
             raise ImportError(f"no loader for {path}")
         dmlc = importlib.util.module_from_spec(file_spec)
         file_spec.loader.exec_module(dmlc)
-        tracker_class = _adapt(dmlc, out, n_workers, header_timeout)
+        tracker_class = _adapt(dmlc, out, n_workers, rules)
     except Exception as e:  # (an XGBoost older than this program knows: no WorkerEntry, ...)
-        return _stand_in(out, host, low, high, header_timeout, version,
+        return _stand_in(out, host, low, high, rules, version,
                          f"xgboost {version} at {sys.executable} has no rabit tracker this program can run ({path}: "
                          f"{_first_line(e)}): install xgboost 2.0 there (pip install 'xgboost==2.0.*')")
 
@@ -332,7 +353,21 @@ class _Fatal(Exception):
     """The job cannot go on (not a stray connection to drop)."""
 
 
-def _adapt(dmlc, out, n_workers: int, header_timeout: float) -> type:
+class _Claimed(ValueError):
+    """A connection that claims a task id cannot have it (another one claimed it first, or it
+    expects another world size): dropped, with a note, since it may be the job's worker."""
+
+
+def _other_world(task_id: str, world: int, n_workers: int) -> str:
+    return (f"task id {task_id} expects a world of {world} workers but this job has {n_workers}: if it is the job's "
+            "worker, remove rabit_world_size or make it match -n")
+
+
+_SECOND_CLAIM = ("a second claim is refused (rabit has no secret: if this is the job's worker, another program on a "
+                 "job host connected to the tracker as this task first)")
+
+
+def _adapt(dmlc, out, n_workers: int, rules: _DoorRules) -> type:
     """dmlc's ``RabitTracker`` with the changes of the module docstring (*rabit*): subclasses of
     its classes, put in its module's namespace (a module of this program's own) where its
     ``accept_workers`` finds them."""
@@ -357,6 +392,8 @@ def _adapt(dmlc, out, n_workers: int, header_timeout: float) -> type:
             return _recv_exactly(self.sock, nbytes)
 
     class Entry(dmlc.WorkerEntry):
+        assigned = False  # its rank has been given out
+
         def __init__(self, sock, addr) -> None:
             while True:  # until a connection makes a request that the tracker can serve
                 try:
@@ -368,28 +405,51 @@ def _adapt(dmlc, out, n_workers: int, header_timeout: float) -> type:
                 except Exception as e:
                     if sock.new_protocol:
                         raise _new_protocol(addr) from None
-                    _emit(out, event="dropped", error=f"a connection from {addr[0]}: {_first_line(e)}")
+                    _emit(out, event="dropped", error=f"a connection from {addr[0]}: {_first_line(e)}",
+                          **({"claimed": self.task_id} if isinstance(e, _Claimed) else {}))
                     sock.close()
-                    sock, addr = Tracker.listener.accept()
+                sock, addr = Tracker.listener.accept()
             if self.cmd in ("start", "recover"):
                 sock.settimeout(None)  # it waits for the others, then for its peers
                 _emit(out, event="asked", task_id=self.task_id, host=self.host)
 
         def _check(self) -> None:
-            """Raise for a request that dmlc's tracker would stop on (an assert) or hang for."""
+            """Raise for a request that dmlc's tracker would stop on (an assert) or hang for, or
+            that claims a task id that another connection holds (:class:`_Claimed`)."""
             if self.cmd not in _COMMANDS:
                 raise ValueError(f"unknown command {self.cmd[:32]!r}")
+            if self.cmd == "print":
+                return
+            first = Tracker.claims.get(self.task_id) if self.task_id != "NULL" else None
             if self.cmd == "shutdown":
                 if self.rank not in Tracker.joined or self.rank in Tracker.shut_down:
                     raise ValueError(f"a shutdown for rank {self.rank}, which has no links or has shut down")
+                if first is not None and first.rank != self.rank:
+                    raise ValueError(f"a shutdown for rank {self.rank} from task id {self.task_id}, whose rank is "
+                                     f"{first.rank}")
                 Tracker.shut_down.add(self.rank)
-            elif self.cmd != "print":
-                if not (-1 if self.cmd == "start" else 0) <= self.rank < n_workers:
-                    raise ValueError(f"{self.cmd} for rank {self.rank}")
-                if self.world_size not in (-1, n_workers):
-                    raise _Fatal(f"the worker with task id {self.task_id} ({self.host}) expects a world of "
-                                 f"{self.world_size} workers but this job has {n_workers}: remove "
-                                 "rabit_world_size or make it match -n")
+                return
+            lowest = (-1 if self.cmd == "start" else 0)
+            highest = -1 if self.cmd == "start" and rules.task_ids is not None else n_workers - 1
+            if not lowest <= self.rank <= highest:  # (the job's workers start as -1: rank = task id)
+                raise ValueError(f"{self.cmd} for rank {self.rank}")
+            if self.cmd == "recover":  # (a worker of the job whose links broke: it has its rank)
+                if (first is None and rules.task_ids is not None) or (
+                        first is not None and (not first.assigned or first.rank != self.rank)):
+                    raise ValueError(f"a recover as rank {self.rank} from task id {self.task_id}, which does not "
+                                     "have that rank")
+            elif first is not None:  # a second start for this task id: the first claim holds...
+                if first.assigned:
+                    raise _Claimed(f"task id {self.task_id} has rank {first.rank} already (a connection from "
+                                   f"{first.host} claimed it first): {_SECOND_CLAIM}")
+                if first.sock.sock.is_open():
+                    raise _Claimed(f"task id {self.task_id} was claimed first by a connection from {first.host}, "
+                                   f"which waits for its rank: {_SECOND_CLAIM}")
+                Tracker.forget(first)  # (...unless it closed while it waited: this one takes its place)
+            if self.world_size not in (-1, n_workers):  # (a stranger's, or a worker's that will fail without links)
+                raise _Claimed(_other_world(self.task_id, self.world_size, n_workers))
+            if self.task_id != "NULL":
+                Tracker.claims[self.task_id] = self
 
         def print(self, use_logger: bool) -> None:
             try:
@@ -399,6 +459,7 @@ def _adapt(dmlc, out, n_workers: int, header_timeout: float) -> type:
                 _emit(out, event="dropped", error=f"a print from {self.host}: {_first_line(e)}")
 
         def assign_rank(self, rank, *args):
+            self.assigned = self.sock.sock.assigned = True
             try:
                 done = super().assign_rank(rank, *args)
             except (OSError, EOFError, ValueError, AssertionError) as e:
@@ -416,12 +477,14 @@ def _adapt(dmlc, out, n_workers: int, header_timeout: float) -> type:
         sock: Any  # (dmlc's listening socket, then the front door)
         started = 0.0
         joined: dict = {}  # rank -> (rank, task id, host), once its links are set up
+        claims: dict = {}  # task id -> the entry that claimed it first (waiting for its rank, or given it)
+        pending: list = []  # the entries that wait for their ranks
         shut_down: set = set()
         said_joined = False
 
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
-            door = _FrontDoor(self.sock, out, header_timeout)
+            door = _FrontDoor(self.sock, out, rules)
             Tracker.listener = door
             self.sock = door  # (what its accept_workers accepts from)
             Tracker.started = time.monotonic()
@@ -433,6 +496,67 @@ def _adapt(dmlc, out, n_workers: int, header_timeout: float) -> type:
 
             return sorted(pending, key=key)
 
+        @staticmethod
+        def forget(entry) -> None:
+            """A claim whose connection closed before its rank came: out of the pending ones."""
+            _emit(out, event="dropped", error=f"a connection from {entry.host}: it asked for a rank as task id "
+                                              f"{entry.task_id}, then closed before it had one")
+            entry.sock.sock.close()
+            task_id = entry.task_id
+            if Tracker.claims.get(task_id) is entry:
+                del Tracker.claims[task_id]
+            if entry in Tracker.pending:
+                Tracker.pending.remove(entry)
+
+        def accept_workers(self, n_workers: int) -> None:
+            """dmlc's loop (``RabitTracker.accept_workers``) for a world of ``n_workers`` (the entries
+            refuse any other), written again so that a pending entry whose connection has closed
+            leaves the batch instead of being given a rank: dmlc's would fail the job on it, or give
+            it the rank of a worker that comes later."""
+            shutdown: dict = {}
+            wait_conn: dict = {}  # rank -> its entry, while others still have to connect to it
+            job_map: dict = {}  # task id -> rank
+            todo = list(range(n_workers))
+            tree_map, parent_map, ring_map = self.get_link_map(n_workers)
+            while len(shutdown) != n_workers:
+                fd, s_addr = self.sock.accept()
+                s = dmlc.WorkerEntry(fd, s_addr)
+                if s.cmd == "print":
+                    s.print(self._use_logger)
+                    continue
+                if s.cmd == "shutdown":
+                    shutdown[s.rank] = s
+                    logging.debug("Received %s signal from %d", s.cmd, s.rank)
+                    continue
+                rank = s.decide_rank(job_map)
+                if rank != -1:  # (a recover: the rank it had)
+                    s.assign_rank(rank, wait_conn, tree_map, parent_map, ring_map)
+                    logging.debug("Received %s signal from %d", s.cmd, s.rank)
+                    if s.wait_accept > 0:
+                        wait_conn[rank] = s
+                    continue
+                if not todo:  # (only without task ids: a task id's second start is refused before)
+                    _emit(out, event="dropped", error=f"a connection from {s.host}: it asked for a rank as task id "
+                                                      f"{s.task_id[:32]!r} after every rank was given")
+                    s.sock.sock.close()
+                    continue
+                Tracker.pending.append(s)
+                for entry in list(Tracker.pending):
+                    if len(Tracker.pending) == len(todo) and not entry.sock.sock.is_open():
+                        Tracker.forget(entry)
+                if len(Tracker.pending) == len(todo):
+                    for entry in self._sort_pending(Tracker.pending):
+                        rank = todo.pop(0)
+                        if entry.task_id != "NULL":
+                            job_map[entry.task_id] = rank
+                        entry.assign_rank(rank, wait_conn, tree_map, parent_map, ring_map)
+                        if entry.wait_accept > 0:
+                            wait_conn[rank] = entry
+                        logging.debug("Received %s signal from %s; assign rank %d", entry.cmd, entry.host, entry.rank)
+                    Tracker.pending = []
+                    logging.info("@tracker All of %d nodes getting started", n_workers)
+            logging.info("@tracker All nodes finishes job")
+
     dmlc.ExSocket, dmlc.WorkerEntry = Socket, Entry
     return Tracker
 
@@ -443,7 +567,7 @@ def _adapt(dmlc, out, n_workers: int, header_timeout: float) -> type:
 RABIT_MAGIC = struct.pack("@i", 0xFF99)
 
 
-def _stand_in(out, host: str, low: int, high: int, header_timeout: float, version: str | None,
+def _stand_in(out, host: str, low: int, high: int, rules: _DoorRules, version: str | None,
               cannot: str) -> int:
     """Hold the tracker's port for a job whose tracker Python cannot run dmlc's tracker
     (``cannot`` says why, and what to do, to the first XGBoost 2.0 worker that asks)."""
@@ -453,7 +577,7 @@ def _stand_in(out, host: str, low: int, high: int, header_timeout: float, versio
     listener = _listen(out, host, low, high, listen)
     if listener is None:
         return 2
-    door = _FrontDoor(listener, out, header_timeout)
+    door = _FrontDoor(listener, out, rules)
     held = []  # the first worker that asks: its connection stays open until the program exits
 
     def wait() -> None:
@@ -490,13 +614,26 @@ class _Greeted:
     and command, or up to a 2.1+ worker's JSON) the front door has read: ``recv`` gives those bytes
     again first, so that dmlc's ``WorkerEntry`` reads them as it would from the socket."""
 
-    def __init__(self, sock: socket.socket, head: bytes) -> None:
+    def __init__(self, sock: socket.socket, head: bytes, task_id: str = "", command: str = "") -> None:
         self.sock, self.head, self._unread = sock, head, head
+        self.rank, self.world_size = struct.unpack("@ii", head[4:12])
+        self.task_id, self.command = task_id, command
+        self.assigned = False  # (its entry has been given a rank)
+        self.peer = ""  # (the address it came from, once it has claimed a task id)
 
     @property
     def new_protocol(self) -> bool:
         """An XGBoost 2.1+ worker (its header is a length, then a JSON object)."""
         return _opens_json(self.head)
+
+    def is_open(self) -> bool:
+        """Whether the peer has not closed the connection (nothing is read)."""
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            return False
 
     def recv(self, nbytes: int) -> bytes:
         if self._unread:
@@ -508,15 +645,85 @@ class _Greeted:
         return getattr(self.sock, name)
 
 
+#: in ``--allow-hosts``: any address of this machine
+THIS_MACHINE = "local"
+
+
+class _Peers:
+    """The addresses the job's workers connect from (``--allow-hosts``): IP addresses, and
+    ``local``, any address of this machine (one that a socket can bind)."""
+
+    def __init__(self, addresses: set, local: bool) -> None:
+        self.addresses, self.local = addresses, local
+        self._mine: dict = {}  # address -> whether it is this machine's (bounded below)
+
+    @classmethod
+    def parse(cls, text: str | None) -> _Peers | None:
+        if text is None:
+            return None
+        names = {x.strip() for x in text.split(",") if x.strip()}
+        try:
+            return cls({ipaddress.ip_address(x) for x in names - {THIS_MACHINE}}, THIS_MACHINE in names)
+        except ValueError as e:
+            raise SystemExit(f"bad --allow-hosts {text!r}: {e}") from None
+
+    def __contains__(self, host: str) -> bool:
+        try:
+            address = ipaddress.ip_address(host.split("%")[0])
+        except ValueError:
+            return False
+        mapped = getattr(address, "ipv4_mapped", None)
+        address = mapped or address
+        if address in self.addresses:
+            return True
+        return self.local and (address.is_loopback or self._is_mine(address))
+
+    def _is_mine(self, address: Any) -> bool:
+        if address not in self._mine:
+            family = socket.AF_INET if address.version == 4 else socket.AF_INET6
+            try:
+                with socket.socket(family, socket.SOCK_STREAM) as s:
+                    s.bind((str(address), 0))
+                mine = True
+            except OSError:
+                mine = False
+            if len(self._mine) >= 4096:
+                self._mine.clear()
+            self._mine[address] = mine
+        return self._mine[address]
+
+    def __str__(self) -> str:
+        return ", ".join(sorted(map(str, self.addresses)) + (["this machine's"] if self.local else []))
+
+
+class _DoorRules:
+    """What the front door lets in: ``header_timeout`` seconds for a header; with ``peers``, only
+    connections from those addresses; with ``task_ids`` (N), only task ids ``0..N-1``."""
+
+    def __init__(self, header_timeout: float, peers: _Peers | None = None, task_ids: int | None = None,
+                 n_workers: int | None = None) -> None:
+        self.header_timeout, self.peers, self.task_ids, self.n_workers = header_timeout, peers, task_ids, n_workers
+
+    def check_task_id(self, task_id: bytes) -> None:
+        if self.task_ids is None:
+            return
+        text = task_id.decode("ascii", "replace")
+        if not (text.isascii() and text.isdigit() and str(int(text)) == text and int(text) < self.task_ids):
+            raise ValueError(f"task id {text[:32]!r} is not one of this job's (0 to {self.task_ids - 1})")
+
+
 class _FrontDoor:
     """The tracker's listening socket as dmlc's serial accept loop sees it: each connection is
     greeted on a thread of its own (the magic number read and echoed, then the rest of its header
-    read within ``header_timeout`` seconds in all), so that a silent or slow peer holds up nobody;
-    :meth:`accept` returns the connections whose whole header has come, as :class:`_Greeted`.
-    What is not a rabit worker is ``dropped`` (with why) and closed."""
+    read within the rules' ``header_timeout`` seconds in all), so that a silent or slow peer holds
+    up nobody; :meth:`accept` returns the connections whose whole header has come, as
+    :class:`_Greeted`. What is not a rabit worker of this job (another address than the rules'
+    peers, a task id not the job's) is ``dropped`` (with why) and closed."""
 
-    def __init__(self, listener: socket.socket, out, header_timeout: float) -> None:
-        self.listener, self.out, self.header_timeout = listener, out, header_timeout
+    def __init__(self, listener: socket.socket, out, rules: _DoorRules) -> None:
+        self.listener, self.out, self.rules = listener, out, rules
+        self.claims: dict[str, _Greeted] = {}  # task id -> the connection that asked for a rank as it first
+        self.claims_lock = threading.Lock()
         self.ready: queue.Queue = queue.Queue()
         self.greeting = threading.BoundedSemaphore(MAX_GREETING)
         threading.Thread(target=self._accept, name="rabit-front-door", daemon=True).start()
@@ -534,6 +741,7 @@ class _FrontDoor:
         _emit(self.out, event="dropped", error=f"a connection from {addr[0]}: {why}")
 
     def _accept(self) -> None:
+        peers = self.rules.peers
         while True:
             try:
                 sock, addr = self.listener.accept()
@@ -541,6 +749,10 @@ class _FrontDoor:
                 if self.listener.fileno() < 0:  # (closed: the tracker is done)
                     return
                 time.sleep(0.1)  # (out of descriptors, say: a moment later there may be some)
+                continue
+            if peers is not None and addr[0] not in peers:
+                self._drop(addr, f"not a host of this job ({peers}); nothing read")
+                sock.close()
                 continue
             if not self.greeting.acquire(blocking=False):
                 self._drop(addr, f"{MAX_GREETING} other connections are still sending their headers")
@@ -554,36 +766,64 @@ class _FrontDoor:
                 sock.close()
 
     def _greet(self, sock: socket.socket, addr: Any) -> None:
+        greeted = None
         try:
-            head = self._read_header(sock, addr)
+            greeted = self._read_header(sock, addr)
+            self._claim(greeted, addr)
         except Exception as e:  # (not a rabit worker: dmlc's tracker would stop or hang on it)
-            self._drop(addr, _first_line(e))
+            claimed = {"claimed": greeted.task_id} if greeted is not None and isinstance(e, _Claimed) else {}
+            _emit(self.out, event="dropped", error=f"a connection from {addr[0]}: {_first_line(e)}", **claimed)
             sock.close()
             return
         finally:
             self.greeting.release()
-        self.ready.put((_Greeted(sock, head), addr))
+        self.ready.put((greeted, addr))
 
-    def _read_header(self, sock: socket.socket, addr: Any) -> bytes:
+    def _claim(self, greeted: _Greeted, addr: Any) -> None:
+        """A ``start`` claims its task id here, where it is read: while the first claim's
+        connection is open or its entry has a rank, a second is refused, even while the
+        tracker's loop waits on the first (a claim that never answers)."""
+        if greeted.command != "start" or greeted.task_id in ("", "NULL"):
+            return
+        world = self.rules.n_workers
+        if world is not None and greeted.world_size not in (-1, world):  # (before it claims anything)
+            raise _Claimed(_other_world(greeted.task_id, greeted.world_size, world))
+        with self.claims_lock:
+            first = self.claims.get(greeted.task_id)
+            if first is not None and first.assigned:
+                raise _Claimed(f"task id {greeted.task_id} has its rank already (a connection from {first.peer} "
+                               f"claimed it first): {_SECOND_CLAIM}")
+            if first is not None and first.is_open():
+                raise _Claimed(f"task id {greeted.task_id} was claimed first by a connection from {first.peer}, "
+                               f"which waits for its rank: {_SECOND_CLAIM}")
+            greeted.peer = addr[0]
+            self.claims[greeted.task_id] = greeted
+
+    def _read_header(self, sock: socket.socket, addr: Any) -> _Greeted:
         # (dmlc sends each int by itself: without TCP_NODELAY, Nagle's algorithm holds most of them
         # until the worker's delayed ACK, 40 ms each on Linux)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        deadline = time.monotonic() + self.header_timeout
+        deadline = time.monotonic() + self.rules.header_timeout
         head = _recv_exactly(sock, 4, deadline)
         if head != RABIT_MAGIC:
             raise ValueError(f"invalid magic number={struct.unpack('@i', head)[0]} from {addr[0]}")
         sock.sendall(RABIT_MAGIC)
         head += _recv_exactly(sock, 8, deadline)  # rank and world size
         if _opens_json(head):  # (the entry names it)
-            return head
-        for _ in ("task id", "command"):  # each a length, then that many bytes
+            return _Greeted(sock, head)
+        words = []
+        for what in ("task id", "command"):  # each a length, then that many bytes
             raw = _recv_exactly(sock, 4, deadline)
             (length,) = struct.unpack("@i", raw)
             if not 0 <= length <= MAX_TASK_ID:
                 raise ValueError(f"a string of {length} bytes in its header")
-            head += raw + _recv_exactly(sock, length, deadline)
+            text = _recv_exactly(sock, length, deadline)
+            if what == "task id":
+                self.rules.check_task_id(text)
+            head += raw + text
+            words.append(text.decode("utf-8", "replace"))  # (as dmlc's recvstr decodes, but never raising)
         sock.settimeout(None)
-        return head
+        return _Greeted(sock, head, *words)
 
 
 def _recv_exactly(sock: Any, nbytes: int, deadline: float | None = None) -> bytes:

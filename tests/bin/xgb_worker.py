@@ -20,6 +20,7 @@ Modes (``--api``):
 whose ``DMLC_TASK_ID`` is TASK);
 ``--no-tracker SECONDS`` sleeps and exits 0 without ever talking to it.
 ``--only-rank`` joins, writes rank and task id, and leaves without training.
+``--wait-for PATH`` waits after joining, before training, until PATH exists (60 s at most).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def main() -> int:
     ap.add_argument("--exit-before-join", default=None, metavar="[TASK:]CODE")
     ap.add_argument("--no-tracker", type=float, default=None)
     ap.add_argument("--only-rank", action="store_true")
+    ap.add_argument("--wait-for", default=None, metavar="PATH")
     a = ap.parse_args()
     out = Path(a.out)
     task_id = os.environ.get("DMLC_TASK_ID", "NULL")
@@ -103,6 +105,9 @@ def main() -> int:
         rank, world = collective.get_rank(), collective.get_world_size()
         result.update(rank=rank, world=world)
         collective.communicator_print(f"xgb_worker task {task_id}: rank {rank} of {world}")
+        end = time.monotonic() + 60
+        while a.wait_for and not os.path.exists(a.wait_for) and time.monotonic() < end:
+            time.sleep(0.05)
         if not a.only_rank:
             result.update(train(*shard(x, y, rank, world)))
 

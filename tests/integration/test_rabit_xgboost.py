@@ -313,16 +313,162 @@ def test_silent_and_slow_connections_hold_up_no_worker(xgb20: str, tmp_path: Pat
 
 
 @pytest.mark.timeout(60)
-def test_a_world_size_other_than_the_jobs_fails_it(xgb20: str, tmp_path: Path) -> None:
+def test_a_world_size_other_than_the_jobs_is_dropped_with_what_to_fix(xgb20: str, tmp_path: Path) -> None:
+    # (a stranger's or a misconfigured worker's: the worker fails without its links, and this says why)
     child, env = rabit_child(xgb20, 2, tmp_path)
     try:
-        header(int(env["DMLC_TRACKER_PORT"]), -1, 3, "0", "start").close()
-        failed = child.until("failed")
-        assert child.proc.wait(10) == 1
+        with header(int(env["DMLC_TRACKER_PORT"]), -1, 3, "0", "start") as s:
+            dropped = child.until("dropped")
+            assert s.recv(4) == b""
+        assert child.proc.poll() is None
     finally:
         child.close()
-    assert failed["error"] == ("the worker with task id 0 (127.0.0.1) expects a world of 3 workers but this job has "
-                               "2: remove rabit_world_size or make it match -n")
+    assert dropped == {"event": "dropped", "claimed": "0", "error": (
+        "a connection from 127.0.0.1: task id 0 expects a world of 3 workers but this job has 2: if it is the "
+        "job's worker, remove rabit_world_size or make it match -n")}
+    assert child.events("failed") == []
+
+
+# --- issue 30, item 7: strangers that connect first ---------------------------------------------------
+
+
+def stranger(port: int, source: str, after_magic: bytes = b"") -> socket.socket:
+    """A connection from ``source`` (a loopback address) that sends rabit's magic number and
+    ``after_magic`` without waiting for the echo (a door that refuses it reads nothing)."""
+    s = socket.socket()
+    s.settimeout(20)
+    s.bind((source, 0))
+    s.connect(("127.0.0.1", port))
+    if after_magic:
+        try:
+            s.sendall(struct.pack("@i", 0xFF99) + after_magic)
+        except OSError:  # (closed already)
+            pass
+    return s
+
+
+def request(rank: int, world: int, task_id: str, cmd: str) -> bytes:
+    """What a worker sends after the magic number: rank, world size, task id, command."""
+    return struct.pack("@iii", rank, world, len(task_id)) + task_id.encode() + struct.pack("@i", len(cmd)) + \
+        cmd.encode()
+
+
+def closed(s: socket.socket) -> bool:
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def train_two(xgb20: str, env: dict[str, str], tmp_path: Path, *extra: str) -> list[subprocess.Popen]:
+    return [start_worker(xgb20, tmp_path, rabit_env(env, 2, i), "--api", "env", "--name", f"w{i}", *extra,
+                         name=f"w{i}") for i in range(2)]
+
+
+def assert_one_model_of_all_the_data(xgb20: str, tmp_path: Path) -> None:
+    res = results(tmp_path, ["w0", "w1"])
+    assert [(r["rank"], r["world"]) for r in res] == [(0, 2), (1, 2)]
+    assert res[0]["predictions"] == res[1]["predictions"] == solo(xgb20, tmp_path, name="all")["predictions"]
+
+
+@pytest.mark.timeout(240)
+def test_strangers_from_another_host_are_dropped_unread_and_the_job_trains(xgb20: str, tmp_path: Path) -> None:
+    # The issue's four strangers, connected first from 127.0.0.2, a host that is not the job's
+    # (the launcher passes the job's hosts: here 127.0.0.1). Before: (a) a "start" as task 7,
+    # then close, failed the job, blaming a "worker with task id 7"; (b) a world size of 99
+    # failed it; (d) a claim of task 0 gave it rank 0 and the job hung as long as it held on.
+    child, env = rabit_child(xgb20, 2, tmp_path, "--allow-hosts", "127.0.0.1", "--task-ids", "2")
+    port = int(env["DMLC_TRACKER_PORT"])
+    held = [stranger(port, "127.0.0.2", request(-1, 99, "0", "start")),  # (b)
+            stranger(port, "127.0.0.2", request(-1, -1, "0", "start"))]  # (d)
+    stranger(port, "127.0.0.2", request(-1, -1, "7", "start")).close()  # (a)
+    held += [stranger(port, "127.0.0.2") for _ in range(80)]  # (c) idle
+    try:
+        while len(child.events("dropped")) < 83:
+            child.line()
+        assert all(closed(s) for s in held)
+        procs = train_two(xgb20, env, tmp_path)
+        assert finish(procs) == [0, 0], logs(procs)
+        child.until("done")
+        assert child.proc.wait(30) == 0
+    finally:
+        for s in held:
+            s.close()
+        child.close()
+    assert {e["error"] for e in child.events("dropped")} == {
+        "a connection from 127.0.0.2: not a host of this job (127.0.0.1); nothing read"}
+    assert child.events("failed") == []
+    assert [e["task_id"] for e in child.events("asked")] in (["0", "1"], ["1", "0"])
+    assert_one_model_of_all_the_data(xgb20, tmp_path)
+
+
+@pytest.mark.timeout(240)
+def test_strangers_on_a_job_host_neither_fail_nor_take_a_rank(xgb20: str, tmp_path: Path) -> None:
+    # The same strangers from 127.0.0.1, an address the job's workers use too: a task id that is
+    # not the job's, a world of 99, idle connections, a claim that closes before its rank, and,
+    # once every worker has its rank, second claims of a task id: each dropped, the job trains.
+    child, env = rabit_child(xgb20, 2, tmp_path, "--task-ids", "2", "--header-timeout", "2")
+    port = int(env["DMLC_TRACKER_PORT"])
+    go = tmp_path / "go"
+    header(port, -1, -1, "7", "start").close()  # (a)
+    held = [header(port, -1, 99, "0", "start")]  # (b)
+    held += [socket.create_connection(("127.0.0.1", port)) for _ in range(80)]  # (c)
+    early = header(port, -1, -1, "1", "start")  # asks as task 1, then goes
+    try:
+        while not (child.events("asked") and len([e for e in child.events("dropped") if "task id" in e["error"]]) == 2):
+            child.line()  # (a) and (b) dropped, and the early claim in: it leaves before any worker comes
+        assert [e["task_id"] for e in child.events("asked")] == ["1"]
+        early.close()
+        procs = train_two(xgb20, env, tmp_path, "--wait-for", str(go))
+        child.until("joined")
+        held += [header(port, -1, -1, "0", "start"), header(port, -1, -1, "1", "start")]  # (d) after the ranks
+        while len(child.events("dropped")) < 85:
+            child.line()
+        go.touch()
+        assert finish(procs) == [0, 0], logs(procs)
+        child.until("done")
+        assert child.proc.wait(30) == 0
+    finally:
+        for s in held:
+            s.close()
+        child.close()
+    dropped = [e["error"].removeprefix("a connection from 127.0.0.1: ") for e in child.events("dropped")]
+    assert dropped.count("timed out") == 80
+    assert sorted(e for e in dropped if e != "timed out") == [
+        "it asked for a rank as task id 1, then closed before it had one",
+        "task id '7' is not one of this job's (0 to 1)",
+        "task id 0 expects a world of 99 workers but this job has 2: if it is the job's worker, remove "
+        "rabit_world_size or make it match -n",
+        f"task id 0 has its rank already (a connection from 127.0.0.1 claimed it first): {SECOND_CLAIM}",
+        f"task id 1 has its rank already (a connection from 127.0.0.1 claimed it first): {SECOND_CLAIM}"]
+    assert child.events("failed") == []
+    assert_one_model_of_all_the_data(xgb20, tmp_path)
+
+
+SECOND_CLAIM = ("a second claim is refused (rabit has no secret: if this is the job's worker, another program on a "
+                "job host connected to the tracker as this task first)")
+
+
+@pytest.mark.timeout(240)
+def test_a_stranger_on_a_job_host_that_claims_a_task_first_makes_that_worker_fail_not_hang(
+        xgb20: str, tmp_path: Path) -> None:
+    # What remains: rabit has no secret, so the first claim of a task id from a job host is the
+    # one that holds. The real worker's claim is refused with a note, and it fails at once.
+    child, env = rabit_child(xgb20, 2, tmp_path, "--task-ids", "2")
+    first = header(int(env["DMLC_TRACKER_PORT"]), -1, -1, "0", "start")
+    try:
+        child.until("asked")
+        w0 = start_worker(xgb20, tmp_path, rabit_env(env, 2, 0), "--api", "env", "--only-rank", name="w0")
+        dropped = child.until("dropped")
+        code = w0.wait(JOB_DEADLINE)
+    finally:
+        first.close()
+        child.close()
+    assert code != 0, logs([w0])
+    assert dropped == {"event": "dropped", "claimed": "0", "error": (
+        "a connection from 127.0.0.1: task id 0 was claimed first by a connection from 127.0.0.1, which waits for "
+        f"its rank: {SECOND_CLAIM}")}
+    assert child.events("failed") == []
 
 
 @pytest.mark.timeout(60)
