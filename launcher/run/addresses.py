@@ -91,6 +91,31 @@ def dry_run_address(spec: JobSpec, backend: type[Backend]) -> str:
     return "<this host's address toward the hosts>"
 
 
+def job_peers(spec: JobSpec, addresses: Mapping[Host, str], backend: type[Backend]) -> Optional[tuple[str, ...]]:
+    """The addresses the job's processes connect to its tracker from, as far as the launcher
+    knows them: ``("local",)`` (any of this machine's) when they all run here; else every address
+    of each host's name and the one the backend found for it (``DMLC_NODE_HOST``); None when a
+    batch system places them, or a host's name has no address here (an ssh alias, say)."""
+    if backend.all_here(spec):
+        return ("local",)
+    if backend.needs_scheduler_address or not spec.hosts:
+        return None
+    found: set[str] = set()
+    for host in spec.hosts:
+        names = [host.name, *([addresses[host]] if host in addresses else [])]
+        mine: set[str] = set()
+        for name in names:
+            try:
+                mine |= {str(info[4][0]) for info in socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)}
+            except (OSError, UnicodeError):
+                continue
+        if not mine:
+            log.debug("%s has no address here: the tracker takes connections from any address", host)
+            return None
+        found |= mine
+    return tuple(sorted(found))
+
+
 def is_listening(host: str, port: int, timeout: float = 0.2) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout):

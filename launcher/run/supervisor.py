@@ -298,6 +298,7 @@ class Supervisor:
             tracker = trackers.create(spec, self.console, self.watchdog)
         if tracker is not None:  # a collective job: its tracker serves where the scheduler would run
             self.tracker = trackers.TrackerHandle(tracker)  # (held before it starts: close() always reaches it)
+            tracker.peers = addr.job_peers(spec, addresses, self.backend_cls)
             port = tracker.start(root_uri)
             self.tracker.pid = tracker.pid
         else:

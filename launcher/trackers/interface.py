@@ -35,6 +35,9 @@ class Tracker:
         label: how output and messages name it (``rabit tracker``).
         address, port: where it serves, once started.
         pid: its process, when it runs in one.
+        peers: the addresses its workers connect from (``local``: any of this machine's), set
+            before :meth:`start` where the launcher knows them; None: unknown (a batch system
+            places the workers). A tracker that can refuses connections from others.
     """
 
     kind: ClassVar[str] = ""
@@ -48,6 +51,7 @@ class Tracker:
         self.address = ""
         self.port = 0
         self.pid: Optional[int] = None
+        self.peers: Optional[tuple[str, ...]] = None
 
     @property
     def name(self) -> str:

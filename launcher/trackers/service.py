@@ -207,11 +207,15 @@ class _XGBoostTracker(_ChildService):
     program = "xgboost_child"
 
     @classmethod
-    def _args(cls, spec: JobSpec, address: str) -> list[str]:
+    def _args(cls, spec: JobSpec, address: str, peers: Optional[Sequence[str]] = None) -> list[str]:
         """The program's arguments (the xgboost tracker's are the default)."""
         lo, hi = spec.port_range
-        return [*(("--tracker", "rabit") if cls.kind == "rabit" else ()), "--n-workers", str(spec.num_workers),
-                "--host-ip", address, "--port-range", f"{lo}-{hi}"]
+        args = ["--n-workers", str(spec.num_workers), "--host-ip", address, "--port-range", f"{lo}-{hi}"]
+        if cls.kind != "rabit":
+            return args
+        # (the launcher numbers its workers' DMLC_TASK_ID 0..N-1, and knows where they run, if not a batch system)
+        return ["--tracker", "rabit", *args, "--task-ids", str(spec.num_workers),
+                *(("--allow-hosts", ",".join(peers)) if peers is not None else ())]
 
     about = ""  # the dry run's words: which tracker
     ranks = ""  # and how the workers get their ranks
@@ -224,7 +228,7 @@ class _XGBoostTracker(_ChildService):
                 f"port of {lo}-{hi} (shown as {plan.root_port}); {cls.ranks}"]
 
     def start(self, address: str) -> int:
-        child = self._spawn(self._args(self.spec, address), on_event=self._event)
+        child = self._spawn(self._args(self.spec, address, self.peers), on_event=self._event)
         timeout = max(self.spec.start_timeout, 1.0)
         event = child.wait_event(("listening", "failed"), timeout)
         if event is None or event.get("event") == "failed":
@@ -305,7 +309,9 @@ class RabitService(_XGBoostTracker):
         elif kind == "dropped":
             self.dropped += 1
             if self.dropped <= DROPS_NOTED:
-                log.info("rabit tracker: dropped %s", _line(event.get("error")))
+                # (a second claim of a task id is news: the job's own worker may be the one refused)
+                log.log(logging.WARNING if "claimed" in event else logging.INFO, "rabit tracker: dropped %s",
+                        _line(event.get("error")))
             elif self.dropped == DROPS_NOTED + 1:
                 log.info("rabit tracker: more connections dropped; counting them without a note")
         elif kind == "log":

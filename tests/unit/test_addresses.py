@@ -188,3 +188,19 @@ def test_the_watch_looks_ever_less_often_while_nobody_listens_and_still_sees_a_l
         watch.stop()
         sched.kill()
         sched.wait()
+
+
+def test_the_tracker_takes_connections_from_the_jobs_hosts_where_the_launcher_knows_them() -> None:
+    from launcher import backends
+    from launcher.spec.job import Host, JobSpec
+
+    def peers(launcher: str, hosts: tuple[Host, ...], found: dict) -> tuple[str, ...] | None:
+        spec = JobSpec(command=("x",), num_workers=2, num_servers=0, launcher=launcher, hosts=hosts)
+        return addresses.job_peers(spec, found, backends.get(launcher))
+
+    assert peers("local", (), {}) == ("local",)  # (every process here: any of this machine's addresses)
+    assert peers("mpi", (), {}) == ("local",)
+    a, b = Host("127.0.0.5"), Host("localhost")
+    assert set(peers("ssh", (a, b), {a: "10.0.0.9"}) or ()) >= {"127.0.0.5", "10.0.0.9", "127.0.0.1"}
+    assert peers("ssh", (Host("no-such-host.invalid"),), {}) is None  # (an ssh alias, say: no filter)
+    assert peers("slurm", (), {}) is None  # (the batch system places them)

@@ -195,6 +195,64 @@ def test_strangers_on_the_stand_ins_port_are_dropped_and_hold_up_nobody() -> Non
     worker.close()
 
 
+def connect_from(source: str, port: int) -> socket.socket:
+    """A connection to the program's port on 127.0.0.1 from another loopback address (``source``):
+    a host that is not the job's, on this machine."""
+    s = socket.socket()
+    s.settimeout(10)
+    s.bind((source, 0))
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def test_a_connection_from_an_address_that_is_not_the_jobs_is_dropped_unread() -> None:
+    # issue 30, item 7: only the job's hosts reach the rabit tracker (the launcher passes them)
+    child = StandIn("--allow-hosts", "127.0.0.1")
+    stranger = connect_from("127.0.0.2", child.port)
+    stranger.sendall(RABIT_MAGIC + request(-1, 2, "0", "start"))  # a worker's words: the stand-in would fail on them
+    assert closed(stranger)  # (not even the magic number echoed)
+    assert child.next() == {"event": "dropped", "error": "a connection from 127.0.0.2: not a host of this job "
+                                                         "(127.0.0.1); nothing read"}
+    stranger.close()
+    worker = child.ask(request(-1, 2, "0", "start"))  # (from 127.0.0.1: the job's)
+    assert child.next() == {"event": "failed", "error": f"the worker at 127.0.0.1 {NO_XGBOOST}"}
+    assert child.stop() == 1
+    worker.close()
+
+
+def test_local_allows_every_address_of_this_machine_and_only_those() -> None:
+    child = StandIn("--allow-hosts", "local,192.0.2.7")  # (192.0.2.7: a documentation address, no host's)
+    with connect_from("127.0.0.2", child.port) as s:  # (loopback: this machine's)
+        s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        assert closed(s)
+    assert child.next()["error"] == "a connection from 127.0.0.2: invalid magic number=542393671 from 127.0.0.2"
+    assert child.stop() == 0
+
+
+def test_a_task_id_that_is_not_the_jobs_is_dropped() -> None:
+    # the launcher numbers DMLC_TASK_ID 0..N-1: "7" (issue 30: blamed as a worker that does not exist),
+    # "NULL" (no task id) and "01" are no worker of its
+    child = StandIn("--task-ids", "2")
+    for task_id in ("7", "NULL", "01", "-1"):
+        s = child.ask(request(-1, 2, task_id, "start"))
+        assert closed(s)
+        s.close()
+        assert child.next() == {"event": "dropped", "error": f"a connection from 127.0.0.1: task id {task_id!r} is "
+                                                             "not one of this job's (0 to 1)"}
+    worker = child.ask(request(-1, 2, "1", "start"))
+    assert child.next() == {"event": "failed", "error": f"the worker at 127.0.0.1 {NO_XGBOOST}"}
+    assert child.stop() == 1
+    worker.close()
+
+
+def test_bad_allow_hosts_is_one_line() -> None:
+    r = subprocess.run([*CHILD, "--tracker", "rabit", "--n-workers", "2", "--host-ip", "127.0.0.1", "--allow-hosts",
+                        "10.0.0.1,nohost"], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.strip() == "bad --allow-hosts '10.0.0.1,nohost': 'nohost' does not appear to be an IPv4 or IPv6 " \
+                               "address"
+
+
 def fake_xgboost(site: Path, version: str, tracker_py: str = "") -> dict:
     """A site directory with an installed ``xgboost`` of ``version`` (its metadata, a package and,
     if given, its ``tracker.py``), and the environment that puts it on the path."""
@@ -313,6 +371,17 @@ def test_what_a_worker_sent_reaches_the_console_as_one_line_without_control_char
     assert "task id ?]0;owned??[2J pslaunch: error: forged" in caplog.records[0].getMessage()
 
 
+def test_the_rabit_tracker_gets_the_jobs_task_ids_and_hosts() -> None:
+    job = JobSpec(command=(sys.executable, "x.py"), num_workers=3, num_servers=0, port_range=(9000, 9010))
+    args = service.RabitService._args(job, "10.0.0.1", ("10.0.0.2", "10.0.0.3"))
+    assert args == ["--tracker", "rabit", "--n-workers", "3", "--host-ip", "10.0.0.1", "--port-range", "9000-9010",
+                    "--task-ids", "3", "--allow-hosts", "10.0.0.2,10.0.0.3"]
+    assert service.RabitService._args(job, "10.0.0.1")[-2:] == ["--task-ids", "3"]  # (hosts unknown: any)
+    # (XGBoost 2.1+'s tracker is C++ of XGBoost's own: it takes neither)
+    assert service.XGBoostService._args(job, "10.0.0.1", ("10.0.0.2",)) == [
+        "--n-workers", "3", "--host-ip", "10.0.0.1", "--port-range", "9000-9010"]
+
+
 def test_dry_run_lines_show_the_program_the_tracker_python_runs() -> None:
     spec = JobSpec(command=("/opt/xgb/bin/python", "x.py"), num_workers=2, num_servers=0)
 
@@ -321,4 +390,4 @@ def test_dry_run_lines_show_the_program_the_tracker_python_runs() -> None:
 
     (line,) = trackers.describe(spec, Plan)  # type: ignore[arg-type]
     assert f"/opt/xgb/bin/python {node.ROOT}/launcher/trackers/xgboost_child.py --tracker rabit --n-workers 2 " \
-           "--host-ip 10.0.0.1 --port-range 9091-9998;" in line
+           "--host-ip 10.0.0.1 --port-range 9091-9998 --task-ids 2;" in line
