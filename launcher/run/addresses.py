@@ -95,10 +95,12 @@ def job_peers(spec: JobSpec, addresses: Mapping[Host, str], backend: type[Backen
     """The addresses the job's processes connect to its tracker from, as far as the launcher
     knows them: ``("local",)`` (any of this machine's) when they all run here; else every address
     of each host's name and the one the backend found for it (``DMLC_NODE_HOST``); None when a
-    batch system places them, or a host's name has no address here (an ssh alias, say)."""
+    batch system places them, a host's name has no address here (an ssh alias, say), or
+    ``--host-ip`` without ``DMLC_INTERFACE`` puts the tracker on a network where the hosts'
+    addresses are not known (a data network beside the one ssh reaches them on)."""
     if backend.all_here(spec):
         return ("local",)
-    if backend.needs_scheduler_address or not spec.hosts:
+    if backend.needs_scheduler_address or not spec.hosts or (spec.host_ip and not spec.interface):
         return None
     found: set[str] = set()
     for host in spec.hosts:

@@ -289,8 +289,9 @@ class RabitService(_XGBoostTracker):
             log.debug("rabit tracker: %s; a stand-in (pid %s) holds %s:%d and ends the job with that if a worker "
                       "asks it for a rank", _line(event["stand_in"]), self.pid, self.address, self.port)
             return
-        log.debug("rabit tracker: XGBoost %s's tracker (pid %s) listens on %s:%d for %d workers",
-                  event.get("xgboost", "?"), self.pid, self.address, self.port, self.spec.num_workers)
+        log.debug("rabit tracker: XGBoost %s's tracker (pid %s) listens on %s:%d for %d workers, task ids 0 to %d, "
+                  "from %s", event.get("xgboost", "?"), self.pid, self.address, self.port, self.spec.num_workers,
+                  self.spec.num_workers - 1, "any address" if self.peers is None else ", ".join(self.peers))
 
     def _event(self, event: dict) -> None:
         kind = event.get("event")

@@ -693,7 +693,7 @@ class _Peers:
         return self._mine[address]
 
     def __str__(self) -> str:
-        return ", ".join(sorted(map(str, self.addresses)) + (["this machine's"] if self.local else []))
+        return ", ".join(sorted(map(str, self.addresses)) + (["this machine"] if self.local else []))
 
 
 class _DoorRules:
@@ -751,7 +751,7 @@ class _FrontDoor:
                 time.sleep(0.1)  # (out of descriptors, say: a moment later there may be some)
                 continue
             if peers is not None and addr[0] not in peers:
-                self._drop(addr, f"not a host of this job ({peers}); nothing read")
+                self._drop(addr, f"not one of the job's hosts ({peers}); nothing read")
                 sock.close()
                 continue
             if not self.greeting.acquire(blocking=False):

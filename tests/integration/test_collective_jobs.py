@@ -76,6 +76,36 @@ def test_xgboost20_under_plain_s0_is_one_job(tmp_path: Path) -> None:
     assert "rabit tracker: all 2 workers joined" in r.stderr
 
 
+@pytest.mark.ssh
+@pytest.mark.xgboost
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("network", ["a", "b"])
+def test_xgboost20_over_ssh_the_rabit_tracker_takes_its_hosts(testbed: Testbed, tmp_path: Path, network: str) -> None:
+    # (issue 30, item 7: the tracker takes connections only from the job's hosts; here they come from
+    # the addresses ssh reached them on (a), or from the data network that DMLC_INTERFACE names (b))
+    python = xgb("2.0")
+    out = testbed.shared / uuid.uuid4().hex[:10]
+    out.mkdir(mode=0o777)
+    try:
+        hosts = testbed.write_hostfile(tmp_path / "hosts", testbed.hosts[:2], "{addr_a} slots=1")
+        iface = ["--env", f"DMLC_INTERFACE={testbed.subnet_b}"] if network == "b" else []
+        r = run_pslaunch("--launcher", "ssh", "-H", str(hosts), "-n", "2", "-s", "0", "--kill-grace", "2",
+                         "--log-level", "debug", *iface, python, XGB, "--api", "env", "--out", str(out),
+                         env=testbed.env(), timeout=DEADLINE)
+        assert r.returncode == 0, r.stdout + r.stderr
+        res = results(out)
+        assert [(res[k]["rank"], res[k]["world"]) for k in sorted(res)] == [(0, 2), (1, 2)]
+        assert res["task-0"]["predictions"] == res["task-1"]["predictions"] == solo_xgb(python, tmp_path)["predictions"]
+        assert "rabit tracker: dropped" not in r.stderr
+        (line,) = [x for x in r.stderr.splitlines() if "rabit tracker: XGBoost 2.0.3's tracker" in x]
+        peers = line.partition(", from ")[2].split(", ")
+        for host in testbed.hosts[:2]:
+            assert (host.addr_b if network == "b" else host.addr_a) in peers, line
+        assert "127.0.0.1" not in peers
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
 @pytest.mark.xgboost
 @pytest.mark.timeout(300)
 def test_xgboost3_under_tracker_xgboost_matches_one_process(tmp_path: Path) -> None:

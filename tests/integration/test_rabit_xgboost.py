@@ -396,7 +396,7 @@ def test_strangers_from_another_host_are_dropped_unread_and_the_job_trains(xgb20
             s.close()
         child.close()
     assert {e["error"] for e in child.events("dropped")} == {
-        "a connection from 127.0.0.2: not a host of this job (127.0.0.1); nothing read"}
+        "a connection from 127.0.0.2: not one of the job's hosts (127.0.0.1); nothing read"}
     assert child.events("failed") == []
     assert [e["task_id"] for e in child.events("asked")] in (["0", "1"], ["1", "0"])
     assert_one_model_of_all_the_data(xgb20, tmp_path)

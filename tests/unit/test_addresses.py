@@ -204,3 +204,6 @@ def test_the_tracker_takes_connections_from_the_jobs_hosts_where_the_launcher_kn
     assert set(peers("ssh", (a, b), {a: "10.0.0.9"}) or ()) >= {"127.0.0.5", "10.0.0.9", "127.0.0.1"}
     assert peers("ssh", (Host("no-such-host.invalid"),), {}) is None  # (an ssh alias, say: no filter)
     assert peers("slurm", (), {}) is None  # (the batch system places them)
+    # --host-ip alone may be an address on another network than the one the hosts are known by
+    spec = JobSpec(command=("x",), num_workers=2, num_servers=0, launcher="ssh", hosts=(a,), host_ip="10.9.0.1")
+    assert addresses.job_peers(spec, {a: "10.0.0.9"}, backends.get("ssh")) is None

@@ -211,8 +211,8 @@ def test_a_connection_from_an_address_that_is_not_the_jobs_is_dropped_unread() -
     stranger = connect_from("127.0.0.2", child.port)
     stranger.sendall(RABIT_MAGIC + request(-1, 2, "0", "start"))  # a worker's words: the stand-in would fail on them
     assert closed(stranger)  # (not even the magic number echoed)
-    assert child.next() == {"event": "dropped", "error": "a connection from 127.0.0.2: not a host of this job "
-                                                         "(127.0.0.1); nothing read"}
+    assert child.next() == {"event": "dropped", "error": "a connection from 127.0.0.2: not one of the job's "
+                                                         "hosts (127.0.0.1); nothing read"}
     stranger.close()
     worker = child.ask(request(-1, 2, "0", "start"))  # (from 127.0.0.1: the job's)
     assert child.next() == {"event": "failed", "error": f"the worker at 127.0.0.1 {NO_XGBOOST}"}
