@@ -133,13 +133,18 @@ def _write(fd, data):
         pass  # whoever reads our output is gone; keep going so the processes are still stopped
 
 
+class Dropped(ConnectionError):
+    """The launcher closed the connection before the handshake ended: a hub that holds many
+    strangers' idle connections drops the oldest, which may have been ours (try again)."""
+
+
 def _read_line(sock):
     """One handshake line, without reading past its newline (frames may follow at once)."""
     data = b""
     while len(data) <= protocol.LINE_MAX:
         chunk = sock.recv(protocol.LINE_MAX, socket.MSG_PEEK)
         if not chunk:
-            raise ConnectionError("the launcher closed the connection")
+            raise Dropped("the launcher closed the connection")
         end = chunk.find(b"\n")
         data += sock.recv(end + 1 if end >= 0 else len(chunk))
         if end >= 0:

@@ -27,6 +27,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from types import ModuleType
 from typing import Optional, Sequence
 
@@ -34,13 +35,16 @@ import pscontract as pc
 from pscontract import netif
 
 from . import mpi_wire, protocol
-from .agent import Agent, AgentError, Channel, catch_signals, connect
+from .agent import Agent, AgentError, Channel, Dropped, catch_signals, connect
 from .procgroup import set_parent_death_signal
 
 PREFIX = "pslaunch rank wrapper"
 #: a rank whose command cannot start waits this long at most for the launcher to stop the job
 #: (mpirun would otherwise see it exit first and print its own abort banner before the cause)
 LINGER = 5.0
+#: connections to the hub tried before falling back to mpirun's output, when the hub closes them
+#: during the handshake (it drops the oldest unauthenticated connections when strangers crowd it)
+CONNECT_TRIES = 4
 
 
 def _rank(environ: dict[str, str]) -> tuple[int, Optional[int], Optional[ModuleType]]:
@@ -67,7 +71,14 @@ def _connect(table: dict, rank: int, env: dict[str, str]) -> Optional[Channel]:
         secret = env.get(pc.SECRET, "")
         if not secret:
             raise ValueError(f"{pc.SECRET} is not set")
-        return connect(address, rank, secret)
+        for attempt in range(1, CONNECT_TRIES + 1):
+            try:
+                return connect(address, rank, secret)
+            except Dropped:
+                if attempt == CONNECT_TRIES:
+                    raise
+                time.sleep(0.05 * attempt)
+        return None
     except (OSError, ValueError) as e:
         message = (f"{PREFIX}: warning: cannot send this rank's output to the launcher at {address[0]}:{address[1]} "
                    f"from {socket.gethostname()} ({e}); it goes through mpirun's output instead, where long "

@@ -8,6 +8,14 @@ transport b). A connection is served only after that, only for a process of this
 once per process; unauthenticated connections are bounded in number and in time, and what they
 send before proving anything is bounded in size.
 
+A stranger may hold idle connections open, from the very address the ranks connect from (a local
+mpi job's ranks come from 127.0.0.1). So a new connection is never turned away for want of a slot:
+it takes the slot of the oldest unauthenticated connection from its own address (beyond
+:data:`PENDING_PER_SOURCE` of them), or the oldest of all (beyond :data:`PENDING_MAX`). A rank
+proves the secret within milliseconds of its greeting; a stranger's idle connections are always
+older, and go first. (Another address's connections are evicted only once the whole hub is
+full: a stranger needs several addresses for that.)
+
 Frames are read on the backend's pump thread (:class:`~launcher.runtime.output.PipePump`) and
 handed to the process they are about (:class:`~launcher.runtime.remote.RemoteProcess`); signals
 and placements go back on the same connection.
@@ -29,18 +37,21 @@ from .remote import RemoteProcess
 
 log = logging.getLogger(__name__)
 
-# Connections that have not proven the job secret: how many may wait, and how long.
-PENDING_MAX = 64
+# Connections that have not proven the job secret: how many may wait, from one source address and
+# in all (beyond that the oldest is dropped), and how long.
+PENDING_PER_SOURCE = 64  # (as many as the whole hub took before: a local job of 64 ranks connecting at once)
+PENDING_MAX = 256
 HANDSHAKE_WAIT = 15.0
 
 
 class _Conn:
     """One accepted connection: the handshake, then the frames of the process it proved to be."""
 
-    def __init__(self, hub: Hub, sock: socket.socket, peer: str) -> None:
+    def __init__(self, hub: Hub, sock: socket.socket, peer: tuple) -> None:
         self.hub = hub
         self.sock = sock
-        self.peer = peer
+        self.source = peer[0]
+        self.peer = f"{peer[0]}:{peer[1]}"
         self.nonce = os.urandom(16)
         self.since = time.monotonic()
         self.ident: int | None = None
@@ -83,10 +94,13 @@ class _Conn:
             self.reject("it does not hold the job's secret")
             return False
         with hub.lock:
+            evicted = self not in hub.pending  # (its slot went to a newer connection: it is being closed)
             taken = ident not in hub.idents or ident in hub.conns
-            if not taken:
+            if not (taken or evicted):
                 hub.conns[ident] = self
                 hub.pending.discard(self)
+        if evicted:
+            return False
         if taken:
             self.reject(f"process {ident} is not in the job or already connected")
             return False
@@ -173,14 +187,13 @@ class Hub:
                 sock, peer = self.sock.accept()
             except OSError:
                 continue
-            conn = _Conn(self, sock, f"{peer[0]}:{peer[1]}")
+            conn = _Conn(self, sock, peer)
             with self.lock:
-                full = len(self.pending) >= PENDING_MAX
-                if not full:
-                    self.pending.add(conn)
-            if full:
-                sock.close()
-                continue
+                evicted = self._make_room(conn.source)
+                self.pending.add(conn)
+            if evicted is not None:
+                evicted.reject(f"it was the oldest of {PENDING_PER_SOURCE} connections from its address (or "
+                               f"{PENDING_MAX} in all) that had not proven the job's secret, and a new one came")
             try:
                 sock.settimeout(5.0)
                 sock.sendall(protocol.HELLO + conn.nonce.hex().encode() + b"\n")
@@ -191,6 +204,21 @@ class Hub:
                 sock.close()
                 continue
             self.pump.add(fd, conn.feed, conn.closed)
+
+    def _make_room(self, source: str) -> Optional[_Conn]:
+        """With the lock held: the oldest unauthenticated connection from ``source`` when that
+        address has its share, else the oldest of all when the hub is full, taken out of the
+        pending ones (the caller closes it); None when there is room."""
+        same = [c for c in self.pending if c.source == source]
+        if len(same) >= PENDING_PER_SOURCE:
+            crowd = same
+        elif len(self.pending) >= PENDING_MAX:
+            crowd = list(self.pending)
+        else:
+            return None
+        oldest = min(crowd, key=lambda c: c.since)
+        self.pending.discard(oldest)
+        return oldest
 
     def _sweep(self) -> None:
         """Connections that have not proven the secret in time are dropped."""

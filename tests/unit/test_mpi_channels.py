@@ -274,3 +274,128 @@ def test_a_descendant_that_left_the_process_group_is_stopped_with_the_command(jo
     finally:
         if pid_alive(pid):
             os.kill(pid, 9)
+
+
+# --- strangers holding the unauthenticated slots ------------------------------------------------------
+
+
+class Stranger:
+    """Idle connections to the hub from ``source`` that never say a word: ``n`` held at once, each
+    one the hub closes opened again at once (at most ``budget`` opens in all)."""
+
+    def __init__(self, address, source: str, n: int, budget: int = 2000) -> None:
+        self.address, self.source, self.budget = address, source, budget
+        self.socks: list[socket.socket] = []
+        self.opened = self.greeted = 0
+        for _ in range(n):
+            self.open()
+
+    def open(self) -> None:
+        if self.opened >= self.budget:
+            return
+        self.opened += 1
+        s = socket.create_connection(self.address, timeout=10, source_address=(self.source, 0))
+        s.setblocking(False)
+        self.socks.append(s)
+
+    def refill(self) -> int:
+        """Read what the hub sent; open a new connection for each one it closed; the number held."""
+        for s in list(self.socks):
+            try:
+                data = s.recv(4096)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if data.startswith(protocol.HELLO):
+                self.greeted += 1
+            if not data:
+                self.socks.remove(s)
+                s.close()
+                self.open()
+        return len(self.socks)
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+
+
+def test_strangers_holding_every_slot_do_not_keep_a_rank_out(job: Job) -> None:
+    """100 idle connections from the ranks' own address (a local mpi job's ranks come from
+    127.0.0.1 too): a rank that connects after them still gets in, at once, every time."""
+    stranger = Stranger(job.channels.address, "127.0.0.1", 100)
+    try:
+        wait_for(lambda: stranger.refill() and stranger.greeted >= 64, 10, what="the stranger to be greeted")
+        for rank in range(3):
+            stranger.refill()
+            ch = connect(job.channels.address, rank, SECRET)  # refused before: "the launcher closed the connection"
+            ch.send(EXIT, rank, b"0")
+            ch.close()
+        wait_for(lambda: all(r.reported == 0 for r in job.job.ranks), 5, what="the exit records")
+        assert len(job.channels.pending) <= hub_module.PENDING_PER_SOURCE
+    finally:
+        stranger.close()
+
+
+def test_strangers_at_another_address_cannot_evict_a_ranks_handshake(job: Job) -> None:
+    """A rank's connection that has been greeted and not answered yet (a slow node) survives a
+    stranger at another address that churns through many more connections than the hub holds."""
+    with socket.create_connection(job.channels.address, timeout=10, source_address=("127.0.0.1", 0)) as slow:
+        hello = slow.recv(4096)
+        assert hello.startswith(protocol.HELLO)
+        stranger = Stranger(job.channels.address, "127.0.0.2", hub_module.PENDING_PER_SOURCE)
+        try:
+            for _ in range(3 * hub_module.PENDING_MAX):  # each new one evicts one of its own
+                stranger.open()
+            wait_for(lambda: stranger.refill() and stranger.opened >= 3 * hub_module.PENDING_MAX, 10,
+                     what="the stranger's connections")
+        finally:
+            stranger.close()
+        # the slow rank answers now, and is served
+        server_nonce = bytes.fromhex(hello[len(protocol.HELLO):].strip().decode())
+        client_nonce = os.urandom(16)
+        mac = protocol.channel_mac(SECRET, "client", server_nonce, client_nonce, 2)
+        slow.sendall(f"2 {client_nonce.hex()} {mac}\n".encode())
+        assert slow.recv(4096).startswith(b"ok ")
+        wait_for(lambda: job.job.ranks[2].channel == "open", 5, what="the rank's channel")
+
+
+def test_a_rank_whose_frames_come_through_mpirun_is_named_in_the_launchers_words(job: Job, caplog) -> None:
+    """A rank that could not reach the hub falls back to mpirun's output: the launcher says so
+    itself, not only the rank's own line among the job's output."""
+    job.job.feed(False, protocol.envelope(STDOUT, 1, b"hello\n") + protocol.envelope(STDOUT, 2, b"hi\n"))
+    job.job.feed(False, protocol.envelope(STDOUT, 1, b"again\n"))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [f"worker 1 could not reach the launcher's hub at 127.0.0.1:{job.channels.address[1]} (its "
+                        "wrapper says why): its output comes through mpirun's, where long lines of different ranks "
+                        "may be broken"]
+    assert job.job.in_band == {1, 2}
+
+
+def test_a_wrapper_whose_connection_is_dropped_in_the_handshake_tries_again() -> None:
+    """The hub drops the oldest unauthenticated connection when strangers crowd it: a rank's own
+    connection may be that one; the rank connects again rather than fall back to mpirun's output."""
+    from launcher.node import mpirank
+
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def hub() -> None:
+        first, _ = srv.accept()
+        first.sendall(protocol.HELLO + b"00" * 16 + b"\n")
+        first.close()  # dropped before the rank could answer
+        conn, _ = srv.accept()
+        with conn:
+            nonce = os.urandom(16)
+            conn.sendall(protocol.HELLO + nonce.hex().encode() + b"\n")
+            ident, client_hex, _mac = conn.recv(4096).decode().split()
+            proof = protocol.channel_mac(SECRET, "server", nonce, bytes.fromhex(client_hex), int(ident))
+            conn.sendall(f"ok {proof}\n".encode())
+            conn.recv(4096)
+
+    t = threading.Thread(target=hub, daemon=True)
+    t.start()
+    channel = mpirank._connect({"hub": list(srv.getsockname())}, 1, {"PSLAUNCH_SECRET": SECRET})
+    assert channel is not None  # before: None, and the rank's output went through mpirun's
+    channel.close()
+    t.join(5)
+    srv.close()

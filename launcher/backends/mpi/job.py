@@ -145,6 +145,8 @@ class MPIJob:
         self._exited_at: Optional[float] = None
         #: glob patterns of Open MPI's session directory, removed once mpirun has exited (see stop)
         self.session_dirs: Sequence[str] = ()
+        #: the MPI ranks whose frames came through mpirun's output although the job has a hub
+        self.in_band: set[int] = set()
 
     def attach(self, ranks: Sequence[MPIRank]) -> None:
         """The rank handles, in MPI rank order (they need the job first, the job needs them)."""
@@ -190,7 +192,13 @@ class MPIJob:
         if frame is None or not 0 <= frame[1] < len(self.ranks):
             (self.out.stderr if err else self.out.stdout).feed(line + b"\n")
             return
-        self.ranks[frame[1]].frame(frame[0], frame[2])
+        rank = self.ranks[frame[1]]
+        if self.hub is not None and frame[1] not in self.in_band:
+            self.in_band.add(frame[1])
+            (log.debug if len(self.in_band) > 1 else log.warning)(
+                "%s could not reach the launcher's hub at %s:%d (its wrapper says why): its output comes through "
+                "mpirun's, where long lines of different ranks may be broken", rank.label, *self.hub.address)
+        rank.frame(frame[0], frame[2])
 
     # -- status ------------------------------------------------------------------------
 
