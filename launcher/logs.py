@@ -10,16 +10,48 @@ that program's ``logging`` sends them.
 The stderr handler writes each line through a hook (:func:`write_around`): the live status line
 (``launcher.runtime.output``) installs one that erases the status line first and draws it again
 after, so a message never ends up inside it. This module imports nothing of the launcher.
+
+:func:`printable` is the one place where text from outside (a process's output, a host's
+answer, a network peer's message, a file) loses the control characters a terminal would act on
+(escape sequences that set the window title, write the clipboard, clear the screen or move the
+cursor to fake a line of pslaunch): they are shown as ``cat -v`` shows them (``ESC`` as ``^[``).
+Every message of the launcher passes through it here (a value from outside inside a message
+cannot carry a line break either, unless the message's own text has one).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from typing import Callable, TextIO
 
 LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR}
 
+# The characters a terminal acts on: C0 (the tab aside), DEL, and C1 (U+0080-U+009F, the 8-bit
+# CSI U+009B among them), as cat -v writes them: ^[ for ESC, ^? for DEL, M-^[ for U+009B.
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+_CONTROL_BUT_NEWLINE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_CARETS = {chr(c): ("M-" if c >= 0x80 else "") + "^" + chr((c & 0x7F) ^ 0x40)
+           for c in (*range(0x20), *range(0x7F, 0xA0))}
+
+
+def _caret(match: re.Match[str]) -> str:
+    return _CARETS[match.group()]
+
+
+def printable(text: str, newlines: bool = False) -> str:
+    """``text`` with every control character but the tab (and the newline, with ``newlines``)
+    made visible, as ``cat -v`` does: ``"\\x1b[2J"`` becomes ``"^[[2J"``. Other text (UTF-8 letters
+    too) is returned as it is, and at once when there is nothing to change."""
+    if text.isprintable():  # (the common case, and 2-3 times faster than the search below)
+        return text
+    if "\x1b" in text:  # (colours, the common escapes: at the speed of str.replace)
+        text = text.replace("\x1b", "^[")
+        if text.isprintable():
+            return text
+    pattern = _CONTROL_BUT_NEWLINE if newlines else _CONTROL
+    return pattern.sub(_caret, text) if pattern.search(text) else text
 
 
 def _write(write: Callable[[], None]) -> None:
@@ -36,11 +68,27 @@ def write_around(hook: Callable[[Callable[[], None]], None]) -> None:
     _around = hook
 
 
+def message_of(record: logging.LogRecord) -> str:
+    """The record's message, :func:`printable` (line breaks only where its own text has them)."""
+    return printable(record.getMessage(), newlines="\n" in str(record.msg))
+
+
+class FileFormatter(logging.Formatter):
+    """``--log-file``'s lines: timestamped, and :func:`printable` as on stderr."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = message_of(record)
+        return super().formatMessage(record)
+
+
 class Formatter(logging.Formatter):
     """One message as pslaunch prints it on stderr."""
 
     def format(self, record: logging.LogRecord) -> str:
-        message = record.getMessage()
+        message = message_of(record)
         if record.levelno >= logging.ERROR:
             return f"pslaunch: error: {message}"
         if record.levelno >= logging.WARNING:
@@ -85,7 +133,7 @@ def configure(level: str, log_file: TextIO | None = None) -> None:
     handlers[0].setFormatter(Formatter())
     if log_file is not None:
         handlers.append(_OpenFileHandler(log_file))
-        handlers[1].setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handlers[1].setFormatter(FileFormatter())
     root = logging.getLogger("launcher")
     for old in root.handlers[:]:
         root.removeHandler(old)

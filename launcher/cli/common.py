@@ -96,7 +96,7 @@ MAX_MESSAGE = 2000  # characters: an error about a huge argument must not repeat
 
 def fail(message: str, code: int) -> int:
     """Print ``message`` as pslaunch's one error line (folded, and cut when huge); return ``code``."""
-    message = " ".join(message.splitlines())
+    message = logs.printable(" ".join(message.splitlines()))  # (a host's or a file's words may be in it)
     if len(message) > MAX_MESSAGE:
         message = message[:MAX_MESSAGE] + f"... ({len(message) - MAX_MESSAGE:,} more characters)"
     sys.stdout.flush()

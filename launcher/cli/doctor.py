@@ -12,6 +12,7 @@ from .. import backends
 from ..backends.base import Backend
 from ..backends.ssh import SSHBackend
 from ..errors import ConfigError
+from ..logs import printable
 from ..run.doctor import run_doctor
 from ..run.preflight import run_preflight
 from ..spec.hosts import read_hosts
@@ -75,7 +76,7 @@ def doctor_command(**kw: Any) -> None:
                               port_range=parse_port_range_option(kw["port_range"]), command=command,
                               python=kw.get("python"), imports=tuple(kw.get("imports") or ()),
                               sync=bool(kw.get("sync_dst_dir")))
-    click.echo(report)
+    click.echo(printable(report, newlines=True))  # (what hosts and batch systems answered is in it)
     sys.exit(code)
 
 
@@ -120,7 +121,7 @@ def backend_doctor_command(**kw: Any) -> None:
     env = dict(parse_env_item(e, "--env", environ, True) for e in kw.get("env") or ())
     code, report = run_preflight(cls, environ, env=env, host_ip=kw.get("host_ip"), queue=kw.get("queue"),
                                  options=cls.make_options(kw))
-    click.echo(report)
+    click.echo(printable(report, newlines=True))  # (what hosts and batch systems answered is in it)
     sys.exit(code)
 
 

@@ -135,6 +135,10 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
               "with secrets redacted) and exit without starting anything.")
 @click.option("--log-dir", default=None, metavar="DIR",
               help="Also write each process's output to DIR/<role>-<rank>.log.")
+@click.option("--log-raw", is_flag=True, help="Write the processes' output to --log-dir as they wrote it, "
+              "terminal escapes and all. Without it the log files get what the console shows: control "
+              "characters made visible, as cat -v does (ESC as ^[), so that no program's output sets "
+              "the terminal's title, writes its clipboard or fakes a line of pslaunch.")
 @click.option("--summary-json", default=None, metavar="FILE",
               help="Write one record per process (role, rank, host, pid, times, exit code, signal).")
 @click.option("--log-level", default="INFO", show_default=True,

@@ -14,6 +14,12 @@ relative to it, never through a link, and must be the user's regular file
 the directory) is still shown: the first such line is said at once in one warning, and the count
 goes to the end of the job and ``--summary-json`` (:meth:`Console.log_errors`).
 
+A line's control characters (terminal escapes: a window title, a clipboard write, a cleared
+screen, a cursor moved up to fake a line of pslaunch) are shown, kept and logged visibly, as
+``cat -v`` shows them (:func:`launcher.logs.printable`); with ``--log-raw`` the log files get the
+line as the process wrote it. Tabs stay; a ``\\r`` ends a line, as a ``\\n`` does (a progress bar
+that redraws itself with ``\r`` is one line per redraw).
+
 On a terminal the console can also keep one *status line* at the bottom of stdout
 (:meth:`Console.set_status`, drawn by ``launcher.run.progress``): every write first erases
 it (``\\r`` and erase-to-end-of-line), writes its whole lines, then draws it again, all under
@@ -42,6 +48,7 @@ from pscontract import CAUSE_PREFIX, parse_cause
 
 from .. import logs
 from ..errors import ConfigError
+from ..logs import printable
 from ..node import safefiles
 
 log = logging.getLogger(__name__)
@@ -95,10 +102,11 @@ class Console:
     """The launcher's terminal: serialises whole lines from many threads."""
 
     def __init__(self, stdout: BinaryIO | None = None, stderr: BinaryIO | None = None,
-                 log_dir: str | None = None, color: bool | None = None) -> None:
+                 log_dir: str | None = None, color: bool | None = None, log_raw: bool = False) -> None:
         self.stdout = stdout or sys.stdout.buffer
         self.stderr = stderr or sys.stderr.buffer
         self.log_dir = log_dir
+        self.log_raw = log_raw  # the log files get the lines as written, control characters and all
         #: applied to every line of every process before it is shown, logged or kept for the
         #: failure report (the job's secret values: see ``launcher.spec.env.Redactor``)
         self.redact: Callable[[str], str] | None = None
@@ -109,9 +117,9 @@ class Console:
         self._lock = threading.RLock()
         self._status = b""  # the status line now on the screen (empty: none)
         self._observers: dict[str, Callable[[str], None]] = {}
-        # while held (Console.hold): the lines not shown yet, as (output, line, err, data), and
-        # their size; and every output made since the hold, which a discard silences
-        self._held: Optional[list[tuple[ProcOutput, str, bool, bytes]]] = None
+        # while held (Console.hold): the lines not shown yet, as (output, line, err, data, logged),
+        # and their size; and every output made since the hold, which a discard silences
+        self._held: Optional[list[tuple[ProcOutput, str, bool, bytes, bytes]]] = None
         self._held_bytes = 0
         self._attempt: list[ProcOutput] = []
         self._log_fd: Optional[int] = None  # the log directory, open
@@ -194,8 +202,8 @@ class Console:
         :meth:`discard` still silences the attempt from then on.)"""
         with self._lock:
             held, self._held = self._held, None
-            for out, line, err, data in held or ():
-                out._deliver(line, err, data)
+            for out, line, err, data, logged in held or ():
+                out._deliver(line, err, data, logged)
             for out in self._attempt:
                 if out._close_log_later:
                     out._close_log()
@@ -214,7 +222,7 @@ class Console:
         with self._lock:
             return bool(self._held)
 
-    def _keep(self, out: ProcOutput, line: str, err: bool, data: bytes) -> bool:
+    def _keep(self, out: ProcOutput, line: str, err: bool, data: bytes, logged: bytes) -> bool:
         """True when the line is not for showing now: its output is silenced, or it is held
         (unless that makes too much: then everything held is released)."""
         with self._lock:
@@ -222,7 +230,7 @@ class Console:
                 return True
             if self._held is None:
                 return False
-            self._held.append((out, line, err, data))
+            self._held.append((out, line, err, data, logged))
             self._held_bytes += len(data) + len(line)
             if self._held_bytes > HOLD_BYTES:
                 self.release()
@@ -297,16 +305,18 @@ class ProcOutput:
         redact = self.console.redact
         if redact is not None:
             line = redact(line)
-        if self.cause is None and line.startswith(CAUSE_PREFIX):
-            self.cause = parse_cause(line)
+        shown = printable(line)
+        if self.cause is None and shown.startswith(CAUSE_PREFIX):
+            self.cause = parse_cause(shown)
         with self._lock:
-            self.tail.append(line)
-        data = line.encode("utf-8", "replace")
-        if not self.console._keep(self, line, err, data):
-            self._deliver(line, err, data)
+            self.tail.append(shown)
+        data = shown.encode("utf-8", "replace")
+        logged = line.encode("utf-8", "replace") if self.console.log_raw and shown is not line else data
+        if not self.console._keep(self, shown, err, data, logged):
+            self._deliver(shown, err, data, logged)
 
-    def _deliver(self, line: str, err: bool, data: bytes) -> None:
-        """Show, observe and log one line."""
+    def _deliver(self, line: str, err: bool, data: bytes, logged: bytes) -> None:
+        """Show and observe one line (``data``, the line as bytes), and log it (``logged``)."""
         self.console.write(err, self.prefix + data + b"\n")
         if self.observer is not None:
             self.observer(line)
@@ -314,7 +324,7 @@ class ProcOutput:
         with self._lock:
             if self.log is not None:
                 try:
-                    safefiles.write_all(self.log, data + b"\n")
+                    safefiles.write_all(self.log, logged + b"\n")
                 except OSError as e:
                     lost, failed = True, e
             else:

@@ -103,6 +103,8 @@ class JobSpec:
     server_memory_mb: Optional[int] = None
     dry_run: bool = False
     log_dir: Optional[str] = None
+    #: --log-raw: the log files get the processes' output as written (control characters and all)
+    log_raw: bool = False
     summary_json: Optional[str] = None
     port_range: tuple[int, int] = (9091, 9998)
     start_timeout: float = 60.0

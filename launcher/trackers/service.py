@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import signal
 import socket
 import subprocess
@@ -19,6 +18,7 @@ import pscontract as pc
 
 from .. import node
 from ..errors import LaunchError
+from ..logs import printable
 from ..node.procgroup import signal_group
 from ..node.watchdog import Client as Watchdog
 from ..runtime import ports
@@ -39,13 +39,12 @@ KILL_WAIT = 2.0  # after SIGTERM, before SIGKILL
 #: the events of a tracker program that say where it stands (kept); the others are news (passed on)
 LIFECYCLE = ("listening", "done", "failed", "stopped")
 DROPS_NOTED = 5  # dropped connections that the rabit tracker's log names; the rest are counted
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 def _line(value: Any) -> str:
-    """A tracker program's text as one line for the console: no control characters (a task id
-    or an error may come from the network), no line breaks."""
-    return _CONTROL.sub("?", str(value)).replace("\n", " ")
+    """A tracker program's text as one line for the console: no line breaks, control characters
+    shown visibly (a task id or an error may come from the network; :func:`launcher.logs.printable`)."""
+    return printable(str(value).replace("\n", " "))
 
 
 # --- a tracker in a child process ----------------------------------------------------------------
@@ -297,7 +296,7 @@ class RabitService(_XGBoostTracker):
         kind = event.get("event")
         if kind == "print":
             self.prints += 1
-            text = _CONTROL.sub("?", str(event.get("text", "")))  # (from the network: nothing drives the terminal)
+            text = str(event.get("text", ""))  # (from the network: its output shows control characters visibly)
             self.output.stdout.feed(text.encode("utf-8", "replace") + b"\n")
         elif kind == "asked":
             self.asked += 1

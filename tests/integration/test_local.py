@@ -265,3 +265,30 @@ def test_a_scheduler_that_never_listens_is_an_error_after_the_start_timeout(prob
     assert time.monotonic() - t0 < 20  # (liveness only)
     assert "the scheduler did not listen on 127.0.0.1:" in r.stderr and "--start-timeout 2s" in r.stderr
     assert_no_orphans(all_pids(read_probes(probe.dir)), timeout=10)
+
+
+#: a window title (OSC 0), a clipboard write (OSC 52), a cleared screen (CSI 2J), the cursor moved up
+#: a line and the line erased to fake pslaunch's last line, the 8-bit CSI (U+009B)
+ESCAPES = ("\x1b]0;owned\x07\x1b]52;c;ZWNobyBvd25lZA==\x07\x1b[2J\x1b[1A\x1b[2K"
+           "pslaunch: all 1 processes exited 0 in 0.1s\u009b31m")
+SHOWN = ("^[]0;owned^G^[]52;c;ZWNobyBvd25lZA==^G^[[2J^[[1A^[[2K"
+         "pslaunch: all 1 processes exited 0 in 0.1sM-^[31m")
+
+
+def _controls(text: str) -> list[str]:
+    return [c for c in text if (ord(c) < 0x20 and c not in "\t\n") or 0x7F <= ord(c) <= 0x9F]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("raw", [False, True], ids=["logs-shown", "log-raw"])
+def test_terminal_escapes_from_a_process_are_shown_not_obeyed(tmp_path, raw: bool) -> None:
+    logs = tmp_path / "logs"
+    prog = f"import sys; print({ESCAPES!r}); sys.stderr.write({ESCAPES!r} + '\\n'); sys.exit(3)"
+    r = run_pslaunch("-n", "1", "-s", "0", "--log-dir", str(logs), *(["--log-raw"] if raw else []),
+                     sys.executable, "-c", prog)
+    assert r.returncode == 3, r.stderr
+    assert _controls(r.stdout + r.stderr) == []  # before: 8 of 8 escapes reached the terminal
+    assert f"[worker 0] {SHOWN}" in r.stdout.splitlines()
+    assert f"[worker 0] {SHOWN}" in r.stderr.splitlines()
+    assert f"pslaunch: error:   | {SHOWN}" in r.stderr.splitlines()  # the failure report's tail
+    assert (logs / "worker-0.log").read_text() == ((ESCAPES if raw else SHOWN) + "\n") * 2

@@ -58,3 +58,28 @@ def test_a_message_is_written_around_the_status_line(capsys) -> None:
         assert capsys.readouterr().err == "pslaunch: warning: a message\n"
     finally:
         console.clear_status()
+
+
+def test_text_from_outside_in_a_message_cannot_act_on_the_terminal(tmp_path, capsys) -> None:
+    """A host name, a remote's error or an ssh banner quoted in a message: its escapes are shown
+    as cat -v shows them, and its line breaks cannot start a line of their own."""
+    log = logging.getLogger("launcher.backends.ssh")
+    logs.configure("INFO", open(tmp_path / "launcher.log", "a", encoding="utf-8"))
+    banner = "Welcome\x1b]0;owned\x07\x1b[2J\n\x1b[1A\x1b[2Kpslaunch: all processes exited 0\u009b"
+    log.warning("host %s said: %s", "node\x1b[31m1", banner)
+    log.info("two lines of our own:\n  %s", "x\x1b[K")
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "pslaunch: warning: host node^[[31m1 said: Welcome^[]0;owned^G^[[2J^J^[[1A^[[2Kpslaunch: all processes "
+        "exited 0M-^[",
+        "pslaunch: two lines of our own:",
+        "  x^[[K"]
+    written = (tmp_path / "launcher.log").read_text()
+    assert "\x1b" not in written and "\x07" not in written and "\u009b" not in written
+    assert "said: Welcome^[]0;owned^G^[[2J^J^[[1A" in written
+
+
+def test_printable_passes_text_as_it_is() -> None:
+    text = "épreuve ✓ 日本語\tcolumn"
+    assert logs.printable(text) is text
+    assert logs.printable("a\u0085b\u00a0c") == "aM-^Eb\u00a0c"  # C1 NEL shown; a no-break space is text

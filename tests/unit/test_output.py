@@ -229,3 +229,63 @@ def test_too_much_held_output_is_shown_not_kept(monkeypatch) -> None:
     assert out.getvalue() == b"[worker 0] " + b"x" * 40 + b"\n[worker 0] " + b"y" * 40 + b"\n"
     p.stdout.feed(b"z\n")
     assert out.getvalue().endswith(b"[worker 0] z\n")
+
+
+# --- terminal escapes from the processes -----------------------------------------------------------
+
+#: a window title (OSC 0), a clipboard write (OSC 52), a cleared screen (CSI 2J), and the cursor
+#: moved up a line and the line erased to fake pslaunch's last line; then the 8-bit CSI (U+009B),
+#: a bell and a DEL
+ATTACK = ("\x1b]0;owned\x07" "\x1b]52;c;ZWNobyBvd25lZA==\x07" "\x1b[2J" "\x1b[1A\x1b[2K"
+          "pslaunch: all processes exited 0" "\u009b31m" "\x07" "\x7f")
+SHOWN = ("^[]0;owned^G" "^[]52;c;ZWNobyBvd25lZA==^G" "^[[2J" "^[[1A^[[2K"
+         "pslaunch: all processes exited 0" "M-^[31m" "^G" "^?")
+
+
+def _controls(data: bytes) -> list[str]:
+    """The control characters in ``data`` (UTF-8) but the tab and the newline."""
+    return [c for c in data.decode() if (ord(c) < 0x20 and c not in "\t\n") or 0x7F <= ord(c) <= 0x9F]
+
+
+def test_escapes_from_a_process_are_shown_not_obeyed(tmp_path) -> None:
+    console, out, err = make(log_dir=str(tmp_path))
+    p = console.proc("worker-0", "worker 0", "worker")
+    p.stdout.feed((ATTACK + "\n" + "naïve ✓\tcolumn\n").encode())
+    p.stderr.feed(("\x1b[31m" + "error\n").encode())
+    p.close()
+    assert _controls(out.getvalue() + err.getvalue()) == []  # 8 of 8 escape bytes passed before
+    assert out.getvalue().decode().splitlines() == ["[worker 0] " + SHOWN, "[worker 0] naïve ✓\tcolumn"]
+    assert err.getvalue().decode() == "[worker 0] ^[[31merror\n"
+    assert p.lines() == [SHOWN, "naïve ✓\tcolumn", "^[[31merror"]  # (the failure report's tail)
+    assert (tmp_path / "worker-0.log").read_text() == SHOWN + "\nnaïve ✓\tcolumn\n^[[31merror\n"
+
+
+def test_log_raw_keeps_the_bytes_in_the_log_file_only(tmp_path) -> None:
+    out, err = Sink(), Sink()
+    console = Console(stdout=out, stderr=err, log_dir=str(tmp_path), color=False, log_raw=True)
+    p = console.proc("worker-0", "worker 0", "worker")
+    p.stdout.feed((ATTACK + "\nplain\n").encode())
+    p.close()
+    assert out.getvalue().decode() == f"[worker 0] {SHOWN}\n[worker 0] plain\n"
+    assert (tmp_path / "worker-0.log").read_bytes() == (ATTACK + "\nplain\n").encode()
+
+
+def test_held_lines_keep_their_raw_log_text(tmp_path) -> None:
+    out, err = Sink(), Sink()
+    console = Console(stdout=out, stderr=err, log_dir=str(tmp_path), color=False, log_raw=True)
+    console.hold()
+    p = console.proc("worker-0", "worker 0", "worker")
+    p.stdout.feed(b"\x1b[2Jheld\n")
+    assert out.getvalue() == b""
+    console.release()
+    p.close()
+    assert out.getvalue() == b"[worker 0] ^[[2Jheld\n"
+    assert (tmp_path / "worker-0.log").read_bytes() == b"\x1b[2Jheld\n"
+
+
+def test_our_own_colours_still_reach_a_terminal() -> None:
+    out, err = Sink(), Sink()
+    console = Console(stdout=out, stderr=err, color=True)
+    p = console.proc("worker-0", "worker 0", "worker")
+    p.stdout.feed(b"\x1b[32mgreen\n")
+    assert out.getvalue() == b"\x1b[32m[worker 0]\x1b[0m ^[[32mgreen\n"
