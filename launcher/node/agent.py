@@ -9,8 +9,9 @@ The agent
 1. becomes a child subreaper, so a descendant that leaves its process's group (``setsid()``, a
    double fork) is still its descendant and is stopped with the rest;
 2. starts each process as the leader of a new session and process group, stdin from
-   ``/dev/null``; with ``watchdog``, a dead-man switch (:mod:`.watchdog`) kills the groups if the
-   agent itself is killed with SIGKILL;
+   ``/dev/null``, with a parent-death signal (Linux: ``PR_SET_PDEATHSIG``): if the agent itself is
+   killed with SIGKILL, each process gets SIGTERM (SIGKILL without a watchdog); with ``watchdog``, a
+   dead-man switch (:mod:`.watchdog`) then also stops the groups, and what left them, staged;
 3. reports each process: ``p`` once it runs, its output as ``o``/``e``, ``x`` with its exit code
    (128+N for signal N) once it exited and its pipes are read (to their end, or for
    :data:`DRAIN_SECONDS` when something it started keeps them open); or one ``f`` with the reason
@@ -53,8 +54,10 @@ from .procgroup import (
     exit_status,
     kill_children,
     kill_marked,
+    parent_death_signal,
     resolve_program,
     signal_group,
+    single_threaded,
     stop_group,
 )
 
@@ -288,7 +291,10 @@ class Agent(object):
             launcher's report of the cause.
         here: the host's name in start errors (None where the launcher names the host itself).
         prefix: the agent's name in the one-line failures of the ``plain`` fallback.
-        watchdog: run a dead-man switch for the processes' groups.
+        watchdog: run a dead-man switch for the processes' groups: True, a program of this
+            installation; ``"fork"``, a fork of the agent (an ssh host has no installation). Where
+            the watchdog module cannot be imported (Python < 3.7 on an ssh host), the
+            parent-death signal alone stops the processes.
     """
 
     def __init__(self, grace, channel=None, fallback=None, tee=False, hold=False, lost_after=None, linger=0.0,
@@ -306,6 +312,7 @@ class Agent(object):
         self.prefix = prefix
         self.use_watchdog = watchdog
         self.watchdog = None
+        self.death_signal = None  # the preexec_fn that sets each process's parent-death signal
         self.children = []
         self.unread = []  # frames read before :meth:`run` that it must still obey
         self.listening = channel is not None  # the launcher's frames may still come
@@ -460,9 +467,15 @@ class Agent(object):
             return [128 + stop for _ in specs]
         become_subreaper()
         if self.use_watchdog:
-            from .watchdog import Client  # (Python 3.7: for the mpi and batch nodes only)
-
-            self.watchdog = Client(self.grace)
+            try:
+                from .watchdog import Client  # (Python 3.7 syntax)
+            except (ImportError, SyntaxError):  # an old python3 on an ssh host: the parent-death signal only
+                Client = None
+            if Client is not None:
+                self.watchdog = Client(self.grace, fork=self.use_watchdog == "fork")
+        if single_threaded():  # (code between fork and exec is safe only then: mpi4py may run threads)
+            watched = self.watchdog is not None and self.watchdog.pid is not None
+            self.death_signal = parent_death_signal(signal.SIGTERM if watched else signal.SIGKILL)
         try:
             for spec in specs:
                 child = Child(spec)
@@ -486,7 +499,7 @@ class Agent(object):
         try:
             proc = subprocess.Popen(argv, env=child.env, cwd=child.cwd, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                    close_fds=True)
+                                    close_fds=True, preexec_fn=self.death_signal)
         except Exception as e:  # noqa: BLE001 - ValueError (a NUL byte), ...: the others must stay supervised
             message, code = start_error(e, argv[0], self.here)
             return self._failed(child, message, code)

@@ -104,6 +104,18 @@ def parent_death_signal(sig):
     return set_it
 
 
+def single_threaded():
+    """Whether this process runs one thread only (Linux: ``/proc/self/task``; elsewhere, say no).
+
+    Code between fork and exec (a ``preexec_fn``) is safe only then: another thread may hold a
+    lock (the C library's, Python's) that the child would wait on for ever.
+    """
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
 def become_subreaper():
     """Linux: orphaned descendants of this process are re-parented to it, not to init.
 

@@ -331,6 +331,11 @@ class Decoder(object):
         return frames
 
     @property
+    def framing(self):
+        """Whether the frames have begun (the ``marker`` arrived, or there is none)."""
+        return self._marker is None
+
+    @property
     def pending(self):
         """Bytes received that are not a whole frame yet."""
         return len(self._buf)

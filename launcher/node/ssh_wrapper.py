@@ -12,7 +12,9 @@ Before the processes, it answers the launcher's requests: ``I`` (the host's addr
 Then the header ``H`` gives every process's argv, environment (added to the wrapper's own) and
 directory, and the node agent (:class:`.agent.Agent`, ``hold``) runs them: until the launcher
 closes the channel, the channel dies, no keep-alive came for ``lost_after`` seconds, or a
-SIGHUP/SIGTERM/SIGINT arrives. Standard library only, Python 3.5 syntax.
+SIGHUP/SIGTERM/SIGINT arrives. Nothing depends on the wrapper staying alive: killed (``kill -9``,
+the OOM killer), its processes get their parent-death signal and its watchdog, a fork of it,
+stops their groups (:mod:`.agent`). Standard library only, Python 3.5 syntax.
 """
 
 import json
@@ -101,7 +103,7 @@ def main():
     catch_signals()
     keepalive = float(header.get("keepalive") or 5.0)
     agent = Agent(float(header.get("grace") or 0.0), channel, hold=True,
-                  lost_after=float(header.get("lost_after") or 4 * keepalive))
+                  lost_after=float(header.get("lost_after") or 4 * keepalive), watchdog="fork")
     specs = []
     for proc in header["procs"]:
         env = dict(os.environ)

@@ -1,3 +1,4 @@
+# ruff: noqa: UP004, UP031 - Python 3.5 syntax: an ssh host's wrapper forks one (:mod:`.agent`)
 """The dead-man switch: kills a job's process groups if the program that started them dies.
 
 :class:`Client` starts this module as a separate process (its own session, stdin a pipe from
@@ -14,29 +15,30 @@ every process whose ``PSLAUNCH_PROCESS`` starts with PREFIX: what left its group
 matches: what a killed process could not), ``done``. Standard library only.
 """
 
-from __future__ import annotations
-
 import signal
 import sys
-from typing import IO, TYPE_CHECKING, BinaryIO, Optional, Sequence
 
 from .procgroup import group_alive, kill_marked, marked, signal_group, stop_group
 
 # The watchdog process starts with every job, and a job that ends at once waits for it: what
 # only some commands need (json, subprocess, threading, ...) is imported where it is used.
-if TYPE_CHECKING:
-    import subprocess
+# Python 3.5 syntax (types in comments): the ssh wrapper forks one on a host's own python3.
+MYPY = False
+if MYPY:  # (typing's TYPE_CHECKING is Python 3.5.2)
+    import subprocess  # noqa: F401 - (named in the type comments)
+    from typing import IO, BinaryIO, List, Optional, Sequence, Set, Tuple  # noqa: F401
 
 
-def main(stdin: Optional[BinaryIO] = None) -> int:
+def main(stdin=None):
+    # type: (Optional[BinaryIO]) -> int
     """The watchdog process: read commands from ``stdin`` (default: standard input) until ``done`` or EOF."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     grace = 10.0
-    groups: set[int] = set()
-    marks: list[str] = []
-    commands: list[list[str]] = []
-    removals: list[str] = []
+    groups = set()  # type: Set[int]
+    marks = []  # type: List[str]
+    commands = []  # type: List[List[str]]
+    removals = []  # type: List[str]
     stdin = sys.stdin.buffer if stdin is None else stdin
     while True:
         line = stdin.readline()
@@ -62,7 +64,7 @@ def main(stdin: Optional[BinaryIO] = None) -> int:
                 commands.append([str(a) for a in json.loads(arg)])
         except ValueError:
             continue
-    import subprocess
+    import subprocess  # noqa: F401 - (named in the type comments)
     import time
 
     for pgid in groups:
@@ -87,7 +89,8 @@ def main(stdin: Optional[BinaryIO] = None) -> int:
     return 0
 
 
-def remove_matching(patterns: Sequence[str]) -> list[str]:
+def remove_matching(patterns):
+    # type: (Sequence[str]) -> List[str]
     """Remove the files and directories that the glob ``patterns`` match, and each one's parent
     directory once it is empty; returns what was removed."""
     import glob
@@ -112,7 +115,7 @@ def remove_matching(patterns: Sequence[str]) -> list[str]:
     return removed
 
 
-class Client:
+class Client(object):
     """The starting side: one watchdog process, told about every group as soon as it exists.
 
     ``fork``: the watchdog is a fork of this process (no second interpreter to start: 10 ms of
@@ -122,13 +125,14 @@ class Client:
     one: the groups are then stopped only by the normal teardown.
     """
 
-    def __init__(self, grace: float, python: str = "", fork: bool = False) -> None:
+    def __init__(self, grace, python="", fork=False):
+        # type: (float, str, bool) -> None
         import threading
 
         self._lock = threading.Lock()
-        self._stdin: Optional[IO[bytes]] = None
-        self._proc: Optional[subprocess.Popen] = None  # (a started one; a fork has only its pid)
-        self.pid: Optional[int] = None
+        self._stdin = None  # type: Optional[IO[bytes]]
+        self._proc = None  # type: Optional[subprocess.Popen[bytes]]  # (a started one; a fork has only its pid)
+        self.pid = None  # type: Optional[int]
         try:
             if fork and threading.active_count() == 1:
                 self.pid, self._stdin = _fork()
@@ -137,9 +141,10 @@ class Client:
                 self.pid, self._stdin = self._proc.pid, self._proc.stdin
         except OSError:
             return
-        self._send(f"grace {max(1.0, grace)}")
+        self._send("grace %r" % max(1.0, grace))
 
-    def _send(self, line: str) -> None:
+    def _send(self, line):
+        # type: (str) -> None
         with self._lock:
             if self._stdin is None:
                 return
@@ -149,29 +154,35 @@ class Client:
             except (BrokenPipeError, ValueError, OSError):
                 pass
 
-    def watch(self, pgid: int) -> None:
+    def watch(self, pgid):
+        # type: (int) -> None
         """Kill group ``pgid`` if the client dies."""
-        self._send(f"pgid {pgid}")
+        self._send("pgid %d" % pgid)
 
-    def forget(self, pgid: int) -> None:
-        self._send(f"forget {pgid}")
+    def forget(self, pgid):
+        # type: (int) -> None
+        self._send("forget %d" % pgid)
 
-    def mark(self, prefix: str) -> None:
+    def mark(self, prefix):
+        # type: (str) -> None
         """Also stop every process whose ``PSLAUNCH_PROCESS`` starts with ``prefix`` if the client dies."""
-        self._send(f"mark {prefix}")
+        self._send("mark %s" % prefix)
 
-    def on_abandon(self, argv: Sequence[str]) -> None:
+    def on_abandon(self, argv):
+        # type: (Sequence[str]) -> None
         """Run ``argv`` if the client dies (for batch jobs: cancel them)."""
         import json
 
         self._send("cmd " + json.dumps(list(argv)))
 
-    def remove_after_kill(self, pattern: str) -> None:
+    def remove_after_kill(self, pattern):
+        # type: (str) -> None
         """If the client dies, remove what the glob ``pattern`` matches once every process is
         killed (what they leave behind when killed), and its parent directory once empty."""
         self._send("remove " + pattern.replace("\n", " "))
 
-    def close(self, wait: bool = False) -> None:
+    def close(self, wait=False):
+        # type: (bool) -> None
         """Normal end: the watchdog reads ``done`` and exits without touching anything.
 
         A started watchdog is not waited for unless ``wait`` (the launcher's exit would pay its
@@ -207,9 +218,10 @@ class Client:
             pass
 
 
-def _start(python: str) -> subprocess.Popen[bytes]:
+def _start(python):
+    # type: (str) -> subprocess.Popen[bytes]
     """This module as a program of ``python``, in its own session, reading its stdin."""
-    import subprocess
+    import subprocess  # noqa: F401 - (named in the type comments)
 
     from . import command  # (the package's __init__: where node programs are)
 
@@ -217,7 +229,8 @@ def _start(python: str) -> subprocess.Popen[bytes]:
                             stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
 
 
-def _fork() -> tuple[int, BinaryIO]:
+def _fork():
+    # type: () -> Tuple[int, BinaryIO]
     """A fork of this process that runs :func:`main` in its own session: (pid, its stdin).
 
     The child keeps nothing of its parent's but the read end of the pipe: every other descriptor
@@ -249,7 +262,8 @@ def _fork() -> tuple[int, BinaryIO]:
     return pid, os.fdopen(w, "wb")
 
 
-def _max_fd() -> int:
+def _max_fd():
+    # type: () -> int
     import os
 
     try:
@@ -258,7 +272,8 @@ def _max_fd() -> int:
         return 65536
 
 
-def _ended_within(pid: int, seconds: float) -> bool:
+def _ended_within(pid, seconds):
+    # type: (int, float) -> bool
     """Whether child ``pid`` ends within ``seconds``, told the moment it does by a pidfd (a wait
     in steps would sleep past the exit); not reaped."""
     import os

@@ -34,12 +34,13 @@ def test_wrapper_command_is_the_bootstrap_and_nothing_job_specific() -> None:
 
 #: what a host's python3 runs for the ssh backend (the wrapper, doctor's probe): Python 3.5 syntax
 OLD_PYTHON_MODULES = ("ssh_loader", "ssh_wrapper", "protocol", "agent", "probe", "procgroup", "treesync", "safefiles",
-                      "__init__")
+                      "watchdog", "__init__")
 
 
 def test_the_old_python_modules_are_what_the_ssh_wrapper_and_the_probe_import() -> None:
     """Every node module that the wrapper or the probe imports on a host is in OLD_PYTHON_MODULES
-    (what they import only with Python 3.7, netif and the watchdog, is imported where it is used)."""
+    (what they import only with Python 3.7, netif, or only once the processes start, the watchdog,
+    is imported where it is used)."""
     import subprocess
     import sys
 
