@@ -81,6 +81,16 @@ LOST_FACTOR = 4  # a host is lost after this many keep-alive intervals without a
 EXIT_LOST = 255  # ssh's own code for "the connection failed"
 _PING = frame(protocol.PING, NODE)
 _ANSWERS = (protocol.IFACE_ANSWER, protocol.SYNC_ANSWER, protocol.DONE_ANSWER)
+#: The longest answer a host may send when no request waits for it, or to a request without data
+#: (``i``, ``d``); an ``s`` answer lists some of the request's paths, so it may take twice the
+#: request's bytes (JSON's escapes) plus this.
+ANSWER_MIN = 64 * 1024
+#: What a host may print before its wrapper's first frame (a login shell's rc files, a banner): more
+#: drops the host. Of that, and of the wrapper's stderr, at most SHOWN_LINES lines of at most
+#: SHOWN_WIDTH characters are shown, then one line says how many more were not.
+PREAMBLE_MAX = 1 << 20
+SHOWN_LINES = 20
+SHOWN_WIDTH = 500
 
 
 # --- pure builders (golden-tested) -----------------------------------------------------------
@@ -196,6 +206,13 @@ class RemoteHost:
         self._by_id: dict[int, SSHProcess] = {}
         self._replies: queue.Queue[tuple[bytes, dict]] = queue.Queue()  # the wrapper's answers (i, s, d)
         self._send_lock = threading.Lock()
+        # what the wrapper says; an answer is accepted at its request's length (request())
+        self._decoder = protocol.Decoder(protocol.MAX_FROM_NODE, marker=protocol.MAGIC,
+                                         limits=dict.fromkeys(_ANSWERS, ANSWER_MIN), on_drop=self._dropped)
+        self._preamble = 0  # bytes printed before the wrapper's first frame
+        self._shown = 0  # lines of the host's own text shown (before the frames, the wrapper's stderr)
+        self._hidden = 0  # ... and not shown
+        self.refused = ""  # why the host was dropped for what it sent
 
     # -- the wrapper channel ------------------------------------------------------------
 
@@ -235,23 +252,30 @@ class RemoteHost:
             raise LaunchError(f"{self.label}: the connection to pslaunch's remote wrapper failed: {e}") from None
 
     def request(self, kind: bytes, payload: bytes, reply: bytes, timeout: float = 600.0) -> dict:
-        """Send a frame and wait for the wrapper's JSON answer of kind ``reply``."""
-        self.send(kind, payload)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                got, doc = self._replies.get(timeout=0.2)
-            except queue.Empty:
-                if self.closed:
-                    raise LaunchError(self._gone_text()) from None
-                if time.monotonic() > deadline:
-                    raise LaunchError(f"{self.label}: pslaunch's remote wrapper did not answer within "
-                                      f"{timeout:g}s") from None
-                continue
-            if got == reply:
-                return doc
+        """Send a frame and wait for the wrapper's JSON answer of kind ``reply`` (at most twice the
+        request's length plus :data:`ANSWER_MIN` bytes)."""
+        self._decoder.limits[reply] = min(protocol.MAX_ANSWER, 2 * len(payload) + ANSWER_MIN)
+        try:
+            self.send(kind, payload)
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    got, doc = self._replies.get(timeout=0.2)
+                except queue.Empty:
+                    if self.closed:
+                        raise LaunchError(self._gone_text()) from None
+                    if time.monotonic() > deadline:
+                        raise LaunchError(f"{self.label}: pslaunch's remote wrapper did not answer within "
+                                          f"{timeout:g}s") from None
+                    continue
+                if got == reply:
+                    return doc
+        finally:
+            self._decoder.limits[reply] = ANSWER_MIN
 
     def _gone_text(self) -> str:
+        if self.refused:
+            return self.refused
         tail = f": {self._stderr_tail[-1]}" if self._stderr_tail else ""
         return (f"pslaunch's remote wrapper on {self.label} ended{tail}; the ssh backend needs python3 >= 3.5 "
                 "on every host")
@@ -283,8 +307,7 @@ class RemoteHost:
         chan = self.chan
         assert chan is not None
         by_id = self._by_id
-        decoder = protocol.Decoder(protocol.MAX_FROM_NODE, marker=protocol.MAGIC,
-                                   limits=dict.fromkeys(_ANSWERS, protocol.MAX_ANSWER), on_drop=self._dropped)
+        decoder = self._decoder
         while True:
             self._drain_stderr()
             try:
@@ -305,18 +328,33 @@ class RemoteHost:
                 elif ident == NODE and kind in _ANSWERS:
                     self._replies.put((kind, protocol.parse_json(payload) or {"error": "an answer that is not JSON"}))
             if decoder.preamble:
-                for line in bytes(decoder.preamble).decode(errors="replace").splitlines():
-                    if line.strip():
-                        log.warning("%s: the login shell printed: %s", self.label, line)
+                self._preamble += len(decoder.preamble)
+                self._show(bytes(decoder.preamble), "the login shell printed: ")
                 decoder.preamble.clear()
-        self._drain_stderr()
+                if decoder.framing:
+                    self._show_hidden()
+                elif self._preamble > PREAMBLE_MAX:
+                    self.refuse(f"{self.label} printed more than {size_text(PREAMBLE_MAX)} before pslaunch's remote "
+                                "wrapper started (a login banner, or the login shell's rc files); dropped that host: "
+                                "make its shell print nothing for a non-interactive ssh command")
+            if self.refused:
+                break
+        if self.refused:
+            chan.close()  # (the wrapper there, if it is one, stops its processes)
+        else:
+            self._drain_stderr()
+        self._show_hidden()
         status = chan.recv_exit_status() if chan.exit_status_ready() else None
         deliberate = self.closed
         self.closed = True
         unfinished = [p for p in self.procs if p.running]
         if unfinished and not self.lost and not deliberate:
             tail = f": {self._stderr_tail[-1]}" if self._stderr_tail else ""
-            if not any(p.started.is_set() for p in unfinished):
+            if self.refused:
+                why = self.refused
+                if any(p.started.is_set() for p in unfinished):
+                    log.error("%s", why)
+            elif not any(p.started.is_set() for p in unfinished):
                 why = (f"pslaunch's remote wrapper on {self.label} ended before starting the processes "
                        f"(ssh exit status {status}){tail}; the ssh backend needs python3 >= 3.5 on every host")
             else:
@@ -331,12 +369,38 @@ class RemoteHost:
         self.session.channel_closed()
 
     def _dropped(self, kind: bytes, ident: int, length: int) -> None:
-        """A frame too long to accept: an answer that never comes fails its request now."""
+        """A frame too long to accept (pslaunch's wrapper sends none): the host is dropped, and an
+        answer that never comes fails its request now."""
+        limit = self._decoder.limits.get(kind, self._decoder.limit)
         if ident == NODE and kind in _ANSWERS:
             self._replies.put((kind, {"error": f"its answer takes {length} bytes, more than the "
-                                               f"{protocol.MAX_ANSWER} pslaunch accepts"}))
-        else:
-            log.warning("%s: dropped a %r frame of %d bytes (more than pslaunch accepts)", self.label, kind, length)
+                                               f"{limit} pslaunch accepts"}))
+        self.refuse(f"{self.label} announced a {kind.decode(errors='replace')!r} frame of {length:,} bytes, more "
+                    f"than the {limit:,} pslaunch accepts (is that pslaunch's wrapper?); dropped that host")
+
+    def refuse(self, why: str) -> None:
+        """Drop the host for what it sent (the reader stops and closes its channel): ``why`` is one line."""
+        if not self.refused:
+            self.refused = why
+
+    def _show(self, data: bytes, what: str) -> None:
+        """The host's own text (before the frames, or the wrapper's stderr), as warnings: at most
+        :data:`SHOWN_LINES` lines of :data:`SHOWN_WIDTH` characters."""
+        for line in data.decode(errors="replace").splitlines():
+            if not line.strip():
+                continue
+            if self._shown >= SHOWN_LINES:
+                self._hidden += 1
+                continue
+            self._shown += 1
+            cut = f"... ({len(line) - SHOWN_WIDTH:,} more characters)" if len(line) > SHOWN_WIDTH else ""
+            log.warning("%s: %s%s%s", self.label, what, line[:SHOWN_WIDTH], cut)
+
+    def _show_hidden(self) -> None:
+        if self._hidden:
+            log.warning("%s: %s more line%s of its login shell's or pslaunch's wrapper's output not shown (at most "
+                        "%d are)", self.label, f"{self._hidden:,}", "" if self._hidden == 1 else "s", SHOWN_LINES)
+            self._hidden = 0
 
     def _drain_stderr(self) -> None:
         """The wrapper's own stderr (a shell's 'python3: not found', a traceback): shown on the console."""
@@ -346,10 +410,8 @@ class RemoteHost:
             if not data:
                 break
             text = data.decode(errors="replace")
-            self._stderr_tail.extend(x for x in text.splitlines() if x.strip())
-            for line in text.splitlines():
-                if line.strip():
-                    log.warning("%s: %s", self.label, line)
+            self._stderr_tail.extend(x[:SHOWN_WIDTH] for x in text.splitlines()[-5:] if x.strip())
+            self._show(data, "")
 
     def _keepalive_loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -372,11 +434,13 @@ class RemoteHost:
             self.lost = True
             self.lost_reason = why
         running = [p for p in self.procs if p.running]
-        log.error("host %s is lost: %s (link down, host down or sshd gone); its %d running process%s "
-                  "count as failed (exit code %d); the wrapper there stops them once the keep-alives stop",
-                  self.label, why, len(running), "" if len(running) == 1 else "es", EXIT_LOST)
-        for p in running:
-            p.set_lost()
+        if any(p.started.is_set() for p in running):
+            log.error("host %s is lost: %s (link down, host down or sshd gone); its %d running process%s "
+                      "count as failed (exit code %d); the wrapper there stops them once the keep-alives stop",
+                      self.label, why, len(running), "" if len(running) == 1 else "es", EXIT_LOST)
+        for p in running:  # (one that had not started fails the start now, with one line: start())
+            p.set_lost(f"host {self.label} is lost before its processes started: {why} (link down, host down "
+                       "or sshd gone)")
 
     # -- signals --------------------------------------------------------------------
 
@@ -466,11 +530,15 @@ class SSHProcess(RemoteProcess):
         """No exit code yet (the reader thread's view; :meth:`poll` is the supervisor's)."""
         return self.reported is None
 
-    def set_lost(self) -> None:
+    def set_lost(self, why: str = "") -> None:
         self.lost = True
+        if not self.started.is_set():
+            self.failure = why or f"host {self.host} is lost"
+            self.failure_code = EXIT_LOST
         if self.reported is None:
             self.reported = EXIT_LOST
         self.output.close()  # nothing more will come; the supervisor need not wait for it
+        self.started.set()
 
     def terminate(self) -> None:
         self.remote.signal("TERM", [self])

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -179,6 +181,46 @@ def test_the_group_dies_when_the_channel_goes(how: str) -> None:
         assert w.p.wait(timeout=5) == 0
     finally:
         w.close()
+
+
+#: a process that ignores SIGTERM, with a grandchild in its group and one that left it (``setsid``)
+_FAMILY = ("import os,signal,subprocess,sys,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+           "s='import time; time.sleep(120)'; c=subprocess.Popen([sys.executable,'-c',s]); "
+           "e=subprocess.Popen([sys.executable,'-c','import os; os.setsid(); '+s]); "
+           "print(c.pid, e.pid, flush=True); time.sleep(120)")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("python", [sys.executable, OLD_PYTHON], ids=["python3", "python3.6"])
+def test_kill_9_of_the_wrapper_leaves_nothing(python: str | None, tmp_path) -> None:
+    """Issue 30, 11: the wrapper killed (kill -9, the OOM killer) must not leave its processes under
+    init. They get their parent-death signal, and the wrapper's watchdog (a fork of it) stops their
+    groups and what left them."""
+    if python is None:
+        pytest.skip("no Python 3.6 on this machine")
+    mark = f"test-{os.getpid()}-{time.monotonic_ns()}/worker-0"
+    w = Wrapped(py(_FAMILY), env={"PSLAUNCH_PROCESS": mark, "PATH": os.environ["PATH"]}, grace=1.0,
+                python=python)
+    pids: list[int] = []
+    try:
+        pids = [json.loads(w.read_until(STARTED))["pid"]]
+        wait_for(lambda: w.output().strip(), 10, what="the grandchildren's pids")
+        pids += [int(x) for x in w.output().split()]
+        assert all(pid_alive(p) for p in pids)
+        os.kill(w.p.pid, signal.SIGKILL)
+        w.p.wait(timeout=10)
+        # (the grace is 1 s; whatever survives 20 s is under init for good)
+        try:
+            wait_for(lambda: not any(pid_alive(p) for p in pids), 20.0, interval=0.1, what="every process to end")
+        except AssertionError:
+            pass
+        left = [p for p in pids if pid_alive(p)]
+        assert left == [], f"alive 20 s after kill -9 of the wrapper: {left}"
+    finally:
+        w.close()
+        for p in pids:
+            if pid_alive(p):
+                os.kill(p, signal.SIGKILL)
 
 
 @pytest.mark.timeout(30)
@@ -405,3 +447,156 @@ def test_an_answer_dropped_for_its_size_fails_the_request_at_once() -> None:
     t0 = time.monotonic()
     doc = host.request(protocol.SYNC, b"{}", protocol.SYNC_ANSWER, timeout=600.0)
     assert time.monotonic() - t0 < 5 and "more than the" in doc["error"]
+
+
+# --- what a host sends that pslaunch's wrapper never would (issue 30, 14) ---------------------------
+
+
+#: the start of a fake node: it reads whatever the launcher sends, in a thread
+_DRAIN = ("import os, sys, threading, time\n"
+          "threading.Thread(target=lambda: [None for _ in iter(lambda: os.read(0, 65536), b'')], daemon=True).start()\n"
+          "out = sys.stdout.buffer\n")
+
+
+class FakeNodeSession(PipeSession):
+    """A host whose channel runs ``script`` (Python, locally) instead of pslaunch's wrapper."""
+
+    def __init__(self, script: str) -> None:
+        super().__init__()
+        self.script = script
+
+        def run(command: str) -> None:
+            self.chan.p = subprocess.Popen([sys.executable, "-c", _DRAIN + script], stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        self.chan.exec_command = run  # type: ignore[method-assign]
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(x.split()[1]) for x in f if x.startswith("VmRSS:")) / 1024
+
+
+@pytest.mark.timeout(120)
+def test_a_host_that_announces_a_huge_answer_is_dropped_without_buffering_it(caplog) -> None:
+    """Issue 30, 14 (c): the answer to ``I`` announced as 1 GiB, and 300 MB of it sent: the launcher
+    buffered all of it (answers were accepted up to MAX_ANSWER, 1 GiB). Now an answer is accepted at
+    its request's length and the host is dropped at the announcement, with one line."""
+    from launcher.backends.ssh import RemoteHost
+
+    head = protocol.HEAD.pack(protocol.IFACE_ANSWER, NODE, 1 << 30)
+    script = (f"out.write({MAGIC!r} + {head!r})\nout.flush()\nchunk = b'x' * (1 << 20)\n"
+              "for _ in range(300):\n    out.write(chunk)\nout.flush()\ntime.sleep(60)\n")
+    host = RemoteHost(FakeNodeSession(script), _ssh_spec())  # type: ignore[arg-type]
+    before = _rss_mb()
+    peak = [before]
+    watching = threading.Event()
+
+    def watch() -> None:
+        while not watching.wait(0.05):
+            peak[0] = max(peak[0], _rss_mb())
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        host.open()
+        t0 = time.monotonic()
+        try:
+            doc = host.request(protocol.IFACE, b'{"iface": "eth0"}', protocol.IFACE_ANSWER, timeout=30.0)
+            error = str(doc.get("error"))
+        except Exception as e:  # noqa: BLE001 - the request fails, one way or the other
+            error = str(e)
+        took = time.monotonic() - t0
+        wait_for(lambda: host.closed, 30, what="the reader to let go of the host")
+        grown = peak[0] - before
+        print(f"a 1 GiB answer announced: request failed after {took:.1f}s, launcher RSS +{grown:.0f} MB")
+        assert "more than the" in error, error
+        assert grown < 64, f"the launcher buffered {grown:.0f} MB of the announced frame"
+        dropped = [r.getMessage() for r in caplog.records if "dropped that host" in r.getMessage()]
+        assert "pipe-host announced a 'i' frame of 1,073,741,824 bytes" in host.refused, host.refused
+        assert len(dropped) <= 1, dropped
+    finally:
+        watching.set()
+        host.closed = True
+        host.session.chan.close()
+
+
+def _banner_script(nbytes: int, then: str = "time.sleep(60)\n") -> str:
+    return ("line = b'Welcome to a host whose login shell says a lot: ' + b'-' * 40 + b'\\n'\n"
+            f"n = {nbytes} // len(line)\nfor i in range(0, n, 1000):\n    out.write(line * min(1000, n - i))\n"
+            f"out.flush()\n{then}")
+
+
+@pytest.mark.timeout(120)
+def test_a_20_mb_login_banner_is_not_20_mb_of_warnings(caplog) -> None:
+    """Issue 30, 14 (d): 20 MB printed before the wrapper's first frame was one warning per line
+    (221,219). Now at most SHOWN_LINES lines are shown, one line says how many more were not, and a
+    host that prints more than PREAMBLE_MAX before the protocol starts is dropped, with one line."""
+    from launcher.backends import ssh
+
+    caplog.set_level("WARNING", logger="launcher.backends.ssh")
+    host = ssh.RemoteHost(FakeNodeSession(_banner_script(20 << 20)), _ssh_spec())  # type: ignore[arg-type]
+    try:
+        host.open()
+        wait_for(lambda: host.closed, 60, what="the host to be dropped")
+        lines = [r.getMessage() for r in caplog.records if r.name == "launcher.backends.ssh"]
+        print(f"a 20 MB banner: {len(lines)} warning lines; {host.refused}")
+        assert len(lines) <= ssh.SHOWN_LINES + 2, (len(lines), lines[-3:])
+        assert "more lines of its login shell's" in lines[-1] or "more lines of its login shell's" in lines[-2]
+        assert "printed more than 1.0 MiB before pslaunch's remote wrapper started" in host.refused, host.refused
+    finally:
+        host.closed = True
+        host.session.chan.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_chatty_login_shell_is_shown_in_part_and_the_host_works(caplog) -> None:
+    """Below PREAMBLE_MAX the host is served: SHOWN_LINES lines shown, then one line for the rest."""
+    from launcher.backends import ssh
+
+    caplog.set_level("WARNING", logger="launcher.backends.ssh")
+    answer = frame(protocol.IFACE_ANSWER, NODE, b'{"address": "10.0.0.1", "interface": "eth0"}')
+    then = f"out.write({MAGIC!r} + {answer!r})\nout.flush()\ntime.sleep(60)\n"
+    host = ssh.RemoteHost(FakeNodeSession(_banner_script(500_000, then)), _ssh_spec())  # type: ignore[arg-type]
+    try:
+        host.open()
+        doc = host.request(protocol.IFACE, b'{"iface": "eth0"}', protocol.IFACE_ANSWER, timeout=30.0)
+        assert doc == {"address": "10.0.0.1", "interface": "eth0"}
+        lines = [r.getMessage() for r in caplog.records if r.name == "launcher.backends.ssh"]
+        assert len(lines) == ssh.SHOWN_LINES + 1, lines
+        hidden = re.match(r"pipe-host: ([0-9,]+) more lines of its login shell's", lines[-1])
+        assert hidden and int(hidden.group(1).replace(",", "")) >= 5000, lines[-1]  # (5,554 lines, cut by reads)
+        assert not host.refused
+    finally:
+        host.closed = True
+        host.session.chan.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_host_that_never_answers_fails_the_start_once_it_is_lost() -> None:
+    """Issue 30, 14 (a): a host silent from the start was declared lost after 4 keep-alive intervals,
+    but the start waited for --start-timeout (60 s). Now the start fails at the declaration, with
+    one line that names the host."""
+    from launcher.backends.ssh import RemoteHost, SSHBackend
+    from launcher.errors import LaunchError
+    from launcher.runtime.output import Console
+    from launcher.spec.job import Host
+    from launcher.transport.options import SSHOptions
+
+    line = Host("pipe-host")
+    spec = JobSpec(command=("true",), num_workers=1, num_servers=0, launcher="ssh", hosts=(line,),
+                   options=SSHOptions(keepalive=0.25), start_timeout=60.0, kill_grace=1.0)
+    console = Console(stdout=open(os.devnull, "wb"), stderr=open(os.devnull, "wb"), color=False)
+    backend = SSHBackend(spec, console, None)
+    host = RemoteHost(FakeNodeSession("time.sleep(120)\n"), spec)  # type: ignore[arg-type]
+    backend.hosts = {("root", "pipe-host", 22): host}
+    backend.by_line[line] = host
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(LaunchError) as e:
+            backend.start([ProcSpec(Role.WORKER, 0, 0, line, ("true",), {})])
+        took = time.monotonic() - t0
+        print(f"a silent host: the start failed after {took:.1f}s (lost after {4 * 0.25:g}s): {e.value}")
+        assert "host pipe-host is lost before its processes started: no reply to keep-alives" in str(e.value)
+        assert e.value.exit_code == 255
+        assert took < 40, f"the start waited {took:.0f}s for a host declared lost after 1 s"
+    finally:
+        host.closed = True
+        host.session.chan.close()
