@@ -358,7 +358,9 @@ class RemoteHost:
                 why = (f"pslaunch's remote wrapper on {self.label} ended before starting the processes "
                        f"(ssh exit status {status}){tail}; the ssh backend needs python3 >= 3.5 on every host")
             else:
-                why = f"the connection to {self.label} ended without their exit codes (ssh exit status {status}){tail}"
+                how = (f"ssh exit status {status}" if status is not None
+                       else "no exit status: the wrapper was killed, or sshd")
+                why = f"pslaunch's remote wrapper on {self.label} ended without their exit codes ({how}){tail}"
                 log.error("%s", why)
             for p in unfinished:
                 p.wrapper_gone(why, status)
@@ -513,6 +515,7 @@ class SSHProcess(RemoteProcess):
         super().__init__(proc, output, host.label, ident)
         self.remote = host
         self.lost = False
+        self.gone = ""  # why its host's wrapper ended without its exit code
 
     def on_start(self, info: dict) -> None:
         super().on_start(info)
@@ -524,6 +527,7 @@ class SSHProcess(RemoteProcess):
             self.failure = why
             self.failure_code = status or EXIT_LOST  # (None or 0: no code of its own)
         self.reported = EXIT_LOST if status in (None, 0) or self.started.is_set() else status
+        self.gone = why
 
     @property
     def running(self) -> bool:
@@ -560,6 +564,8 @@ class SSHProcess(RemoteProcess):
         where = f"on {self.host}" + (f", pid {self.pid}" if self.pid else "")
         if self.lost:
             where += f"; host lost: {self.remote.lost_reason}"
+        elif self.gone and self.started.is_set():
+            where += "; its host's wrapper ended without its exit code"
         return f"{self.label} ({where})"
 
 

@@ -80,6 +80,13 @@ class MPIRank(RemoteProcess):
         return self.job.clock.time()  # (tests: when a frame arrived)
 
     def channel_closed(self) -> None:
+        if self.reported is None and self.job.mpirun_code() is None:
+            # Its wrapper reports the command's end before it closes, and signals make it report:
+            # the connection ended without a report while mpirun runs, so the wrapper was killed
+            # (SIGKILL, the OOM killer). This rank failed first, whatever mpirun then does to the others.
+            self.note = "its wrapper was killed: its connection to the launcher ended without an exit code"
+            self.reported = 128 + signal.SIGKILL
+            self.ended_at = self.now()
         super().channel_closed()
         for err, closed in self.job._mpirun_closed.items():
             if closed:

@@ -9,6 +9,8 @@ in ``--launcher`` by passing all of them:
 * a process killed by signal N makes the launcher exit 128+N;
 * Ctrl-C stops everything (130); a second Ctrl-C kills at once;
 * kill -9 of the launcher leaves nothing running or queued;
+* kill -9 of a process's node agent (the ssh wrapper, the mpi rank wrapper, the batch task wrapper)
+  fails the job, blames that process, and leaves nothing running;
 * a program that does not exist is one line (exit 127), found here or on the nodes;
 * a program that is not executable is one line (exit 126), found here or on the nodes;
 * ``--timeout`` dumps every Python stack and exits 124;
@@ -24,6 +26,7 @@ in ``--launcher`` by passing all of them:
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import sys
@@ -41,6 +44,8 @@ from support.helpers import (
     wait_probes,
     xgboost_python,
 )
+
+from launcher.node import procgroup
 
 pytestmark = pytest.mark.integration
 
@@ -303,6 +308,30 @@ def test_kill_9_of_the_launcher_leaves_nothing(cluster: Cluster, behaviour: str)
     p.communicate()
     took = assert_nothing_left(cluster, timeout=30)
     print(f"{cluster.launcher}: nothing left {took:.1f}s after kill -9 of the launcher")
+
+
+@pytest.mark.timeout(150)
+def test_kill_9_of_a_node_agent_fails_the_job_and_leaves_nothing(cluster: Cluster) -> None:
+    """Issue 30, 11 and 14 (b): nothing on a node depends on its agent staying alive, and the
+    launcher blames the process whose agent was killed."""
+    if cluster.launcher == "local":
+        pytest.skip("the local backend runs its processes without a node agent")
+    p, probes = running_job(cluster, "-n", "2", "-s", "1", "--kill-grace", "1",
+                            *cluster.probe("--listen", "--sleep", "60", "--child", "--escape", "--ignore-term"),
+                            count=4)
+    st = procgroup.stat(probes["worker-1"]["pid"])  # (one pid namespace for every host)
+    assert st is not None and st.ppid > 1, probes["worker-1"]
+    agent = procgroup.stat(st.ppid)
+    t0 = time.monotonic()
+    os.kill(st.ppid, signal.SIGKILL)
+    _, err = p.communicate(timeout=90)
+    failed_after = time.monotonic() - t0
+    assert p.returncode != 0, err
+    first = [x for x in err.splitlines() if " first" in x and x.startswith("pslaunch: error:")]
+    assert first and "worker 1" in first[0], err
+    took = assert_nothing_left(cluster, timeout=30)
+    print(f"{cluster.launcher}: kill -9 of worker 1's agent ({agent}): the job failed after {failed_after:.1f}s "
+          f"(rc {p.returncode}; {first[0]}); nothing left {took:.1f}s later")
 
 
 @pytest.mark.timeout(150)
