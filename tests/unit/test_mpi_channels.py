@@ -399,3 +399,22 @@ def test_a_wrapper_whose_connection_is_dropped_in_the_handshake_tries_again() ->
     channel.close()
     t.join(5)
     srv.close()
+
+
+def test_a_rank_whose_wrapper_is_killed_is_the_first_failure(job: Job) -> None:
+    """Issue 30, 14 (b): a wrapper killed with SIGKILL closes its connection without an exit frame;
+    mpirun then stops the other ranks (143). The killed rank failed first, killed, not the next."""
+    ch = connect(job.channels.address, 2, SECRET)
+    ch.send(STARTED, 2, json.dumps({"pid": 4242, "host": "h"}).encode())
+    assert ch.sock is not None
+    ch.sock.close()  # (what the kernel does for a killed wrapper: no exit frame)
+    killed = job.job.ranks[2]
+    wait_for(lambda: killed.channel == "closed", 5, what="the connection to end")
+    other = connect(job.channels.address, 0, SECRET)
+    other.send(EXIT, 0, b"143")  # (mpirun's SIGTERM, reported by a rank's wrapper afterwards)
+    other.close()
+    wait_for(lambda: job.job.ranks[0].reported == 143, 5, what="rank 0's exit frame")
+    assert killed.poll() == 137, killed.describe()
+    assert job.job.ranks[0].poll() == 143
+    assert "its wrapper was killed" in killed.describe()
+    assert killed.end_time is not None and killed.end_time <= (job.job.ranks[0].end_time or 0)
