@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import threading
 import time
 from typing import Any, ClassVar, Mapping, Optional, Sequence
@@ -170,6 +171,12 @@ class BatchTask(RemoteProcess):
         self.backend.placed(self, str(info["host"]) if "host" in info else self.host)
 
     def channel_closed(self) -> None:
+        if self.code is None and not self.terminated and not self.backend._stop.is_set():
+            # Its agent reports the command's end before it closes, and a signal makes it report:
+            # the connection ended without a report while the task runs, so the agent was killed
+            # (SIGKILL, the OOM killer). The task failed now, not when the batch system says so.
+            self.backend.set_code(self, 128 + signal.SIGKILL, "its task wrapper was killed: its connection to the "
+                                  "launcher ended without an exit code", ended_at=time.time())
         super().channel_closed()
         self.output.close()
 

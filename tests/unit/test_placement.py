@@ -210,6 +210,29 @@ def test_tasks_still_unplaced_after_start_timeout_fail_the_launch(tmp_path: Path
         job.close()
 
 
+def test_a_task_whose_agent_is_killed_fails_at_once(tmp_path: Path) -> None:
+    """Issue 30, 11: a task's agent killed with SIGKILL (its connection ends without an exit frame)
+    fails the task now, killed (137), not when the batch system gets round to it (61 s on Slurm)."""
+    job = Played(tmp_path, 2)
+    try:
+        agents = [job.agent(i) for i in range(2)]
+        for i, a in enumerate(agents):
+            here(a, i, "n1")
+        assert all(read_env(a, 10) for a in agents)
+        job.thread.join(10)
+        assert job.error is None
+        agents[0].send(protocol.STARTED, 0, json.dumps({"pid": 4242, "host": "n1"}).encode())
+        assert agents[0].sock is not None
+        agents[0].sock.close()  # (what the kernel does for a killed agent: no exit frame)
+        killed, other = job.backend.tasks
+        wait_for(lambda: killed.code is not None, 10, what="task 0's end")
+        assert killed.code == 137 and "its task wrapper was killed" in killed.describe(), killed.describe()
+        assert other.code is None
+        agents[1].close()
+    finally:
+        job.close()
+
+
 def test_real_task_wrappers_start_their_commands_with_their_placement(tmp_path: Path) -> None:
     out = tmp_path / "ranks"
     out.mkdir()
