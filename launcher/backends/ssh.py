@@ -210,6 +210,7 @@ class RemoteHost:
         self._decoder = protocol.Decoder(protocol.MAX_FROM_NODE, marker=protocol.MAGIC,
                                          limits=dict.fromkeys(_ANSWERS, ANSWER_MIN), on_drop=self._dropped)
         self._preamble = 0  # bytes printed before the wrapper's first frame
+        self._framing = False  # the wrapper's first frame came
         self._shown = 0  # lines of the host's own text shown (before the frames, the wrapper's stderr)
         self._hidden = 0  # ... and not shown
         self.refused = ""  # why the host was dropped for what it sent
@@ -321,22 +322,24 @@ class RemoteHost:
             if not data:
                 break
             self.last_heard = time.monotonic()
-            for kind, ident, payload in decoder.feed(data):
-                proc = by_id.get(ident)
-                if proc is not None:
-                    proc.frame(kind, payload)
-                elif ident == NODE and kind in _ANSWERS:
-                    self._replies.put((kind, protocol.parse_json(payload) or {"error": "an answer that is not JSON"}))
-            if decoder.preamble:
+            frames = decoder.feed(data)
+            if not self._framing:  # (what the host printed comes before what its frames make happen)
                 self._preamble += len(decoder.preamble)
                 self._show(bytes(decoder.preamble), "the login shell printed: ")
                 decoder.preamble.clear()
                 if decoder.framing:
+                    self._framing = True
                     self._show_hidden()
                 elif self._preamble > PREAMBLE_MAX:
                     self.refuse(f"{self.label} printed more than {size_text(PREAMBLE_MAX)} before pslaunch's remote "
                                 "wrapper started (a login banner, or the login shell's rc files); dropped that host: "
                                 "make its shell print nothing for a non-interactive ssh command")
+            for kind, ident, payload in frames:
+                proc = by_id.get(ident)
+                if proc is not None:
+                    proc.frame(kind, payload)
+                elif ident == NODE and kind in _ANSWERS:
+                    self._replies.put((kind, protocol.parse_json(payload) or {"error": "an answer that is not JSON"}))
             if self.refused:
                 break
         if self.refused:
