@@ -61,6 +61,9 @@ RETRY_DELAYS = (0.2, 0.5, 1.0, 2.0)
 # sshd refuses a session beyond MaxSessions with "administratively prohibited" (1) or, OpenSSH,
 # "connect failed" (2): open another connection to the host then.
 _SESSION_REFUSED = (1, 2)
+#: The most output (stdout and stderr together) a short command may print (``pslaunch doctor``'s
+#: probe prints one line of JSON after what the login shell prints): more fails it.
+EXEC_MAX = 16 << 20
 
 _known_hosts_lock = threading.Lock()
 
@@ -634,6 +637,9 @@ class HostSession:
             while True:
                 if time.monotonic() > deadline:
                     raise LaunchError(f"{self.label}: {command.split()[0]} did not finish within {timeout:g}s")
+                if len(out) + len(err) > EXEC_MAX:
+                    raise LaunchError(f"{self.label}: {command.split()[0]} printed more than {EXEC_MAX >> 20} MiB; "
+                                      "dropped that connection (is the login shell there printing without end?)")
                 if chan.recv_stderr_ready():
                     err += chan.recv_stderr(65536)
                     continue
@@ -644,14 +650,14 @@ class HostSession:
                 if not chunk:
                     break
                 out += chunk
-            while chan.recv_stderr_ready() or not chan.exit_status_ready():
+            while (chan.recv_stderr_ready() or not chan.exit_status_ready()) and len(err) <= EXEC_MAX:
                 if chan.recv_stderr_ready():
                     err += chan.recv_stderr(65536)
                 elif time.monotonic() > deadline:
                     break
                 else:
                     time.sleep(0.005)
-            while chan.recv_stderr_ready():
+            while chan.recv_stderr_ready() and len(err) <= EXEC_MAX:
                 err += chan.recv_stderr(65536)
             code = chan.recv_exit_status() if chan.exit_status_ready() else 255
             return ExecResult(code, bytes(out), bytes(err))

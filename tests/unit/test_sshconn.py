@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import select
+import socket
+import subprocess
+import sys
+
 import paramiko
 import pytest
 
@@ -183,3 +189,88 @@ def test_known_hosts_with_markers_and_bad_lines_is_read_as_openssh_does(keys, tm
     check_host_key(Target(Host("a"), "10.0.0.1", 22, "u", known_hosts=(str(kh),)), key, known, accept_new=False)
     with pytest.raises(HostKeyError, match="@revoked"):  # listed, but revoked: refused, even with accept_new
         check_host_key(Target(Host("b"), "10.0.0.2", 22, "u", known_hosts=(str(kh),)), other, known, accept_new=True)
+
+
+class _ExecChannel:
+    """What :meth:`HostSession.exec` uses of a paramiko channel, over a local Python ``script``."""
+
+    def __init__(self, script: str) -> None:
+        self.script = script
+        self.p: subprocess.Popen | None = None
+        self.timeout = 1.0
+
+    def settimeout(self, timeout: float) -> None:
+        self.timeout = timeout
+
+    def exec_command(self, command: str) -> None:
+        self.p = subprocess.Popen([sys.executable, "-c", self.script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE)
+
+    def sendall(self, data: bytes) -> None:
+        assert self.p is not None and self.p.stdin is not None
+        self.p.stdin.write(data)
+
+    def shutdown_write(self) -> None:
+        assert self.p is not None and self.p.stdin is not None
+        self.p.stdin.close()
+
+    def recv_stderr_ready(self) -> bool:
+        return False
+
+    def recv(self, n: int) -> bytes:
+        assert self.p is not None and self.p.stdout is not None
+        if not select.select([self.p.stdout], [], [], min(self.timeout, 1.0))[0]:
+            raise socket.timeout
+        return os.read(self.p.stdout.fileno(), n)
+
+    def exit_status_ready(self) -> bool:
+        return self.p is not None and self.p.poll() is not None
+
+    def recv_exit_status(self) -> int:
+        assert self.p is not None
+        return self.p.wait()
+
+    def close(self) -> None:
+        if self.p is not None and self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+
+
+class _ExecTransport:
+    def __init__(self, script: str) -> None:
+        self.script = script
+
+    def open_session(self, timeout: float | None = None) -> _ExecChannel:
+        return _ExecChannel(self.script)
+
+    def is_active(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(x.split()[1]) for x in f if x.startswith("VmRSS:")) / 1024
+
+
+@pytest.mark.timeout(120)
+def test_a_command_whose_output_never_ends_is_cut_not_buffered() -> None:
+    """Issue 30, 14 (c): ``pslaunch doctor`` runs its probe with :meth:`HostSession.exec`, which kept
+    all a host printed: 300 MB from a hostile host grew the launcher by as much. Now the output is
+    bounded (EXEC_MAX) and the command fails with one line."""
+    from launcher.errors import LaunchError
+    from launcher.transport import ssh as sshmod
+    from launcher.transport.options import SSHOptions
+
+    script = ("import sys\nchunk = b'x' * (1 << 20)\nfor _ in range(300):\n    sys.stdout.buffer.write(chunk)\n")
+    target = sshmod.Target(host=Host("hostile"), hostname="hostile", port=22, user="u")
+    session = sshmod.HostSession(target, SSHOptions(), _ExecTransport(script))  # type: ignore[arg-type]
+    before = _rss_mb()
+    with pytest.raises(LaunchError, match="printed more than") as e:
+        r = session.exec("python3 -c probe", timeout=60.0)
+        print(f"exec kept {len(r.stdout):,} bytes; launcher RSS +{_rss_mb() - before:.0f} MB")
+    grown = _rss_mb() - before
+    print(f"a host printing 300 MB to an exec: {e.value}; launcher RSS +{grown:.0f} MB")
+    assert str(e.value).startswith("hostile: ") and grown < 64, grown
