@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 TASK_FILE_VERSION = 2
 #: How much longer than ``--start-timeout`` an agent waits for its placement variables.
 PLACEMENT_WAIT = 60.0
+#: A task whose agent's connection ended without an exit frame, and which got no exit code (from the
+#: batch system, or in-band) within this many seconds, failed when the connection ended: its agent
+#: was killed (an agent reports before it closes, and signals make it report).
+AGENT_GONE_WAIT = 5.0
 # Set per task by the wrapper, or meaningless on a cluster whose hosts are unknown here.
 _PER_TASK = (pc.TASK_ID, pc.NODE_HOST, pc.LOCAL_PROCS, pc.PROCESS)
 
@@ -148,6 +152,7 @@ class BatchTask(RemoteProcess):
         self.terminated = False
         self.reason = ""
         self.code: Optional[int] = None
+        self.gone_at: Optional[float] = None  # its agent's connection ended without an exit frame
 
     # -- what its agent says (on the pump's thread) -------------------------------------------------
 
@@ -172,11 +177,7 @@ class BatchTask(RemoteProcess):
 
     def channel_closed(self) -> None:
         if self.code is None and not self.terminated and not self.backend._stop.is_set():
-            # Its agent reports the command's end before it closes, and a signal makes it report:
-            # the connection ended without a report while the task runs, so the agent was killed
-            # (SIGKILL, the OOM killer). The task failed now, not when the batch system says so.
-            self.backend.set_code(self, 128 + signal.SIGKILL, "its task wrapper was killed: its connection to the "
-                                  "launcher ended without an exit code", ended_at=time.time())
+            self.gone_at = time.time()  # (see BatchBackend._agents_gone)
         super().channel_closed()
         self.output.close()
 
@@ -354,11 +355,21 @@ class BatchBackend(Backend):
         while not self._stop.is_set():
             try:
                 self.poll_once()
+                self._agents_gone()
             except Exception as e:  # noqa: BLE001 - never let the follower die: the job would hang
                 log.error("following the %s tasks: %s", self.name, " ".join(str(e).split()), exc_info=True)
             if self.settled():
                 return
             self._stop.wait(self.poll_every)
+
+    def _agents_gone(self) -> None:
+        """Tasks whose agent was killed (:data:`AGENT_GONE_WAIT`) fail, killed, when it ended: at once,
+        not when the batch system gets round to it (a Slurm step's task: 61 s)."""
+        now = time.time()
+        for t in self.tasks:
+            if t.code is None and t.gone_at is not None and not t.terminated and now - t.gone_at >= AGENT_GONE_WAIT:
+                self.set_code(t, 128 + signal.SIGKILL, "its task wrapper was killed: its connection to the launcher "
+                              "ended without an exit code", ended_at=t.gone_at)
 
     def set_code(self, t: BatchTask, code: int, reason: str, ended_at: Optional[float] = None) -> None:
         """``t`` has ended with ``code`` (the first report wins: an agent's, else the batch system's)."""

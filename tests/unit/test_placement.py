@@ -212,7 +212,8 @@ def test_tasks_still_unplaced_after_start_timeout_fail_the_launch(tmp_path: Path
 
 def test_a_task_whose_agent_is_killed_fails_at_once(tmp_path: Path) -> None:
     """Issue 30, 11: a task's agent killed with SIGKILL (its connection ends without an exit frame)
-    fails the task now, killed (137), not when the batch system gets round to it (61 s on Slurm)."""
+    fails the task, killed (137), when no exit code came AGENT_GONE_WAIT later (from the batch system,
+    or in-band), not when the batch system gets round to it (61 s on Slurm)."""
     job = Played(tmp_path, 2)
     try:
         agents = [job.agent(i) for i in range(2)]
@@ -225,7 +226,10 @@ def test_a_task_whose_agent_is_killed_fails_at_once(tmp_path: Path) -> None:
         assert agents[0].sock is not None
         agents[0].sock.close()  # (what the kernel does for a killed agent: no exit frame)
         killed, other = job.backend.tasks
-        wait_for(lambda: killed.code is not None, 10, what="task 0's end")
+        wait_for(lambda: killed.channel == "closed", 10, what="task 0's connection to end")
+        closed = time.time()
+        wait_for(lambda: killed.code is not None, 30, what="task 0's end")
+        assert killed.ended_at is not None and killed.ended_at <= closed  # (when its connection ended)
         assert killed.code == 137 and "its task wrapper was killed" in killed.describe(), killed.describe()
         assert other.code is None
         agents[1].close()
