@@ -368,14 +368,21 @@ class BatchBackend(Backend):
         now = time.time()
         for t in self.tasks:
             if t.code is None and t.gone_at is not None and not t.terminated and now - t.gone_at >= AGENT_GONE_WAIT:
-                self.set_code(t, 128 + signal.SIGKILL, "its task wrapper was killed: its connection to the launcher "
-                              "ended without an exit code", ended_at=t.gone_at)
+                self.agent_killed(t)
+
+    def agent_killed(self, t: BatchTask) -> None:
+        """``t``'s agent was killed (its connection ended without an exit frame): it failed then, killed."""
+        assert t.gone_at is not None
+        self.set_code(t, 128 + signal.SIGKILL, "its task wrapper was killed: its connection to the launcher ended "
+                      "without an exit code", ended_at=t.gone_at)
 
     def set_code(self, t: BatchTask, code: int, reason: str, ended_at: Optional[float] = None) -> None:
         """``t`` has ended with ``code`` (the first report wins: an agent's, else the batch system's)."""
         with self.lock:
             if t.code is not None:
                 return
+            if t.gone_at is not None and (ended_at is None or t.gone_at < ended_at):
+                ended_at = t.gone_at  # (it ended no later than its agent's connection did)
             self.final_output(t)  # the last lines first: the failure report shows them
             t.state = "done" if code == 0 else ("aborted" if reason else "failed")
             t.reason = reason

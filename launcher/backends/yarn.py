@@ -499,7 +499,9 @@ class YarnBackend(BatchBackend):
         if outcome is not None:
             with self.lock:
                 for t in self.tasks:
-                    if t.code is None:
+                    if t.code is None and t.gone_at is not None and not t.terminated:
+                        self.agent_killed(t)  # (what failed the application: skein ends it at once)
+                    elif t.code is None:
                         self.set_code(t, 0 if outcome == 0 else outcome, f"application {state}/{final}")
                 self._finished = True
 
