@@ -95,8 +95,11 @@ def _bind(host: str, port: int) -> Optional[socket.socket]:
 
 
 def port_is_free(port: int) -> bool:
-    """True when nothing holds ``port`` on any address (a plain bind succeeds)."""
+    """True when nothing holds ``port`` on any address: a bind with ``SO_REUSEADDR`` succeeds, as
+    the scheduler's will (libzmq and ps-lite's own set it). Without it the connections that the
+    last job's scheduler closed would hold the port for a minute (TIME_WAIT)."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         s.bind(("", port))
         return True

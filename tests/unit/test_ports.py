@@ -9,6 +9,7 @@ import errno
 import socket
 import subprocess
 import sys
+import time
 from contextlib import ExitStack
 
 import pytest
@@ -221,3 +222,38 @@ def test_the_claim_of_a_killed_launcher_is_gone_with_it() -> None:
     claim = ports.PortClaim.take(port)
     assert claim is not None
     claim.release()
+
+
+def time_wait_port() -> int:
+    """A free port of loopback whose listener's side closed a connection first, as a scheduler's
+    does at the end of a job: that end waits in TIME_WAIT for a minute (Linux)."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as libzmq's listeners)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+            conn, _ = listener.accept()
+            conn.close()  # the listener's side first
+            assert client.recv(1) == b""
+    for _ in range(500):  # (the client's FIN moves it to TIME_WAIT: at once on loopback)
+        with open("/proc/net/tcp") as f:  # (local address, state 06: TIME_WAIT)
+            if any(x.split()[1].endswith(f":{port:04X}") and x.split()[3] == "06" for x in f.readlines()[1:]):
+                return port
+        time.sleep(0.01)
+    raise AssertionError(f"no TIME_WAIT on port {port}")
+
+
+def test_the_schedulers_port_is_free_again_right_after_a_job() -> None:
+    """Before: a probe without SO_REUSEADDR met the last job's TIME_WAIT, and a --port-range of
+    one port was refused for a minute after each job ("no free port")."""
+    port = time_wait_port()
+    assert ports.port_is_free(port)
+    got, claim = ports.claim_free_port(port, port)
+    claim.release()
+    assert got == port
+    with socket.socket() as s:  # what the scheduler does with it: libzmq binds with SO_REUSEADDR
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        assert not ports.port_is_free(port)  # (and a listener still holds it)
