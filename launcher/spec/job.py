@@ -227,6 +227,11 @@ class JobSpec:
         return f"pslaunch-{prog}"
 
 
+#: the host names or addresses whose connections the builtin scheduler accepts, comma-separated
+#: (pslaunch sets it when it knows the job's hosts); unset or ``*``: anyone's
+SCHEDULER_PEERS = "PSLAUNCH_SCHEDULER_PEERS"
+
+
 def builtin_scheduler_refusal(env: Mapping[str, str], who: str = "the builtin scheduler") -> Optional[str]:
     """Why the builtin ps-lite scheduler (:mod:`launcher.trackers.pslite`) cannot serve a job whose
     processes get ``env``, or None: the spec (``who`` is then the option) and the scheduler itself

@@ -26,25 +26,42 @@ ps-lite's scheduler retries for ever and the job hangs.
 
 Nothing from the network is unpickled or executed, and nothing from it ends the scheduler but
 the unreachable address above (one line): a message that does not parse is ignored with a
-one-line warning. Sends never block: libzmq queues
-up to :data:`SEND_HWM` messages for a node that reads nothing, then they are dropped with a warning.
+one-line warning. What a stranger can cost is bounded by libzmq's options, not by code here:
+
+* who: pslaunch names the job's hosts in :data:`PEERS`; a ZAP handler (libzmq's authentication
+  hook, asked for every connection once ``ZMQ_ZAP_DOMAIN`` is set, even with no security
+  mechanism) refuses any other address before the connection carries a message (one warning
+  per address). Without :data:`PEERS` (batch systems place the nodes later) anyone may connect;
+* time and descriptors: a connection that has not finished ZeroMQ's greeting in
+  :data:`HANDSHAKE` seconds is closed, the soft open-file limit is raised to the hard one, and
+  the sockets to the nodes are made at the start (libzmq retries what ``EMFILE`` fails);
+* memory: one frame is at most :data:`MAX_MESSAGE` bytes (a node's control messages are a few
+  hundred); libzmq keeps a message until its last frame and has no bound on the frames of one
+  message, so a peer the gate lets in can still make it hold one unbounded message;
+* sends never block: libzmq queues up to :data:`SEND_HWM` messages and :data:`SEND_BUFFER`
+  bytes of the kernel's for a node that reads nothing, then they are dropped with a warning;
+  a HEARTBEAT is answered once per node it names;
+* a BARRIER counts only from a member of its group (the sender's identity ``ps<id>``, which
+  libzmq lets one connection hold at a time), once per barrier.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib.util
+import ipaddress
 import os
+import resource
 import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Optional, cast
+from typing import Any, Iterable, Iterator, Mapping, Optional, cast
 
 import pscontract as pc
 
 from ..errors import BackendUnavailableError
-from ..runtime.limits import raise_open_files
-from ..spec.job import builtin_scheduler_refusal
+from ..spec.job import SCHEDULER_PEERS, builtin_scheduler_refusal
 
 #: ps-lite's ``Meta::kEmpty`` / ``Node::kEmpty`` (``std::numeric_limits<int>::max()``)
 EMPTY = 2 ** 31 - 1
@@ -57,11 +74,19 @@ CMD_EMPTY, TERMINATE, ADD_NODE, BARRIER, ACK, HEARTBEAT = range(6)
 SCHEDULER_GROUP, SERVER_GROUP, WORKER_GROUP = 1, 2, 4
 ALL_GROUPS = SCHEDULER_GROUP + SERVER_GROUP + WORKER_GROUP
 SCHEDULER_ID = 1
-#: the largest message accepted (libzmq drops the connection of a peer that sends more):
-#: control messages are a few hundred bytes per node
-MAX_MESSAGE = 16 << 20
+#: the largest frame accepted (libzmq drops the connection of a peer that sends more): a node
+#: sends the scheduler control messages of one node at most, a few hundred bytes
+MAX_MESSAGE = 64 << 10
 #: messages queued for one node before more are dropped (control messages: a few per node)
 SEND_HWM = 1000
+#: the kernel's send buffer for one node, in bytes (unset, Linux lets it grow to megabytes)
+SEND_BUFFER = 64 << 10
+#: seconds a connection may take to finish ZeroMQ's greeting (libzmq's default is 30)
+HANDSHAKE = 10.0
+#: the variable that names the job's hosts, whose connections alone are accepted
+PEERS = SCHEDULER_PEERS
+#: refused addresses named in a warning each (a stranger on loopback has 16 million)
+MAX_REFUSED = 20
 #: how long the last messages may take to leave at the end, in seconds
 LINGER = 5.0
 #: how long a connection to a node may take to open, in seconds
@@ -286,18 +311,68 @@ def node_id(identity: bytes) -> int:
     DEALER without an identity gets one from libzmq, which begins with a zero byte)."""
     digits = identity[2:]
     if len(identity) > 2 and identity[:2] == b"ps" and digits.isdigit():
-        return int(digits)  # (a ZeroMQ identity has at most 255 bytes: far below Python's digit limit)
+        if len(digits) > 10:  # (ZMTP 3's READY carries identities of any length: int() refuses 4,301 digits)
+            raise WireError(f"its identity ps<{len(digits)} digits> is no ps-lite node's")
+        return int(digits)
     return EMPTY
 
 
 def host_problem(node: Node) -> Optional[str]:
     """Why ``node``'s address is none a TCP connection can be made to, or None (the warning's end)."""
     name = node.hostname
-    if not name or not name.isascii() or not name.isprintable() or " " in name:
+    if not name or not name.isascii() or not name.isprintable() or " " in name or not _idna(name):
         return f"its host name {name[:60]!r} is no host name or address"
     if not 1 <= node.port <= 65535:
         return f"its port {node.port} is not from 1 to 65535"
     return None
+
+
+def _idna(name: str) -> bool:
+    """True when ``name`` passes the resolver's check (labels of 1 to 63 characters)."""
+    try:
+        name.encode("idna")
+        return True
+    except UnicodeError:
+        return False
+
+
+def resolve_peers(names: Iterable[str], root: str) -> tuple[frozenset[str], list[str]]:
+    """The addresses of ``names`` (host names or addresses), and the names that resolve to none.
+    With a loopback address among them, ``root``'s too: a process of this machine that connects
+    to the scheduler's address comes from it."""
+    found: set[str] = set()
+    unknown = []
+    for name in names:
+        try:
+            found |= _addresses(name)
+        except (OSError, UnicodeError):
+            unknown.append(name)
+    if any(ipaddress.ip_address(a).is_loopback for a in found):
+        try:
+            found |= _addresses(root)
+        except (OSError, UnicodeError):
+            pass
+    return frozenset(found), unknown
+
+
+def _addresses(name: str) -> set[str]:
+    return {_ip(str(info[4][0])) for info in socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)}
+
+
+def _ip(text: str) -> str:
+    """An address as ZAP and getaddrinfo both give it (an IPv4-mapped IPv6 address as IPv4)."""
+    ip = ipaddress.ip_address(text.split("%")[0])
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return str(mapped or ip)
+
+
+def _raise_open_files() -> None:
+    """The soft open-file limit up to the hard one: a stranger must hold that many connections."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+    except (ValueError, OSError):
+        pass
 
 
 # --- the scheduler ------------------------------------------------------------------------------
@@ -306,22 +381,32 @@ def host_problem(node: Node) -> Optional[str]:
 class Scheduler:
     """ps-lite's scheduler van and postoffice, for one job."""
 
-    def __init__(self, host: str, port: int, num_servers: int, num_workers: int, verbose: int = 0) -> None:
+    def __init__(self, host: str, port: int, num_servers: int, num_workers: int, verbose: int = 0,
+                 peers: Optional[frozenset[str]] = None) -> None:
         import zmq
 
         self.host, self.port = host, port
         self.num_servers, self.num_workers, self.verbose = num_servers, num_workers, verbose
-        # libzmq holds three files per node here (a DEALER's connection and its mailbox, the
-        # node's connection to the ROUTER): raise_open_files counts two per process
-        raise_open_files(2 * (num_servers + num_workers))
+        _raise_open_files()  # (libzmq holds three files per node: two sockets' and a mailbox)
         self.ctx = zmq.Context()
         self.ctx.set(zmq.MAX_SOCKETS, 65536)  # (as ps-lite's ZMQVan: libzmq's default is 1,023)
+        self.peers = peers  # the addresses let in; None: anyone's
+        self.refused: set[str] = set()  # (those warned about)
+        self.gate = None
+        if peers is not None:  # libzmq asks this socket about every new connection (ZAP, RFC 27)
+            self.gate = self.ctx.socket(zmq.REP)
+            self.gate.bind("inproc://zeromq.zap.01")
         self.receiver = self.ctx.socket(zmq.ROUTER)
         self.receiver.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        self.receiver.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE * 1000))
+        if peers is not None:
+            self.receiver.setsockopt(zmq.ZAP_DOMAIN, b"pslaunch")
+        # the sockets to the nodes, made now: their mailboxes' files are taken before a stranger's
+        self.spare = [self.ctx.socket(zmq.DEALER) for _ in range(num_servers + num_workers)]
         self.registered: list[Node] = []
         self.nodes: dict[int, Node] = {}  # by id, once everyone registered
         self.senders: dict[int, Any] = {}  # node id -> a DEALER connected to that node (ZMQVan::Connect)
-        self.counts: dict[int, int] = {}
+        self.arrived: dict[int, set[int]] = {}  # barrier group -> the members that asked for it
         self.timestamp = 0
         self.barriers_passed = 0  # of the scheduler's own two (start, finalize)
         self.me = Node(SCHEDULER, SCHEDULER_ID, host, port)
@@ -342,20 +427,45 @@ class Scheduler:
         """Serve until the job's last barrier: 0."""
         import zmq
 
+        poller = zmq.Poller()
+        poller.register(self.receiver, zmq.POLLIN)
+        if self.gate is not None:
+            poller.register(self.gate, zmq.POLLIN)
         while self.barriers_passed < 2:
-            identity, *frames = self.receiver.recv_multipart(copy=False)
-            try:
-                peer = cast(str, identity.get("Peer-Address"))  # (this property is a str)
-            except zmq.ZMQError:
-                peer = "?"
-            try:
-                self._handle(node_id(identity.bytes), peer, [f.bytes for f in frames])
-            except Unreachable:
-                raise
-            except Exception as e:  # (nothing from the network ends the scheduler)
-                self._warn(f"ignored a message from {peer}: {e}")
+            for sock, _ in poller.poll():
+                if sock is self.gate:
+                    self._admit()
+                    continue
+                identity, *frames = self.receiver.recv_multipart(copy=False)
+                try:
+                    peer = cast(str, identity.get("Peer-Address"))  # (this property is a str)
+                except zmq.ZMQError:
+                    peer = "?"
+                try:
+                    self._handle(node_id(identity.bytes), peer, [f.bytes for f in frames])
+                except Unreachable:
+                    raise
+                except Exception as e:  # (nothing from the network ends the scheduler)
+                    self._warn(f"ignored a message from {peer}: {e}")
         self.close(LINGER)
         return 0
+
+    def _admit(self) -> None:
+        """Answer libzmq's ZAP request (RFC 27) for one new connection: the job's hosts only."""
+        assert self.gate is not None and self.peers is not None
+        _version, request_id, _domain, address, *_ = self.gate.recv_multipart()
+        peer = address.decode("ascii", "replace")
+        try:
+            ok = _ip(peer) in self.peers
+        except ValueError:
+            ok = False
+        if not ok and peer not in self.refused and len(self.refused) < MAX_REFUSED:
+            self.refused.add(peer)
+            more = "; more addresses are refused without a word" if len(self.refused) == MAX_REFUSED else ""
+            self._warn(f"refused connections from {peer[:60]}: not an address of this job's hosts (if it is one, "
+                       f"add it to {PEERS}, or '*' for anyone){more}")
+        self.gate.send_multipart([b"1.0", request_id, b"200" if ok else b"400",
+                                  b"OK" if ok else b"not one of the job's hosts", b"", b""])
 
     def close(self, linger: float = 0) -> None:
         """Close every socket; messages not sent yet may take ``linger`` seconds to leave."""
@@ -395,13 +505,17 @@ class Scheduler:
         if meta.cmd == ADD_NODE:
             self._add_node(meta, sender)
         elif meta.cmd == BARRIER and meta.request:
-            if not 1 <= meta.barrier_group <= ALL_GROUPS:
-                raise WireError(f"a barrier of node group {meta.barrier_group} (ps-lite's groups are 1 to 7)")
-            self._barrier(meta.barrier_group, meta.app_id, meta.customer_id)
+            group = meta.barrier_group
+            if not 1 <= group <= ALL_GROUPS:
+                raise WireError(f"a barrier of node group {group} (ps-lite's groups are 1 to 7)")
+            if sender not in self.nodes or sender not in group_ids(group, self.num_servers, self.num_workers):
+                raise WireError(f"a barrier of node group {group} from {'nobody' if sender == EMPTY else sender}, "
+                                "no member of the group")
+            self._barrier(group, meta.app_id, meta.customer_id, sender)
         elif meta.cmd == HEARTBEAT:
-            for node in meta.nodes:
-                if node.id in self.senders:
-                    self._send(node.id, Meta(HEARTBEAT, [self.me]))
+            for nid in dict.fromkeys(n.id for n in meta.nodes):  # (once per node, however often named)
+                if nid in self.senders:
+                    self._send(nid, Meta(HEARTBEAT, [self.me]))
         elif meta.cmd == CMD_EMPTY:
             self._warn_once("data", f"ignored a data message from {peer}: a ps-lite scheduler serves no "
                             "application")
@@ -443,7 +557,7 @@ class Scheduler:
         for n in nodes:
             self._send(n.id, Meta(ADD_NODE, nodes + [self.me]))
         self._vlog(f"the scheduler is connected to {self.num_workers} workers and {self.num_servers} servers")
-        self._barrier(ALL_GROUPS, 0, 0)  # the scheduler's own ps::Start barrier
+        self._barrier(ALL_GROUPS, 0, 0, SCHEDULER_ID)  # the scheduler's own ps::Start barrier
 
     def _connect(self, node: Node) -> None:
         """A DEALER with identity ``ps1`` connected to the node's ROUTER, as ``ZMQVan::Connect``
@@ -454,10 +568,15 @@ class Scheduler:
         import zmq
 
         try:
-            socket.create_connection((node.hostname, node.port), timeout=CONNECT_TIMEOUT).close()
-            dealer = self.ctx.socket(zmq.DEALER)
+            try:
+                socket.create_connection((node.hostname, node.port), timeout=CONNECT_TIMEOUT).close()
+            except OSError as e:
+                if e.errno not in (errno.EMFILE, errno.ENFILE):  # (out of files: libzmq retries its own)
+                    raise
+            dealer = self.spare.pop()
             dealer.setsockopt(zmq.IDENTITY, b"ps%d" % SCHEDULER_ID)
             dealer.setsockopt(zmq.SNDHWM, SEND_HWM)
+            dealer.setsockopt(zmq.SNDBUF, SEND_BUFFER)
             dealer.connect(f"tcp://{node.address}")
         except (OSError, zmq.ZMQError) as e:
             raise Unreachable(
@@ -466,13 +585,14 @@ class Scheduler:
                 "DMLC_NODE_HOST and the firewall)") from None
         self.senders[node.id] = dealer
 
-    def _barrier(self, group: int, app_id: int, customer_id: int) -> None:
+    def _barrier(self, group: int, app_id: int, customer_id: int, member: int) -> None:
         members = group_ids(group, self.num_servers, self.num_workers)
-        self.counts[group] = self.counts.get(group, 0) + 1
-        self._vlog(f"Barrier count for {group} : {self.counts[group]}")
-        if self.counts[group] < len(members):
+        arrived = self.arrived.setdefault(group, set())
+        arrived.add(member)  # (a second request of one member for one barrier counts once)
+        self._vlog(f"Barrier count for {group} : {len(arrived)}")
+        if len(arrived) < len(members):
             return
-        self.counts[group] = 0
+        arrived.clear()
         for r in members:
             if r != SCHEDULER_ID:
                 self._send(r, Meta(BARRIER, request=False, app_id=app_id, customer_id=customer_id,
@@ -480,7 +600,7 @@ class Scheduler:
         if group & SCHEDULER_GROUP:
             self.barriers_passed += 1
             if self.barriers_passed == 1:
-                self._barrier(ALL_GROUPS, 0, 0)  # straight on to ps::Finalize's barrier
+                self._barrier(ALL_GROUPS, 0, 0, SCHEDULER_ID)  # straight on to ps::Finalize's barrier
 
 
 def _reason(e: Exception) -> str:
@@ -516,7 +636,14 @@ def main(env: Mapping[str, str] = os.environ) -> int:
         import zmq
     except ImportError as e:
         return _fail(f"the builtin scheduler needs pyzmq ({e}): {INSTALL}")
-    scheduler = Scheduler(host, port, servers, workers, verbose)
+    names = [x.strip() for x in env.get(PEERS, "*").split(",") if x.strip()]
+    peers = None
+    if names and "*" not in names:
+        peers, unknown = resolve_peers(names, host)
+        for name in unknown:
+            sys.stderr.write(f"pslaunch scheduler: warning: {PEERS} names {name[:60]!r}, which does not resolve: "
+                             "its processes cannot connect\n")
+    scheduler = Scheduler(host, port, servers, workers, verbose, peers)
     try:
         scheduler.bind()
     except (OSError, ValueError, zmq.ZMQError) as e:

@@ -137,12 +137,12 @@ def test_a_registered_address_no_connection_can_be_made_to(hostname: str, port: 
 
 
 def test_a_registered_address_a_connection_can_be_made_to() -> None:
-    for hostname in ("10.0.0.2", "node-3.cluster.example", "a..b", "fe80::1"):
+    for hostname in ("10.0.0.2", "node-3.cluster.example", "fe80::1"):
         assert pslite.host_problem(Node(SERVER, hostname=hostname, port=65535)) is None
-
-
-def test_an_identity_of_255_digits_is_a_number() -> None:
-    assert pslite.node_id(b"ps" + b"9" * 253) == int("9" * 253)  # (no int-digit limit meets a ZeroMQ identity)
+    # the resolver's own check (a connection to them raised UnicodeError, and the job hung)
+    for hostname in ("a..b", "a" * 64 + ".test"):
+        assert pslite.host_problem(Node(SERVER, hostname=hostname, port=65535)) == (
+            f"its host name {hostname[:60]!r} is no host name or address")
 
 
 _ENV = {"DMLC_ROLE": "scheduler", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "1",
@@ -172,3 +172,17 @@ def test_without_pyzmq_a_builtin_job_is_one_line_before_anything_starts(tmp_path
     assert one_line_error(r.stderr) == ("pslaunch: error: --scheduler builtin needs pyzmq: pip install "
                                         "'.[pslite]' in your clone of pslaunch (or pip install pyzmq)")
     assert not mark.exists()
+
+
+def test_the_peers_are_the_addresses_of_the_jobs_hosts() -> None:
+    peers, unknown = pslite.resolve_peers(["10.0.0.5", "::ffff:10.0.0.6", "a" * 64 + ".test"], "10.0.0.1")
+    assert peers == {"10.0.0.5", "10.0.0.6"} and unknown == ["a" * 64 + ".test"]
+    # a host of the job that is this machine: its processes come from the scheduler's address
+    peers, _ = pslite.resolve_peers(["127.0.0.1"], "10.0.0.1")
+    assert peers == {"127.0.0.1", "10.0.0.1"}
+
+
+def test_an_identity_of_more_digits_than_a_node_id_has_is_a_wire_error() -> None:
+    assert pslite.node_id(b"ps9") == 9 and pslite.node_id(b"\0abc") == EMPTY
+    with pytest.raises(WireError, match=r"ps<5000 digits> is no ps-lite node's"):
+        pslite.node_id(b"ps" + b"1" * 5000)
