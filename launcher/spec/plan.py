@@ -23,7 +23,7 @@ import pscontract as pc
 from .. import node
 from ..errors import ConfigError
 from . import env as jobenv
-from .job import Host, JobSpec, Role
+from .job import SCHEDULER_PEERS, Host, JobSpec, Role
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,11 @@ def build_plan(
     if spec.has_scheduler:
         contract = ps_contract("scheduler")
         command = tuple(node.command("pslite")) if spec.scheduler == "builtin" else spec.command
-        scheduler = ProcSpec(Role.SCHEDULER, 0, None, None, command, env_for(contract, {}, scheduler_inherits))
+        env = env_for(contract, {}, scheduler_inherits)
+        peers = [h.name for h in spec.hosts] + list(addresses.values()) + ([here] if here else [])
+        if spec.scheduler == "builtin" and peers:  # (the builtin scheduler lets in the job's hosts only)
+            env.setdefault(SCHEDULER_PEERS, ",".join(dict.fromkeys(peers)))
+        scheduler = ProcSpec(Role.SCHEDULER, 0, None, None, command, env)
     return Plan(spec=spec, root_uri=root_uri, root_port=root_port, job_id=job_id, scheduler=scheduler,
                 procs=tuple(procs), overridden=tuple(sorted(overridden)))
 

@@ -197,6 +197,28 @@ def test_the_builtin_scheduler_replaces_only_the_schedulers_command() -> None:
     assert default.scheduler.env == plan.scheduler.env  # the same contract either way
 
 
+def test_the_builtin_scheduler_is_told_the_jobs_hosts() -> None:
+    peers = "PSLAUNCH_SCHEDULER_PEERS"
+    ssh = dataclasses.replace(spec(scheduler="builtin"), hosts=(A, B))
+    plan = build_plan(ssh, root_uri="10.0.0.1", root_port=9091, secret="x" * 64, job_id="j", inherit_environ=False,
+                      addresses={A: "10.0.0.5", B: "B"})
+    assert plan.scheduler is not None and plan.scheduler.env[peers] == "A,B,10.0.0.5"
+    here = build_plan(spec(scheduler="builtin"), root_uri="127.0.0.1", root_port=9091, secret="x" * 64, job_id="j",
+                      here="127.0.0.1", inherit_environ=False)
+    assert here.scheduler is not None and here.scheduler.env[peers] == "127.0.0.1"
+    # a batch system places the nodes later: anyone; MXNet's own scheduler has no such gate
+    later = build_plan(spec(scheduler="builtin"), root_uri="10.0.0.1", root_port=9091, secret="x" * 64, job_id="j",
+                       inherit_environ=False)
+    mxnet = build_plan(dataclasses.replace(spec(), hosts=(A,)), root_uri="10.0.0.1", root_port=9091,
+                       secret="x" * 64, job_id="j", inherit_environ=False)
+    assert later.scheduler is not None and mxnet.scheduler is not None
+    assert peers not in later.scheduler.env and peers not in mxnet.scheduler.env
+    # the user's own list stands (--env, or '*' for anyone)
+    mine = dataclasses.replace(ssh, env=((peers, "*"),))
+    plan = build_plan(mine, root_uri="10.0.0.1", root_port=9091, secret="x" * 64, job_id="j", inherit_environ=False)
+    assert plan.scheduler is not None and plan.scheduler.env[peers] == "*"
+
+
 def test_workers_are_numbered_host_by_host_in_a_collective_job() -> None:
     slots = by_host(place(5, 0, [A, B]))
     assert [(s.rank, s.task_id, s.host.name) for s in slots] == [(0, 0, "A"), (1, 1, "A"), (2, 2, "A"),
