@@ -84,23 +84,33 @@ def _frame(data: bytes, more: bool = False) -> bytes:
     return bytes([flag | 2]) + struct.pack(">Q", len(data)) + data
 
 
-def _zmtp_peer(port: int, identity: bytes = b"", source: str = "127.0.0.1") -> socket.socket:
+def _zmtp_peer(port: int, identity: bytes = b"", source: str = "127.0.0.1", answer: bytes = b"READY") -> socket.socket:
     """A TCP connection that has greeted the scheduler as a DEALER with ``identity`` (any length:
-    ZMTP 3's READY carries four bytes of length)."""
+    ZMTP 3's READY carries four bytes of length), once the scheduler answered with the command
+    ``answer`` (READY; ERROR for a peer its gate refuses)."""
     sock = socket.socket()
     sock.bind((source, 0))
     sock.connect(("127.0.0.1", port))
     sock.settimeout(20)
     sock.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32))
-    got = b""
-    while len(got) < 64:
-        chunk = sock.recv(64 - len(got))
-        assert chunk, "the scheduler closed the connection in the greeting"
-        got += chunk
+    _recv_exactly(sock, 64)
     body = (b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
             + b"\x08Identity" + struct.pack(">I", len(identity)) + identity)
     sock.sendall(b"\x06" + struct.pack(">Q", len(body)) + body)
+    flags = _recv_exactly(sock, 1)[0]
+    size = struct.unpack(">Q", _recv_exactly(sock, 8))[0] if flags & 2 else _recv_exactly(sock, 1)[0]
+    command = _recv_exactly(sock, size)
+    assert command[1:1 + command[0]] == answer, command
     return sock
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    got = b""
+    while len(got) < n:
+        chunk = sock.recv(n - len(got))
+        assert chunk, "the scheduler closed the connection in the greeting"
+        got += chunk
+    return got
 
 
 def _stranger_dealer(ctx, port: int):
@@ -279,7 +289,7 @@ def test_a_stranger_costs_the_scheduler_no_memory() -> None:
     socks: list[socket.socket] = []
     try:
         before = _rss_mb(proc.pid)
-        stranger = _zmtp_peer(port, source=STRANGER)
+        stranger = _zmtp_peer(port, source=STRANGER, answer=b"ERROR")
         socks.append(stranger)
         mib = b"\0" * (1 << 20)
         _send_until_refused(stranger, _frame(mib, more=True), 128)
