@@ -207,8 +207,12 @@ def build_plan(
         contract = ps_contract("scheduler")
         command = tuple(node.command("pslite")) if spec.scheduler == "builtin" else spec.command
         env = env_for(contract, {}, scheduler_inherits)
-        peers = [h.name for h in spec.hosts] + list(addresses.values()) + ([here] if here else [])
-        if spec.scheduler == "builtin" and peers:  # (the builtin scheduler lets in the job's hosts only)
+        # the builtin scheduler lets in the job's hosts only, when the launcher knows the address
+        # each host's processes come from: here, or where it worked it out (ssh); a batch
+        # system's or mpirun's hosts may come from addresses that their names are not
+        known = here is not None or bool(spec.hosts) and all(h in addresses for h in spec.hosts)
+        if spec.scheduler == "builtin" and known:
+            peers = [h.name for h in spec.hosts] + list(addresses.values()) + ([here] if here else [])
             env.setdefault(SCHEDULER_PEERS, ",".join(dict.fromkeys(peers)))
         scheduler = ProcSpec(Role.SCHEDULER, 0, None, None, command, env)
     return Plan(spec=spec, root_uri=root_uri, root_port=root_port, job_id=job_id, scheduler=scheduler,

@@ -206,16 +206,19 @@ def test_the_builtin_scheduler_is_told_the_jobs_hosts() -> None:
     here = build_plan(spec(scheduler="builtin"), root_uri="127.0.0.1", root_port=9091, secret="x" * 64, job_id="j",
                       here="127.0.0.1", inherit_environ=False)
     assert here.scheduler is not None and here.scheduler.env[peers] == "127.0.0.1"
-    # a batch system places the nodes later: anyone; MXNet's own scheduler has no such gate
+    # a batch system places the nodes later, mpirun's hosts may connect from addresses their names
+    # are not (the launcher found none for them): anyone; MXNet's own scheduler has no such gate
     later = build_plan(spec(scheduler="builtin"), root_uri="10.0.0.1", root_port=9091, secret="x" * 64, job_id="j",
                        inherit_environ=False)
+    mpi = build_plan(ssh, root_uri="10.0.0.1", root_port=9091, secret="x" * 64, job_id="j", inherit_environ=False)
     mxnet = build_plan(dataclasses.replace(spec(), hosts=(A,)), root_uri="10.0.0.1", root_port=9091,
-                       secret="x" * 64, job_id="j", inherit_environ=False)
-    assert later.scheduler is not None and mxnet.scheduler is not None
-    assert peers not in later.scheduler.env and peers not in mxnet.scheduler.env
+                       secret="x" * 64, job_id="j", inherit_environ=False, addresses={A: "10.0.0.5"})
+    for p in (later, mpi, mxnet):
+        assert p.scheduler is not None and peers not in p.scheduler.env
     # the user's own list stands (--env, or '*' for anyone)
     mine = dataclasses.replace(ssh, env=((peers, "*"),))
-    plan = build_plan(mine, root_uri="10.0.0.1", root_port=9091, secret="x" * 64, job_id="j", inherit_environ=False)
+    plan = build_plan(mine, root_uri="10.0.0.1", root_port=9091, secret="x" * 64, job_id="j", inherit_environ=False,
+                      addresses={A: "10.0.0.5", B: "B"})
     assert plan.scheduler is not None and plan.scheduler.env[peers] == "*"
 
 
