@@ -31,7 +31,8 @@ one-line warning. What a stranger can cost is bounded by libzmq's options, not b
 * who: pslaunch names the job's hosts in :data:`PEERS`; a ZAP handler (libzmq's authentication
   hook, asked for every connection once ``ZMQ_ZAP_DOMAIN`` is set, even with no security
   mechanism) refuses any other address before the connection carries a message (one warning
-  per address). Without :data:`PEERS` (batch systems place the nodes later) anyone may connect;
+  per address). Without :data:`PEERS` (batch systems and mpirun: pslaunch does not know where
+  their hosts' processes connect from) anyone may connect;
 * time and descriptors: a connection that has not finished ZeroMQ's greeting in
   :data:`HANDSHAKE` seconds is closed, the soft open-file limit is raised to the hard one, and
   the sockets to the nodes are made at the start (libzmq retries what ``EMFILE`` fails);
