@@ -213,13 +213,16 @@ MARK_NAME = "PSLAUNCH_PROCESS"  # (pscontract.PROCESS: spelled here too, this fi
 
 
 def marked(prefix):
-    """The pids of live processes whose environment has ``PSLAUNCH_PROCESS=<prefix>...``.
+    """The pids of live processes whose environment has ``PSLAUNCH_PROCESS=<prefix>``: exactly
+    that process's marker, or with a ``prefix`` that ends in ``/`` (``<job id>/``) any under it.
 
     Every process of a job has its ``PSLAUNCH_PROCESS`` (``<job id>/<process>``), and so has
     everything it starts, however it detaches: a grandchild that called ``setsid()`` or
-    double-forked is found here, wherever it was re-parented to.
+    double-forked is found here, wherever it was re-parented to. (Worker 1's marker is a prefix
+    of worker 10's: only a whole marker may stop one process's descendants.)
     """
     needle = ("%s=%s" % (MARK_NAME, prefix)).encode()
+    under = prefix.endswith("/")
     found = []
     try:
         entries = os.listdir("/proc")
@@ -234,7 +237,7 @@ def marked(prefix):
                 environ = f.read()
         except OSError:
             continue
-        if any(v.startswith(needle) for v in environ.split(b"\0")):
+        if any(v.startswith(needle) if under else v == needle for v in environ.split(b"\0")):
             st = stat(int(entry))
             if st is not None and st.alive:
                 found.append(st.pid)

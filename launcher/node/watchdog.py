@@ -9,9 +9,9 @@ removing files that hold the job's secret), waits the rest of the grace period, 
 to what is left, and exits. The launcher uses
 one for every local process group; the node agent (:mod:`.agent`) uses one for its command.
 
-Protocol, one line each: ``grace SECONDS``, ``pgid N``, ``forget N``, ``mark PREFIX`` (also stop
-every process whose ``PSLAUNCH_PROCESS`` starts with PREFIX: what left its group with
-``setsid()``), ``cmd JSON-ARGV``, ``remove GLOB`` (once everything is killed, remove what it
+Protocol, one line each: ``grace SECONDS``, ``pgid N``, ``forget N``, ``mark MARKER`` (also stop
+every process whose ``PSLAUNCH_PROCESS`` is MARKER, or is under it when it ends in ``/``: what
+left its group with ``setsid()``), ``cmd JSON-ARGV``, ``remove GLOB`` (once everything is killed, remove what it
 matches: what a killed process could not), ``done``. Standard library only.
 """
 

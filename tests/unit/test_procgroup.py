@@ -50,3 +50,23 @@ def test_this_process() -> None:
     st = procgroup.stat(os.getpid())
     assert (st.pid, st.ppid, st.pgid, st.state) == (os.getpid(), os.getppid(), os.getpgid(0), "R")
     assert os.getpid() in scan_groups()[os.getpgid(0)]
+
+
+def test_a_marker_stops_its_own_process_not_one_whose_marker_it_begins() -> None:
+    """Worker 1's marker is a prefix of worker 10's: the end of worker 1's agent (``kill_marked``
+    of its marker) must not stop worker 10 (before: it did, with SIGKILL). A job's prefix, ending
+    in ``/``, finds both."""
+    job = f"marker-test-{os.getpid()}"
+    procs = {name: subprocess.Popen(["sleep", "30"], env={procgroup.MARK_NAME: f"{job}/{name}"})
+             for name in ("worker-1", "worker-10")}
+    try:
+        by_pid = {p.pid: name for name, p in procs.items()}
+        assert [by_pid.get(pid) for pid in procgroup.marked(f"{job}/worker-1")] == ["worker-1"]
+        assert sorted(by_pid.get(pid, "?") for pid in procgroup.marked(f"{job}/")) == ["worker-1", "worker-10"]
+        assert procgroup.kill_marked(f"{job}/worker-1") == 1
+        assert procs["worker-1"].wait(10) == -9
+        assert procs["worker-10"].poll() is None
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()

@@ -4,18 +4,22 @@ environment, node address, and the real wrapper running a command (no batch syst
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
+import pscontract as pc
 from launcher import node
 from launcher.node import protocol, task
 
 DOC = {
     "version": 2,
     "argv": [sys.executable, "-c", "import json, os; print(json.dumps(dict(os.environ)))"],
-    "env": {"PATH": "/opt/venv/bin:/usr/bin:/bin"},
+    # a job id of this process's own: a wrapper's end stops every process that carries its job's
+    # marks (PSLAUNCH_PROCESS), and the other pytest worker runs wrappers of this document too
+    "env": {"PATH": "/opt/venv/bin:/usr/bin:/bin", pc.JOB_ID: f"test-task-{os.getpid()}"},
     "roles": {
         "server": {"first_task_id": 3, "count": 2, "env": {"DMLC_ROLE": "server", "A": "s=1"}},
         "worker": {"first_task_id": 0, "count": 3,
