@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import errno
 import socket
-from typing import Optional
+from typing import Callable, Optional
 
 import pscontract as pc
 
@@ -94,12 +94,14 @@ def _bind(host: str, port: int) -> Optional[socket.socket]:
         raise error from None
 
 
-def port_is_free(port: int) -> bool:
+def port_is_free(port: int, reuse: bool = True) -> bool:
     """True when nothing holds ``port`` on any address: a bind with ``SO_REUSEADDR`` succeeds, as
-    the scheduler's will (libzmq and ps-lite's own set it). Without it the connections that the
-    last job's scheduler closed would hold the port for a minute (TIME_WAIT)."""
+    the scheduler's will (libzmq and ps-lite's own set it). Without it (``reuse=False``: a plain
+    bind, as a program that binds the port itself may do) the connections that the last job's
+    scheduler closed hold the port for a minute (TIME_WAIT)."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         s.bind(("", port))
         return True
@@ -152,19 +154,25 @@ class PortClaim:
 
 def claim_free_port(lo: int, hi: int, after: int = 0) -> tuple[int, PortClaim]:
     """The first port of ``lo..hi`` above ``after`` that no other pslaunch on this machine has
-    claimed and that is free, with this launcher's claim on it (release it when the job ends).
+    claimed and that is free, with this launcher's claim on it (release it when the job ends):
+    free for a plain bind if one is, else free for a bind with ``SO_REUSEADDR``.
 
     Raises:
         NoFreePort: every port of the range is claimed or in use.
     """
-    def take(port: int) -> Optional[PortClaim]:
-        claim = PortClaim.take(port)
-        if claim is not None and not port_is_free(port):
-            claim.release()
-            return None
-        return claim
+    def taker(reuse: bool) -> Callable[[int], Optional[PortClaim]]:
+        def take(port: int) -> Optional[PortClaim]:
+            claim = PortClaim.take(port)
+            if claim is not None and not port_is_free(port, reuse):
+                claim.release()
+                return None
+            return claim
+        return take
 
-    found = pc.first_free_port(lo, hi, take, after)
+    # A port nothing holds first, which any program can bind; then one that only the closed
+    # connections of a job before hold (TIME_WAIT), which libzmq's listeners bind all the same:
+    # a --port-range of one port is not refused for a minute after each job.
+    found = pc.first_free_port(lo, hi, taker(False), after) or pc.first_free_port(lo, hi, taker(True), after)
     if found is None:
         raise NoFreePort(lo, hi)
     return found
