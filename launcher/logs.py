@@ -16,7 +16,9 @@ answer, a network peer's message, a file) loses the control characters a termina
 (escape sequences that set the window title, write the clipboard, clear the screen or move the
 cursor to fake a line of pslaunch): they are shown as ``cat -v`` shows them (``ESC`` as ``^[``).
 Every message of the launcher passes through it here (a value from outside inside a message
-cannot carry a line break either, unless the message's own text has one).
+cannot carry a line break either, unless the message's own text has one). :func:`printable_colors`
+is the same for a process's line on the console, but for the colours of a strict list of SGR
+sequences (``ESC [ 32 m``), which it keeps (for a coloured console) or drops (for any other).
 """
 
 from __future__ import annotations
@@ -52,6 +54,43 @@ def printable(text: str, newlines: bool = False) -> str:
             return text
     pattern = _CONTROL_BUT_NEWLINE if newlines else _CONTROL
     return pattern.sub(_caret, text) if pattern.search(text) else text
+
+
+# The colours a process may show on a coloured console: SGR sequences (ESC [ params m) whose params
+# (";"-separated, an empty one is 0) are only reset 0, bold 1, faint 2, italic 3, underline 4, their
+# ends 22-24, the 8 and 16 colours 30-37, 40-47, 90-97, 100-107, the defaults 39 and 49, and 256 or
+# RGB colours 38;5;N, 48;5;N, 38;2;R;G;B, 48;2;R;G;B (each 0-255). Not blink 5, reverse 7, conceal 8.
+_BYTE = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])?"
+_COLOR = rf"(?:[0-4]|2[2-4]|[34][0-79]|9[0-7]|10[0-7]|[34]8;5;{_BYTE}|[34]8;2;{_BYTE};{_BYTE};{_BYTE})?"
+_COLORS = rf"{_COLOR}(?:;{_COLOR})*"
+_COLOR_SGR = re.compile(rf"\x1b\[(?=[0-9;]{{0,64}}m){_COLORS}m")  # (64 characters at most: the longest take 43)
+_SGR = re.compile(r"\x1b\[([0-9;]*)m")  # any SGR sequence, colours or not
+#: what ends a line that kept a colour: its colour never reaches the next line's label
+RESET = "\x1b[0m"
+
+
+def printable_colors(text: str, keep: bool) -> tuple[str, bool]:
+    """``text`` as :func:`printable` makes it, but for its colours (``_COLOR_SGR``), which are
+    kept as they are with ``keep`` (a coloured console) and dropped without; and whether a colour
+    was kept (then the line must end with :data:`RESET`). Any other sequence, the 8-bit CSI and a
+    malformed SGR are shown as :func:`printable` shows them."""
+    if text.isprintable() or "\x1b[" not in text:
+        return printable(text), False
+    rest = _COLOR_SGR.sub("", text)
+    if rest.isprintable():  # (colours and text only: the common case)
+        return (text, True) if keep else (rest, False)
+    parts = _SGR.split(text)  # text, params, text, params, ..., text
+    shown = [printable(parts[0])]
+    kept = False
+    for i in range(1, len(parts), 2):
+        params = parts[i]
+        if not _COLOR_SGR.fullmatch(f"\x1b[{params}m"):
+            shown.append(f"^[[{params}m")
+        elif keep:
+            shown.append(f"\x1b[{params}m")
+            kept = True
+        shown.append(printable(parts[i + 1]))
+    return "".join(shown), kept
 
 
 def _write(write: Callable[[], None]) -> None:

@@ -17,8 +17,11 @@ goes to the end of the job and ``--summary-json`` (:meth:`Console.log_errors`).
 A line's control characters (terminal escapes: a window title, a clipboard write, a cleared
 screen, a cursor moved up to fake a line of pslaunch) are shown, kept and logged visibly, as
 ``cat -v`` shows them (:func:`launcher.logs.printable`); with ``--log-raw`` the log files get the
-line as the process wrote it. Tabs stay; a ``\\r`` ends a line, as a ``\\n`` does (a progress bar
-that redraws itself with ``\r`` is one line per redraw).
+line as the process wrote it. On the console only, the line's colours (a strict list of SGR
+sequences: :func:`launcher.logs.printable_colors`) pass when the console is coloured (as the labels
+are: a terminal, no ``NO_COLOR``), and such a line ends with a reset; on any other console they
+are dropped (as the program would print without forced colours). Tabs stay; a ``\\r`` ends a
+line, as a ``\\n`` does (a progress bar that redraws itself with ``\r`` is one line per redraw).
 
 On a terminal the console can also keep one *status line* at the bottom of stdout
 (:meth:`Console.set_status`, drawn by ``launcher.run.progress``): every write first erases
@@ -48,7 +51,7 @@ from pscontract import CAUSE_PREFIX, parse_cause
 
 from .. import logs
 from ..errors import ConfigError
-from ..logs import printable
+from ..logs import RESET, printable, printable_colors
 from ..node import safefiles
 
 log = logging.getLogger(__name__)
@@ -310,8 +313,13 @@ class ProcOutput:
             self.cause = parse_cause(shown)
         with self._lock:
             self.tail.append(shown)
-        data = shown.encode("utf-8", "replace")
-        logged = line.encode("utf-8", "replace") if self.console.log_raw and shown is not line else data
+        data = logged = shown.encode("utf-8", "replace")
+        if shown is not line:
+            if self.console.log_raw:
+                logged = line.encode("utf-8", "replace")
+            if "\x1b[" in line:  # (colours pass to a coloured console, and are dropped on any other)
+                on_console, kept = printable_colors(line, keep=self.console.color)
+                data = (on_console + RESET if kept else on_console).encode("utf-8", "replace")
         if not self.console._keep(self, shown, err, data, logged):
             self._deliver(shown, err, data, logged)
 

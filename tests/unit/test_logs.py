@@ -83,3 +83,25 @@ def test_printable_passes_text_as_it_is() -> None:
     text = "épreuve ✓ 日本語\tcolumn"
     assert logs.printable(text) is text
     assert logs.printable("a\u0085b\u00a0c") == "aM-^Eb\u00a0c"  # C1 NEL shown; a no-break space is text
+
+
+def test_printable_colors_keeps_or_drops_only_the_listed_colours() -> None:
+    colours = ["\x1b[m", "\x1b[0m", "\x1b[;1m", "\x1b[1;2;3;4m", "\x1b[22;23;24m", "\x1b[30;37;39m", "\x1b[40;47;49m",
+               "\x1b[90;97m", "\x1b[100;107m", "\x1b[38;5;0m", "\x1b[48;5;255m", "\x1b[38;2;0;128;255m",
+               "\x1b[48;2;255;255;255;1m"]
+    for sgr in colours:
+        assert logs.printable_colors(f"a{sgr}b", keep=True) == (f"a{sgr}b", True), sgr
+        assert logs.printable_colors(f"a{sgr}b", keep=False) == ("ab", False), sgr
+    others = ["\x1b[5m", "\x1b[7m", "\x1b[8m", "\x1b[6m", "\x1b[9m", "\x1b[21m", "\x1b[38m", "\x1b[38;5m",
+              "\x1b[38;5;256m", "\x1b[38;2;1;2m", "\x1b[38;2;1;2;300m", "\x1b[38;3;1m", "\x1b[38:5:1m",
+              "\x1b[0001m", "\x1b[1;5m", "\x1b[?25l", "\x1b[2J", "\x1b[1A", "\x1b[31", "\x1b]0;t\x07",
+              "\x1b[" + "1;" * 40 + "1m"]  # (64 characters of params at most)
+    for sgr in others:
+        assert logs.printable_colors(f"a{sgr}b", keep=True) == (logs.printable(f"a{sgr}b"), False), sgr
+        assert logs.printable_colors(f"a{sgr}b", keep=False) == (logs.printable(f"a{sgr}b"), False), sgr
+    assert logs.printable_colors("\u009b32mx", keep=True) == ("M-^[32mx", False)  # the 8-bit CSI
+    # a colour inside an escape that is shown is still a colour, and the escape stays shown
+    assert logs.printable_colors("\x1b]0;\x1b[31mt\x07", keep=True) == ("^[]0;\x1b[31mt^G", True)
+    assert logs.printable_colors("\x1b[1;\x1b[32mx", keep=False) == ("^[[1;x", False)
+    text = "épreuve ✓\tcolumn"
+    assert logs.printable_colors(text, keep=True) == (text, False)

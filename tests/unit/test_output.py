@@ -4,6 +4,8 @@ import io
 import os
 import time
 
+import pytest
+
 from launcher.runtime.output import Console, PipePump
 
 
@@ -255,7 +257,7 @@ def test_escapes_from_a_process_are_shown_not_obeyed(tmp_path) -> None:
     p.close()
     assert _controls(out.getvalue() + err.getvalue()) == []  # 8 of 8 escape bytes passed before
     assert out.getvalue().decode().splitlines() == ["[worker 0] " + SHOWN, "[worker 0] naïve ✓\tcolumn"]
-    assert err.getvalue().decode() == "[worker 0] ^[[31merror\n"
+    assert err.getvalue().decode() == "[worker 0] error\n"  # (not a coloured console: its colours are dropped)
     assert p.lines() == [SHOWN, "naïve ✓\tcolumn", "^[[31merror"]  # (the failure report's tail)
     assert (tmp_path / "worker-0.log").read_text() == SHOWN + "\nnaïve ✓\tcolumn\n^[[31merror\n"
 
@@ -288,4 +290,72 @@ def test_our_own_colours_still_reach_a_terminal() -> None:
     console = Console(stdout=out, stderr=err, color=True)
     p = console.proc("worker-0", "worker 0", "worker")
     p.stdout.feed(b"\x1b[32mgreen\n")
-    assert out.getvalue() == b"\x1b[32m[worker 0]\x1b[0m ^[[32mgreen\n"
+    assert out.getvalue() == b"\x1b[32m[worker 0]\x1b[0m \x1b[32mgreen\x1b[0m\n"
+
+
+# --- a process's own colours ---------------------------------------------------------------------------
+
+#: colours a logging library, rich or tqdm writes: bold green, a 256-colour orange, an RGB background,
+#: faint cyan, bright red, italic, underline, their ends, the defaults, an empty reset
+COLOURED = ("\x1b[1;32mINFO\x1b[0m \x1b[38;5;208mepoch\x1b[39m 3 \x1b[48;2;0;0;255mloss\x1b[49m "
+            "\x1b[2;36m12:00\x1b[22m \x1b[91;3;4mwarn\x1b[23;24m\x1b[m")
+COLOURED_SHOWN = ("^[[1;32mINFO^[[0m ^[[38;5;208mepoch^[[39m 3 ^[[48;2;0;0;255mloss^[[49m "
+                  "^[[2;36m12:00^[[22m ^[[91;3;4mwarn^[[23;24m^[[m")
+#: what is never let through: conceal, blink, reverse, the 8-bit CSI, malformed or incomplete colours
+#: (256 out of range, 38;5 without N, RGB short of B, colon sub-params, too many digits, no final m)
+NOT_COLOURS = ("\x1b[8mhidden" "\x1b[5mblink" "\x1b[7mreverse" "\u009b32m" "\x1b[38;5;256m" "\x1b[38;5m"
+               "\x1b[38;2;1;2m" "\x1b[38:5:1m" "\x1b[0032m" "\x1b[32;8m" "\x1b[32")
+NOT_COLOURS_SHOWN = ("^[[8mhidden" "^[[5mblink" "^[[7mreverse" "M-^[32m" "^[[38;5;256m" "^[[38;5m"
+                     "^[[38;2;1;2m" "^[[38:5:1m" "^[[0032m" "^[[32;8m" "^[[32")
+
+
+def _coloured(color: bool, tmp_path):
+    out, err = Sink(), Sink()
+    console = Console(stdout=out, stderr=err, log_dir=str(tmp_path), color=color)
+    return console, out, err
+
+
+def test_a_process_s_colours_reach_a_coloured_console_and_end_with_its_line(tmp_path) -> None:
+    console, out, err = _coloured(True, tmp_path)
+    p = console.proc("worker-0", "worker 0", "worker")
+    p.stdout.feed((COLOURED + "\n" + "\x1b[31mno reset here\nplain\n").encode())
+    p.stderr.feed(b"\x1b[33mwarning\n")
+    p.close()
+    label = "\x1b[32m[worker 0]\x1b[0m "
+    assert out.getvalue().decode().splitlines() == [
+        label + COLOURED + "\x1b[0m",
+        label + "\x1b[31mno reset here\x1b[0m",  # (the red ends with its line: the next label is not red)
+        label + "plain"]  # (a line without colours gets no reset)
+    assert err.getvalue().decode() == label + "\x1b[33mwarning\x1b[0m\n"
+    # the failure report's tail and the log file show them, as before
+    assert p.lines() == [COLOURED_SHOWN, "^[[31mno reset here", "plain", "^[[33mwarning"]
+    assert (tmp_path / "worker-0.log").read_text().splitlines()[0] == COLOURED_SHOWN
+
+
+def test_a_process_s_colours_are_dropped_on_a_console_without_colours(tmp_path) -> None:
+    console, out, err = _coloured(False, tmp_path)
+    p = console.proc("worker-0", "worker 0", "worker")
+    p.stdout.feed((COLOURED + "\n").encode())
+    p.close()
+    assert out.getvalue().decode() == "[worker 0] INFO epoch 3 loss 12:00 warn\n"
+    assert p.lines() == [COLOURED_SHOWN]
+    assert (tmp_path / "worker-0.log").read_text() == COLOURED_SHOWN + "\n"
+
+
+@pytest.mark.parametrize("color", [True, False], ids=["coloured", "not-coloured"])
+def test_only_colours_pass_the_attack_and_other_sequences_are_shown(tmp_path, color: bool) -> None:
+    """The issue's attack line, anything that is not a colour, and both mixed with colours: not one
+    control character but the colours' own ESC reaches the console, coloured or not."""
+    console, out, err = _coloured(color, tmp_path)
+    p = console.proc("worker-0", "worker 0", "worker")
+    p.stdout.feed((ATTACK + "\n" + NOT_COLOURS + "\n" + "\x1b[32m" + ATTACK + NOT_COLOURS + "\x1b[0m\n").encode())
+    p.stderr.feed((ATTACK + "\n").encode())
+    p.close()
+    label = "\x1b[32m[worker 0]\x1b[0m " if color else "[worker 0] "
+    assert out.getvalue().decode().splitlines() == [
+        label + SHOWN, label + NOT_COLOURS_SHOWN,
+        label + ("\x1b[32m" + SHOWN + NOT_COLOURS_SHOWN + "\x1b[0m\x1b[0m" if color else SHOWN + NOT_COLOURS_SHOWN)]
+    assert err.getvalue().decode() == label + SHOWN + "\n"
+    shown = (out.getvalue() + err.getvalue()).replace(label.encode(), b"")
+    assert _controls(shown.replace(b"\x1b[32m", b"").replace(b"\x1b[0m", b"")) == []
+    assert p.lines() == [SHOWN, NOT_COLOURS_SHOWN, "^[[32m" + SHOWN + NOT_COLOURS_SHOWN + "^[[0m", SHOWN]
