@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -221,3 +222,44 @@ def mpirun_path(impl: str) -> Optional[str]:
     var, default = MPIRUNS[impl]
     path = os.environ.get(var) or default
     return path if os.access(path, os.X_OK) else None
+
+
+class PipeChannel:
+    """What RemoteHost uses of a paramiko channel, carried by a local ``sh -c COMMAND`` (no sshd)."""
+
+    def __init__(self) -> None:
+        self.p: subprocess.Popen | None = None
+        self.timeout = 0.5
+
+    def settimeout(self, timeout: float) -> None:
+        self.timeout = timeout
+
+    def exec_command(self, command: str) -> None:
+        self.p = subprocess.Popen(["sh", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, start_new_session=True)
+
+    def sendall(self, data: bytes) -> None:
+        assert self.p is not None and self.p.stdin is not None
+        self.p.stdin.write(data)
+        self.p.stdin.flush()
+
+    def recv(self, n: int) -> bytes:
+        assert self.p is not None and self.p.stdout is not None
+        if not select.select([self.p.stdout], [], [], self.timeout)[0]:
+            raise socket.timeout
+        return os.read(self.p.stdout.fileno(), n)
+
+    def recv_stderr_ready(self) -> bool:
+        return False
+
+    def exit_status_ready(self) -> bool:
+        return self.p is not None and self.p.poll() is not None
+
+    def recv_exit_status(self) -> int:
+        assert self.p is not None
+        return self.p.wait()
+
+    def close(self) -> None:
+        if self.p is not None and self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()

@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from support.helpers import pid_alive, wait_for
+from support.helpers import PipeChannel, pid_alive, wait_for
 
 from launcher.backends.ssh import wrapper_command, wrapper_header, wrapper_payload
 from launcher.node import protocol
@@ -347,47 +347,6 @@ def test_several_processes_on_one_channel_each_in_its_own_group() -> None:
             assert w.output(STDOUT, i).decode().split() == [str(pid), str(pid)]
     finally:
         w.close()
-
-
-class PipeChannel:
-    """What RemoteHost uses of a paramiko channel, carried by a local ``sh -c COMMAND`` (no sshd)."""
-
-    def __init__(self) -> None:
-        self.p: subprocess.Popen | None = None
-        self.timeout = 0.5
-
-    def settimeout(self, timeout: float) -> None:
-        self.timeout = timeout
-
-    def exec_command(self, command: str) -> None:
-        self.p = subprocess.Popen(["sh", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, start_new_session=True)
-
-    def sendall(self, data: bytes) -> None:
-        assert self.p is not None and self.p.stdin is not None
-        self.p.stdin.write(data)
-        self.p.stdin.flush()
-
-    def recv(self, n: int) -> bytes:
-        assert self.p is not None and self.p.stdout is not None
-        if not select.select([self.p.stdout], [], [], self.timeout)[0]:
-            raise socket.timeout
-        return os.read(self.p.stdout.fileno(), n)
-
-    def recv_stderr_ready(self) -> bool:
-        return False
-
-    def exit_status_ready(self) -> bool:
-        return self.p is not None and self.p.poll() is not None
-
-    def recv_exit_status(self) -> int:
-        assert self.p is not None
-        return self.p.wait()
-
-    def close(self) -> None:
-        if self.p is not None and self.p.poll() is None:
-            self.p.kill()
-            self.p.wait()
 
 
 def _ssh_spec() -> JobSpec:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import select
-import socket
 import subprocess
 import sys
 
 import paramiko
 import pytest
+from support.helpers import PipeChannel
 
 from launcher.spec.job import Host
 from launcher.transport.ssh import (
@@ -191,49 +189,20 @@ def test_known_hosts_with_markers_and_bad_lines_is_read_as_openssh_does(keys, tm
         check_host_key(Target(Host("b"), "10.0.0.2", 22, "u", known_hosts=(str(kh),)), other, known, accept_new=True)
 
 
-class _ExecChannel:
+class _ExecChannel(PipeChannel):
     """What :meth:`HostSession.exec` uses of a paramiko channel, over a local Python ``script``."""
 
     def __init__(self, script: str) -> None:
+        super().__init__()
         self.script = script
-        self.p: subprocess.Popen | None = None
-        self.timeout = 1.0
-
-    def settimeout(self, timeout: float) -> None:
-        self.timeout = timeout
 
     def exec_command(self, command: str) -> None:
         self.p = subprocess.Popen([sys.executable, "-c", self.script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE)
 
-    def sendall(self, data: bytes) -> None:
-        assert self.p is not None and self.p.stdin is not None
-        self.p.stdin.write(data)
-
     def shutdown_write(self) -> None:
         assert self.p is not None and self.p.stdin is not None
         self.p.stdin.close()
-
-    def recv_stderr_ready(self) -> bool:
-        return False
-
-    def recv(self, n: int) -> bytes:
-        assert self.p is not None and self.p.stdout is not None
-        if not select.select([self.p.stdout], [], [], min(self.timeout, 1.0))[0]:
-            raise socket.timeout
-        return os.read(self.p.stdout.fileno(), n)
-
-    def exit_status_ready(self) -> bool:
-        return self.p is not None and self.p.poll() is not None
-
-    def recv_exit_status(self) -> int:
-        assert self.p is not None
-        return self.p.wait()
-
-    def close(self) -> None:
-        if self.p is not None and self.p.poll() is None:
-            self.p.kill()
-            self.p.wait()
 
 
 class _ExecTransport:
