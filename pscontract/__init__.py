@@ -59,6 +59,19 @@ PROCESS = "PSLAUNCH_PROCESS"
 # divides the host's cores by it for its default thread count.
 LOCAL_PROCS = "PSLAUNCH_LOCAL_PROCS"
 START_TIMEOUT = "PS_START_TIMEOUT"
+# --- restarts (--max-restarts): the same on every role of every attempt -------
+#: which attempt of the job this is: 0 for the first, k after k restarts
+ATTEMPT = "PSLAUNCH_ATTEMPT"
+#: the job's restart budget (--max-restarts)
+RESTART_LIMIT = "PSLAUNCH_MAX_RESTARTS"
+#: the same for every attempt of one job (``PSLAUNCH_JOB_ID`` is too: it is this run id)
+JOB_RUN_ID = "PSLAUNCH_RUN_ID"
+#: dmlc's attempt number (its YARN ApplicationMaster's ``DMLC_NUM_ATTEMPT``), as a variable
+NUM_ATTEMPT = "DMLC_NUM_ATTEMPT"
+#: a file of this process's own, where a program may write why it failed (torch's ``@record``
+#: writes JSON to ``TORCHELASTIC_ERROR_FILE``): the launcher reads it back after the process ends
+ERROR_FILE = "PSLAUNCH_ERROR_FILE"
+TORCH_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 PORT_RANGE = "PS_PORT_RANGE"
 MAC_PAYLOAD = "PS_MAC_PAYLOAD"
 
@@ -112,7 +125,8 @@ ROLES = ("scheduler", "server", "worker")
 #: Variables the launcher owns. An inherited or ``--env`` value is ignored.
 CONTRACT = frozenset(
     {ROLE, ROOT_URI, ROOT_PORT, NUM_WORKER, NUM_SERVER, TASK_ID, JOB_CLUSTER,
-     NODE_HOST, SECRET, JOB_ID, PROCESS, LOCAL_PROCS, START_TIMEOUT, TRACKER_URI, TRACKER_PORT}
+     NODE_HOST, SECRET, JOB_ID, PROCESS, LOCAL_PROCS, START_TIMEOUT, TRACKER_URI, TRACKER_PORT,
+     ATTEMPT, RESTART_LIMIT, JOB_RUN_ID, NUM_ATTEMPT, ERROR_FILE, TORCH_ERROR_FILE}
 )
 #: What a worker of a ``torch`` job gets on top of the dmlc worker variables; the launcher owns
 #: these too in such a job (a ``RANK`` inherited from an outer torchrun would be wrong here).
@@ -179,6 +193,25 @@ def contract(
             env[NODE_HOST] = node_host
         if local_procs is not None:
             env[LOCAL_PROCS] = str(local_procs)
+    return env
+
+
+def attempt_env(*, attempt: int, max_restarts: int, run_id: str, tracker: str) -> dict[str, str]:
+    """What every process of every role learns about the job's restarts (``--max-restarts``):
+    ``PSLAUNCH_ATTEMPT`` (0 for the first attempt, k after k restarts), ``PSLAUNCH_MAX_RESTARTS``,
+    ``PSLAUNCH_RUN_ID`` (the same for every attempt) and dmlc's ``DMLC_NUM_ATTEMPT`` (= the
+    attempt). A ``torch`` job's workers also get torchrun's ``TORCHELASTIC_RESTART_COUNT``,
+    ``TORCHELASTIC_MAX_RESTARTS`` and ``TORCHELASTIC_RUN_ID`` with the same values: the job's
+    count, never one node's.
+
+    >>> attempt_env(attempt=2, max_restarts=3, run_id="ab12", tracker="torch")["TORCHELASTIC_RESTART_COUNT"]
+    '2'
+    """
+    if attempt < 0 or max_restarts < 0:
+        raise ValueError("attempt and max_restarts are 0 or more")
+    env = {ATTEMPT: str(attempt), RESTART_LIMIT: str(max_restarts), JOB_RUN_ID: run_id, NUM_ATTEMPT: str(attempt)}
+    if tracker == "torch":
+        env.update({RESTART_COUNT: str(attempt), MAX_RESTARTS: str(max_restarts), RUN_ID: run_id})
     return env
 
 
