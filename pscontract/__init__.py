@@ -319,13 +319,14 @@ def torch_contract(*, master_addr: str, master_port: int, task_id: int, num_work
     ``MASTER_ADDR``/``MASTER_PORT`` (the rendezvous store the launcher hosts),
     ``WORLD_SIZE``/``ROLE_WORLD_SIZE`` (N), ``RANK``/``ROLE_RANK``, ``LOCAL_RANK``,
     ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (the host's index), ``GROUP_WORLD_SIZE`` (hosts),
-    ``ROLE_NAME=default``, ``TORCHELASTIC_RUN_ID`` (the job id), restart count and limit 0, and
+    ``ROLE_NAME=default`` and
     ``TORCHELASTIC_USE_AGENT_STORE=True``: every rank connects to the store as a client, which
     is what torchrun's workers do with the store its agent hosts. ``place`` is None when a batch
     system decides where the workers run: the rank variables (:func:`torch_placement`) then
     come from the launcher once every task has said where it runs. ``DMLC_TASK_ID`` is the
     worker's number in the job (its label); ``RANK`` equals it whenever the launcher placed the
-    workers itself.
+    workers itself. torchrun's restart variables (``TORCHELASTIC_RUN_ID``, ``..._RESTART_COUNT``,
+    ``..._MAX_RESTARTS``) come with every process's :func:`attempt_env`.
     """
     env = _worker_base(task_id=task_id, num_workers=num_workers, cluster=cluster, secret=secret, job_id=job_id,
                        start_timeout=start_timeout, node_host=node_host, local_procs=None)
@@ -335,10 +336,7 @@ def torch_contract(*, master_addr: str, master_port: int, task_id: int, num_work
         WORLD_SIZE: str(num_workers),
         ROLE_WORLD_SIZE: str(num_workers),
         ROLE_NAME: TORCH_ROLE,
-        RUN_ID: job_id,
         USE_AGENT_STORE: "True",
-        RESTART_COUNT: "0",
-        MAX_RESTARTS: "0",
     })
     if place is not None:
         env.update(torch_placement(place))

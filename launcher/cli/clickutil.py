@@ -5,6 +5,7 @@ click options, and :func:`invoke` (click's outcomes as exit codes).
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Iterable, Optional, Sequence
 
 import click
@@ -41,7 +42,29 @@ class BoundedInt(click.types.IntParamType):
         return int(super().convert(value, param, ctx))
 
 
+class Duration(FiniteFloat):
+    """A length of time: seconds (``90``, ``1.5``) or a number with a unit, ``s``, ``m``, ``h`` or
+    ``d`` (``90s``, ``30m``, ``1h``, ``2d``); never negative."""
+
+    name = "duration"
+    UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> float:
+        if isinstance(value, (int, float)):
+            number = super().convert(value, param, ctx)
+        else:
+            m = re.fullmatch(r"\s*(\d{1,9}(?:\.\d{1,6})?)\s*([smhd]?)\s*", str(value)[:40])
+            if not m:
+                self.fail(f"{str(value)[:40]!r} is not a length of time; give seconds or a number with s, m, h "
+                          "or d, e.g. 90, 30m or 1h", param, ctx)
+            number = float(m.group(1)) * self.UNITS[m.group(2) or "s"]
+        if number < 0:
+            self.fail(f"{value} is negative; give 0 or more", param, ctx)
+        return number
+
+
 FINITE_FLOAT = FiniteFloat()
+DURATION = Duration()
 BOUNDED_INT = BoundedInt()
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import click
 
 from ..errors import ConfigError
-from .clickutil import FiniteFloat
+from .clickutil import Duration, FiniteFloat
 
 MAX_BYTES = 1024 * 1024
 MAX_DEPTH = 50
@@ -254,6 +254,11 @@ def convert(key: str, value: Any, param: click.Parameter, path: str) -> Any:
         if isinstance(value, float) or (isinstance(value, str) and not value.strip().lstrip("+-").isdigit()):
             raise ConfigError(f"{where} is {str(value)[:40]!r}; expected a whole number")
         return value
+    if isinstance(ptype, Duration):  # (seconds, or a number with a unit: 30m, 1h)
+        try:
+            return ptype.convert(value, param, None)
+        except click.BadParameter as e:
+            raise ConfigError(f"{where}: {e.message}") from None
     if isinstance(ptype, (click.types.FloatParamType, FiniteFloat)):
         if isinstance(value, str):
             try:

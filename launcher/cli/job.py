@@ -69,7 +69,9 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
         start_timeout=kw.get("start_timeout", 60.0), kill_grace=kw.get("kill_grace", 10.0),
         timeout=kw.get("timeout"), workdir=os.getcwd(), p3=bool(kw.get("p3")), progress=not kw.get("no_progress"),
         options=backend.make_options(kw), tracker=tracker, tracker_python=kw.get("tracker_python"),
-        scheduler=kw.get("scheduler") or "command",
+        scheduler=kw.get("scheduler") or "command", max_restarts=kw.get("max_restarts") or 0,
+        restart_delay=1.0 if kw.get("restart_delay") is None else kw["restart_delay"],
+        restart_window=kw.get("restart_window"),
     )
     backend.check_spec(spec)
     return spec

@@ -17,7 +17,7 @@ import pscontract as pc
 
 from .. import __version__, backends, logs
 from ..spec.job import SCHEDULERS
-from .clickutil import BOUNDED_INT, FINITE_FLOAT, add_backend_options
+from .clickutil import BOUNDED_INT, DURATION, FINITE_FLOAT, add_backend_options
 from .config import load_config
 from .job import run as run_job
 
@@ -131,6 +131,17 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
               help="After SIGTERM, wait this long before SIGKILL.")
 @click.option("--timeout", type=FINITE_FLOAT, default=None, metavar="SECONDS",
               help="Stop the whole job after this long (dumping Python stacks first); exit 124.")
+@click.option("--max-restarts", type=BOUNDED_INT, default=0, show_default=True, metavar="N",
+              help="When a process fails, stop the whole job and start every role again, up to N times "
+                   "for the whole job (a Ctrl-C, --timeout or an error before anything ran never restarts). "
+                   "Each process learns its attempt from PSLAUNCH_ATTEMPT (0 first); a program resumes from "
+                   "its own checkpoint (the bundled trainer: --resume). See docs/restarts.md.")
+@click.option("--restart-delay", type=DURATION, default=1.0, show_default=True, metavar="DURATION",
+              help="Wait this long before the first restart; each further one waits twice as long as the "
+                   "last (at most 60s, +-10% jitter).")
+@click.option("--restart-window", type=DURATION, default=None, metavar="DURATION",
+              help="An attempt that runs this long (e.g. 1h) without failing gives the restart budget "
+                   "back, and the delay starts again from --restart-delay.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (hosts, roles, command, environment "
               "with secrets redacted) and exit without starting anything.")
 @click.option("--log-dir", default=None, metavar="DIR",

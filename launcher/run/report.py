@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import shlex
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional, Sequence
 
 from pscontract import NODE_HOST
 
 from ..node import safefiles
-from ..runtime.handle import ProcessHandle, ProcRecord, describe_exit
+from ..runtime.handle import ProcessHandle, ProcRecord, describe_exit, signal_name
 from ..spec import env as jobenv
 from ..spec.job import JobSpec
 from ..spec.plan import Plan
@@ -39,19 +40,134 @@ class JobResult:
     cause: Optional[dict] = None
     #: lines that did not reach their ``--log-dir`` file (``Console.log_errors``), if any did not
     log_errors: Optional[dict] = None
+    #: every attempt of the job, the last included (``--max-restarts``)
+    attempts: tuple[AttemptRecord, ...] = ()
 
 
-def redactor(plan: Optional[Plan]) -> jobenv.Redactor:
+def redactor(plan: Optional[Plan], also: Sequence[str] = ()) -> jobenv.Redactor:
     """What hides the job's secrets: the values of secret-named variables (:func:`jobenv.is_secret`)
     of every process of ``plan`` (the job secret, ``--env API_TOKEN``, an inherited
-    ``AWS_SECRET_ACCESS_KEY``, ...)."""
+    ``AWS_SECRET_ACCESS_KEY``, ...), and the values ``also`` (an earlier attempt's secret)."""
     if plan is None:
-        return jobenv.Redactor(())
+        return jobenv.Redactor(also)
     names: set[str] = set()
     for p in plan.all:
         names.update(p.env)  # (the processes share most names: each is judged once)
     secret = [k for k in names if jobenv.is_secret(k)]
-    return jobenv.Redactor(p.env[k] for p in plan.all for k in secret if k in p.env)
+    return jobenv.Redactor([*also, *(p.env[k] for p in plan.all for k in secret if k in p.env)])
+
+
+# --- restarts (--max-restarts) ---------------------------------------------------------------------
+
+#: the longest wait before a restart (unless --restart-delay asks for a longer first one)
+MAX_RESTART_DELAY = 60.0
+#: each delay is its nominal value times a random factor within 1 +- this
+RESTART_JITTER = 0.1
+#: the lines of a failed process's output an attempt's cause keeps
+CAUSE_LINES = 5
+
+
+class RestartBudget:
+    """The job's one restart budget (``--max-restarts``), its delays and its window.
+
+    The launcher alone counts it, for the whole job: a process that fails again and again spends
+    the same budget as any other (torchrun counts per node, pytorch/pytorch#108158). Each delay
+    is twice the last (from ``first_delay``, at most :data:`MAX_RESTART_DELAY`) with
+    :data:`RESTART_JITTER`; an attempt that ran ``window`` seconds or more before it failed gives
+    the budget back and the delays start again.
+    """
+
+    def __init__(self, limit: int, first_delay: float, window: Optional[float],
+                 rand: Callable[[float, float], float] = random.uniform) -> None:
+        self.limit = limit
+        self.first_delay = first_delay
+        self.window = window
+        self.used = 0
+        self.returned = 0  # how many times the window gave the budget back
+        self._delay: Optional[float] = None
+        self._rand = rand
+
+    def may_restart(self, ran: float) -> bool:
+        """After an attempt that ran ``ran`` seconds and failed: is there a restart left?"""
+        if self.window is not None and ran >= self.window and (self.used or self._delay is not None):
+            log.info("the attempt ran %s without failing (--restart-window): the restart budget is back "
+                     "(0/%d used)", _seconds(ran), self.limit)
+            self.used, self._delay = 0, None
+            self.returned += 1
+        return self.used < self.limit
+
+    def next_delay(self) -> float:
+        """Spend one restart: the wait before it, in seconds."""
+        nominal = self.first_delay if self._delay is None else min(self._delay * 2,
+                                                                   max(MAX_RESTART_DELAY, self.first_delay))
+        self._delay = nominal
+        self.used += 1
+        return nominal * self._rand(1 - RESTART_JITTER, 1 + RESTART_JITTER)
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    """One attempt of the job, as ``--summary-json``'s ``attempts`` lists it: ``attempt`` is its
+    ``PSLAUNCH_ATTEMPT``; ``cause`` the failed process (:func:`attempt_cause`), if one of the job's
+    processes failed; ``delay`` the wait before the next attempt (None: none followed)."""
+
+    attempt: int
+    start_time: float
+    end_time: float
+    reason: str
+    exit_code: int
+    cause: Optional[dict] = None
+    delay: Optional[float] = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def attempt_cause(h: ProcessHandle, redact: jobenv.Redactor) -> dict:
+    """Who failed an attempt: its role, rank, host, pid, exit code or signal, and its last lines."""
+    return {"process": h.name, "role": str(h.proc.role), "rank": h.proc.rank, "host": h.host, "pid": h.pid,
+            "exit_code": h.exit_code, "signal": signal_name(h.exit_code), "end_time": h.end_time,
+            "last_lines": [redact(line) for line in h.output.lines()[-CAUSE_LINES:]]}
+
+
+def describe_cause(cause: dict) -> str:
+    """``worker 2 on h2 (pid 4121) killed by SIGKILL``."""
+    who = "scheduler" if cause["role"] == "scheduler" else f"{cause['role']} {cause['rank']}"
+    pid = f" (pid {cause['pid']})" if cause.get("pid") else ""
+    how = f"killed by {cause['signal']}" if cause.get("signal") else f"exited with code {cause['exit_code']}"
+    return f"{who} on {cause['host']}{pid} {how}"
+
+
+def log_attempt_failed(n: int, record: AttemptRecord, budget: RestartBudget, cause: Optional[dict]) -> str:
+    """The line about the ``n``-th attempt of this launcher, failed (logged): the restart to come
+    and its delay, or the budget used up; out of as many attempts as the budget allows.
+    ``attempt 3/3 failed: worker 2 on h2 (pid 4121) killed by SIGKILL; 2/2 restarts used``."""
+    total = n + budget.limit - budget.used + (record.delay is not None)
+    what = describe_cause(cause) if cause is not None else "a process could not start (a restart would not help)"
+    if record.delay is not None:
+        line = (f"attempt {n}/{total} failed: {what}; restarting every process in {record.delay:.1f}s "
+                f"(restart {budget.used}/{budget.limit})")
+        log.warning("%s", line)
+    else:
+        line = f"attempt {n}/{total} failed: {what}; {budget.used}/{budget.limit} restarts used"
+        log.error("%s", line)
+    return line
+
+
+def restart_policy(spec: JobSpec) -> str:
+    """The dry run's line about restarts (``--max-restarts``, ``--restart-delay``, ``--restart-window``)."""
+    if not spec.max_restarts:
+        return "restarts: none (--max-restarts 0): the first failure ends the job"
+    cap = max(MAX_RESTART_DELAY, spec.restart_delay)
+    window = (f"; an attempt that runs {_seconds(spec.restart_window)} without failing gives the budget back"
+              if spec.restart_window else "")
+    return (f"restarts: up to {spec.max_restarts} for the whole job, every role at once, after "
+            f"{_seconds(spec.restart_delay)} doubling each time up to {_seconds(cap)} "
+            f"(+-{RESTART_JITTER:.0%}){window}; never after Ctrl-C, --timeout or a process that could not start")
+
+
+def _seconds(value: float) -> str:
+    return f"{value / 3600:.1f}h" if value >= 3600 else f"{value / 60:.1f}m" if value >= 60 else f"{value:.1f}s"
 
 
 @dataclass(frozen=True)
@@ -129,6 +245,9 @@ def write_summary(path: str, spec: JobSpec, plan: Optional[Plan], result: JobRes
         "end_time": result.end_time,
         "processes": [r.to_dict() for r in result.records],
         "log_errors": result.log_errors,
+        "restarts": {"max": spec.max_restarts, "done": max(0, len(result.attempts) - 1),
+                     "first_delay": spec.restart_delay, "window": spec.restart_window},
+        "attempts": [a.to_dict() for a in result.attempts],
     }
 
     text = redactor(plan)(json.dumps(doc, indent=2))
@@ -154,6 +273,7 @@ def format_dry_run(spec: JobSpec, plan: Plan, extra: Sequence[str] = (), inherit
     if plan.scheduler:
         out.append(f"scheduler address {plan.root_uri}, port: the first free one of {lo}-{hi} "
                    f"(shown as {plan.root_port})")
+    out.append(restart_policy(spec))
     if spec.hosts:
         inline = bool(spec.hosts[0].origin.startswith("-H item"))
         source = "the -H list" if inline else f"hostfile {spec.hostfile}"

@@ -127,9 +127,16 @@ class Supervisor:
         self.console.on_stream_end = self._wake.set
         self.signals.on_signal = self._wake.set
         self._interval = POLL_INTERVAL
+        self._expected = {"scheduler": int(spec.has_scheduler), "server": spec.num_servers,
+                          "worker": spec.num_workers}
         self.progress = _progress(  # the live status line (a terminal only; --no-progress)
-            self.console, spec.progress, {"scheduler": int(spec.has_scheduler), "server": spec.num_servers,
-                                          "worker": spec.num_workers}, self.start_time)
+            self.console, spec.progress, self._expected, self.start_time)
+        #: which attempt of the job runs (``PSLAUNCH_ATTEMPT``): inside a Slurm job that Slurm
+        #: requeued, its restart count; each restart adds one
+        self.attempt = spec.first_attempt
+        self.attempts: list[report.AttemptRecord] = []
+        self._restarts: Optional[report.RestartBudget] = None  # a failed job's, when it could restart
+        self._secrets: list[str] = []  # every attempt's secret values, hidden in all that is shown
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -144,13 +151,7 @@ class Supervisor:
         try:
             if self.use_watchdog:
                 self.watchdog = Watchdog(spec.kill_grace, fork=True)
-            port = spec.port_range[0] - 1
-            for attempt in range(1, MAX_PORT_ATTEMPTS + 1):
-                outcome = self._attempt(attempt, port)
-                if outcome[0] != PORT_LOST:
-                    break
-                assert self.plan is not None
-                port = self.plan.root_port
+            outcome = self._attempts()
         finally:
             if self.progress is not None:
                 self.progress.close()
@@ -162,6 +163,100 @@ class Supervisor:
             self.signals.restore()
         assert outcome is not None
         return self._finish(*outcome)
+
+    def _attempts(self) -> tuple[str, int]:
+        """Every attempt of the job (``--max-restarts``): after a process of an attempt fails, the
+        attempt is torn down like any failed job, and the whole job starts again after a delay,
+        while the job's one budget lasts. ``(reason, exit code)`` of the last attempt (or of the
+        wait before the next: a signal, ``--timeout``)."""
+        spec = self.spec
+        restarts = report.RestartBudget(spec.max_restarts, spec.restart_delay, spec.restart_window)
+        port = spec.port_range[0] - 1
+        while True:
+            started = self.clock.time()
+            outcome = self._attempt_on_free_port(port)
+            ended = self.clock.time()
+            cause = self._attempt_cause()
+            delay = None
+            if outcome[0] == "failure" and cause is not None and restarts.may_restart(ended - started):
+                delay = restarts.next_delay()
+            self.attempts.append(report.AttemptRecord(
+                attempt=self.attempt, start_time=started, end_time=ended, reason=outcome[0], exit_code=outcome[1],
+                cause=cause, delay=delay))
+            if delay is None:
+                if outcome[0] == "failure" and spec.max_restarts:
+                    self._restarts = restarts  # (the last line, after the failure report: _finish)
+                return outcome
+            assert self.first is not None
+            report.failure_report(self.first, len(self.handles) - 1, self._redactor(),
+                                  report.find_cause(self.first, self.handles))
+            report.log_attempt_failed(len(self.attempts), self.attempts[-1], restarts, cause)
+            waited = self._wait_before_restart(delay)
+            if waited is not None:
+                return waited
+            if self.plan is not None:
+                port = self.plan.root_port  # (each attempt on a fresh port: nothing of the last reaches it)
+            self._next_attempt()
+
+    def _attempt_on_free_port(self, after_port: int) -> tuple[str, int]:
+        """One attempt of the job, started again on the next port while its scheduler loses the
+        race for the port (see :meth:`_attempt`)."""
+        outcome: tuple[str, int] = (PORT_LOST, 0)
+        port = after_port
+        for attempt in range(1, MAX_PORT_ATTEMPTS + 1):
+            outcome = self._attempt(attempt, port)
+            if outcome[0] != PORT_LOST:
+                break
+            assert self.plan is not None
+            port = self.plan.root_port
+        return outcome
+
+    def _attempt_cause(self) -> Optional[dict]:
+        """What made this attempt fail, when a restart could help: a process of the job that ran
+        and failed (None for one that could not start at all, or a failed tracker)."""
+        h = self.first
+        if h is None or h.failure is not None or h is self.tracker or h.exit_code in (None, 0):
+            return None
+        return report.attempt_cause(h, self._redactor())
+
+    def _redactor(self) -> Any:
+        """What hides every attempt's secrets so far."""
+        return report.redactor(None, self._secrets)
+
+    def _wait_before_restart(self, delay: float) -> Optional[tuple[str, int]]:
+        """Sleep ``delay`` before the next attempt; a signal or ``--timeout`` ends the job instead
+        (their outcome)."""
+        end = self.clock.monotonic() + delay
+        deadline = self.start_time + self.spec.timeout if self.spec.timeout else None
+        while True:
+            if self.signals.count:
+                return "signal", self.signals.exit_code
+            if self.signals.timed_out or deadline is not None and self.clock.time() > deadline:
+                return "timeout", EXIT_TIMEOUT
+            left = end - self.clock.monotonic()
+            if left <= 0:
+                return None
+            if self.clock is time:
+                self._wake.wait(min(left, 0.2))
+            else:
+                self.clock.sleep(min(left, POLL_INTERVAL))
+
+    def _next_attempt(self) -> None:
+        """Forget the attempt that ended (every process of it is gone: :meth:`_shutdown` waited
+        for each, and the sweep took what left its group) and get ready for the next: a fresh
+        secret and port, the same run id."""
+        self._sweep()
+        self.attempt += 1
+        self.handles, self.groups, self.scheduler, self.first, self.tracker = [], [], None, None, None
+        self.stopped.clear()
+        self._ids = (os.urandom(32).hex(), self._ids[1])
+        self.console.log_banner = f"--- pslaunch: attempt {self.attempt} (PSLAUNCH_ATTEMPT={self.attempt}) ---"
+        self.signals.raise_now = True
+        self.signals.deferred = None
+        if self.spec.timeout and self.clock is time:
+            self.signals.alarm(max(0.001, self.start_time + self.spec.timeout - self.clock.time()))
+        if self.progress is not None:
+            self.progress = _progress(self.console, self.spec.progress, self._expected, self.clock.time())
 
     def _attempt(self, attempt: int, after_port: int) -> tuple[str, int]:
         """One try at the job, on the first free port after ``after_port``: ``(reason, exit code)``,
@@ -307,13 +402,15 @@ class Supervisor:
             except NoFreePort as e:
                 raise e.for_user("the scheduler") from None
         plan = build_plan(spec, root_uri=root_uri, root_port=port, secret=secret, job_id=job_id,
-                          addresses=addresses, here=here, inherit_environ=not self.backend_cls.remote)
+                          addresses=addresses, here=here, inherit_environ=not self.backend_cls.remote,
+                          attempt=self.attempt)
         self.plan = plan
-        if attempt == 1:
+        redactor = report.redactor(plan, self._secrets)
+        self._secrets = list(redactor.values)
+        self.console.redact = redactor if redactor else None  # what the processes print, too
+        if attempt == 1 and not self.attempts:
             if self.watchdog is not None:
                 self.watchdog.mark(f"{job_id}/")  # if the launcher dies, what left its group goes too
-            redactor = report.redactor(plan)
-            self.console.redact = redactor if redactor else None  # what the processes print, too
             if plan.overridden:
                 log.warning("the launcher sets %s itself; the values from your environment or --env "
                             "are ignored", ", ".join(plan.overridden))
@@ -460,11 +557,16 @@ class Supervisor:
         elapsed = end_time - self.start_time
         message = ""
         cause = report.find_cause(self.first, self.handles) if self.first is not None else None
+        restarts = len(self.attempts) - 1
+        after = f" (after {restarts} restart{'' if restarts == 1 else 's'})" if restarts > 0 else ""
         if reason == "success":
             n = len(self.handles)
-            log.info("all %d process%s exited 0 in %.1fs", n, "" if n == 1 else "es", elapsed)
+            log.info("all %d process%s exited 0 in %.1fs%s", n, "" if n == 1 else "es", elapsed, after)
         elif reason == "failure" and self.first is not None:
-            message = report.failure_report(self.first, len(self.handles) - 1, report.redactor(self.plan), cause)
+            message = report.failure_report(self.first, len(self.handles) - 1, self._redactor(), cause)
+            if self._restarts is not None:
+                message = report.log_attempt_failed(len(self.attempts), self.attempts[-1], self._restarts,
+                                                    self.attempts[-1].cause)
         elif reason == "timeout":
             message = f"the job ran longer than --timeout {self.spec.timeout:g}s and was stopped"
             log.error("%s", message)
@@ -481,7 +583,8 @@ class Supervisor:
             records=tuple(h.record(h.name in self.stopped) for h in self.handles),
             start_time=self.start_time, end_time=end_time, message=message, log_errors=log_errors,
             cause=None if cause is None else {"process": cause.culprit.name if cause.culprit else None,
-                                              "reason": cause.reason, "reported_by": cause.reporter.name})
+                                              "reason": cause.reason, "reported_by": cause.reporter.name},
+            attempts=tuple(self.attempts))
         if self.spec.summary_json:
             report.write_summary(self.spec.summary_json, self.spec, self.plan, result)
         return result

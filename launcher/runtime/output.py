@@ -125,6 +125,8 @@ class Console:
         self._held: Optional[list[tuple[ProcOutput, str, bool, bytes, bytes]]] = None
         self._held_bytes = 0
         self._attempt: list[ProcOutput] = []
+        #: written to each log file as it is opened (a restart's attempt; None: nothing)
+        self.log_banner: Optional[str] = None
         self._log_fd: Optional[int] = None  # the log directory, open
         self._not_logged = 0  # lines that could not be written to their log file
         self._log_error: Optional[str] = None  # the first reason
@@ -259,6 +261,11 @@ class Console:
         if self._log_fd is not None:
             out.log_name = f"{name}.log"
             out.log = self._open_log(out.log_name)
+            if out.log is not None and self.log_banner:
+                try:  # (the next attempt's lines follow the last attempt's in the same file)
+                    os.write(out.log, (self.log_banner + "\n").encode())
+                except OSError as e:
+                    self.log_failed(out.log_name, e, 1)
         out.observer = self._observers.get(name)
         with self._lock:
             if self._held is not None:

@@ -58,6 +58,7 @@ class Redactor:
 
     def __init__(self, values: Iterable[str]) -> None:
         values = {v for v in values if v}
+        self.values = tuple(sorted(values))  # (what a later Redactor may hide as well)
         self.long = tuple(sorted((v for v in values if len(v) >= 4), key=len, reverse=True))
         short = sorted((v for v in values if len(v) < 4), key=len, reverse=True)
         self.short = None

@@ -24,6 +24,8 @@ from ..errors import ConfigError
 MAX_PROCESSES = 20_000
 #: cores per process (--worker-cores, --server-cores)
 MAX_CORES = 4096
+#: the most restarts one job may ask for: a bound on a typo, not on a real job
+MAX_RESTARTS = 10_000
 #: what may run as a ps job's scheduler (``--scheduler``): the command itself, or pslaunch's own
 SCHEDULERS = ("command", "builtin")
 
@@ -126,6 +128,12 @@ class JobSpec:
     #: with ``DMLC_ROLE=scheduler``, as launch.py does; ``builtin``, pslaunch's ps-lite scheduler
     #: (:mod:`launcher.trackers.pslite`), which spares a ps-lite program one start-up of itself
     scheduler: str = "command"
+    #: restarts of the whole job after a process fails (``--max-restarts``), counted for the job
+    max_restarts: int = 0
+    #: the wait before the first restart; each next one waits twice as long (``--restart-delay``)
+    restart_delay: float = 1.0
+    #: an attempt that runs this long without failing gives the budget back (``--restart-window``)
+    restart_window: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -191,6 +199,15 @@ class JobSpec:
             why = builtin_scheduler_refusal({**self.environ_dict(), **dict(self.env)}, who="--scheduler builtin")
             if why:
                 raise ConfigError(why)
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or \
+                not 0 <= self.max_restarts <= MAX_RESTARTS:
+            raise ConfigError(f"--max-restarts must be a whole number from 0 to {MAX_RESTARTS}, got "
+                              f"{_short(self.max_restarts)}")
+        for name, seconds in (("--restart-delay", self.restart_delay), ("--restart-window", self.restart_window)):
+            if seconds is not None and (not math.isfinite(seconds) or seconds < 0):
+                raise ConfigError(f"{name} must be 0 or more seconds, got {seconds}")
+        if self.restart_window is not None and self.restart_window <= 0:
+            raise ConfigError("--restart-window must be longer than 0s (leave it out to never give the budget back)")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"--log-level {self.log_level}: choose DEBUG, INFO, WARNING or ERROR")
 
@@ -209,6 +226,13 @@ class JobSpec:
         """Workers only, which find each other through a tracker the launcher runs (not ``ps``)."""
         return self.tracker != "ps"
 
+    @property
+    def first_attempt(self) -> int:
+        """``PSLAUNCH_ATTEMPT`` of the job's first attempt: 0, or inside a Slurm job that Slurm
+        requeued (``sbatch --requeue``), its ``SLURM_RESTART_COUNT``, so that the count goes on."""
+        value = self.environ_dict().get(SLURM_RESTART_COUNT, "").strip()
+        return int(value) if value.isdigit() and len(value) < 7 else 0
+
     def environ_dict(self) -> dict[str, str]:
         return dict(self.environ)
 
@@ -226,6 +250,9 @@ class JobSpec:
         prog = re.sub(r"[^A-Za-z0-9_.-]", "_", self.command[0].rsplit("/", 1)[-1])
         return f"pslaunch-{prog}"
 
+
+#: how many times Slurm requeued the batch job this launcher runs in
+SLURM_RESTART_COUNT = "SLURM_RESTART_COUNT"
 
 #: the host names or addresses whose connections the builtin scheduler accepts, comma-separated
 #: (pslaunch sets it when it knows the job's hosts); unset or ``*``: anyone's

@@ -152,6 +152,7 @@ def build_plan(
     here: Optional[str] = None,
     inherit_environ: bool,
     scheduler_inherits: bool = True,
+    attempt: int = 0,
 ) -> Plan:
     """Every process with its full job environment.
 
@@ -164,6 +165,8 @@ def build_plan(
         inherit_environ: processes also get the launcher's whole environment (lowest
             precedence), as dmlc local does. The scheduler runs here and inherits it unless
             ``scheduler_inherits`` is false (dry runs show only the job's own variables).
+        attempt: which attempt of the job this is (0 first; ``--max-restarts``): every process
+            gets :func:`pscontract.attempt_env`, with ``job_id`` as the run id.
     """
     environ = spec.environ_dict()
     owned = pc.owned(spec.tracker or "ps")
@@ -176,7 +179,11 @@ def build_plan(
                                     start_timeout=spec.start_timeout, job_id=job_id)
     overridden: set[str] = set()
 
+    attempt_env = pc.attempt_env(attempt=attempt, max_restarts=spec.max_restarts, run_id=job_id,
+                                 tracker=spec.tracker or "ps")
+
     def env_for(contract: dict[str, str], role_env: Mapping[str, str], inherit: bool) -> dict[str, str]:
+        contract = {**contract, **attempt_env}
         composed = jobenv.compose(contract, role_env=role_env, cli_env=cli_env, forwarded_env=forwarded,
                                    inherited=environ if inherit else None, owned=owned)
         overridden.update(composed.overridden)

@@ -22,6 +22,7 @@ import time
 ROLE, TASK_ID, NUM_WORKER = "DMLC_ROLE", "DMLC_TASK_ID", "DMLC_NUM_WORKER"
 ROOT_URI, ROOT_PORT = "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT"
 TRACKERS = (("DMLC_TRACKER_URI", "DMLC_TRACKER_PORT"), ("MASTER_ADDR", "MASTER_PORT"))
+ATTEMPT, RUN_ID = "PSLAUNCH_ATTEMPT", "PSLAUNCH_RUN_ID"
 
 
 def name_of(env: dict) -> str:
@@ -73,6 +74,31 @@ def _wait_for_the_others(out: str, env: dict, timeout: float = 30.0) -> None:
     time.sleep(1.0)
 
 
+def _previous_alive(out: str, env: dict, attempt: int) -> list:
+    """The processes of the job's previous attempt still alive now, as ``[(name, pid)]``: those
+    whose records the previous attempt wrote (with their grandchildren), found running with that
+    attempt's ``PSLAUNCH_ATTEMPT`` and this job's run id (not a reused pid)."""
+    if attempt == 0:
+        return []
+    history = os.path.join(out, "history")
+    want = [f"{ATTEMPT}={attempt - 1}".encode(), f"{RUN_ID}={env.get(RUN_ID, '')}".encode()]
+    alive = []
+    for name in sorted(os.listdir(history)) if os.path.isdir(history) else []:
+        if not name.endswith(f".{attempt - 1}.json"):
+            continue
+        with open(os.path.join(history, name)) as f:
+            rec = json.load(f)
+        for pid in [rec["pid"], rec.get("child"), *rec.get("escaped", [])]:
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    environ = f.read().split(b"\0")
+            except (OSError, TypeError):
+                continue
+            if all(w in environ for w in want):
+                alive.append((rec["name"], pid))
+    return alive
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -98,8 +124,15 @@ def main() -> int:
     ap.add_argument("--print", action="append", default=[])
     ap.add_argument("--reach-tracker", action="store_true",
                     help="open (and close) a TCP connection to DMLC_TRACKER_URI or MASTER_ADDR; record how it went")
+    ap.add_argument("--on-attempts", default=None, metavar="K[,K...]",
+                    help="--fail, --kill-self and --exit only in these attempts (PSLAUNCH_ATTEMPT); "
+                         "in the others, exit 0")
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args()
+    attempt = int(os.environ.get(ATTEMPT, "0"))
+    if a.on_attempts is not None and str(attempt) not in a.on_attempts.split(","):
+        a.fail = a.kill_self = None
+        a.exit = 0
     # No core file in the working directory (the repository) when a test kills this process with
     # SIGSEGV or SIGABRT: batch systems start tasks with an unlimited core size.
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -146,14 +179,18 @@ def main() -> int:
     record = {
         "name": me, "env": env, "argv": sys.argv[1:], "rest": a.rest, "cwd": os.getcwd(), "pid": os.getpid(),
         "pgid": os.getpgid(0), "sid": os.getsid(0), "host": socket.gethostname(), "child": child_pid,
-        "time": time.time(), "netns": _netns(), "escaped": escaped,
+        "time": time.time(), "netns": _netns(), "escaped": escaped, "attempt": attempt,
+        "previous_alive": _previous_alive(a.out, env, attempt),
     }
     if a.reach_tracker:
         record["tracker"] = _reach(env)
-    tmp = os.path.join(a.out, f".{me}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(record, f)
-    os.replace(tmp, os.path.join(a.out, f"{me}.json"))
+    history = os.path.join(a.out, "history")  # every attempt's records (OUT/<name>.json: the latest)
+    os.makedirs(history, exist_ok=True)
+    for target in (os.path.join(history, f"{me}.{attempt}.json"), os.path.join(a.out, f"{me}.json")):
+        tmp = os.path.join(a.out, f".{me}.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, target)
     for line in a.print:
         print(line, flush=True)
     if a.take_port_once and me != "scheduler":

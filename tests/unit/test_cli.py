@@ -141,6 +141,11 @@ def run_err(args: list[str], capsys) -> tuple[int, str]:
      "Invalid value for '--log-level': 'verbose' is not one of 'debug', 'info', 'warning', 'error'."),
     (["-n", "1", "--num-worker", "2", "true"], "No such option '--num-worker'. (Did you mean one of: "),
     (["-n", "1", "--env", "-x", "true"], "--env '-x': expected NAME, NAME=VALUE or NAME:VALUE"),
+    (["-n", "1", "--max-restarts", "-1", "true"], "--max-restarts must be a whole number from 0 to 10000, got -1"),
+    (["-n", "1", "--restart-window", "soon", "true"],
+     "Invalid value for '--restart-window': 'soon' is not a length of time; give seconds or a number with s, m, h"),
+    (["-n", "1", "--restart-delay", "-2", "true"], "Invalid value for '--restart-delay': '-2' is not a length of time"),
+    (["-n", "1", "--restart-window", "0", "true"], "--restart-window must be longer than 0s"),
 ])
 def test_user_errors_are_one_line_exit_2(args, message, capsys) -> None:
     code, err = run_err(args, capsys)
@@ -520,3 +525,32 @@ def test_dry_run_of_a_torch_job_on_a_batch_system_says_where_ranks_come_from(cap
     assert "RANK, ROLE_RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE: sent to each task once " \
            "every task has said which host it runs on" in out
     assert "\n  MASTER_ADDR=10.0.0.1\n" in out and "LOCAL_RANK=" not in out.split("RANK, ROLE_RANK")[1]
+
+
+def test_restart_options_and_the_dry_runs_policy(tmp_path, capsys) -> None:
+    s = spec_of(["-n", "2", "--max-restarts", "3", "--restart-delay", "0.5",
+                 "--restart-window", "2h", "python", "t.py"])
+    assert (s.max_restarts, s.restart_delay, s.restart_window) == (3, 0.5, 7200.0)
+    assert spec_of(["-n", "1", "--restart-window", "90", "true"]).restart_window == 90.0
+    assert spec_of(["-n", "1", "--restart-window", "1.5m", "true"]).restart_window == 90.0
+    plain = spec_of(["-n", "1", "true"])
+    assert (plain.max_restarts, plain.restart_delay, plain.restart_window) == (0, 1.0, None)
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("max-restarts: 2\nrestart-delay: 3\nrestart-window: 1h\n")
+    s = spec_of(["--config", str(cfg), "-n", "1", "true"])
+    assert (s.max_restarts, s.restart_delay, s.restart_window) == (2, 3.0, 3600.0)
+    code = cli.main(["-n", "1", "-s", "0", "--tracker", "torch", "--max-restarts", "2", "--dry-run", "python", "t.py"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "restarts: up to 2 for the whole job, every role at once, after 1.0s doubling" in out
+    for var in ("PSLAUNCH_ATTEMPT=0", "PSLAUNCH_MAX_RESTARTS=2", "TORCHELASTIC_RESTART_COUNT=0",
+                "TORCHELASTIC_MAX_RESTARTS=2", "DMLC_NUM_ATTEMPT=0"):
+        assert var in out, var
+    assert cli.main(["-n", "1", "--dry-run", "true"]) == 0
+    assert "restarts: none (--max-restarts 0)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value, first", [("2", 2), ("", 0), ("x", 0), ("99999999", 0)])
+def test_a_requeued_slurm_job_goes_on_counting(monkeypatch, value: str, first: int) -> None:
+    monkeypatch.setenv("SLURM_RESTART_COUNT", value)
+    assert spec_of(["-n", "1", "true"]).first_attempt == first

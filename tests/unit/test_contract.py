@@ -149,9 +149,8 @@ def test_torch_contract_key_by_key() -> None:
                             secret="s" * 64, job_id="j", start_timeout=60, place=place, node_host="10.0.0.8")
     assert env == {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "9092", "RANK": "3", "WORLD_SIZE": "4",
                    "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2",
-                   "ROLE_RANK": "3", "ROLE_WORLD_SIZE": "4", "ROLE_NAME": "default", "TORCHELASTIC_RUN_ID": "j",
-                   "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
-                   "TORCHELASTIC_MAX_RESTARTS": "0", "DMLC_ROLE": "worker", "DMLC_TASK_ID": "3",
+                   "ROLE_RANK": "3", "ROLE_WORLD_SIZE": "4", "ROLE_NAME": "default",
+                   "TORCHELASTIC_USE_AGENT_STORE": "True", "DMLC_ROLE": "worker", "DMLC_TASK_ID": "3",
                    "DMLC_NUM_WORKER": "4", "DMLC_NUM_SERVER": "0", "DMLC_JOB_CLUSTER": "ssh",
                    "DMLC_NODE_HOST": "10.0.0.8", "PSLAUNCH_LOCAL_PROCS": "2", "PSLAUNCH_SECRET": "s" * 64,
                    "PSLAUNCH_JOB_ID": "j", "PSLAUNCH_PROCESS": "j/worker-3", "PS_START_TIMEOUT": "60"}
@@ -159,6 +158,18 @@ def test_torch_contract_key_by_key() -> None:
     later = pc.torch_contract(master_addr="10.0.0.1", master_port=9092, task_id=3, num_workers=4, cluster="sge",
                               secret="s", job_id="j", start_timeout=60, place=None)
     assert set(env) - set(later) == set(pc.torch_placement(place)) | {"DMLC_NODE_HOST"}
+
+
+def test_attempt_env_is_the_jobs_count_on_every_role() -> None:
+    ps = pc.attempt_env(attempt=2, max_restarts=3, run_id="r1", tracker="ps")
+    assert ps == {"PSLAUNCH_ATTEMPT": "2", "PSLAUNCH_MAX_RESTARTS": "3", "PSLAUNCH_RUN_ID": "r1",
+                  "DMLC_NUM_ATTEMPT": "2"}
+    torch = pc.attempt_env(attempt=2, max_restarts=3, run_id="r1", tracker="torch")
+    assert torch == {**ps, "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_MAX_RESTARTS": "3",
+                     "TORCHELASTIC_RUN_ID": "r1"}
+    assert set(torch) <= pc.owned("torch") and set(ps) <= pc.owned("ps")  # (never an inherited value)
+    with pytest.raises(ValueError):
+        pc.attempt_env(attempt=-1, max_restarts=0, run_id="r", tracker="ps")
 
 
 @pytest.mark.parametrize("hosts, expected", [

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import signal
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -60,6 +61,10 @@ class Script:
     code: int = 0
     ignores_term: bool = False
     events: list[tuple[float, str]] = field(default_factory=list)
+    #: why it could not start at all (then it "exits" with ``code`` at once)
+    failure: Optional[str] = None
+    #: the environment it was started with (filled in by the fake backend)
+    env: dict[str, str] = field(default_factory=dict)
 
 
 class FakeHandle(ProcessHandle):
@@ -68,6 +73,9 @@ class FakeHandle(ProcessHandle):
         self.script, self.clock_, self.t0 = script, clock, t0
         self.pid = 100 + proc.task_id if proc.task_id is not None else 99
         self._code: Optional[int] = None
+        if script.failure is not None:
+            self.failure = script.failure
+            self._end(script.code, t0)
 
     def _poll(self) -> Optional[int]:
         s = self.script
@@ -100,15 +108,24 @@ def fake_backend(scripts: dict[str, Script], clock: Clock, groups: list) -> type
 
         def start(self, procs: Sequence[ProcSpec]) -> ProcGroup:
             t0 = clock.now
-            group = ProcGroup(FakeHandle(p, self.console.proc(p.name, p.label, str(p.role)), clock, scripts[p.name],
-                                         t0) for p in procs)
+            group = ProcGroup(FakeHandle(p, self.console.proc(p.name, p.label, str(p.role)), clock,
+                                         _script(scripts[p.name], p), t0) for p in procs)
             groups.append(group)
             return group
 
     return FakeBackend
 
 
-def run(scripts: dict[str, Script], tmp_path, workers: int, clock: Optional[Clock] = None, **kw: Any):
+def _script(script: Any, p: ProcSpec) -> Script:
+    """A process's script: one for every attempt, or a list of one per attempt (the last repeats)."""
+    if isinstance(script, list):
+        attempt = int(p.env["PSLAUNCH_ATTEMPT"])
+        script[min(attempt, len(script) - 1)].env = dict(p.env)
+        return script[min(attempt, len(script) - 1)]
+    return script
+
+
+def run(scripts: dict[str, Any], tmp_path, workers: int, clock: Optional[Clock] = None, **kw: Any):
     clock = clock or Clock()
     spec = JobSpec(command=("prog",), num_workers=workers, num_servers=0, launcher="fake", kill_grace=10.0,
                    summary_json=str(tmp_path / "summary.json"), **kw)
@@ -311,3 +328,98 @@ def test_signal_names_in_messages() -> None:
         "SIGKILL", "SIGTERM", None, None, None)
     assert describe_exit(137) == "was killed by SIGKILL (exit code 137)" and describe_exit(3) == "exited with code 3"
     assert str(Interrupted(signal.SIGINT)) == "SIGINT" and str(Interrupted(15)) == "SIGTERM"
+
+
+# --- restarts (--max-restarts) ----------------------------------------------------------------------
+
+
+def ok() -> Script:
+    return Script(exit_at=2.0)
+
+
+def test_a_failure_restarts_every_process_with_the_attempt_in_their_environment(tmp_path, caplog) -> None:
+    caplog.set_level(logging.INFO)
+    scripts = {"worker-0": [Script(), Script(), ok()],
+               "worker-1": [Script(exit_at=1.0, code=3), Script(exit_at=1.0, code=137), ok()]}
+    result, sup, clock, doc = run(scripts, tmp_path, 2, max_restarts=2, restart_delay=1.0)
+    assert result.exit_code == 0 and result.reason == "success"
+    attempts = doc["attempts"]
+    assert [a["attempt"] for a in attempts] == [0, 1, 2]
+    assert [a["reason"] for a in attempts] == ["failure", "failure", "success"]
+    assert [a["cause"]["process"] for a in attempts[:2]] == ["worker-1", "worker-1"]
+    assert attempts[1]["cause"]["signal"] == "SIGKILL" and attempts[0]["cause"]["exit_code"] == 3
+    # the delays double from --restart-delay, with +-10% jitter, and are waited for
+    assert 0.9 <= attempts[0]["delay"] <= 1.1 and 1.8 <= attempts[1]["delay"] <= 2.2
+    for a, b in zip(attempts, attempts[1:]):
+        assert b["start_time"] - a["end_time"] == pytest.approx(a["delay"], abs=0.05)
+    # every process of attempt k was stopped before attempt k+1 started
+    assert [e for _, e in scripts["worker-0"][0].events] == ["TERM"]
+    assert doc["restarts"] == {"max": 2, "done": 2, "first_delay": 1.0, "window": None}
+    # each attempt's processes learn it; the run id stays, the secret is new
+    envs = [scripts["worker-0"][k].env for k in range(3)]
+    assert [e["PSLAUNCH_ATTEMPT"] for e in envs] == ["0", "1", "2"]
+    assert {e["PSLAUNCH_MAX_RESTARTS"] for e in envs} == {"2"}
+    assert len({e["PSLAUNCH_RUN_ID"] for e in envs}) == 1 and envs[0]["PSLAUNCH_RUN_ID"] == envs[0]["PSLAUNCH_JOB_ID"]
+    assert len({e["PSLAUNCH_SECRET"] for e in envs}) == 3
+    assert "after 2 restarts" in caplog.text
+
+
+def test_the_budget_is_the_jobs_not_each_processs(tmp_path, caplog) -> None:
+    # a different process fails in each attempt: torchrun's per-node counts would allow this; ours do not
+    fail = Script(exit_at=1.0, code=5)
+    scripts = {"worker-0": [fail, Script(), Script(), ok()],
+               "worker-1": [Script(), Script(exit_at=1.0, code=6), Script(), ok()],
+               "worker-2": [Script(), Script(), Script(exit_at=1.0, code=7), ok()]}
+    result, sup, clock, doc = run(scripts, tmp_path, 3, max_restarts=2, restart_delay=0.5)
+    assert result.exit_code == 7 and result.reason == "failure"
+    assert len(doc["attempts"]) == 3 and doc["attempts"][-1]["delay"] is None
+    said = [m for m in caplog.messages if m.startswith("attempt ")]
+    assert said[-1] == "attempt 3/3 failed: worker 2 on fakehost (pid 102) exited with code 7; 2/2 restarts used"
+    assert said[0].startswith("attempt 1/3 failed: worker 0 on fakehost (pid 100) exited with code 5; restarting "
+                              "every process in ")
+    assert said[0].endswith("s (restart 1/2)") and result.message == said[-1]
+
+
+def test_the_window_gives_the_budget_back(tmp_path, caplog) -> None:
+    caplog.set_level(logging.INFO)
+    long_fail, quick_fail = Script(exit_at=20.0, code=3), Script(exit_at=1.0, code=4)
+    scripts = {"worker-0": [long_fail, Script(exit_at=20.0, code=3), Script(exit_at=20.0, code=3), quick_fail]}
+    result, sup, clock, doc = run(scripts, tmp_path, 1, max_restarts=1, restart_delay=1.0, restart_window=10.0)
+    # each of the first three ran 20 s >= the window: the budget (1) came back each time
+    assert [a["reason"] for a in doc["attempts"]] == ["failure"] * 4 and result.exit_code == 4
+    assert all(0.9 <= a["delay"] <= 1.1 for a in doc["attempts"][:3])  # the delays start again too
+    assert "the restart budget is back" in caplog.text
+
+
+@pytest.mark.parametrize("case", ["timeout", "could-not-start"])
+def test_what_never_restarts(tmp_path, case: str) -> None:
+    if case == "timeout":
+        scripts = {"worker-0": [Script(), ok()]}
+        result, sup, clock, doc = run(scripts, tmp_path, 1, max_restarts=3, timeout=5.0)
+        assert result.exit_code == 124
+    else:
+        scripts = {"worker-0": [Script(code=127, failure="cannot run 'prog': no such program"), ok()]}
+        result, sup, clock, doc = run(scripts, tmp_path, 1, max_restarts=3)
+        assert result.exit_code == 127
+    assert len(doc["attempts"]) == 1 and doc["attempts"][0]["delay"] is None
+
+
+def test_a_signal_while_waiting_to_restart_ends_the_job(tmp_path) -> None:
+    clock = Clock()
+    holder: list = []
+
+    def ctrl_c(now: float) -> None:  # during the 30 s wait before attempt 1
+        if now - 1000.0 >= 10.0 and not holder[0].signals.count:
+            holder[0].signals.handle(signal.SIGINT)
+
+    scripts = {"worker-0": [Script(exit_at=1.0, code=3), ok()]}
+    spec = JobSpec(command=("prog",), num_workers=1, num_servers=0, launcher="fake", max_restarts=2,
+                   restart_delay=30.0, summary_json=str(tmp_path / "s.json"))
+    sup = Supervisor(spec, Console(stdout=io.BytesIO(), stderr=io.BytesIO(), color=False),
+                     backend=fake_backend(scripts, clock, []), clock=clock, watchdog=False)
+    holder.append(sup)
+    clock.on_sleep.append(ctrl_c)
+    result = sup.run()
+    assert result.exit_code == 130 and result.reason == "signal"
+    assert scripts["worker-0"][1].env == {}  # attempt 1 never started
+    assert clock.now - 1000.0 < 15.0

@@ -63,7 +63,8 @@ def job_dir(tmp_path):
 def _role_env(role: str, task_base: int) -> dict:
     return {"PS_VERBOSE": "1", "DMLC_ROLE": role, "DMLC_PS_ROOT_URI": "10.1.0.5", "DMLC_PS_ROOT_PORT": "9091",
             "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "PSLAUNCH_JOB_ID": "abc123", "PS_START_TIMEOUT": "60",
-            "DMLC_JOB_CLUSTER": "yarn", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+            "DMLC_JOB_CLUSTER": "yarn", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
+            "PSLAUNCH_ATTEMPT": "0", "PSLAUNCH_MAX_RESTARTS": "0", "PSLAUNCH_RUN_ID": "abc123", "DMLC_NUM_ATTEMPT": "0"}
 
 
 def test_app_spec_golden(job_dir) -> None:
