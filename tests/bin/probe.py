@@ -22,7 +22,7 @@ import time
 ROLE, TASK_ID, NUM_WORKER = "DMLC_ROLE", "DMLC_TASK_ID", "DMLC_NUM_WORKER"
 ROOT_URI, ROOT_PORT = "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT"
 TRACKERS = (("DMLC_TRACKER_URI", "DMLC_TRACKER_PORT"), ("MASTER_ADDR", "MASTER_PORT"))
-ATTEMPT, RUN_ID = "PSLAUNCH_ATTEMPT", "PSLAUNCH_RUN_ID"
+ATTEMPT = "PSLAUNCH_ATTEMPT"
 
 
 def name_of(env: dict) -> str:
@@ -74,14 +74,28 @@ def _wait_for_the_others(out: str, env: dict, timeout: float = 30.0) -> None:
     time.sleep(1.0)
 
 
-def _previous_alive(out: str, env: dict, attempt: int) -> list:
+def _started_at(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch), or None: gone, or a zombie.
+    From /proc/<pid>/stat, which any user may read (another user's environment is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+    except (OSError, StopIteration, IndexError, ValueError):
+        return None
+    if fields[0] in ("Z", "X"):
+        return None
+    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def _previous_alive(out: str, attempt: int) -> list:
     """The processes of the job's previous attempt still alive now, as ``[(name, pid)]``: those
-    whose records the previous attempt wrote (with their grandchildren), found running with that
-    attempt's ``PSLAUNCH_ATTEMPT`` and this job's run id (not a reused pid)."""
+    whose records the previous attempt wrote (with their grandchildren), found running and
+    started before their record was written (not a reused pid)."""
     if attempt == 0:
         return []
     history = os.path.join(out, "history")
-    want = [f"{ATTEMPT}={attempt - 1}".encode(), f"{RUN_ID}={env.get(RUN_ID, '')}".encode()]
     alive = []
     for name in sorted(os.listdir(history)) if os.path.isdir(history) else []:
         if not name.endswith(f".{attempt - 1}.json"):
@@ -89,12 +103,8 @@ def _previous_alive(out: str, env: dict, attempt: int) -> list:
         with open(os.path.join(history, name)) as f:
             rec = json.load(f)
         for pid in [rec["pid"], rec.get("child"), *rec.get("escaped", [])]:
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    environ = f.read().split(b"\0")
-            except (OSError, TypeError):
-                continue
-            if all(w in environ for w in want):
+            started = _started_at(pid) if pid else None
+            if started is not None and started <= rec["time"] + 1.0:  # (boot time has 1 s steps)
                 alive.append((rec["name"], pid))
     return alive
 
@@ -180,12 +190,16 @@ def main() -> int:
         "name": me, "env": env, "argv": sys.argv[1:], "rest": a.rest, "cwd": os.getcwd(), "pid": os.getpid(),
         "pgid": os.getpgid(0), "sid": os.getsid(0), "host": socket.gethostname(), "child": child_pid,
         "time": time.time(), "netns": _netns(), "escaped": escaped, "attempt": attempt,
-        "previous_alive": _previous_alive(a.out, env, attempt),
+        "previous_alive": _previous_alive(a.out, attempt),
     }
     if a.reach_tracker:
         record["tracker"] = _reach(env)
     history = os.path.join(a.out, "history")  # every attempt's records (OUT/<name>.json: the latest)
     os.makedirs(history, exist_ok=True)
+    try:
+        os.chmod(history, 0o777)  # (the testbed's hosts may run the probes as other users)
+    except OSError:
+        pass
     for target in (os.path.join(history, f"{me}.{attempt}.json"), os.path.join(a.out, f"{me}.json")):
         tmp = os.path.join(a.out, f".{me}.{os.getpid()}.tmp")
         with open(tmp, "w") as f:

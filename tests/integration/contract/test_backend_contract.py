@@ -468,3 +468,92 @@ def test_a_program_that_never_talks_to_the_rabit_tracker_does_not_hang_the_job(c
     assert r.returncode == 124, r.stderr
     assert took < first + cluster.timeout + 30, f"--timeout {cluster.timeout:g}s took {took:.1f}s to end the job"
     assert_nothing_left(cluster)
+
+
+# --- restarts (--max-restarts) ----------------------------------------------------------------------
+
+
+def _history(cluster: Cluster) -> dict[int, dict[str, dict]]:
+    """Every attempt's probe records: ``{attempt: {name: record}}``."""
+    out: dict[int, dict[str, dict]] = {}
+    for f in sorted((cluster.out / "history").glob("*.json")):
+        name, attempt = f.stem.rsplit(".", 1)
+        out.setdefault(int(attempt), {})[name] = json.loads(f.read_text())
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("victim", ["worker-1", "server-0", "scheduler"])
+def test_a_killed_process_restarts_the_whole_job(cluster: Cluster, tmp_path: Path, victim: str) -> None:
+    """kill -9 of any role in attempt 0: every role starts again as attempt 1, after every process
+    of attempt 0 (grandchildren and escapees included) is gone, on every host; the job exits 0."""
+    summary = tmp_path / "summary.json"
+    r = cluster.run("-n", "2", "-s", "1", "--kill-grace", "1", "--max-restarts", "2", "--restart-delay", "0",
+                    "--summary-json", str(summary),
+                    *cluster.probe("--listen", "--sleep", "3", "--child", "--escape", "--kill-self", f"{victim}:KILL",
+                                   "--on-attempts", "0"), timeout=200)
+    assert r.returncode == 0, r.stderr
+    label = victim.replace("-", " ")
+    assert re.search(rf"attempt 1/3 failed: {label} on \S+ \(pid \d+\) killed by SIGKILL; restarting every process "
+                     r"in 0\.0s \(restart 1/2\)", r.stderr), r.stderr
+    assert "exited 0" in r.stderr and "(after 1 restart)" in r.stderr
+    doc = json.loads(summary.read_text())
+    assert [(a["attempt"], a["reason"]) for a in doc["attempts"]] == [(0, "failure"), (1, "success")]
+    cause = doc["attempts"][0]["cause"]
+    assert cause["process"] == victim and cause["signal"] == "SIGKILL" and cause["exit_code"] == 137
+    history = _history(cluster)
+    names = ["scheduler", "server-0", "worker-0", "worker-1"]
+    assert sorted(history[1]) == names, sorted(history[1])
+    assert victim in history[0]
+    first, second = history[0][victim]["env"], history[1]["worker-0"]["env"]
+    for name, rec in history[1].items():
+        env = rec["env"]
+        assert env["PSLAUNCH_ATTEMPT"] == "1" and env["DMLC_NUM_ATTEMPT"] == "1", name
+        assert env["PSLAUNCH_MAX_RESTARTS"] == "2", name
+        assert env["PSLAUNCH_RUN_ID"] == first["PSLAUNCH_RUN_ID"] == env["PSLAUNCH_JOB_ID"], name
+        assert env["PSLAUNCH_SECRET"] != first["PSLAUNCH_SECRET"], name  # fresh per attempt
+        assert rec["previous_alive"] == [], (name, rec["previous_alive"])  # nothing of attempt 0 ran on
+    assert second["DMLC_PS_ROOT_PORT"] != first["DMLC_PS_ROOT_PORT"]  # a fresh port too
+    assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(240)
+def test_a_job_that_fails_every_time_ends_with_its_code_after_n_restarts(cluster: Cluster, tmp_path: Path) -> None:
+    summary = tmp_path / "summary.json"
+    r = cluster.run("-n", "2", "-s", "0", "--kill-grace", "1", "--max-restarts", "2", "--restart-delay", "0.2",
+                    "--summary-json", str(summary), *cluster.probe("--sleep", "30", "--fail", "worker-1:3:0.5"),
+                    timeout=200)
+    assert r.returncode == 3, r.stderr
+    last = [x for x in r.stderr.splitlines() if "attempt 3/3 failed" in x]
+    assert len(last) == 1 and re.search(r"error: attempt 3/3 failed: worker 1 on \S+ \(pid \d+\) exited with code 3; "
+                                        r"2/2 restarts used$", last[0]), r.stderr
+    assert r.stderr.rstrip().splitlines()[-1] == last[0]  # the last word
+    doc = json.loads(summary.read_text())
+    assert [a["attempt"] for a in doc["attempts"]] == [0, 1, 2] and doc["exit_code"] == 3
+    delays = [a["delay"] for a in doc["attempts"]]
+    assert 0.18 <= delays[0] <= 0.22 and 0.36 <= delays[1] <= 0.44 and delays[2] is None
+    for a in doc["attempts"]:
+        assert a["cause"]["process"] == "worker-1" and a["cause"]["exit_code"] == 3
+        assert "worker-1 failing with code 3" in a["cause"]["last_lines"]
+    history = _history(cluster)
+    assert sorted(history) == [0, 1, 2]
+    for attempt, records in history.items():
+        assert {rec["env"]["PSLAUNCH_ATTEMPT"] for rec in records.values()} == {str(attempt)}
+        assert all(rec["previous_alive"] == [] for rec in records.values()), records
+    assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(200)
+def test_torch_jobs_get_torchruns_restart_variables(cluster: Cluster, tmp_path: Path) -> None:
+    r = cluster.run("-n", "2", "-s", "0", "--tracker", "torch", "--kill-grace", "1", "--max-restarts", "1",
+                    "--restart-delay", "0", *cluster.probe("--sleep", "1", "--kill-self", "worker-0:KILL",
+                                                           "--on-attempts", "0"), timeout=160)
+    assert r.returncode == 0, r.stderr
+    history = _history(cluster)
+    for attempt in (0, 1):
+        for name, rec in history[attempt].items():
+            env = rec["env"]
+            assert env["TORCHELASTIC_RESTART_COUNT"] == env["PSLAUNCH_ATTEMPT"] == str(attempt), name
+            assert env["TORCHELASTIC_MAX_RESTARTS"] == "1" and env["TORCHELASTIC_RUN_ID"] == env["PSLAUNCH_RUN_ID"]
+    assert history[0]["worker-1"]["env"]["TORCHELASTIC_RUN_ID"] == history[1]["worker-1"]["env"]["TORCHELASTIC_RUN_ID"]
+    assert_nothing_left(cluster)
