@@ -294,3 +294,51 @@ def test_terminal_escapes_from_a_process_are_shown_not_obeyed(tmp_path, raw: boo
     assert f"[worker 0] {SHOWN}ok" in r.stderr.splitlines()
     assert f"pslaunch: error:   | {SHOWN}^[[1;32mok^[[0m" in r.stderr.splitlines()  # the failure report's tail
     assert (logs / "worker-0.log").read_text() == ((line if raw else SHOWN + "^[[1;32mok^[[0m") + "\n") * 2
+
+
+# --- restarts: what never restarts, and the log files across attempts --------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_timeout_is_the_whole_jobs_across_attempts(probe) -> None:
+    # attempt 0 fails after 1 s; attempt 1 would run 30 s: --timeout 4 ends the job 4 s after its start
+    t0 = time.monotonic()
+    r = run_pslaunch("-n", "1", "-s", "0", "--max-restarts", "3", "--restart-delay", "0.5", "--timeout", "4",
+                     "--kill-grace", "1", *probe("--sleep", "30", "--fail", "worker-0:3:1", "--on-attempts", "0"))
+    took = time.monotonic() - t0
+    assert r.returncode == 124, r.stderr
+    assert "restarting every process in 0.5s (restart 1/3)" in r.stderr
+    assert 4 <= took < 12, took  # (the dumps of the stacks take 3 s)
+    assert "--timeout 4s" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_waiting_to_restart_ends_the_job(probe, tmp_path) -> None:
+    summary = tmp_path / "s.json"
+    p = start_pslaunch("-n", "1", "-s", "0", "--max-restarts", "3", "--restart-delay", "30", "--summary-json",
+                       str(summary), *probe("--sleep", "30", "--fail", "worker-0:3:0.2"))
+    deadline = time.monotonic() + 20
+    seen = ""
+    while "restarting every process in" not in seen and time.monotonic() < deadline:
+        seen += p.stderr.readline()
+    assert "restarting every process in" in seen, seen
+    t0 = time.monotonic()
+    p.send_signal(2)
+    _, err = p.communicate(timeout=15)
+    assert p.returncode == 130, seen + err
+    assert time.monotonic() - t0 < 5
+    assert "stopped by SIGINT (Ctrl-C)" in err
+    doc = json.loads(summary.read_text())
+    assert [a["attempt"] for a in doc["attempts"]] == [0] and doc["reason"] == "signal"
+
+
+@pytest.mark.timeout(60)
+def test_log_files_go_on_across_attempts(probe, tmp_path) -> None:
+    logs = tmp_path / "logs"
+    r = run_pslaunch("-n", "2", "-s", "0", "--max-restarts", "1", "--restart-delay", "0", "--log-dir", str(logs),
+                     *probe("--print", "hello", "--fail", "worker-1:3:0.5", "--on-attempts", "0"))
+    assert r.returncode == 0, r.stderr
+    text = (logs / "worker-0.log").read_text()
+    assert text.count("hello") == 2, text
+    first, banner, second = text.partition("--- pslaunch: attempt 1 (PSLAUNCH_ATTEMPT=1) ---\n")
+    assert banner and "hello" in first and "hello" in second, text

@@ -546,6 +546,24 @@ def test_sync_dst_dir(testbed: Testbed, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.timeout(120)
+def test_a_restart_does_not_sync_an_unchanged_tree_again(testbed: Testbed, tmp_path: Path) -> None:
+    src = _project(tmp_path)
+    (src / "run.sh").write_text('#!/bin/sh\necho "attempt $PSLAUNCH_ATTEMPT in $(pwd)"\n'
+                                '[ "$PSLAUNCH_ATTEMPT" = 0 ] && [ "$DMLC_TASK_ID" = 1 ] && exit 3\nexit 0\n')
+    dst = f"{testbed.sync_root}/restart-{uuid.uuid4().hex[:6]}"
+    hosts = testbed.hosts[:2]
+    r = run_ssh(testbed, "-n", "2", "-s", "0", "-H", hostfile(testbed, tmp_path, 2), "--sync-dst-dir", dst,
+                "--max-restarts", "1", "--restart-delay", "0", "./run.sh", env=testbed.env(), cwd=src)
+    assert r.returncode == 0, r.stderr
+    synced = [x for x in r.stderr.splitlines() if f"synced {src} to " in x]
+    assert len(synced) == 4, r.stderr  # each host, each attempt
+    for h in hosts:
+        first, again = [x for x in synced if f" to {h.addr_a}:{dst}: " in x]
+        assert ": 4 files" in first and ": 0 files, 0 B sent" in again, (first, again)
+    assert r.stdout.count(f"attempt 1 in {dst}") == 2, r.stdout
+
+
 def test_sync_of_a_tree_whose_file_list_is_longer_than_an_output_frame(testbed: Testbed, tmp_path: Path) -> None:
     """30,000 new files: the host's answer lists them all (over 1 MiB, more than a process's output
     frame may be) and it arrives (it was dropped, and the sync waited 600 s for it)."""

@@ -546,10 +546,11 @@ def test_a_job_that_fails_every_time_ends_with_its_code_after_n_restarts(cluster
 @pytest.mark.timeout(200)
 def test_torch_jobs_get_torchruns_restart_variables(cluster: Cluster, tmp_path: Path) -> None:
     r = cluster.run("-n", "2", "-s", "0", "--tracker", "torch", "--kill-grace", "1", "--max-restarts", "1",
-                    "--restart-delay", "0", *cluster.probe("--sleep", "1", "--kill-self", "worker-0:KILL",
+                    "--restart-delay", "0", *cluster.probe("--sleep", "1", "--fail", "worker-0:3:1.5",
                                                            "--on-attempts", "0"), timeout=160)
     assert r.returncode == 0, r.stderr
     history = _history(cluster)
+    assert sorted(history[0]) == sorted(history[1]) == ["worker-0", "worker-1"]  # (worker-0 failed 1.5 s in)
     for attempt in (0, 1):
         for name, rec in history[attempt].items():
             env = rec["env"]
