@@ -560,7 +560,7 @@ def test_a_restart_does_not_sync_an_unchanged_tree_again(testbed: Testbed, tmp_p
     assert len(synced) == 4, r.stderr  # each host, each attempt
     for h in hosts:
         first, again = [x for x in synced if f" to {h.addr_a}:{dst}: " in x]
-        assert ": 4 files" in first and ": 0 files, 0 B sent" in again, (first, again)
+        assert ": 5 files" in first and ": 0 files, 0 B sent" in again, (first, again)
     assert r.stdout.count(f"attempt 1 in {dst}") == 2, r.stdout
 
 
