@@ -68,10 +68,11 @@ def _clock(seconds: float) -> str:
 
 
 def status_text(running: Mapping[str, tuple[int, int]], hosts: Mapping[str, int], elapsed: float,
-                latest: Optional[Latest], width: int) -> str:
+                latest: Optional[Latest], width: int, restarts: str = "") -> str:
     """The status line (pure): ``running`` maps a role to (running, total), ``hosts`` a host to
-    its running processes; cut to ``width`` characters."""
-    parts = [f"pslaunch {_clock(elapsed)}"]
+    its running processes, ``restarts`` the restarts so far (``restart 1/3``; empty: none); cut
+    to ``width`` characters."""
+    parts = [f"pslaunch {_clock(elapsed)}" + (f" ({restarts})" if restarts else "")]
     parts.append(", ".join(f"{role} {running[role][0]}/{running[role][1]}" for role in ROLES if role in running))
     if len(hosts) > 1:
         shown = sorted(hosts.items())
@@ -118,6 +119,8 @@ class Progress:
         self.start = start
         self.width = width
         self.latest: Optional[Latest] = None
+        #: the job's restarts so far, shown after the clock (``restart 1/3``; empty: none yet)
+        self.restarts = ""
         self._lock = threading.Lock()
         self._last = -1.0
         console.observe("worker-0", self._line)
@@ -143,7 +146,7 @@ class Progress:
         width = self.width or _terminal_columns()
         with self._lock:
             latest = self.latest
-        self.console.set_status(status_text(running, hosts, now - self.start, latest, width))
+        self.console.set_status(status_text(running, hosts, now - self.start, latest, width, self.restarts))
 
     def close(self) -> None:
         self.console.clear_status()

@@ -196,7 +196,7 @@ class Supervisor:
                 return waited
             if self.plan is not None:
                 port = self.plan.root_port  # (each attempt on a fresh port: nothing of the last reaches it)
-            self._next_attempt()
+            self._next_attempt(f"restart {restarts.used}/{restarts.limit}")
 
     def _attempt_on_free_port(self, after_port: int) -> tuple[str, int]:
         """One attempt of the job, started again on the next port while its scheduler loses the
@@ -241,7 +241,7 @@ class Supervisor:
             else:
                 self.clock.sleep(min(left, POLL_INTERVAL))
 
-    def _next_attempt(self) -> None:
+    def _next_attempt(self, restarts: str) -> None:
         """Forget the attempt that ended (every process of it is gone: :meth:`_shutdown` waited
         for each, and the sweep took what left its group) and get ready for the next: a fresh
         secret and port, the same run id."""
@@ -255,8 +255,10 @@ class Supervisor:
         self.signals.deferred = None
         if self.spec.timeout and self.clock is time:
             self.signals.alarm(max(0.001, self.start_time + self.spec.timeout - self.clock.time()))
-        if self.progress is not None:
-            self.progress = _progress(self.console, self.spec.progress, self._expected, self.clock.time())
+        if self.progress is not None:  # (the attempt's teardown closed it)
+            self.progress = _progress(self.console, self.spec.progress, self._expected, self.start_time)
+            if self.progress is not None:
+                self.progress.restarts = restarts
 
     def _attempt(self, attempt: int, after_port: int) -> tuple[str, int]:
         """One try at the job, on the first free port after ``after_port``: ``(reason, exit code)``,

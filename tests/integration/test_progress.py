@@ -168,3 +168,5 @@ def test_the_line_itself() -> None:
                     "batch 300, 1,235 samples/s, accuracy 0.912, validation accuracy 0.981")
     assert status_text({"worker": (1, 1)}, {"localhost": 1}, 3725, None, 200) == "pslaunch 1:02:05 | worker 1/1"
     assert len(status_text({"worker": (1, 1)}, {}, 1, latest, 30)) == 29
+    restarted = status_text({"worker": (1, 1)}, {}, 65, None, 200, "restart 1/3")
+    assert restarted == "pslaunch 1:05 (restart 1/3) | worker 1/1"
