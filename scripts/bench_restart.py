@@ -206,8 +206,11 @@ def torchrun_argv(n: int, program: str, out: Path) -> list[str]:
 
 
 def fmt(values: list[dict], key: str = "all") -> str:
+    """The median of ``key`` over the runs that came up, and how many did not."""
     xs = [v[key] for v in values if v.get(key) is not None]
-    return f"{statistics.median(xs):.2f}" if xs else "-"
+    failed = sum(1 for v in values if "failed" in v)
+    text = f"{statistics.median(xs):.2f}" if xs else "-"
+    return text + (f" ({failed} of {len(values)} failed)" if failed else "")
 
 
 def main() -> int:
@@ -217,6 +220,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=300, help="seconds one attempt may take to come up")
     ap.add_argument("--no-ssh", dest="ssh", action="store_false", help="skip the ssh cells (they need root)")
+    ap.add_argument("--cells", default=None, help="only these cells, e.g. 'local:torchrun,ssh:0' (local or ssh, "
+                    "then 1s, 0, torchrun or torchrun-noshare)")
     ap.add_argument("--json", default=None, help="also write every run's numbers here")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--torch", action="store_true", help=argparse.SUPPRESS)
@@ -240,9 +245,11 @@ def main() -> int:
     load0 = " ".join(f"{x:.2f}" for x in os.getloadavg())
     results: dict[tuple, list[dict]] = {}
     try:
-        cells: list[tuple] = [("local", "1s"), ("local", "0"), ("local", "torchrun")]
+        cells: list[tuple] = [("local", "1s"), ("local", "0"), ("local", "torchrun"), ("local", "torchrun-noshare")]
         if tb is not None:
             cells += [("ssh", "1s"), ("ssh", "0")]
+        if a.cells:
+            cells = [c for c in cells if ":".join(c) in a.cells.split(",")]
         for program in programs:
             for n in sizes:
                 for rep in range(a.repeat):
@@ -254,19 +261,27 @@ def main() -> int:
                         log = tmp / f"{out.name}.log"
                         summary = tmp / f"{out.name}.json"
                         run_env = env
-                        if what == "torchrun":
+                        if what.startswith("torchrun"):
                             argv = torchrun_argv(n, program, out)
+                            if what == "torchrun-noshare":  # (pytorch/pytorch#135712: a fresh store per attempt)
+                                run_env = dict(env, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
                         else:
                             hostfile = None
                             if tb is not None and backend == "ssh":
                                 hosts, slots = spread(n)
                                 hostfile = tb.write_hostfile(tmp / f"hosts-{n}", tb.hosts[:hosts],
-                                                             "{addr_a} slots=%d" % slots)
+                                                             f"{{addr_a}} slots={slots}")
                                 run_env = tb.env(env)
                             argv = pslaunch_argv(n, program, out, None if what == "1s" else 0.0, summary,
                                                  hostfile, tb.subnet_b if tb is not None else None)
-                        r = Run(argv, out, n, run_env, log, a.timeout)()
-                        if what != "torchrun":
+                        try:
+                            r = Run(argv, out, n, run_env, log, a.timeout)()
+                        except RuntimeError as e:  # (counted in the cell: a restart that did not come up)
+                            results.setdefault((program, n, backend, what), []).append({"failed": str(e)})
+                            print(f"[{rep + 1}/{a.repeat}] {program} N={n} {backend} {what}: FAILED: {e}",
+                                  file=sys.stderr, flush=True)
+                            continue
+                        if not what.startswith("torchrun"):
                             r.update(summary_phases(summary, r["killed"]))
                             r["rest"] = r["all"] - r["teardown"] - r["delay"]
                         results.setdefault((program, n, backend, what), []).append(r)
@@ -281,16 +296,17 @@ def main() -> int:
     print(f"\nkill -9 of the last rank to every process of attempt 1 running, seconds, median of {a.repeat}; "
           f"{os.cpu_count()} cores; torch: after init_process_group(gloo), plain: at its start\n")
     print("| program | N | backend | pslaunch, default delay (1 s) | pslaunch --restart-delay 0 "
-          "| torchrun --max-restarts 1 | pslaunch delay 0: teardown / first process started |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | --- |")
+          "| torchrun --max-restarts 1 | torchrun, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+          "| pslaunch delay 0: teardown / first process started |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |")
     for program in programs:
         for n in sizes:
             for backend in ("local", "ssh") if tb is not None else ("local",):
-                d1 = results.get((program, n, backend, "1s"), [])
-                d0 = results.get((program, n, backend, "0"), [])
-                tr = results.get((program, n, backend, "torchrun"), [])
-                print(f"| {program} | {n} | {backend} | {fmt(d1)} | {fmt(d0)} | {fmt(tr) if tr else '-'} | "
-                      f"{fmt(d0, 'teardown')} / {fmt(d0, 'first_start')} |")
+                got = {what: results.get((program, n, backend, what), [])
+                       for what in ("1s", "0", "torchrun", "torchrun-noshare")}
+                cols = [fmt(v) if v else "-" for v in got.values()]
+                print(f"| {program} | {n} | {backend} | {' | '.join(cols)} | "
+                      f"{fmt(got['0'], 'teardown')} / {fmt(got['0'], 'first_start')} |")
     print(f"\nload average before/after: {load0} / {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
           f"logs in {tmp}")
     if a.json:
