@@ -19,7 +19,8 @@ Two programs:
 Every process also writes a ``start`` line when Python has started (before ``import torch``), so
 the table can say where the time goes: for pslaunch, from ``--summary-json``, the kill to the end
 of attempt 0 (noticed, every other process stopped), the delay it drew, and the rest (spawn, and
-torch's import and rendezvous).
+torch's import and rendezvous); and, for scale, attempt 0's own start: from its first process's
+``start`` line to its last ``up`` line (what any start of the program costs, restart or not).
 
 Cells: local and ssh (``--launcher ssh`` on the namespace testbed of ``tests/support/testbed.py``,
 N processes over min(N, 4) hosts; needs root, and ``flock -o /tmp/pslaunch-it.lock``), each with
@@ -143,7 +144,8 @@ class Run:
             proc = subprocess.Popen(self.argv, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         try:
-            seen, _ = self._wait("up", 0, proc)
+            seen, (_, up0) = self._wait("up", 0, proc)
+            cold = up0 - min(t for _, t in seen[("start", 0)].values())
             time.sleep(1.0)  # settled: attempt 0's processes sleep, the launcher watches
             victim = seen[("up", 0)][self.n - 1][0]
             killed = time.time()
@@ -151,7 +153,7 @@ class Run:
             seen, (_, up) = self._wait("up", 1, proc)
             first_start = all_in(seen, "start", 1, self.n)
             started = min(t for _, t in seen[("start", 1)].values()) if ("start", 1) in seen else up
-            return {"all": up - killed, "first_start": started - killed,
+            return {"all": up - killed, "first_start": started - killed, "cold": cold,
                     "all_start": (first_start[1] - killed) if first_start else None, "killed": killed}
         finally:
             self._stop(proc)
@@ -297,8 +299,8 @@ def main() -> int:
           f"{os.cpu_count()} cores; torch: after init_process_group(gloo), plain: at its start\n")
     print("| program | N | backend | pslaunch, default delay (1 s) | pslaunch --restart-delay 0 "
           "| torchrun --max-restarts 1 | torchrun, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
-          "| pslaunch delay 0: teardown / first process started |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |")
+          "| pslaunch delay 0: teardown / first process started | attempt 0: first start to all up |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: |")
     for program in programs:
         for n in sizes:
             for backend in ("local", "ssh") if tb is not None else ("local",):
@@ -306,7 +308,7 @@ def main() -> int:
                        for what in ("1s", "0", "torchrun", "torchrun-noshare")}
                 cols = [fmt(v) if v else "-" for v in got.values()]
                 print(f"| {program} | {n} | {backend} | {' | '.join(cols)} | "
-                      f"{fmt(got['0'], 'teardown')} / {fmt(got['0'], 'first_start')} |")
+                      f"{fmt(got['0'], 'teardown')} / {fmt(got['0'], 'first_start')} | {fmt(got['0'], 'cold')} |")
     print(f"\nload average before/after: {load0} / {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
           f"logs in {tmp}")
     if a.json:
