@@ -306,6 +306,8 @@ def main() -> int:
             for backend in ("local", "ssh") if tb is not None else ("local",):
                 got = {what: results.get((program, n, backend, what), [])
                        for what in ("1s", "0", "torchrun", "torchrun-noshare")}
+                if not any(got.values()):
+                    continue  # (a cell that --cells left out)
                 cols = [fmt(v) if v else "-" for v in got.values()]
                 print(f"| {program} | {n} | {backend} | {' | '.join(cols)} | "
                       f"{fmt(got['0'], 'teardown')} / {fmt(got['0'], 'first_start')} | {fmt(got['0'], 'cold')} |")
