@@ -26,12 +26,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -72,6 +73,12 @@ class TrainConfig:
     model_prefix: str | None = None
     save_period: int = 1
     load_epoch: int | None = None
+    #: start from the newest complete checkpoint of model_prefix, or from scratch when there is none
+    resume: bool = False
+    #: also checkpoint every this many batches of an epoch (and at every epoch's end); 0: off
+    checkpoint_every_batches: int = 0
+    #: the launcher's attempt number (PSLAUNCH_ATTEMPT), for the log only
+    attempt: int | None = None
     num_examples: int = 60000
     seed: int = 0
     devices: tuple[str, ...] = ("cpu",)
@@ -159,13 +166,78 @@ def optimizer_spec(cfg: TrainConfig, kv_type: str, num_workers: int, epoch_size:
     return spec
 
 
-def checkpoint_path(prefix: str | os.PathLike[str], epoch: int) -> Path:
-    """``<prefix>-<epoch, 4 digits>.pt``, as MXNet names ``.params`` files."""
+def checkpoint_path(prefix: str | os.PathLike[str], epoch: int, batch: int = 0) -> Path:
+    """``<prefix>-<epoch, 4 digits>.pt`` after ``epoch`` whole epochs, as MXNet names ``.params``
+    files; ``<prefix>-<epoch>-<batch, 6 digits>.pt`` for ``batch`` batches into the next epoch
+    (``--checkpoint-every-batches``)."""
+    if batch:
+        return Path(f"{os.fspath(prefix)}-{epoch:04d}-{batch:06d}.pt")
     return Path(f"{os.fspath(prefix)}-{epoch:04d}.pt")
 
 
+#: what follows the prefix in a checkpoint's name (a temporary, ``NAME.pt.<pid>.<hex>.tmp``, never matches)
+_CHECKPOINT_NAME = re.compile(r"-(\d{4,})(?:-(\d{6,}))?\.pt")
+
+
+def list_checkpoints(prefix: str | os.PathLike[str]) -> list[tuple[tuple[int, int], Path]]:
+    """The checkpoint files of ``prefix`` by name, newest position ``(epoch, batch)`` first.
+
+    Only names are read: whether a file is complete is :func:`newest_checkpoint`'s question.
+    """
+    base = Path(prefix)
+    try:
+        names = os.listdir(base.parent)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        m = _CHECKPOINT_NAME.fullmatch(name[len(base.name):]) if name.startswith(base.name) else None
+        if m:
+            found.append(((int(m[1]), int(m[2] or 0)), base.parent / name))
+    return sorted(found, reverse=True)
+
+
+def newest_checkpoint(prefix: str | os.PathLike[str], network: str) -> tuple[Path, dict[str, Any]] | None:
+    """The newest complete checkpoint of ``prefix`` and its state, or None when there is none.
+
+    A file that does not load, or whose content does not say the position its name says,
+    is skipped with a warning: the writer renames a file into place only once it is whole
+    (:func:`save_checkpoint`), so such a file was cut or damaged by something else, and an
+    older checkpoint is the one to trust.
+
+    Raises:
+        FitError: the newest complete checkpoint holds another network (a usage mistake).
+    """
+    for (epoch, batch), path in list_checkpoints(prefix):
+        try:
+            state = read_checkpoint(path)
+        except FitError as e:
+            log.warning("Skipping %s", e)
+            continue
+        if (state.get("epoch"), state.get("batch", 0)) != (epoch, batch) or not {"model", "optimizer"} <= set(state):
+            log.warning("Skipping checkpoint %s: its content is not that of position epoch %d batch %d",
+                        path, epoch, batch)
+            continue
+        _check_network(path, state, network)
+        return path, state
+    return None
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (a crash of the machine, not only of the process)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """Write ``state`` with torch.save atomically (a temporary file beside it, then a rename).
+    """Write ``state`` with torch.save atomically: a temporary file beside it, fsync, rename.
+
+    A process killed during the write leaves only the temporary (``NAME.pt.<pid>.<hex>.tmp``),
+    which no checkpoint name matches; the file of the name is whole or absent.
 
     Raises:
         FitError: the file cannot be written (one line).
@@ -175,10 +247,26 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
         atomic_write(path, lambda f: torch.save(state, f))
     except OSError as e:
         raise FitError(f"cannot write checkpoint {path}: {e.strerror or e}") from None
+    _fsync_dir(path.parent)
 
 
-def load_checkpoint(path: Path, network: str) -> dict[str, Any]:
-    """Read a checkpoint of :func:`save_checkpoint`; raises FitError with one line."""
+def remove_checkpoints(prefix: str | os.PathLike[str], before: tuple[int, int]) -> None:
+    """Delete the within-epoch checkpoints of ``prefix`` older than position ``before`` (a newer
+    one is on disk), and temporaries that a killed writer left; whole-epoch ones stay."""
+    for (epoch, batch), path in list_checkpoints(prefix):
+        if batch and (epoch, batch) < before:
+            with contextlib.suppress(OSError):
+                path.unlink()
+    base = Path(prefix)
+    with contextlib.suppress(OSError):
+        for name in os.listdir(base.parent):
+            if name.startswith(base.name) and name.endswith(".tmp") and ".pt." in name:
+                with contextlib.suppress(OSError):
+                    (base.parent / name).unlink()
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """Read a checkpoint of :func:`save_checkpoint`, of any network; raises FitError with one line."""
     if not path.is_file():
         raise FitError(f"checkpoint {path} does not exist")
     try:
@@ -188,9 +276,31 @@ def load_checkpoint(path: Path, network: str) -> dict[str, Any]:
         raise FitError(f"cannot read checkpoint {path}: {reason}") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise FitError(f"{path} is not a train_mnist checkpoint")
+    return state
+
+
+def _check_network(path: Path, state: dict[str, Any], network: str) -> None:
     if state.get("network") != network:
         raise FitError(f"checkpoint {path} holds a {state.get('network')} network, not {network}")
+
+
+def load_checkpoint(path: Path, network: str) -> dict[str, Any]:
+    """Read a checkpoint of :func:`save_checkpoint` for ``network``; raises FitError with one line."""
+    state = read_checkpoint(path)
+    _check_network(path, state, network)
     return state
+
+
+def _check_resumable(path: Path, state: dict[str, Any], cfg: TrainConfig, num_workers: int) -> None:
+    """A checkpoint taken inside an epoch continues that epoch's data order, which only the same
+    batch size, examples, seed and number of workers give again."""
+    saved = state.get("config", {})
+    then = (saved.get("batch_size"), saved.get("num_examples"), saved.get("seed"), state.get("num_workers"))
+    now = (cfg.batch_size, cfg.num_examples, cfg.seed, num_workers)
+    if then != now:
+        raise FitError(f"checkpoint {path} stopped inside an epoch of a run with --batch-size {then[0]}, "
+                       f"--num-examples {then[1]}, --seed {then[2]} on {then[3]} worker(s); this run has "
+                       f"{now[0]}, {now[1]}, {now[2]} on {now[3]}: resume with the same")
 
 
 class Replicas:
@@ -469,6 +579,10 @@ def fit(cfg: TrainConfig, kv: Any, data: MNIST, *, plot: str | None = None) -> d
     if not 1 <= cfg.num_examples <= num_train:
         raise FitError(f"--num-examples {cfg.num_examples} must be between 1 and {num_train}, the training set size")
     epoch_size = batches_per_epoch(cfg.num_examples, num_workers, cfg.batch_size)
+    if cfg.load_epoch and cfg.resume:
+        raise FitError("use --resume or --load-epoch, not both")
+    if (cfg.load_epoch or cfg.resume or cfg.checkpoint_every_batches) and not cfg.model_prefix:
+        raise FitError(f"{_resume_flag(cfg)} needs --model-prefix")
     begin_epoch = cfg.load_epoch or 0
     if begin_epoch >= cfg.num_epochs:
         raise FitError(f"--load-epoch {begin_epoch} leaves nothing to train with --num-epochs {cfg.num_epochs}")
@@ -485,45 +599,78 @@ def fit(cfg: TrainConfig, kv: Any, data: MNIST, *, plot: str | None = None) -> d
     replicas = Replicas(cfg.network, devices, cfg.seed, cfg.channels_last)
     history: list[dict[str, Any]] = []
     intervals: list[dict[str, Any]] = []  # one point per --disp-batches line, for the plot
-    checkpoint = None
-    if cfg.load_epoch:
-        if not cfg.model_prefix:
-            raise FitError("--load-epoch needs --model-prefix")
-        if rank == 0:
-            path = checkpoint_path(cfg.model_prefix, cfg.load_epoch)
-            checkpoint = load_checkpoint(path, cfg.network)
-            try:
-                replicas.load_state_dict(checkpoint["model"])
-            except RuntimeError as e:
-                raise FitError(f"checkpoint {path} does not fit {cfg.network}: {str(e).splitlines()[0]}") from None
-            history = list(checkpoint.get("history", []))
-            intervals = list(checkpoint.get("intervals", []))
+    checkpoint, path = None, None
+    if rank == 0 and cfg.load_epoch:
+        path = checkpoint_path(cfg.model_prefix or "", cfg.load_epoch)
+        checkpoint = load_checkpoint(path, cfg.network)
+    elif rank == 0 and cfg.resume:
+        found = newest_checkpoint(cfg.model_prefix or "", cfg.network)
+        if found:
+            path, checkpoint = found
+            if checkpoint.get("batch", 0):
+                _check_resumable(path, checkpoint, cfg, num_workers)
+    if checkpoint is not None and path is not None:
+        try:
+            replicas.load_state_dict(checkpoint["model"])
+        except RuntimeError as e:
+            raise FitError(f"checkpoint {path} does not fit {cfg.network}: {str(e).splitlines()[0]}") from None
+        history = list(checkpoint.get("history", []))
+        intervals = list(checkpoint.get("intervals", []))
+        if cfg.load_epoch:
             log.info('Loaded checkpoint from "%s" (epoch %d)', path, cfg.load_epoch)
 
     keys = list(range(len(replicas.names)))
     # Rank 0's weights win; every worker starts from them.
     kv.init(keys, [w for w in replicas.weights[0]])
     kv.pull(keys, replicas.outs())
+    position = (begin_epoch, 0)
+    restored = bool(cfg.load_epoch)
+    if cfg.resume:
+        restored, position = _rank0_position(kv, checkpoint)
+        _log_resume(cfg, rank, path, restored, position)
+        if rank == 0:
+            remove_checkpoints(cfg.model_prefix or "", (0, 0))  # the temporaries of a killed writer
     spec = optimizer_spec(cfg, kv_type, num_workers, epoch_size, replicas.names)
     kv.set_optimizer(spec)
-    if cfg.load_epoch:
+    if restored:  # every worker calls it (a collective), rank 0's states are used
         states = checkpoint["optimizer"] if checkpoint is not None else _empty_states(kv)
         kv.set_optimizer_states(states)
     if kv_type.startswith("dist"):
         log.info("Resizing training data to %d batches per machine", epoch_size)
 
+    def save(epoch_done: int, batch: int) -> None:
+        """Rank 0 writes the checkpoint of this position; then the older within-epoch ones go."""
+        if rank != 0 or not cfg.model_prefix:
+            return
+        target = checkpoint_path(cfg.model_prefix, epoch_done, batch)
+        save_checkpoint(target, {
+            "format": CHECKPOINT_FORMAT,
+            "network": cfg.network,
+            "epoch": epoch_done,
+            "batch": batch,
+            "num_workers": num_workers,
+            "model": replicas.state_dict(),
+            "optimizer": kv.get_optimizer_states(),
+            "history": history,
+            "intervals": intervals,
+            "config": _jsonable(asdict(cfg)),
+        })
+        remove_checkpoints(cfg.model_prefix, (epoch_done, batch))
+        log.info('Saved checkpoint to "%s"', target)
+
     train_x = torch.from_numpy(data.train_images).unsqueeze(1)  # uint8, scaled per batch
     train_y = torch.from_numpy(data.train_labels.astype(np.int64))
     summary_epochs: list[dict[str, Any]] = []
-    for epoch in range(begin_epoch, cfg.num_epochs):
+    for epoch in range(position[0], cfg.num_epochs):
+        first = position[1] if epoch == position[0] else 0
         order = torch.from_numpy(epoch_batches(num_train=num_train, num_examples=cfg.num_examples,
                                                epoch=epoch, seed=cfg.seed, rank=rank,
                                                num_workers=num_workers, batch_size=cfg.batch_size))
         tic = time.time()
         correct, loss, kv_time = _train_epoch(cfg, kv, replicas, keys, slices, train_x, train_y, order, epoch,
-                                              intervals)
+                                              intervals, first=first, save=save)
         toc = time.time()
-        samples = epoch_size * cfg.batch_size
+        samples = (epoch_size - first) * cfg.batch_size
         log.info("Epoch[%d] Train-accuracy=%f", epoch, correct / samples)
         log.info("Epoch[%d] Time cost=%.3f", epoch, toc - tic)
         record = {
@@ -534,23 +681,14 @@ def fit(cfg: TrainConfig, kv: Any, data: MNIST, *, plot: str | None = None) -> d
             "train_loss": loss / samples,
             "kvstore_time": round(kv_time, 4),
         }
+        if first:
+            record["first_batch"] = first  # resumed inside this epoch: the figures cover the rest
         val_acc = evaluate(replicas.model, data.test_images, data.test_labels, devices[0])
         record["validation_accuracy"] = val_acc
         history.append(record)
         summary_epochs.append(record)
-        if rank == 0 and cfg.model_prefix and (epoch + 1) % cfg.save_period == 0:
-            path = checkpoint_path(cfg.model_prefix, epoch + 1)
-            save_checkpoint(path, {
-                "format": CHECKPOINT_FORMAT,
-                "network": cfg.network,
-                "epoch": epoch + 1,
-                "model": replicas.state_dict(),
-                "optimizer": kv.get_optimizer_states(),
-                "history": history,
-                "intervals": intervals,
-                "config": _jsonable(asdict(cfg)),
-            })
-            log.info('Saved checkpoint to "%s"', path)
+        if (epoch + 1) % cfg.save_period == 0 or cfg.checkpoint_every_batches:
+            save(epoch + 1, 0)
         log.info("Epoch[%d] Validation-accuracy=%f", epoch, val_acc)
 
     if plot and rank == 0:
@@ -560,8 +698,13 @@ def fit(cfg: TrainConfig, kv: Any, data: MNIST, *, plot: str | None = None) -> d
         except (OSError, ValueError) as e:  # (the format and directory were checked before training)
             raise FitError(f"--plot {plot}: cannot write it: {' '.join(str(e).split())}") from None
         log.info('Saved the plot to "%s"', plot)
+    if not summary_epochs:  # resumed from the last epoch's checkpoint: nothing was left to train
+        summary_epochs.append({"epoch": cfg.num_epochs - 1, "time": 0.0, "train_accuracy": None,
+                               "validation_accuracy": evaluate(replicas.model, data.test_images,
+                                                               data.test_labels, devices[0])})
     total_time = sum(e["time"] for e in summary_epochs)
-    total_samples = len(summary_epochs) * epoch_size * cfg.batch_size
+    total_samples = sum(epoch_size - e.get("first_batch", 0) for e in summary_epochs
+                        if e["train_accuracy"] is not None) * cfg.batch_size
     return {
         "network": cfg.network,
         "kv_store": kv_type,
@@ -579,11 +722,52 @@ def fit(cfg: TrainConfig, kv: Any, data: MNIST, *, plot: str | None = None) -> d
     }
 
 
+#: the kvstore key through which rank 0 tells every worker where a ``--resume`` starts
+RESUME_KEY = "resume-position"
+
+
+def _resume_flag(cfg: TrainConfig) -> str:
+    if cfg.load_epoch:
+        return "--load-epoch"
+    return "--resume" if cfg.resume else "--checkpoint-every-batches"
+
+
+def _rank0_position(kv: Any, checkpoint: dict[str, Any] | None) -> tuple[bool, tuple[int, int]]:
+    """Whether rank 0 found a checkpoint, and its ``(epoch, batch)``, on every worker.
+
+    Only rank 0 reads the checkpoint (its weights and optimizer states reach the others through
+    ``kv.init`` and ``kv.set_optimizer_states``, as for ``--load-epoch``); the position travels the
+    same way, as a key whose value is rank 0's. So every worker continues from the checkpoint
+    rank 0 chose, even one that a file listing on another host would not show yet.
+    """
+    mine = torch.zeros(3, dtype=torch.float64)
+    if checkpoint is not None:
+        mine = torch.tensor([1, checkpoint["epoch"], checkpoint.get("batch", 0)], dtype=torch.float64)
+    kv.init(RESUME_KEY, mine)
+    kv.pull(RESUME_KEY, out=mine)
+    found, epoch, batch = (int(v) for v in mine.tolist())
+    return bool(found), (epoch, batch)
+
+
+def _log_resume(cfg: TrainConfig, rank: int, path: Path | None, found: bool, position: tuple[int, int]) -> None:
+    attempt = f" (attempt {cfg.attempt})" if cfg.attempt is not None else ""
+    if not found:
+        log.info("No complete checkpoint of %s: training from scratch%s", cfg.model_prefix, attempt)
+    elif rank == 0:
+        log.info('Resuming from checkpoint "%s" at epoch %d batch %d%s', path, *position, attempt)
+    else:
+        log.info("Resuming from rank 0's checkpoint at epoch %d batch %d%s", *position, attempt)
+
+
 def _train_epoch(cfg: TrainConfig, kv: Any, replicas: Replicas, keys: list[int], slices: list[slice],
                  train_x: torch.Tensor, train_y: torch.Tensor, order: torch.Tensor,
-                 epoch: int, intervals: list[dict[str, Any]] | None = None) -> tuple[int, float, float]:
-    """One epoch of this worker's batches; logs MXNet's Speedometer lines (and appends each
-    line's window to ``intervals``: ``x`` in epochs, ``accuracy``, ``loss`` per sample).
+                 epoch: int, intervals: list[dict[str, Any]] | None = None, *, first: int = 0,
+                 save: Callable[[int, int], None] | None = None) -> tuple[int, float, float]:
+    """One epoch of this worker's batches from batch ``first`` on (a resumed epoch skips the
+    batches done); logs MXNet's Speedometer lines (and appends each line's window to
+    ``intervals``: ``x`` in epochs, ``accuracy``, ``loss`` per sample). With
+    ``cfg.checkpoint_every_batches`` K, ``save(epoch, b)`` runs after every K-th batch but the last
+    (the epoch's own checkpoint follows that one).
 
     Returns:
         the number of correct predictions, the summed loss, and the seconds spent in the
@@ -602,10 +786,10 @@ def _train_epoch(cfg: TrainConfig, kv: Any, replicas: Replicas, keys: list[int],
     # theirs first, and dist_allreduce's push is a blocking collective: nothing would overlap.
     overlap = (Overlap(kv, replicas.params[0], keys)
                if kv.type in OVERLAPPED and len(replicas.models) == 1 else None)
-    bar = _Bar(cfg.progress, len(order), epoch)
+    bar = _Bar(cfg.progress, len(order) - first, epoch)
     window_tic = time.time()
     with _logging_around_bar(cfg.progress), (overlap or contextlib.nullcontext()):
-        for nbatch in range(len(order)):
+        for nbatch in range(first, len(order)):
             idx = order[nbatch]
             x = train_x.index_select(0, idx).float().div_(255.0)
             y = train_y.index_select(0, idx)
@@ -627,9 +811,9 @@ def _train_epoch(cfg: TrainConfig, kv: Any, replicas: Replicas, keys: list[int],
                 # MXNet's Speedometer: the clock starts at batch 0, then one line every
                 # disp_batches batches with the accuracy since the previous line.
                 now = time.time()
-                if nbatch > 0:
+                if nbatch > first:
                     total = sum(int(c) for c in correct_acc)
-                    speed = cfg.disp_batches * cfg.batch_size / max(now - window_tic, 1e-9)
+                    speed = window_samples / max(now - window_tic, 1e-9)
                     accuracy = (total - shown_correct) / window_samples
                     log.info("Epoch[%d] Batch [%d-%d]\tSpeed: %.2f samples/sec\taccuracy=%f",
                              epoch, nbatch - cfg.disp_batches, nbatch, speed, accuracy)
@@ -642,6 +826,10 @@ def _train_epoch(cfg: TrainConfig, kv: Any, replicas: Replicas, keys: list[int],
                         shown_loss = total_loss
                     shown_correct, window_samples = total, 0
                 window_tic = now
+            done = nbatch + 1
+            if save is not None and cfg.checkpoint_every_batches and done % cfg.checkpoint_every_batches == 0 \
+                    and done < len(order):
+                save(epoch, done)
     bar.close()
     return sum(int(c) for c in correct_acc), sum(float(v) for v in loss_acc), kv_time
 

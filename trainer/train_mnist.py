@@ -125,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--plot", default=None, metavar="FILE.png",
                    help="draw loss and accuracy per epoch and per --disp-batches interval into this image "
                         "(rank 0; any format matplotlib writes: png, svg, pdf, ...)")
+    o.add_argument("--resume", action="store_true",
+                   help="start from the newest complete checkpoint of --model-prefix (its weights, optimizer "
+                        "state, epoch and place in the epoch's data order), or from scratch when there is none")
+    o.add_argument("--checkpoint-every-batches", type=_non_negative_int, default=0, metavar="K",
+                   help="also checkpoint every K batches of an epoch and at every epoch's end, keeping the newest "
+                        "within-epoch one (PREFIX-EPOCH-BATCH.pt): a failure costs at most K batches; 0 turns it off")
     return p
 
 
@@ -163,6 +169,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         raise UsageError("--load-epoch needs --model-prefix")
     if args.load_epoch is not None and args.load_epoch >= args.num_epochs:
         raise UsageError(f"--load-epoch {args.load_epoch} leaves nothing to do with --num-epochs {args.num_epochs}")
+    if args.resume and args.load_epoch is not None:
+        raise UsageError("use --resume or --load-epoch, not both")
+    for flag, given in (("--resume", args.resume), ("--checkpoint-every-batches", args.checkpoint_every_batches)):
+        if given and not args.model_prefix:
+            raise UsageError(f"{flag} needs --model-prefix")
     if not 0 < args.lr_factor <= 1:
         raise UsageError(f"--lr-factor {args.lr_factor:g} must be in (0, 1]")
     if args.mom >= 1:
@@ -344,7 +355,9 @@ def _worker(args: argparse.Namespace) -> int:
             network=args.network, batch_size=args.batch_size, num_epochs=args.num_epochs, lr=args.lr,
             lr_factor=args.lr_factor, lr_step_epochs=tuple(args.lr_step_list), optimizer=args.optimizer,
             mom=args.mom, wd=args.wd, disp_batches=args.disp_batches, model_prefix=args.model_prefix,
-            save_period=args.save_period, load_epoch=args.load_epoch, num_examples=args.num_examples,
+            save_period=args.save_period, load_epoch=args.load_epoch, resume=args.resume,
+            checkpoint_every_batches=args.checkpoint_every_batches, attempt=_attempt(),
+            num_examples=args.num_examples,
             seed=args.seed, devices=tuple(devices), work_load=args.work_load,
             progress=sys.stdout.isatty() and sys.stderr.isatty(),
         )
@@ -365,6 +378,15 @@ def _worker(args: argparse.Namespace) -> int:
         return _fail(f"kvstore: {e}")
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
+
+
+def _attempt() -> int | None:
+    """The launcher's attempt number (``PSLAUNCH_ATTEMPT``: 0, then k after k restarts), for the
+    log; None outside the launcher or when it is not a number."""
+    try:
+        return int(os.environ[pc.ATTEMPT])
+    except (KeyError, ValueError):
+        return None
 
 
 def _devices(args: argparse.Namespace, torch: object) -> list[str]:

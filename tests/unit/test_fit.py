@@ -232,6 +232,94 @@ def test_bad_checkpoints(tmp_path: Path) -> None:
         T.load_checkpoint(foreign, "mlp")
 
 
+def _state(epoch: int, batch: int = 0, network: str = "mlp") -> dict[str, Any]:
+    return {"format": T.CHECKPOINT_FORMAT, "network": network, "epoch": epoch, "batch": batch,
+            "model": {"w": torch.full((1000,), float(epoch * 1000 + batch))}, "optimizer": {}}
+
+
+def test_within_epoch_checkpoint_names_sort_by_position(tmp_path: Path) -> None:
+    prefix = tmp_path / "m"
+    assert T.checkpoint_path(prefix, 1, 40).name == "m-0001-000040.pt"
+    assert T.checkpoint_path(prefix, 1, 0) == T.checkpoint_path(prefix, 1)
+    for epoch, batch in ((1, 0), (1, 40), (1, 8), (2, 0), (0, 5)):
+        T.save_checkpoint(T.checkpoint_path(prefix, epoch, batch), _state(epoch, batch))
+    for stranger in ("m-0009.pt.bak", "mx-0009.pt", "m-0009.pt.123.abcd.tmp", "m-9.pt", "m-0009-12.pt"):
+        (tmp_path / stranger).write_bytes(b"x")
+    assert [pos for pos, _ in T.list_checkpoints(prefix)] == [(2, 0), (1, 40), (1, 8), (1, 0), (0, 5)]
+    path, state = T.newest_checkpoint(prefix, "mlp")
+    assert path.name == "m-0002.pt" and state["epoch"] == 2
+    assert T.newest_checkpoint(tmp_path / "none", "mlp") is None
+    assert T.newest_checkpoint(tmp_path / "nodir" / "m", "mlp") is None
+
+
+def test_a_torn_or_misnamed_checkpoint_is_never_picked(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # what a writer without the rename would leave when killed: the newest name, half its bytes
+    prefix = tmp_path / "m"
+    T.save_checkpoint(T.checkpoint_path(prefix, 1), _state(1))
+    T.save_checkpoint(T.checkpoint_path(prefix, 1, 20), _state(1, 20))
+    whole = T.checkpoint_path(prefix, 1, 20).read_bytes()
+    T.checkpoint_path(prefix, 1, 40).write_bytes(whole[:len(whole) // 2])
+    T.checkpoint_path(prefix, 1, 60).write_bytes(b"")
+    T.checkpoint_path(prefix, 2).write_bytes(whole)  # whole, but epoch 1 batch 20 inside
+    with caplog.at_level(logging.WARNING, logger="trainer.fit"):
+        path, state = T.newest_checkpoint(prefix, "mlp")
+    assert (path.name, state["epoch"], state["batch"]) == ("m-0001-000020.pt", 1, 20)
+    skipped = [r.getMessage() for r in caplog.records]
+    assert len(skipped) == 3 and all(m.startswith("Skipping ") for m in skipped), skipped
+    assert torch.equal(state["model"]["w"], torch.full((1000,), 1020.0))
+
+
+def test_resume_refuses_the_newest_checkpoint_of_another_network(tmp_path: Path) -> None:
+    T.save_checkpoint(T.checkpoint_path(tmp_path / "m", 1), _state(1, network="lenet"))
+    with pytest.raises(T.FitError, match="holds a lenet network, not mlp"):
+        T.newest_checkpoint(tmp_path / "m", "mlp")
+
+
+_SLOW_WRITER = """
+import io, sys, time
+import torch
+from trainer import fit as T
+
+real_save = torch.save
+def half_then_wait(obj, f):
+    buf = io.BytesIO()
+    real_save(obj, buf)
+    data = buf.getvalue()
+    f.write(data[:len(data) // 2])
+    f.flush()
+    print("half", flush=True)
+    time.sleep(60)
+    f.write(data[len(data) // 2:])
+torch.save = half_then_wait
+T.save_checkpoint(T.checkpoint_path(sys.argv[1], 2), {"format": T.CHECKPOINT_FORMAT, "network": "mlp",
+                  "epoch": 2, "batch": 0, "model": {}, "optimizer": {}})
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_the_previous_checkpoint_the_newest(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    prefix = tmp_path / "m"
+    T.save_checkpoint(T.checkpoint_path(prefix, 1), _state(1))
+    child = subprocess.Popen([sys.executable, "-c", _SLOW_WRITER, str(prefix)], stdout=subprocess.PIPE, text=True,
+                             env=train_helpers.child_env())
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "half\n"
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait(30)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left[0] == "m-0001.pt" and len(left) == 2 and left[1].startswith("m-0002.pt.") and left[1].endswith(".tmp")
+    path, _ = T.newest_checkpoint(prefix, "mlp")
+    assert path.name == "m-0001.pt"
+    T.remove_checkpoints(prefix, (0, 0))  # what a --resume does with a killed writer's temporary
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m-0001.pt"]
+
+
 # --- small runs ------------------------------------------------------------------------
 
 
@@ -279,6 +367,69 @@ def test_resume_matches_an_uninterrupted_run(mnist: MNIST, tmp_path: Path) -> No
         assert a["count"] == b["count"] == 30, k
         assert torch.equal(a["arrays"]["mom"], b["arrays"]["mom"])
     assert [h["epoch"] for h in part["history"]] == [0, 1, 2]
+
+
+class _DiesAfter:
+    """The local kvstore, whose ``pushpull`` raises after ``n`` calls: a worker that fails mid-epoch."""
+
+    def __init__(self, kv: Any, n: int) -> None:
+        self._kv, self._left = kv, n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kv, name)
+
+    def pushpull(self, *args: Any, **kw: Any) -> None:
+        if self._left == 0:
+            raise RuntimeError("killed")
+        self._left -= 1
+        self._kv.pushpull(*args, **kw)
+
+
+def test_resume_inside_an_epoch_matches_an_uninterrupted_run(mnist: MNIST, tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    base = {"network": "mlp", "num_examples": 640, "disp_batches": 4, "lr_step_epochs": (2,), "seed": 4,
+            "num_epochs": 3, "checkpoint_every_batches": 3}
+    _run(T.TrainConfig(model_prefix=str(tmp_path / "full"), **base), mnist)
+    part = tmp_path / "part"
+    with kvstore.create("local") as kv, pytest.raises(RuntimeError, match="killed"):
+        T.fit(T.TrainConfig(model_prefix=str(part), **base), _DiesAfter(kv, 10 + 8), mnist)  # epoch 1, batch 8
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("part")) == \
+        ["part-0001-000006.pt", "part-0001.pt"]  # the older within-epoch ones are gone
+    with caplog.at_level(logging.INFO, logger="trainer.fit"):
+        resumed = _run(T.TrainConfig(model_prefix=str(part), resume=True, attempt=1, **base), mnist)
+    assert f'Resuming from checkpoint "{part}-0001-000006.pt" at epoch 1 batch 6 (attempt 1)' in caplog.messages
+    assert [m.split("\t")[0] for m in caplog.messages if m.startswith("Epoch[1] Batch")] == ["Epoch[1] Batch [4-8]"]
+    assert [(e["epoch"], e.get("first_batch", 0)) for e in resumed["epochs"]] == [(1, 6), (2, 0)]
+    full = T.load_checkpoint(T.checkpoint_path(tmp_path / "full", 3), "mlp")
+    again = T.load_checkpoint(T.checkpoint_path(part, 3), "mlp")
+    for k, v in full["model"].items():
+        assert torch.equal(again["model"][k], v), k  # the data order's place, momentum and counts restored
+    for a, b in zip(full["optimizer"]["states"].values(), again["optimizer"]["states"].values()):
+        assert a["count"] == b["count"] == 30 and torch.equal(a["arrays"]["mom"], b["arrays"]["mom"])
+    assert [h["epoch"] for h in again["history"]] == [0, 1, 2]
+    # a --resume of a finished run trains nothing and reports the last model
+    done = _run(T.TrainConfig(model_prefix=str(part), resume=True, **base), mnist)
+    assert done["validation_accuracy"] == full["history"][-1]["validation_accuracy"]
+
+
+def test_resume_without_a_checkpoint_starts_from_scratch(mnist: MNIST, tmp_path: Path,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    base = {"network": "mlp", "num_examples": 320, "disp_batches": 0, "num_epochs": 1}
+    fresh = _run(T.TrainConfig(model_prefix=str(tmp_path / "a"), **base), mnist)
+    with caplog.at_level(logging.INFO, logger="trainer.fit"):
+        resumed = _run(T.TrainConfig(model_prefix=str(tmp_path / "b"), resume=True, **base), mnist)
+    assert f"No complete checkpoint of {tmp_path / 'b'}: training from scratch" in caplog.messages
+    assert resumed["validation_accuracy"] == fresh["validation_accuracy"]
+
+
+def test_a_within_epoch_checkpoint_needs_the_same_data_order(mnist: MNIST, tmp_path: Path) -> None:
+    base = {"network": "mlp", "num_examples": 640, "disp_batches": 0, "num_epochs": 1,
+            "checkpoint_every_batches": 4, "model_prefix": str(tmp_path / "m")}
+    with kvstore.create("local") as kv, pytest.raises(RuntimeError, match="killed"):
+        T.fit(T.TrainConfig(**base), _DiesAfter(kv, 5), mnist)
+    with pytest.raises(T.FitError, match=r"m-0000-000004.pt stopped inside an epoch of a run with --batch-size "
+                                         r"64, --num-examples 640, --seed 0 on 1 worker\(s\); this run has 32, 640, 0"):
+        _run(T.TrainConfig(resume=True, **{**base, "batch_size": 32}), mnist)
 
 
 def test_resume_with_the_wrong_network(mnist: MNIST, tmp_path: Path) -> None:
