@@ -58,3 +58,46 @@ def summaries(stdout: str) -> list[dict[str, Any]]:
     from trainer.summary import read_summaries
 
     return sorted(read_summaries(stdout), key=lambda s: s["rank"])
+
+
+def launched_argv(*args: str, workers: int = 2, servers: int = 1, launcher_args: tuple[str, ...] = (),
+                  data_dir: Path | None = None) -> list[str]:
+    """``python -m launcher -n W -s S --launcher local [launcher_args] <train_mnist ARGS>``."""
+    return [sys.executable, "-m", "launcher", "-n", str(workers), "-s", str(servers), "--launcher", "local",
+            *launcher_args, *train_argv(*args, data_dir=data_dir)]
+
+
+def trainer_pids(tag: str, process: str) -> list[int]:
+    """The live train_mnist processes named ``process`` (``worker-1``) of the job whose environment
+    has ``PSLAUNCH_TEST_TAG=tag`` (set with :func:`child_env`)."""
+    import pscontract as pc
+    from support.helpers import pids_with_env
+
+    found = []
+    for pid in pids_with_env("PSLAUNCH_TEST_TAG", tag):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        names = [e.split(b"=", 1)[1].decode() for e in env if e.startswith(f"{pc.PROCESS}=".encode())]
+        if names and names[0].endswith(f"/{process}") and SCRIPT.name.encode() in cmd:
+            found.append(pid)
+    return found
+
+
+def kill_worker_at(checkpoint: Path, tag: str, proc: subprocess.Popen, timeout: float = 150) -> None:
+    """Once ``checkpoint`` exists (rank 0 wrote it), SIGKILL worker 1 of the job tagged ``tag``
+    (:func:`trainer_pids`), whose launcher is ``proc``."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not checkpoint.exists():
+        assert proc.poll() is None, f"the job ended before {checkpoint} was written"
+        assert time.monotonic() < deadline, f"no {checkpoint} in {timeout} s"
+        time.sleep(0.02)
+    pids = trainer_pids(tag, "worker-1")
+    assert pids, "worker 1 not found"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
