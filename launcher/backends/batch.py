@@ -193,6 +193,9 @@ class BatchTask(RemoteProcess):
     def dump_stacks(self) -> None:
         self.backend.signal_task(self, "ABRT")
 
+    def forward(self, signame: str) -> None:
+        self.backend.signal_task(self, signame)
+
     def where(self) -> str:
         """The task in the batch system's words (``SGE task 12.3``)."""
         return "task"
@@ -398,8 +401,9 @@ class BatchBackend(Backend):
     # -- signals -------------------------------------------------------------------------------------
 
     def signal_task(self, t: BatchTask, command: str) -> None:
-        """``TERM``/``KILL``/``ABRT`` to one task: through its agent, else through the batch system
-        (which can only remove it: there is no graceful stop and no stack dump without an agent)."""
+        """``TERM``/``KILL``/``ABRT``/``USR1``/``USR2`` to one task: through its agent, else through the
+        batch system (which can only remove it: there is no graceful stop, no stack dump and no
+        notice without an agent)."""
         if t.code is not None:
             return
         sent = self.hub is not None and self.hub.send(t.ident, command)

@@ -1001,7 +1001,8 @@ class SlurmBackend(BatchBackend):
 
     def signal_task(self, t: BatchTask, command: str) -> None:
         """Through the agent; without one, ``scancel --signal`` to the whole step (srun has no
-        way to signal one task), and a KILL always cancels the step too."""
+        way to signal one task: every process of the step gets it, the agent too, which passes a
+        stack dump's SIGABRT on), and a KILL always cancels the step too."""
         assert isinstance(t, SlurmTask)
         if t.code is not None:
             return
@@ -1011,9 +1012,8 @@ class SlurmBackend(BatchBackend):
         if command == "KILL":
             self.cancel([t])
         elif not sent and t.step.step_id:
-            sig = {"TERM": "TERM", "ABRT": "USR1"}.get(command)  # the agent turns SIGUSR1 into a stack dump
-            if sig:
-                self._scancel_ids([t.step.step_id], sig)
+            if command in ("TERM", "ABRT", "USR1", "USR2"):
+                self._scancel_ids([t.step.step_id], command)
         elif not sent and command == "TERM":
             self.cancel([t])
 

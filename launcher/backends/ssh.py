@@ -556,6 +556,9 @@ class SSHProcess(RemoteProcess):
     def dump_stacks(self) -> None:
         self.remote.signal("ABRT", [self])
 
+    def forward(self, signame: str) -> None:
+        self.remote.signal(signame, [self])
+
     def cleanup(self, groups: Optional[Mapping[int, list[int]]] = None) -> None:
         """The job is over for this process: its host's wrapper sweeps leftovers once all are.
 
@@ -592,6 +595,9 @@ class SSHGroup(ProcGroup):
 
     def dump_stacks(self) -> None:
         self._each_host("ABRT")
+
+    def forward(self, signame: str) -> None:
+        self._each_host(signame)
 
 
 # --- the backend ----------------------------------------------------------------------------

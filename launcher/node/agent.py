@@ -21,9 +21,13 @@ The agent
 4. obeys: ``X TERM`` or ``INT`` from the launcher, or SIGTERM, SIGINT or SIGHUP from whoever
    started the agent (sshd, mpirun, the batch system, the death of its parent), stop a process's
    group: that signal, SIGCONT, and SIGKILL after the job's grace (the *staged stop*); ``KILL``
-   kills the group; ``ABRT`` and SIGUSR1 make Python processes dump their stacks (faulthandler);
-   SIGUSR2 is passed on. The end of the channel, or no keep-alive for ``lost_after`` seconds,
-   means that the launcher is gone: every process gets the staged stop;
+   kills the group; ``ABRT`` and SIGABRT make Python processes dump their stacks (faulthandler);
+   ``USR1``/``USR2`` and SIGUSR1/SIGUSR2 (a batch system's notice before a time limit, a
+   suspension or a removal: Slurm's ``--signal``, Grid Engine's ``-notify``) are passed on to
+   every group as they are, and the processes go on; one that arrives before they started is
+   dropped (a process would die of it before it could set a handler). The end of the channel,
+   or no keep-alive for ``lost_after`` seconds, means that the launcher is gone: every process
+   gets the staged stop;
 5. ends after its last process (with ``hold``, the ssh backend's way: once the launcher has also
    closed the channel, which it does when the whole job is over), after SIGKILL to every group,
    to every process that carries one of its processes' ``PSLAUNCH_PROCESS``
@@ -71,7 +75,9 @@ CONNECT_TIMEOUT = 10.0
 #: A launcher that takes no frame for this long is gone (transport b).
 SEND_TIMEOUT = 60.0
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-_FORWARDED = _STOP_SIGNALS + (signal.SIGUSR1, signal.SIGUSR2)
+#: passed on to every process's group as they are (:func:`_handle_signals`)
+_NOTICES = {signal.SIGUSR1: "USR1", signal.SIGUSR2: "USR2", signal.SIGABRT: "ABRT"}
+_FORWARDED = _STOP_SIGNALS + tuple(_NOTICES)
 #: the launcher's signals that stop a process
 _STOP_WORDS = (b"TERM", b"INT", b"KILL")
 _OUTPUT = (protocol.STDOUT, protocol.STDERR)
@@ -295,10 +301,14 @@ class Agent(object):
             installation; ``"fork"``, a fork of the agent (an ssh host has no installation). Where
             the watchdog module cannot be imported (Python < 3.7 on an ssh host), the
             parent-death signal alone stops the processes.
+        pass_notices: pass a SIGUSR1, SIGUSR2 or SIGABRT that this agent gets on to its processes'
+            groups; False where whoever sends them signals every process of the task itself, as
+            Slurm does (its proctrack plugins cgroup and linuxproc: they would get it twice). The
+            launcher's ``X`` frames are always passed on.
     """
 
     def __init__(self, grace, channel=None, fallback=None, tee=False, hold=False, lost_after=None, linger=0.0,
-                 here=None, prefix="pslaunch agent", watchdog=False):
+                 here=None, prefix="pslaunch agent", watchdog=False, pass_notices=True):
         if fallback not in (None, "in-band", "plain"):
             raise ValueError("unknown fallback %r" % fallback)
         self.grace = grace
@@ -311,6 +321,7 @@ class Agent(object):
         self.here = here
         self.prefix = prefix
         self.use_watchdog = watchdog
+        self.pass_notices = pass_notices
         self.watchdog = None
         self.death_signal = None  # the preexec_fn that sets each process's parent-death signal
         self.children = []
@@ -459,6 +470,7 @@ class Agent(object):
         A process that cannot start is reported (:meth:`error`) with its code; whatever goes
         wrong here, what was started is stopped before this returns or raises.
         """
+        PENDING[:] = [s for s in PENDING if s in _STOP_SIGNALS]  # (a notice before the start: see 4.)
         stop = _pending_stop()
         if stop is not None:  # (the agent's starter is stopping already: nothing starts)
             for spec in specs:
@@ -605,8 +617,8 @@ class Agent(object):
                     self._obey(what, None if ident == protocol.NODE else ident)
 
     def _obey(self, what, ident=None):
-        """``TERM``/``INT`` (the staged stop), ``KILL``, ``ABRT`` or ``USR2`` to the group of process
-        ``ident`` (None: of every one) while it runs."""
+        """``TERM``/``INT`` (the staged stop), ``KILL``, ``ABRT``, ``USR1`` or ``USR2`` to the group of
+        process ``ident`` (None: of every one) while it runs."""
         for c in self.children:
             if (ident is not None and c.id != ident) or not c.pid or c.code is not None:
                 continue
@@ -614,7 +626,7 @@ class Agent(object):
                 stop_group(c.pid, signal.SIGINT if what == "INT" else signal.SIGTERM)
                 if c.kill_at is None:
                     c.kill_at = time.monotonic() + self.grace
-            elif what in ("KILL", "ABRT", "USR2"):
+            elif what in ("KILL", "ABRT", "USR1", "USR2"):
                 signal_group(c.pid, getattr(signal, "SIG" + what))
 
     def _stop(self, what):
@@ -624,10 +636,9 @@ class Agent(object):
     def _handle_signals(self):
         while PENDING:
             signum = PENDING.pop(0)
-            if signum == signal.SIGUSR1:
-                self._obey("ABRT")  # faulthandler: the Python stacks
-            elif signum == signal.SIGUSR2:
-                self._obey("USR2")
+            if signum in _NOTICES:
+                if self.pass_notices:
+                    self._obey(_NOTICES[signum])
             else:
                 self._stop("INT" if signum == signal.SIGINT else "TERM")
 

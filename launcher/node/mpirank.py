@@ -17,8 +17,9 @@ mpirun runs ``node.command("mpirank") -- COMMAND...`` as every MPI rank. The wra
    interleave in the middle of long lines, which is why the connection is the normal way).
 
 mpirun's SIGTERM, SIGINT and SIGHUP (and the death of its daemon, our parent) stop the
-command's group gracefully; SIGUSR1 (which both Open MPI and MPICH forward to every rank)
-makes it dump its Python stacks. Exits with the command's exit code (128+N for signal N).
+command's group gracefully; SIGUSR1 and SIGUSR2 (which mpirun forwards to every rank) are passed
+on to it, and SIGABRT makes it dump its Python stacks (:mod:`.agent`, 4). Exits with the
+command's exit code (128+N for signal N).
 """
 
 from __future__ import annotations

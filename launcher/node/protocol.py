@@ -33,7 +33,8 @@ H     :data:`HEADER`  NODE        JSON ``{"procs": [{"id", "argv", "env", "cwd"}
                                   so the environment never appears on a command line)
 X     :data:`SIGNAL`  a process,  ASCII ``TERM`` or ``INT`` (stop the process's group: the signal,
                       or NODE     then ``CONT``; ``KILL`` after the job's grace), ``KILL``, ``ABRT``
-                      for all     (faulthandler: dump the Python stacks)
+                      for all     (faulthandler: dump the Python stacks), ``USR1`` or ``USR2`` (pass
+                                  a batch system's notice on to the group; the process goes on)
 E     :data:`PLACE`   a process   JSON ``{name: value}``, ASCII, at most :data:`ENV_MAX` bytes: the
                                   variables that depend on which processes share a host (answers
                                   ``h``, see *Placement*)
@@ -160,7 +161,7 @@ DONE_ANSWER = b"d"
 TO_NODE = (HEADER, SIGNAL, PLACE, PING, IFACE, SYNC, FILE, DONE)
 FROM_NODE = (STARTED, FAILED, STDOUT, STDERR, EXIT, HERE, ALIVE, IFACE_ANSWER, SYNC_ANSWER, DONE_ANSWER)
 #: The payloads of :data:`SIGNAL`.
-SIGNALS = ("TERM", "INT", "KILL", "ABRT")
+SIGNALS = ("TERM", "INT", "KILL", "ABRT", "USR1", "USR2")
 
 #: The longest frame a launcher accepts from a node (output comes in pieces of 64 KiB).
 MAX_FROM_NODE = 1 << 20

@@ -27,6 +27,11 @@ launcher that reads the task's output as it is written (``srun`` relays it). The
 exits with the command's exit code (128+N for signal N; 127 when it does not exist, 126 when
 it cannot be executed).
 
+A batch system's notice (SIGUSR1, SIGUSR2: Grid Engine's ``-notify`` before a suspension or a
+removal) reaches the wrapper, which passes it on to the command's group; in a Slurm step, whose
+signals (``--signal``, ``scancel --signal``) reach every process of the step already, it only
+keeps the wrapper alive (:class:`.agent.Agent`'s ``pass_notices``).
+
 Task file (JSON)::
 
     {"version": 2,
@@ -259,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ident = int(env[pc.TASK_ID])
     agent = Agent(float(doc.get("grace", 10.0)), _connect(doc, ident, env),
                   fallback="in-band" if a.in_band else "plain", tee=not a.no_tee, here=socket.gethostname(),
-                  prefix=PREFIX, watchdog=True)
+                  prefix=PREFIX, watchdog=True, pass_notices=a.index != "slurm")
     placement = doc.get("placement")
     if placement:
         try:

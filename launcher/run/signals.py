@@ -1,5 +1,7 @@
 """Signals while a job runs: the first SIGINT/SIGTERM/SIGHUP stops it gracefully, the second kills;
-SIGALRM is ``--timeout``.
+SIGALRM is ``--timeout``; SIGUSR1 and SIGUSR2 are a batch system's notice (Slurm's ``--signal``,
+Grid Engine's ``-notify``), which the supervisor passes on to every process of the job
+(:meth:`Signals.notices`) while the job goes on.
 
 :class:`Signals` turns a signal into :class:`Interrupted`, raised on the main thread, so
 cleanup is plain ``try``/``finally`` (torch elastic's pattern). A signal that arrives while a
@@ -26,6 +28,9 @@ OldHandler = Union[Callable[[int, Optional[FrameType]], Any], int, None]
 
 #: The launcher's exit code per signal (the shell's 128+N).
 EXIT_CODES: dict[int, int] = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
+#: Passed on to the job's processes, by their names in the node protocol (their default action
+#: would end the launcher and leave the job to its watchdog).
+NOTICES: dict[int, str] = {signal.SIGUSR1: "USR1", signal.SIGUSR2: "USR2"}
 
 
 class Interrupted(Exception):
@@ -46,6 +51,7 @@ class Signals:
         self.deferred: Optional[int] = None
         self.timed_out = False
         self.on_signal: Optional[Callable[[], None]] = None  # called by each handled signal
+        self._notices: list[int] = []  # SIGUSR1/SIGUSR2 not yet passed on, oldest first
         self._old: dict[int, OldHandler] = {}
 
     def install(self) -> None:
@@ -54,6 +60,8 @@ class Signals:
             return
         for signum in EXIT_CODES:
             self._old[signum] = signal.signal(signum, self.handle)
+        for signum in NOTICES:
+            self._old[signum] = signal.signal(signum, self._on_notice)
         self._old[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._on_alarm)
 
     def alarm(self, seconds: float) -> None:
@@ -69,6 +77,18 @@ class Signals:
                 return
             self.raise_now = False
             raise Interrupted(signum)
+
+    def _on_notice(self, signum: int, frame: object = None) -> None:
+        self._notices.append(signum)  # (passed on by the main loop: sending here could deadlock)
+        if self.on_signal is not None:
+            self.on_signal()
+
+    def notices(self) -> list[str]:
+        """The SIGUSR1/SIGUSR2 that arrived since the last call, oldest first, by protocol name."""
+        names = []
+        while self._notices:  # (pop by pop: one that arrives meanwhile is not lost)
+            names.append(NOTICES[self._notices.pop(0)])
+        return names
 
     def restore(self) -> None:
         self.alarm(0)

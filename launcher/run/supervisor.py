@@ -436,9 +436,12 @@ class Supervisor:
         starting = self._watch is not None
         listen_by = self.clock.monotonic() + max(self.spec.start_timeout, 1.0)
         notice_at: Optional[float] = self.clock.monotonic() + HOLD_NOTICE
+        for name in self.signals.notices():  # (a program would die of it before it set a handler)
+            log.warning("SIG%s arrived before the job's processes started: not passed on", name)
         while True:
             if self.signals.count:
                 return "signal", self.signals.exit_code
+            self._pass_notices()
             failed = []
             running = 0
             for h in self.handles:
@@ -480,6 +483,14 @@ class Supervisor:
             if self.progress is not None:
                 self.progress.tick(self.handles, self.clock.time())
             self._pause()
+
+    def _pass_notices(self) -> None:
+        """Pass each SIGUSR1/SIGUSR2 the launcher got on to every process of the job (a batch
+        system's notice before a time limit: the processes checkpoint and go on)."""
+        for name in self.signals.notices():
+            log.info("SIG%s received: passing it on to every process", name)
+            for g in self.groups:
+                g.forward(name)
 
     def _pause(self) -> None:
         """Until the next look at the processes: :data:`POLL_INTERVAL`, or less when one's output

@@ -120,6 +120,10 @@ class ProcessHandle:
     def dump_stacks(self) -> None:
         """Make Python processes print their stacks (faulthandler on SIGABRT)."""
 
+    def forward(self, signame: str) -> None:
+        """Pass a batch system's notice (``USR1``, ``USR2``: SIGUSR1, SIGUSR2) on to the process and
+        everything it started, which go on running (a program checkpoints on it)."""
+
     def cleanup(self, groups: Mapping[int, list[int]] | None = None) -> None:
         """Kill anything the process left behind after it exited.
 
@@ -190,6 +194,11 @@ class ProcGroup:
         """Make every running Python process print its stacks (faulthandler on SIGABRT)."""
         for h in self.running():
             h.dump_stacks()
+
+    def forward(self, signame: str) -> None:
+        """Pass ``USR1`` or ``USR2`` on to every running process, once each (:meth:`ProcessHandle.forward`)."""
+        for h in self.running():
+            h.forward(signame)
 
     def cleanup(self, groups: Optional[Mapping[int, list[int]]] = None) -> None:
         """The job is over: remove whatever the processes left behind (see :meth:`ProcessHandle.cleanup`)."""

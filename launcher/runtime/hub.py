@@ -234,9 +234,14 @@ class Hub:
         self._warned = True
 
     def send(self, ident: int, signame: str) -> bool:
-        """Send process ``ident``'s agent a signal (``TERM``, ``INT``, ``KILL``, ``ABRT``); False if it
-        has no connection."""
+        """Send process ``ident``'s agent a signal (one of :data:`protocol.SIGNALS`); False if it has no
+        connection."""
         return self._send(ident, protocol.signal_frame(ident, signame))
+
+    def connected(self, ident: int) -> bool:
+        """Whether process ``ident``'s agent is connected now."""
+        with self.lock:
+            return ident in self.conns
 
     def send_env(self, ident: int, env: Mapping[str, str]) -> bool:
         """Send process ``ident``'s agent its placement variables (``E``); False if it has no connection."""

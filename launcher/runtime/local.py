@@ -50,6 +50,9 @@ class LocalProcess(ProcessHandle):
     def dump_stacks(self) -> None:
         signal_group(self.pgid, signal.SIGABRT)
 
+    def forward(self, signame: str) -> None:
+        signal_group(self.pgid, getattr(signal, f"SIG{signame}"))
+
     def leftovers(self) -> list[int]:
         """Processes of this group still alive (the leader included, if running)."""
         return group_members(self.pgid)

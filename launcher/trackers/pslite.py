@@ -53,6 +53,7 @@ import importlib.util
 import ipaddress
 import os
 import resource
+import signal
 import socket
 import sys
 import time
@@ -620,6 +621,8 @@ def _fail(text: str) -> int:
 
 def main(env: Mapping[str, str] = os.environ) -> int:
     """Serve the job that ``DMLC_*`` describes; its exit code."""
+    for signum in (signal.SIGUSR1, signal.SIGUSR2):  # a batch system's notice: for the workers, not us
+        signal.signal(signum, signal.SIG_IGN)
     if env.get(pc.ROLE, "scheduler") != "scheduler":
         return _fail(f"{pc.ROLE} is {env.get(pc.ROLE)!r}: this program is the scheduler only")
     why = builtin_scheduler_refusal(env)

@@ -2,7 +2,11 @@
 
 Writes ``OUT/<scheduler|server-R|worker-R>.json`` with its environment, argv,
 cwd, pid, pgid and host, then (by flags) listens as a scheduler, spawns a
-grandchild, ignores SIGTERM, fails with a code, or sleeps.
+grandchild, ignores SIGTERM, fails with a code, or sleeps. With ``--notices``, each SIGUSR1 or
+SIGUSR2 it gets (a batch system's notice, passed on by the launcher) adds a line
+``USR1 PID TIME`` to ``OUT/<name>.notices``, and it goes on (with ``--exit-on-notice``: it
+exits with ``--exit``'s code at its next look, as a program that checkpointed); the handler is set before the
+record is written, so a record means that a notice is safe to send.
 """
 
 from __future__ import annotations
@@ -130,6 +134,9 @@ def main() -> int:
     ap.add_argument("--cause", default=None, metavar="ROLE-RANK:REASON",
                     help="as the scheduler: print a pslaunch-cause line naming ROLE-RANK, then exit 1")
     ap.add_argument("--ignore-term", action="store_true")
+    ap.add_argument("--notices", action="store_true",
+                    help="record each SIGUSR1/SIGUSR2 in OUT/<name>.notices and go on")
+    ap.add_argument("--exit-on-notice", action="store_true", help="with --notices: then end the sleep")
     ap.add_argument("--take-port-once", default=None, metavar="FLAGFILE")
     ap.add_argument("--print", action="append", default=[])
     ap.add_argument("--reach-tracker", action="store_true",
@@ -150,6 +157,17 @@ def main() -> int:
     me = name_of(env)
     if a.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    noticed = []
+    if a.notices:
+        path = os.path.join(a.out, f"{me}.notices")
+
+        def note(signum: int, frame: object) -> None:
+            with open(path, "a") as f:  # (one short write: whole even if two arrive at once)
+                f.write(f"{signal.Signals(signum).name[3:]} {os.getpid()} {time.time():.3f}\n")
+            noticed.append(signum)
+
+        for signum in (signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(signum, note)
     listener = None
     if me == "scheduler" and a.take_port_once and not os.path.exists(a.take_port_once):
         # Simulate losing the port between the launcher's probe and our bind:
@@ -229,7 +247,7 @@ def main() -> int:
             print(f"{me} failing with code {code}", file=sys.stderr, flush=True)
             return int(code)
     end = time.monotonic() + a.sleep
-    while time.monotonic() < end:
+    while time.monotonic() < end and not (a.exit_on_notice and noticed):
         time.sleep(min(0.1, max(0.0, end - time.monotonic())))
     if listener is not None:
         listener.close()

@@ -38,6 +38,7 @@ from ...spec.plan import Plan, ProcSpec
 from ..base import Backend, BackendOption
 from .command import (
     HOSTFILE_PLACEHOLDER,
+    MPIRUN_FORWARDS,
     MPIImpl,
     MPIInfo,
     RankLayout,
@@ -120,6 +121,7 @@ class MPIBackend(Backend):
         spec = self.spec
         layout = rank_layout(procs)
         job = MPIJob([], self.console.proc("mpirun", "mpirun", "mpirun"), self.watchdog)
+        job.forwards = MPIRUN_FORWARDS[self.info.impl]
         if self.pump is None:
             self.pump = PipePump()
         self.hub = job.hub = self._listen(job, procs, layout)

@@ -49,6 +49,14 @@ class MPIImpl(str, enum.Enum):
         return "Open MPI" if self is MPIImpl.OPENMPI else "MPICH"
 
 
+#: The signals mpirun passes on to every rank (measured: Open MPI 4.1 forwards these and more;
+#: MPICH's hydra forwards SIGUSR1 only, and SIGUSR2 or SIGABRT end it).
+MPIRUN_FORWARDS: dict[MPIImpl, tuple[str, ...]] = {
+    MPIImpl.OPENMPI: ("USR1", "USR2", "ABRT"),
+    MPIImpl.MPICH: ("USR1",),
+}
+
+
 @dataclass(frozen=True)
 class MPIInfo:
     """An mpirun found on this machine: its path, family and ``--version`` line."""

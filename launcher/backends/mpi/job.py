@@ -110,6 +110,10 @@ class MPIRank(RemoteProcess):
         if not self._send("ABRT"):
             self.job.dump_stacks()
 
+    def forward(self, signame: str) -> None:
+        if not self._send(signame):
+            self.job.forward(signame)
+
     def cleanup(self, groups: Optional[Mapping[int, list[int]]] = None) -> None:
         if self.local_pgid is None:
             return
@@ -144,6 +148,8 @@ class MPIJob:
         self._lock = threading.Lock()
         self._buffers = {False: b"", True: b""}
         self._signalled: set[str] = set()
+        #: the signals (protocol names) this mpirun passes on to every rank (command.MPIRUN_FORWARDS)
+        self.forwards: tuple[str, ...] = ("USR1",)
         self._machine = machine()  # (what each rank's agent reports of its own)
         self._all_done_at: Optional[float] = None
         self._lingered = False
@@ -310,8 +316,23 @@ class MPIJob:
                     pass
 
     def dump_stacks(self) -> None:
-        """SIGUSR1 to mpirun: forwarded to every rank, whose wrapper sends SIGABRT (faulthandler)."""
-        self._signal_once("usr1", signal.SIGUSR1)
+        """SIGABRT to mpirun, where it forwards it to every rank, whose wrapper passes it on (faulthandler)."""
+        if "ABRT" in self.forwards:
+            self._signal_once("abrt", signal.SIGABRT)
+
+    def forward(self, signame: str) -> None:
+        """``USR1``/``USR2`` to mpirun, which passes it to every rank's wrapper, which passes it on;
+        a signal this mpirun would die of is not sent (a warning says who missed it)."""
+        if self.popen is None or self.mpirun_code() is not None:
+            return
+        if signame not in self.forwards:
+            log.warning("SIG%s was not passed to the ranks that have no connection to the launcher: this "
+                        "mpirun forwards only %s", signame, ", ".join(f"SIG{s}" for s in self.forwards))
+            return
+        try:
+            os.kill(self.popen.pid, getattr(signal, f"SIG{signame}"))
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def stop(self, timeout: float) -> None:
         """The end of the job: make sure mpirun and its group are gone."""
@@ -356,7 +377,18 @@ class MPIGroup(ProcGroup):
         self.job.kill()
 
     def dump_stacks(self) -> None:
-        # each rank's agent, over its own connection; mpirun's SIGUSR1 for those not connected
+        # each rank's agent, over its own connection; mpirun's SIGABRT for those not connected
         sent = [h._send("ABRT") for h in self.running() if isinstance(h, MPIRank)]
         if not all(sent):
             self.job.dump_stacks()
+
+    def forward(self, signame: str) -> None:
+        """Over each rank's connection when every running rank has one; else once to mpirun, which
+        passes it to every rank (so that no rank gets it twice)."""
+        ranks = [h for h in self.running() if isinstance(h, MPIRank)]
+        hub = self.job.hub
+        if hub is not None and all(hub.connected(r.mpi_rank) for r in ranks):
+            for r in ranks:
+                r._send(signame)
+        else:
+            self.job.forward(signame)

@@ -11,6 +11,8 @@ in ``--launcher`` by passing all of them:
 * kill -9 of the launcher leaves nothing running or queued;
 * kill -9 of a process's node agent (the ssh wrapper, the mpi rank wrapper, the batch task wrapper)
   fails the job, blames that process, and leaves nothing running;
+* SIGUSR1 and SIGUSR2 to the launcher (a batch system's notice before a time limit) reach every
+  process once, and the job goes on to its normal end;
 * a program that does not exist is one line (exit 127), found here or on the nodes;
 * a program that is not executable is one line (exit 126), found here or on the nodes;
 * ``--timeout`` dumps every Python stack and exits 124;
@@ -277,6 +279,33 @@ def test_a_signal_stops_everything(cluster: Cluster, sig: int, code: int) -> Non
     assert p.returncode == code, err
     named = "SIGINT (Ctrl-C)" if sig == signal.SIGINT else "SIGTERM"
     assert f"pslaunch: error: stopped by {named} after" in err and "stopped by a signal" not in err, err
+    assert_nothing_left(cluster)
+
+
+def notices(out: Path) -> dict[str, list[tuple[str, int]]]:
+    """What each probe recorded with ``--notices``: its name -> ``[(signal, pid), ...]``, in order."""
+    found = {}
+    for f in out.glob("*.notices"):
+        found[f.name[:-len(".notices")]] = [(w[0], int(w[1])) for w in map(str.split, f.read_text().splitlines())]
+    return found
+
+
+@pytest.mark.timeout(150)
+def test_usr1_and_usr2_reach_every_process_once_and_the_job_goes_on(cluster: Cluster) -> None:
+    p, probes = running_job(cluster, "-n", "2", "-s", "1",
+                            *cluster.probe("--listen", "--sleep", "15", "--notices"), count=4)
+    want = {name: [("USR1", rec["pid"])] for name, rec in probes.items()}
+    p.send_signal(signal.SIGUSR1)
+    wait_for(lambda: notices(cluster.out) == want, 10, interval=0.1, what="SIGUSR1 in every process")
+    time.sleep(0.5)
+    p.send_signal(signal.SIGUSR2)
+    want = {name: [*pids, ("USR2", probes[name]["pid"])] for name, pids in want.items()}
+    wait_for(lambda: notices(cluster.out) == want, 10, interval=0.1, what="SIGUSR2 in every process")
+    assert p.poll() is None
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert "SIGUSR1 received: passing it on to every process" in err, err
+    assert notices(cluster.out) == want  # once each, not more
     assert_nothing_left(cluster)
 
 
