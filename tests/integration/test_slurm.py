@@ -251,6 +251,65 @@ def test_a_job_launched_from_an_sbatch_script(job: Probes, slurm: SlurmCluster, 
     wait_gone(slurm, job.name)
 
 
+# --- a batch system's notice (SIGUSR1, SIGUSR2) ------------------------------------------------------
+
+
+def notices(out: Path) -> dict[str, list[tuple[str, int]]]:
+    """What each probe recorded with ``--notices``: its name -> ``[(signal, pid), ...]``."""
+    return {f.name[:-len(".notices")]: [(w[0], int(w[1])) for w in map(str.split, f.read_text().splitlines())]
+            for f in out.glob("*.notices")}
+
+
+def steps_of(alloc: str) -> list[str]:
+    r = subprocess.run(["squeue", "-h", "-s", "-j", alloc, "-o", "%i"], capture_output=True, text=True, timeout=20)
+    return sorted(x for x in r.stdout.split() if re.fullmatch(rf"{alloc}\.\d+", x))
+
+
+@pytest.mark.timeout(120)
+def test_a_step_signal_reaches_each_task_once_and_the_job_goes_on(job: Probes, slurm: SlurmCluster) -> None:  # noqa: F811
+    # what srun --signal=USR1@T does at T seconds before the step's limit (slurmstepd signals every
+    # process of the step); the task wrapper must neither die of it nor pass on a second one
+    p = job.start("-n", "2", "-s", "1", *job.probe("--listen", "--sleep", "12", "--notices"))
+    try:
+        probes = wait_probes(job.out, 4, timeout=60, alive=True)
+        steps = steps_of(allocation_of(probes))
+        assert len(steps) == 2, steps  # the servers' step, the workers' step
+        for step in steps:  # (scancel may say "Invalid job id" for a node of the allocation outside the
+            # step, here 22.05 for a one-node step of a two-node allocation, and still signal the step)
+            subprocess.run(["scancel", "--signal=USR1", step], capture_output=True, timeout=20)
+        want = {n: [("USR1", rec["pid"])] for n, rec in probes.items() if n != "scheduler"}
+        wait_for(lambda: notices(job.out) == want, 10, interval=0.1, what="SIGUSR1 in every task")
+    finally:
+        out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert notices(job.out) == want  # once each
+
+
+@pytest.mark.timeout(150)
+def test_a_batch_shell_signal_reaches_every_process_once(job: Probes, slurm: SlurmCluster,  # noqa: F811
+                                                          tmp_path: Path) -> None:
+    # sbatch --signal=B:USR1@T signals the batch shell, which here is pslaunch (exec); scancel
+    # --batch is the same signal now
+    log = tmp_path / "batch.out"
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/sh\nexec " + shlex.join(
+        pslaunch_argv("--launcher", "slurm", "--env", f"{MARK}={job.mark}", "--env",
+                      f"DMLC_INTERFACE={slurm.subnet_a}", "-n", "2", "-s", "1", "--kill-grace", "1",
+                      *job.probe("--listen", "--sleep", "12", "--notices"))) + "\n")
+    r = subprocess.run(["sbatch", "--parsable", "--no-requeue", "-N", "3", "-J", job.name, "-o", str(log),
+                        "-D", str(REPO), str(script)], capture_output=True, text=True, timeout=60, check=True)
+    alloc = r.stdout.strip().split(";")[0]
+    probes = wait_probes(job.out, 4, timeout=60, alive=True)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", alloc], check=True, timeout=20)
+    want = {n: [("USR1", rec["pid"])] for n, rec in probes.items()}
+    wait_for(lambda: notices(job.out) == want, 10, interval=0.1, what="SIGUSR1 in every process")
+    wait_gone(slurm, job.name, timeout=60)
+    text = log.read_text()
+    assert "SIGUSR1 received: passing it on to every process" in text, text
+    assert "all 4 processes exited 0" in text, text
+    assert notices(job.out) == want
+
+
 # --- the trainer ---------------------------------------------------------------------------------------
 
 
