@@ -210,6 +210,38 @@ def test_failing_task_exit_code_and_the_others_are_deleted(job) -> None:
           f"whole run {took:.1f}s")
 
 
+def notices(out: Path) -> dict[str, list[tuple[str, int]]]:
+    """What each probe recorded with ``--notices``: its name -> ``[(signal, pid), ...]``."""
+    return {f.name[:-len(".notices")]: [(w[0], int(w[1])) for w in map(str.split, f.read_text().splitlines())]
+            for f in out.glob("*.notices")}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("command, notice", [(["qmod", "-sj"], "USR1"), (["qdel"], "USR2")],
+                         ids=["suspend", "delete"])
+def test_notify_reaches_each_task_once_and_it_may_end_in_time(job, command: list[str], notice: str) -> None:
+    # qsub -notify: Grid Engine sends SIGUSR1 before it suspends a job (SIGSTOP) and SIGUSR2 before
+    # it kills one (SIGKILL), the queue's notify time (60 s here) apart, to the job, i.e. to the
+    # task wrapper, which passes it on; the program checkpoints and exits 0 (--exit-on-notice)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(pslaunch_argv("-n", "2", "-s", "0", *sge_args(job, "--sge-native", "-notify"),
+                                          *probe(job, "--sleep", "50", "--notices", "--exit-on-notice")),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        wait_for(lambda: len(list(job["probes"].glob("*.json"))) == 2, 40, what="every task to start")
+        subprocess.run([*command, *sge_jobs(job["name"])], check=True, capture_output=True, timeout=20)
+        _, err = proc.communicate(timeout=40)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    took = time.monotonic() - t0
+    probes = read_probes(job["probes"])
+    assert proc.returncode == 0, err
+    assert notices(job["probes"]) == {n: [(notice, rec["pid"])] for n, rec in probes.items()}, err
+    assert took < 40, f"the tasks sleep 50 s; they ended after {took:.0f}s"
+    assert_no_jobs_left(job["name"])
+
+
 @pytest.mark.timeout(90)
 def test_kill_9_of_the_launcher_deletes_every_job(job) -> None:
     proc = subprocess.Popen(pslaunch_argv("-n", "1", "-s", "1", *sge_args(job),
