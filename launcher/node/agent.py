@@ -51,7 +51,7 @@ import socket
 import subprocess
 import time
 
-from . import protocol
+from . import errorfile, protocol
 from .procgroup import (
     MARK_NAME,
     become_subreaper,
@@ -275,6 +275,8 @@ class Child(object):
         self.streams = {}  # fd -> (kind, the pipe's file object)
         self.code = None  # once it ended: its exit code, 128+N for signal N
         self.ended_at = None
+        self.ended_wall = None  # (time.time() then: what x says)
+        self.error_file = None  # its errorfile.Slot, once it is about to start
         self.kill_at = None  # when the staged stop sends SIGKILL
         self.failed = False  # it could not start
         self.reported = False  # its x or f went out
@@ -358,9 +360,11 @@ class Agent(object):
             for at in range(0, len(payload), protocol.LINE_PAYLOAD):
                 _write(fd, protocol.envelope(kind, ident, payload[at:at + protocol.LINE_PAYLOAD]))
             return
+        if kind == protocol.RECORD and len(payload) > protocol.LINE_PAYLOAD:
+            payload = errorfile.fit(protocol.parse_json(payload), protocol.LINE_PAYLOAD)
         line = protocol.envelope(kind, ident, payload)
         _write(fd, line)
-        if kind == protocol.EXIT:
+        if kind in (protocol.EXIT, protocol.RECORD):
             _write(2, line)  # (the launcher keeps the first: a lost exit frame would make it guess)
 
     def send_json(self, kind, ident, obj):
@@ -509,10 +513,17 @@ class Agent(object):
         if self.watchdog is not None and child.mark:
             self.watchdog.mark(child.mark)
         try:
+            child.error_file = errorfile.Slot()
+            child.env.update(child.error_file.env())
+        except OSError:
+            child.error_file = None  # (no temporary directory here: the process runs without one)
+        try:
             proc = subprocess.Popen(argv, env=child.env, cwd=child.cwd, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                                     close_fds=True, preexec_fn=self.death_signal)
         except Exception as e:  # noqa: BLE001 - ValueError (a NUL byte), ...: the others must stay supervised
+            if child.error_file is not None:
+                child.error_file.discard()
             message, code = start_error(e, argv[0], self.here)
             return self._failed(child, message, code)
         child.proc, child.pid = proc, proc.pid
@@ -652,13 +663,18 @@ class Agent(object):
                 if c.code is None:
                     continue
                 c.ended_at = now
+                c.ended_wall = time.time()
             if not c.streams or now - c.ended_at >= DRAIN_SECONDS:
                 self._drain(c)  # what it wrote before it exited, then its code
                 self._report_exit(c)
 
     def _report_exit(self, child):
+        """``r`` (what it wrote to its error file, if anything), then ``x`` with the node's time."""
         child.reported = True
-        self.send(protocol.EXIT, child.id, b"%d" % child.code)
+        doc = child.error_file.collect() if child.error_file is not None else None
+        if doc is not None:
+            self.send(protocol.RECORD, child.id, errorfile.fit(doc, protocol.MAX_FROM_NODE))
+        self.send(protocol.EXIT, child.id, protocol.exit_payload(child.code, child.ended_wall))
 
     def _finish(self):
         """The end: kill what is left, sweep, reap, report, close (see the module docstring, 5)."""
@@ -675,6 +691,7 @@ class Agent(object):
                 code = 128 + signal.SIGKILL
             if c.code is None:
                 c.code = code
+                c.ended_wall = time.time()
         # descendants re-parented to us (a subreaper) that carried no mark (a scrubbed environment)
         kill_children(keep=(self.watchdog.pid,) if self.watchdog is not None and self.watchdog.pid else ())
         deadline = time.monotonic() + 1.0

@@ -66,9 +66,16 @@ f     :data:`FAILED`         a process   JSON ``{"error", "code", "host"}``: it 
                                          program, 126: not executable, 1: anything else)
 o     :data:`STDOUT`         a process   bytes of its stdout, as they came
 e     :data:`STDERR`         a process   bytes of its stderr
-x     :data:`EXIT`           a process   ASCII decimal exit code (N, or 128+N for signal N); after
-                                         the process's output, once its pipes ended (or 0.5 s
-                                         after it exited, when what it started holds them open)
+x     :data:`EXIT`           a process   ASCII decimal exit code (N, or 128+N for signal N), then
+                                         a space and the node's clock when the agent saw the exit
+                                         (seconds since the epoch, decimal; optional); after the
+                                         process's output, once its pipes ended (or 0.5 s after it
+                                         exited, when what it started holds them open)
+r     :data:`RECORD`         a process   JSON ``{"message", "traceback", "time"}``: what the
+                                         process wrote to its error file (:mod:`.errorfile`:
+                                         ``PSLAUNCH_ERROR_FILE``, torch's ``@record``), bounded;
+                                         ``time`` is the node's clock; just before its ``x``, and
+                                         only when it wrote one
 h     :data:`HERE`           a process   JSON ``{"host", ...}`` (as ``p``): it awaits its ``E``
 k     :data:`ALIVE`          NODE        empty: the answer to ``K``
 i     :data:`IFACE_ANSWER`   NODE        JSON ``{"address", "interface"}`` or ``{"error"}``
@@ -114,9 +121,17 @@ with one ``write`` below ``PIPE_BUF`` so that no other writer's bytes can land i
     \\x1eeAACAAAAATM=\\n        (x, process 2, exit code 3)
 
 An in-band frame carries at most :data:`LINE_PAYLOAD` bytes (a process's output is cut into such
-pieces), so its line stays under 4096 bytes. ``p``, ``o`` and ``x`` go to the agent's stdout, ``e``
-and ``f`` to its stderr, and ``x`` to its stderr too (the launcher keeps the first that arrives). A
-line that is not exactly one envelope (:func:`unwrap`) is the tools' own text.
+pieces, ``r`` is shortened to fit), so its line stays under 4096 bytes. ``p``, ``o`` and ``x`` go
+to the agent's stdout, ``e`` and ``f`` to its stderr, and ``r`` and ``x`` to both (the launcher keeps
+the first that arrives). A line that is not exactly one envelope (:func:`unwrap`) is the tools' own
+text.
+
+Time
+====
+
+The launcher takes the job's first failure by time across all hosts: a node's ``x`` says when the
+process ended by the node's clock, not when the launcher heard of it. This assumes that the hosts'
+clocks agree (NTP); a node's time later than the launcher's arrival of the frame is not used.
 
 Placement
 =========
@@ -152,6 +167,7 @@ FAILED = b"f"
 STDOUT = b"o"
 STDERR = b"e"
 EXIT = b"x"
+RECORD = b"r"
 HERE = b"h"
 ALIVE = b"k"
 IFACE_ANSWER = b"i"
@@ -159,7 +175,7 @@ SYNC_ANSWER = b"s"
 DONE_ANSWER = b"d"
 
 TO_NODE = (HEADER, SIGNAL, PLACE, PING, IFACE, SYNC, FILE, DONE)
-FROM_NODE = (STARTED, FAILED, STDOUT, STDERR, EXIT, HERE, ALIVE, IFACE_ANSWER, SYNC_ANSWER, DONE_ANSWER)
+FROM_NODE = (STARTED, FAILED, STDOUT, STDERR, EXIT, RECORD, HERE, ALIVE, IFACE_ANSWER, SYNC_ANSWER, DONE_ANSWER)
 #: The payloads of :data:`SIGNAL`.
 SIGNALS = ("TERM", "INT", "KILL", "ABRT", "USR1", "USR2")
 
@@ -243,12 +259,33 @@ def parse_json(payload):
     return doc if isinstance(doc, dict) else {}
 
 
+def exit_payload(code, when=None):
+    """An ``x`` payload: the exit code and, if known, the node's clock when the process ended."""
+    return b"%d" % code if when is None else b"%d %.6f" % (code, when)
+
+
+def parse_exit(payload):
+    """``(exit code, the node's time of the exit or None)`` of an ``x`` payload (code 1 when it is
+    malformed; no time when the time is)."""
+    parts = payload.split()
+    try:
+        code = int(parts[0].decode("ascii"))
+    except (ValueError, IndexError):
+        return 1, None
+    when = None
+    if len(parts) == 2:
+        try:
+            when = float(parts[1].decode("ascii"))
+        except ValueError:
+            pass
+        if when is not None and not 0 < when < 1e11:  # (NaN, infinity, nonsense)
+            when = None
+    return code, when
+
+
 def parse_code(payload):
     """The exit code of an ``x`` payload (1 when it is malformed)."""
-    try:
-        return int(payload.decode("ascii"))
-    except ValueError:
-        return 1
+    return parse_exit(payload)[0]
 
 
 def blob(data):

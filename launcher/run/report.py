@@ -203,25 +203,34 @@ def failure_report(h: ProcessHandle, others: int, redact: jobenv.Redactor,
 
     A process that could not start at all (``h.failure``) is one line: the reason says it all.
     When a process of the job named the cause (:class:`Cause`), the report leads with it: a worker
-    that hung is named, not the scheduler that noticed and stopped the job.
+    that hung is named, not the scheduler that noticed and stopped the job. What the process
+    wrote to its error file (torch's ``@record``: its exception, then the traceback's end) comes
+    before its last lines: the first line of the report names the exception.
     """
     if h.failure is not None:
         head = redact(f"{h.describe()}: {h.failure}")
         log.error("%s", head)
         return head
     exited = f"{describe_exit(h.exit_code or 0)} first"
+    error = h.describe_error()  # (what it wrote to its error file: torch's @record)
     if cause is not None and cause.culprit is not None and cause.culprit is not h:
         by = (f"reported by the {h.label}, which" if cause.reporter is h else
               f"reported by the {cause.reporter.label}; {h.label}")
         head = f"{cause.culprit.describe()}: {cause.reason} ({by} {exited})"
     elif cause is not None:
         head = f"{h.describe()} {exited}: {cause.reason}"
+    elif error:
+        head = f"{h.describe()} {exited}: {error.pop(0)}"
     else:
         head = f"{h.describe()} {exited}"
     if others:
         head += "; stopped the other processes"
     head = redact(head)
     log.error("%s", head)
+    if error:
+        log.error("the %s %s wrote to its error file:", "error" if cause is not None else "traceback", h.label)
+        for line in error:
+            log.error("  ! %s", redact(line))
     lines = h.output.lines()
     if lines:
         log.error("last %d line%s of %s:", len(lines), "" if len(lines) == 1 else "s", h.label)

@@ -13,9 +13,10 @@ from __future__ import annotations
 import signal
 import time
 from dataclasses import asdict, dataclass
-from typing import Iterable, Mapping, Optional, Protocol
+from typing import Any, Iterable, Mapping, Optional, Protocol
 
-from ..node import procgroup
+from ..logs import printable
+from ..node import errorfile, procgroup
 from ..node.procgroup import group_alive
 from ..spec.plan import ProcSpec
 from .output import ProcOutput
@@ -47,6 +48,48 @@ def describe_exit(code: int) -> str:
     return f"was killed by {sig} (exit code {code})" if sig else f"exited with code {code}"
 
 
+@dataclass(frozen=True)
+class ProgramError:
+    """What a process wrote to its error file (``PSLAUNCH_ERROR_FILE``, ``TORCHELASTIC_ERROR_FILE``:
+    torch's ``@record``), as :mod:`launcher.node.errorfile` parsed it, here or on its node.
+
+    Made from the program's (or a node's) words, so :meth:`from_doc` trusts none of them: wrong
+    types give no error, the lengths are cut again, and every control character is made visible
+    (:func:`~launcher.logs.printable`; the message is one line). ``time`` is when it was written,
+    by the clock of the process's host.
+    """
+
+    message: str
+    traceback: str
+    time: Optional[float]
+
+    @classmethod
+    def from_doc(cls, doc: Any) -> Optional[ProgramError]:
+        """The error of a :func:`~launcher.node.errorfile.parse` document (an ``r`` frame's), or None."""
+        if not isinstance(doc, dict) or not isinstance(doc.get("message"), str) or not doc["message"].strip():
+            return None
+        trace = doc.get("traceback")
+        when = doc.get("time")
+        if not isinstance(when, (int, float)) or isinstance(when, bool) or not 0 < when < 1e11:
+            when = None
+        return cls(message=printable(errorfile.cut(doc["message"].strip(), errorfile.MESSAGE_MAX)),
+                   traceback=printable(errorfile.cut_start(trace, errorfile.TRACE_MAX), newlines=True)
+                   if isinstance(trace, str) else "",
+                   time=float(when) if when is not None else None)
+
+    def lines(self, max_lines: int = 20) -> list[str]:
+        """The message, then the traceback's last ``max_lines`` lines (its innermost frames and the
+        exception), after one line that counts those left out."""
+        trace = self.traceback.split("\n") if self.traceback else []  # (not splitlines: it splits at \x85 too)
+        if len(trace) > max_lines:
+            trace = [f"[... {len(trace) - max_lines} earlier line{'' if len(trace) - max_lines == 1 else 's'}]",
+                     *trace[-max_lines:]]
+        return [self.message, *trace]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 @dataclass
 class ProcRecord:
     """What ``--summary-json`` says about one process."""
@@ -62,6 +105,8 @@ class ProcRecord:
     exit_code: Optional[int]
     signal: Optional[str]
     stopped_by_launcher: bool
+    #: what it wrote to its error file (:class:`ProgramError`'s fields), if it wrote one
+    error: Optional[dict] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,7 +118,9 @@ class ProcessHandle:
     Subclasses implement :meth:`_poll`, :meth:`terminate`, :meth:`kill`; the base class keeps
     times, the exit code and the output. A subclass that learns when the process ended (a
     node's exit frame, ``x``) sets :attr:`ended_at` before :meth:`_poll` returns the code, so the
-    first failure is the first to have happened, not the first to be seen.
+    first failure is the first to have happened, not the first to be seen; where the node said
+    when by its own clock (:attr:`node_ended_at`), that time counts (the hosts' clocks are assumed
+    to agree), unless it is later than the launcher's.
     """
 
     def __init__(self, proc: ProcSpec, output: ProcOutput, host: str, clock: Clock = time) -> None:
@@ -85,9 +132,13 @@ class ProcessHandle:
         self.start_time = clock.time()
         self.end_time: float | None = None
         self.ended_at: float | None = None
+        #: when it ended by its node's clock (the node's ``x``), set before :meth:`_poll` returns the code
+        self.node_ended_at: float | None = None
         self.exit_code: int | None = None
         #: why the process could not start at all (one line), set with its exit code
         self.failure: str | None = None
+        #: what it wrote to its error file, if it wrote one: set before :meth:`_poll` returns the code
+        self.error: ProgramError | None = None
 
     @property
     def name(self) -> str:
@@ -106,7 +157,8 @@ class ProcessHandle:
             code = self._poll()
             if code is not None:
                 self.exit_code = normalize_exitcode(code)
-                self.end_time = self.ended_at or self.clock.time()
+                seen = self.ended_at or self.clock.time()
+                self.end_time = seen if self.node_ended_at is None else min(self.node_ended_at, seen)
         return self.exit_code
 
     def terminate(self) -> None:
@@ -134,12 +186,17 @@ class ProcessHandle:
         where = f"on {self.host}" + (f", pid {self.pid}" if self.pid else "")
         return f"{self.label} ({where})"
 
+    def describe_error(self, max_lines: int = 20) -> list[str]:
+        """What it wrote to its error file, as lines to show (:meth:`ProgramError.lines`): the
+        message, then the traceback's end; ``[]`` when it wrote none."""
+        return self.error.lines(max_lines) if self.error is not None else []
+
     def record(self, stopped_by_launcher: bool = False) -> ProcRecord:
         return ProcRecord(
             name=self.name, role=str(self.proc.role), rank=self.proc.rank, task_id=self.proc.task_id,
             host=self.host, pid=self.pid, start_time=self.start_time, end_time=self.end_time,
             exit_code=self.exit_code, signal=signal_name(self.exit_code),
-            stopped_by_launcher=stopped_by_launcher,
+            stopped_by_launcher=stopped_by_launcher, error=self.error.to_dict() if self.error else None,
         )
 
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 import signal
 from typing import Mapping, Optional
 
+from ..node import errorfile
 from ..node.procgroup import group_alive, resolve_program, signal_group, stop_group
 from ..node.watchdog import Client as Watchdog
 from ..spec.plan import ProcSpec
-from .handle import ProcessHandle, group_members
+from .handle import ProcessHandle, ProgramError, group_members
 from .output import PipePump, ProcOutput
 from .spawn import spawn, spawn_guard
 
@@ -28,8 +29,20 @@ class LocalProcess(ProcessHandle):
         super().__init__(proc, output, host)
         argv = list(proc.argv)
         argv[0] = resolve_program(argv[0], env, cwd)
+        #: its error file (launcher.node.errorfile), read back once it ended
+        self._error_file: Optional[errorfile.Slot] = None
+        try:
+            self._error_file = errorfile.Slot()
+        except OSError:
+            pass  # (no temporary directory: it runs without one, as on a node)
         with spawn_guard():  # (until the pump reads it: a Ctrl-C then finds a handle)
-            child = spawn(argv, env, cwd, watchdog=watchdog, label=proc.label)
+            try:
+                child = spawn(argv, {**env, **(self._error_file.env() if self._error_file else {})}, cwd,
+                              watchdog=watchdog, label=proc.label)
+            except BaseException:
+                if self._error_file is not None:
+                    self._error_file.discard()
+                raise
             self._popen = child.popen
             self.pid = self.pgid = child.pid
             self._watchdog = watchdog
@@ -39,7 +52,10 @@ class LocalProcess(ProcessHandle):
             pump.watch_exit(self.pid, output.process_ended)
 
     def _poll(self) -> int | None:
-        return self._popen.poll()
+        code = self._popen.poll()
+        if code is not None and self._error_file is not None and not self._error_file.done:
+            self.error = ProgramError.from_doc(self._error_file.collect())
+        return code
 
     def terminate(self) -> None:
         stop_group(self.pgid, signal.SIGTERM)

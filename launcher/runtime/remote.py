@@ -17,9 +17,9 @@ import time
 from typing import Any
 
 from ..node import protocol
-from ..node.protocol import parse_code, parse_json
+from ..node.protocol import parse_exit, parse_json
 from ..spec.plan import ProcSpec
-from .handle import ProcessHandle
+from .handle import ProcessHandle, ProgramError
 from .output import ProcOutput
 
 
@@ -48,7 +48,13 @@ class RemoteProcess(ProcessHandle):
         elif kind == protocol.STARTED:
             self.on_start(parse_json(payload))
         elif kind == protocol.EXIT:
-            self.on_exit(parse_code(payload))
+            code, when = parse_exit(payload)
+            if self.node_ended_at is None:
+                self.node_ended_at = when  # (before the code: see ProcessHandle.poll)
+            self.on_exit(code)
+        elif kind == protocol.RECORD:
+            if self.error is None:  # (in-band, it comes twice)
+                self.error = ProgramError.from_doc(parse_json(payload))
         elif kind == protocol.FAILED:
             info = parse_json(payload)
             try:

@@ -36,7 +36,7 @@ def test_the_vocabulary() -> None:
     """One letter per kind and direction: upper case to the node, lower case from it; each a
     constant, and each in the spec's tables."""
     assert len(set(protocol.TO_NODE)) == len(protocol.TO_NODE) == 8
-    assert len(set(protocol.FROM_NODE)) == len(protocol.FROM_NODE) == 10
+    assert len(set(protocol.FROM_NODE)) == len(protocol.FROM_NODE) == 11
     assert all(len(k) == 1 and k.isupper() for k in protocol.TO_NODE)
     assert all(len(k) == 1 and k.islower() for k in protocol.FROM_NODE)
     doc = protocol.__doc__ or ""
@@ -153,7 +153,9 @@ def test_golden_frames_of_a_process_the_agent_runs() -> None:
     assert start == {**machine(), "pid": start["pid"], "agent": start["agent"], "addr": "10.0.0.1"}
     assert frames[0][2] == json.dumps(start, separators=(",", ":")).encode()
     assert frame(*frames[1][:2], frames[1][2]) == b"o\x00\x02\x00\x00\x00\x03hi\n"
-    assert frame(*frames[2][:2], frames[2][2]) == b"x\x00\x02\x00\x00\x00\x03137"
+    code, when = frames[2][2].split(b" ")  # the code, then the node's clock at the exit
+    assert code == b"137" and abs(float(when) - time.time()) < 30 and re.fullmatch(rb"\d+\.\d{6}", when)
+    assert frame(*frames[2][:2], frames[2][2]) == b"x\x00\x02" + len(frames[2][2]).to_bytes(4, "big") + frames[2][2]
 
 
 def test_golden_answers_before_the_header(wire: Wire, tmp_path) -> None:

@@ -33,8 +33,8 @@ def test_wrapper_command_is_the_bootstrap_and_nothing_job_specific() -> None:
 
 
 #: what a host's python3 runs for the ssh backend (the wrapper, doctor's probe): Python 3.5 syntax
-OLD_PYTHON_MODULES = ("ssh_loader", "ssh_wrapper", "protocol", "agent", "probe", "procgroup", "treesync", "safefiles",
-                      "watchdog", "__init__")
+OLD_PYTHON_MODULES = ("ssh_loader", "ssh_wrapper", "protocol", "agent", "errorfile", "probe", "procgroup", "treesync",
+                      "safefiles", "watchdog", "__init__")
 
 
 def test_the_old_python_modules_are_what_the_ssh_wrapper_and_the_probe_import() -> None:

@@ -179,6 +179,7 @@ def test_in_band_records_without_a_connection() -> None:
     assert all(frames["out"]) and all(frames["err"]), r.stdout + r.stderr
     kinds = {(stream, ident, kind): payload for stream, found in frames.items() for kind, ident, payload in found}
     assert kinds[("out", 2, protocol.STDOUT)] == b"out\n" and kinds[("err", 2, protocol.STDERR)] == b"err\n"
-    assert kinds[("out", 2, protocol.EXIT)] == kinds[("err", 2, protocol.EXIT)] == b"3"  # on both: the first counts
+    assert kinds[("out", 2, protocol.EXIT)] == kinds[("err", 2, protocol.EXIT)]  # on both: the first counts
+    assert protocol.parse_code(kinds[("out", 2, protocol.EXIT)]) == 3
     start = json.loads(kinds[("out", 2, protocol.STARTED)])
     assert start["step"] == "9.1" and start["addr"] == "127.0.0.1"
