@@ -72,10 +72,11 @@ class ProgramError:
         when = doc.get("time")
         if not isinstance(when, (int, float)) or isinstance(when, bool) or not 0 < when < 1e11:
             when = None
-        return cls(message=printable(errorfile.cut(doc["message"].strip(), errorfile.MESSAGE_MAX)),
-                   traceback=printable(errorfile.cut_start(trace, errorfile.TRACE_MAX), newlines=True)
-                   if isinstance(trace, str) else "",
-                   time=float(when) if when is not None else None)
+        most_m, most_t = errorfile.MESSAGE_MAX, errorfile.TRACE_MAX
+        message = printable(errorfile.cut(doc["message"].strip(), most_m))
+        trace = printable(errorfile.cut_start(trace, most_t), newlines=True) if isinstance(trace, str) else ""
+        return cls(message=errorfile.cut(message, most_m),  # (cut again: ^X takes two characters)
+                   traceback=errorfile.cut_start(trace, most_t), time=float(when) if when is not None else None)
 
     def lines(self, max_lines: int = 20) -> list[str]:
         """The message, then the traceback's last ``max_lines`` lines (its innermost frames and the

@@ -271,3 +271,9 @@ def test_in_band_the_record_is_cut_to_one_line_on_both_streams(tmp_path: Path) -
 def test_a_program_that_writes_nothing_sends_no_record(tmp_path: Path) -> None:
     out, _ = _agent(tmp_path, "'', 0", channel=True)  # (an empty file: says nothing)
     assert [k for k, i, _ in protocol.Decoder().feed(out)] == [protocol.STARTED, protocol.EXIT]
+
+
+def test_the_bounds_hold_once_control_characters_are_made_visible() -> None:
+    e = ProgramError.from_doc({"message": "\x01" * 5000, "traceback": "\x02" * 50_000})
+    assert e is not None and len(e.message) <= errorfile.MESSAGE_MAX and len(e.traceback) <= errorfile.TRACE_MAX
+    assert e.message.startswith("^A^A") and e.traceback.endswith("^B^B")
