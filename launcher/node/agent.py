@@ -325,6 +325,7 @@ class Agent(object):
         self.use_watchdog = watchdog
         self.pass_notices = pass_notices
         self.watchdog = None
+        self.error_base = None  # the directory of the processes' error files (errorfile.Base)
         self.death_signal = None  # the preexec_fn that sets each process's parent-death signal
         self.children = []
         self.unread = []  # frames read before :meth:`run` that it must still obey
@@ -489,6 +490,10 @@ class Agent(object):
                 Client = None
             if Client is not None:
                 self.watchdog = Client(self.grace, fork=self.use_watchdog == "fork")
+        try:
+            self.error_base = errorfile.Base(self.watchdog)
+        except OSError:
+            self.error_base = None  # (no temporary directory here: the processes run without error files)
         if single_threaded():  # (code between fork and exec is safe only then: mpi4py may run threads)
             watched = self.watchdog is not None and self.watchdog.pid is not None
             self.death_signal = parent_death_signal(signal.SIGTERM if watched else signal.SIGKILL)
@@ -513,8 +518,9 @@ class Agent(object):
         if self.watchdog is not None and child.mark:
             self.watchdog.mark(child.mark)
         try:
-            child.error_file = errorfile.Slot()
-            child.env.update(child.error_file.env())
+            child.error_file = self.error_base.slot() if self.error_base is not None else None
+            if child.error_file is not None:
+                child.env.update(child.error_file.env())
         except OSError:
             child.error_file = None  # (no temporary directory here: the process runs without one)
         try:
@@ -699,6 +705,8 @@ class Agent(object):
             self._drain(c, max(0.0, deadline - time.monotonic()))
             if not c.reported:
                 self._report_exit(c)
+        if self.error_base is not None:
+            self.error_base.close()
         if self.watchdog is not None:
             self.watchdog.close(wait=True)
         self._end_channel(any(c.failed for c in self.children))

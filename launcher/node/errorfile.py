@@ -49,6 +49,29 @@ _CUT = "[...]"
 _PYTHON_TRACEBACK = "Traceback (most recent call last):"
 
 
+class Base(object):
+    """One private directory (0700, an unpredictable name) for the error files of every process
+    that one program starts (a node agent, the launcher). Given that program's watchdog, what a
+    ``kill -9`` of the program leaves behind here is removed with the processes."""
+
+    def __init__(self, watchdog=None):
+        self.dir = tempfile.mkdtemp(prefix="pslaunch-errors-")
+        if watchdog is not None:
+            watchdog.remove_after_kill(os.path.join(self.dir, "pslaunch-error-*"))
+            watchdog.remove_dir_after_kill(self.dir)
+
+    def slot(self):
+        """A new process's :class:`Slot`, in this directory."""
+        return Slot(self.dir)
+
+    def close(self):
+        """The end: the directory goes (its slots were collected or discarded)."""
+        try:
+            os.rmdir(self.dir)
+        except OSError:
+            pass
+
+
 class Slot(object):
     """One process's error file: made before the process starts, collected once it ended."""
 

@@ -15,6 +15,7 @@ left its group with ``setsid()``), ``cmd JSON-ARGV``, ``remove GLOB`` (once ever
 matches: what a killed process could not), ``done``. Standard library only.
 """
 
+import os
 import signal
 import sys
 
@@ -39,6 +40,7 @@ def main(stdin=None):
     marks = []  # type: List[str]
     commands = []  # type: List[List[str]]
     removals = []  # type: List[str]
+    empty_dirs = []  # type: List[str]
     stdin = sys.stdin.buffer if stdin is None else stdin
     while True:
         line = stdin.readline()
@@ -56,6 +58,8 @@ def main(stdin=None):
                 groups.discard(int(arg))
             elif word == "remove" and arg:
                 removals.append(arg)
+            elif word == "rmdir" and arg:
+                empty_dirs.append(arg)
             elif word == "mark" and arg:
                 marks.append(arg)
             elif word == "cmd":
@@ -86,6 +90,11 @@ def main(stdin=None):
     for prefix in marks:
         kill_marked(prefix)
     remove_matching(removals)
+    for path in empty_dirs:  # (after the removals, which may have emptied them)
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
     return 0
 
 
@@ -180,6 +189,12 @@ class Client(object):
         """If the client dies, remove what the glob ``pattern`` matches once every process is
         killed (what they leave behind when killed), and its parent directory once empty."""
         self._send("remove " + pattern.replace("\n", " "))
+
+    def remove_dir_after_kill(self, path):
+        # type: (str) -> None
+        """If the client dies, remove the directory ``path`` once every process is killed and the
+        :meth:`remove_after_kill` patterns are removed, if it is empty by then."""
+        self._send("rmdir " + path.replace("\n", " "))
 
     def close(self, wait=False):
         # type: (bool) -> None

@@ -9,6 +9,7 @@ one pump thread reads into its labelled output.
 
 from __future__ import annotations
 
+import atexit
 import signal
 from typing import Mapping, Optional
 
@@ -19,6 +20,24 @@ from ..spec.plan import ProcSpec
 from .handle import ProcessHandle, ProgramError, group_members
 from .output import PipePump, ProcOutput
 from .spawn import spawn, spawn_guard
+
+_error_base: Optional[errorfile.Base] = None
+
+
+def error_slot(watchdog: Optional[Watchdog]) -> errorfile.Slot:
+    """A new local process's error file, in the launcher's one directory of them
+    (:class:`~launcher.node.errorfile.Base`): made at the first, and registered then with the
+    launcher's watchdog, so that a ``kill -9`` of the launcher leaves none behind; the directory
+    goes when the launcher exits.
+
+    Raises:
+        OSError: no temporary directory here.
+    """
+    global _error_base
+    if _error_base is None:
+        _error_base = errorfile.Base(watchdog)
+        atexit.register(_error_base.close)
+    return _error_base.slot()
 
 
 class LocalProcess(ProcessHandle):
@@ -32,7 +51,7 @@ class LocalProcess(ProcessHandle):
         #: its error file (launcher.node.errorfile), read back once it ended
         self._error_file: Optional[errorfile.Slot] = None
         try:
-            self._error_file = errorfile.Slot()
+            self._error_file = error_slot(watchdog)
         except OSError:
             pass  # (no temporary directory: it runs without one, as on a node)
         with spawn_guard():  # (until the pump reads it: a Ctrl-C then finds a handle)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from support.helpers import PipeChannel, pid_alive, wait_for
@@ -191,6 +192,23 @@ _FAMILY = ("import os,signal,subprocess,sys,time; signal.signal(signal.SIGTERM, 
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.timeout(30)
+def test_kill_9_of_a_wrapper_whose_processes_ended_leaves_no_directory() -> None:
+    """Each process's error file was collected when it ended; the wrapper's directory of them goes
+    with its watchdog when the wrapper is killed."""
+    w = Wrapped(py("import os; print(os.environ['PSLAUNCH_ERROR_FILE'], flush=True)"))
+    try:
+        wait_for(lambda: w.output().strip(), 10, what="the error file's path")
+        base = Path(w.output().decode().strip()).parent.parent
+        w.read_until(EXIT)
+        assert base.name.startswith("pslaunch-errors-") and base.is_dir() and not any(base.iterdir())
+        os.kill(w.p.pid, signal.SIGKILL)
+        w.p.wait(timeout=10)
+        wait_for(lambda: not base.exists(), 10.0, interval=0.1, what=f"{base} to be removed")
+    finally:
+        w.close()
+
+
 @pytest.mark.parametrize("python", [sys.executable, OLD_PYTHON], ids=["python3", "python3.6"])
 def test_kill_9_of_the_wrapper_leaves_nothing(python: str | None, tmp_path) -> None:
     """Issue 30, 11: the wrapper killed (kill -9, the OOM killer) must not leave its processes under
@@ -207,6 +225,10 @@ def test_kill_9_of_the_wrapper_leaves_nothing(python: str | None, tmp_path) -> N
         wait_for(lambda: w.output().strip(), 10, what="the grandchildren's pids")
         pids += [int(x) for x in w.output().split()]
         assert all(pid_alive(p) for p in pids)
+        environ = dict(item.split(b"=", 1) for item in Path(f"/proc/{pids[0]}/environ").read_bytes().split(b"\0")
+                       if b"=" in item)
+        error_dirs = Path(environ[b"PSLAUNCH_ERROR_FILE"].decode()).parent.parent  # (the wrapper's errorfile.Base)
+        assert error_dirs.name.startswith("pslaunch-errors-") and error_dirs.is_dir()
         os.kill(w.p.pid, signal.SIGKILL)
         w.p.wait(timeout=10)
         # (the grace is 1 s; whatever survives 20 s is under init for good)
@@ -216,6 +238,8 @@ def test_kill_9_of_the_wrapper_leaves_nothing(python: str | None, tmp_path) -> N
             pass
         left = [p for p in pids if pid_alive(p)]
         assert left == [], f"alive 20 s after kill -9 of the wrapper: {left}"
+        # and no error file's directory stays behind (the watchdog removed them)
+        wait_for(lambda: not error_dirs.exists(), 10.0, interval=0.1, what=f"{error_dirs} to be removed")
     finally:
         w.close()
         for p in pids:
