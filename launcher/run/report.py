@@ -124,9 +124,12 @@ class AttemptRecord:
 
 
 def attempt_cause(h: ProcessHandle, redact: jobenv.Redactor) -> dict:
-    """Who failed an attempt: its role, rank, host, pid, exit code or signal, and its last lines."""
+    """Who failed an attempt: its role, rank, host, pid, exit code or signal, the first lines of
+    what it wrote to its error file (torch's ``@record``: the message, then the traceback's end),
+    if it wrote one, and the last lines of its output."""
     return {"process": h.name, "role": str(h.proc.role), "rank": h.proc.rank, "host": h.host, "pid": h.pid,
             "exit_code": h.exit_code, "signal": signal_name(h.exit_code), "end_time": h.end_time,
+            "error": [redact(line) for line in h.describe_error(CAUSE_LINES)],
             "last_lines": [redact(line) for line in h.output.lines()[-CAUSE_LINES:]]}
 
 
@@ -135,7 +138,8 @@ def describe_cause(cause: dict) -> str:
     who = "scheduler" if cause["role"] == "scheduler" else f"{cause['role']} {cause['rank']}"
     pid = f" (pid {cause['pid']})" if cause.get("pid") else ""
     how = f"killed by {cause['signal']}" if cause.get("signal") else f"exited with code {cause['exit_code']}"
-    return f"{who} on {cause['host']}{pid} {how}"
+    said = f": {cause['error'][0]}" if cause.get("error") else ""
+    return f"{who} on {cause['host']}{pid} {how}{said}"
 
 
 def log_attempt_failed(n: int, record: AttemptRecord, budget: RestartBudget, cause: Optional[dict]) -> str:

@@ -309,11 +309,15 @@ class Supervisor:
                     self.console.discard()  # before the stop: what the attempt prints while it ends, too
                 else:
                     self.console.release()
+                stop_at = self.clock.time()
                 try:
                     self._shutdown(dump=outcome is not None and outcome[0] == "timeout", quiet=lost)
                 finally:
                     if self.tracker is not None:
                         self.tracker.close()  # only now: a worker may need it until it exits
+                if outcome is not None and outcome[0] == "failure" and self.first is not None:
+                    self.first = self._root_cause(stop_at)
+                    outcome = ("failure", self.first.exit_code or 1)
                 if lost:
                     self._forget_attempt()
                 if self._claim is not None:  # (the job has ended, or its next attempt claims another)
@@ -324,6 +328,18 @@ class Supervisor:
             self.first = self.scheduler
             return "failure", (self.scheduler.exit_code if self.scheduler else None) or 1
         return outcome
+
+    def _root_cause(self, stop_at: float) -> ProcessHandle:
+        """The first process to fail, by the time it ended on its host, among all that failed on
+        their own before the launcher began to stop the job at ``stop_at``: one whose news came
+        after another's failure was acted on (a slower host's frame) is still the root cause when
+        it failed first. Those are not counted as stopped by the launcher."""
+        assert self.first is not None
+        failed = [h for h in self.handles if h.exit_code not in (None, 0) and h.end_time is not None
+                  and h.end_time < stop_at]
+        for h in failed:
+            self.stopped.discard(h.name)
+        return min([self.first, *failed], key=lambda h: h.end_time or 0.0)
 
     def _on_verdict(self, verdict: str) -> None:
         """The port's verdict (from the watch's thread, or this one): the held output is shown at

@@ -35,13 +35,14 @@ KINDS = [
 def error_dirs(cluster: Cluster) -> set[str]:
     """The error files' directories that exist where the job's processes run (a private /tmp on
     each testbed host, this machine's temporary directories)."""
-    found = set(glob.glob(os.path.join(tempfile.gettempdir(), "pslaunch-error-*")))
+    patterns = ("pslaunch-error-*", "pslaunch-errors-*")  # (a process's, and an agent's or launcher's all)
+    found = {path for p in patterns for path in glob.glob(os.path.join(tempfile.gettempdir(), p))}
     tmp = getattr(cluster, "tmp", None)
     if tmp is not None:
-        found |= set(glob.glob(os.path.join(tmp, "pslaunch-error-*")))
+        found |= {path for p in patterns for path in glob.glob(os.path.join(tmp, p))}
     tb = getattr(cluster, "tb", None)
     for host in getattr(tb, "hosts", ()) if type(cluster).__name__ == "SSHCluster" else ():
-        r = tb.run(host, ["sh", "-c", "ls -d /tmp/pslaunch-error-* 2>/dev/null; true"])  # type: ignore[union-attr]
+        r = tb.run(host, ["sh", "-c", "ls -d /tmp/pslaunch-error* 2>/dev/null; true"])  # type: ignore[union-attr]
         found |= {f"{host.name}:{line}" for line in r.stdout.split()}
     return found
 
@@ -136,5 +137,27 @@ def test_a_hostile_error_file_is_bounded_printable_and_no_link_is_followed(kind:
         assert (out / "sentinel").read_text() == "SENTINEL\n"
         assert (out / "decoy" / "error.json").read_text() == '{"message": "PLANTED"}'
         assert error_dirs(cluster) - before == set()
+    finally:
+        cluster.close()
+
+
+@pytest.mark.timeout(120)
+def test_each_attempts_cause_carries_its_error(tmp_path: Path) -> None:
+    """With --max-restarts, every attempt's cause in --summary-json has the exception, and the last
+    line names it."""
+    cluster = make_cluster("local", tmp_path, None)  # type: ignore[arg-type]
+    summary = tmp_path / "summary.json"
+    try:
+        r = cluster.run("-n", "2", "--tracker", "torch", "--kill-grace", "1", "--max-restarts", "1",
+                        "--restart-delay", "0", "--summary-json", str(summary), PY, WORKER, "--fail", "worker-1",
+                        timeout=100)
+        assert r.returncode == 1, r.stderr
+        last = r.stderr.rstrip().splitlines()[-1]
+        assert re.fullmatch(rf"pslaunch: error: attempt 2/2 failed: worker 1 on localhost \(pid \d+\) exited with "
+                            rf"code 1: {MESSAGE}; 1/1 restarts used", last), last
+        attempts = json.loads(summary.read_text())["attempts"]
+        assert len(attempts) == 2
+        for a in attempts:
+            assert a["cause"]["error"][0] == MESSAGE and a["cause"]["error"][-1] == MESSAGE
     finally:
         cluster.close()

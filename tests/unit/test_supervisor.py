@@ -63,6 +63,8 @@ class Script:
     events: list[tuple[float, str]] = field(default_factory=list)
     #: why it could not start at all (then it "exits" with ``code`` at once)
     failure: Optional[str] = None
+    #: when the launcher learns of its exit (None: at once), as a slow host's exit frame arrives late
+    seen_at: Optional[float] = None
     #: the environment it was started with (filled in by the fake backend)
     env: dict[str, str] = field(default_factory=dict)
 
@@ -79,9 +81,13 @@ class FakeHandle(ProcessHandle):
 
     def _poll(self) -> Optional[int]:
         s = self.script
-        if self._code is None and s.exit_at is not None and self.clock_.now - self.t0 >= s.exit_at:
+        if self._code is None and s.exit_at is not None and self.clock_.now - self.t0 >= (s.seen_at or s.exit_at):
             self._end(s.code, self.t0 + s.exit_at)
         return self._code
+
+    def _exited(self) -> bool:
+        """It has ended, whether or not the launcher knows yet (a signal then changes nothing)."""
+        return self.script.exit_at is not None and self.clock_.now - self.t0 >= self.script.exit_at
 
     def _end(self, code: int, at: float) -> None:
         self._code, self.ended_at = code, at
@@ -89,12 +95,12 @@ class FakeHandle(ProcessHandle):
 
     def terminate(self) -> None:
         self.script.events.append((self.clock_.now - self.t0, "TERM"))
-        if not self.script.ignores_term and self._poll() is None:
+        if not self.script.ignores_term and self._poll() is None and not self._exited():
             self._end(143, self.clock_.now)
 
     def kill(self) -> None:
         self.script.events.append((self.clock_.now - self.t0, "KILL"))
-        if self._poll() is None:
+        if self._poll() is None and not self._exited():
             self._end(137, self.clock_.now)
 
     def dump_stacks(self) -> None:
@@ -144,6 +150,18 @@ def test_the_first_failure_by_time_is_reported_not_the_first_seen(tmp_path) -> N
     assert result.exit_code == 3 and result.reason == "failure"
     assert result.first_failure is not None and result.first_failure.name == "worker-2"
     assert doc["first_failure"] == "worker-2" and doc["exit_code"] == 3
+
+
+def test_the_root_cause_is_the_first_failure_even_when_its_news_comes_later(tmp_path) -> None:
+    # worker-0 fails at 5.0 s on a slow host, whose frame arrives at 5.5 s; worker-1 fails at 5.2 s and is
+    # seen at once: the launcher acts on worker-1, and then learns that worker-0 failed first
+    scripts = {"worker-0": Script(exit_at=5.0, seen_at=5.5, code=3), "worker-1": Script(exit_at=5.2, code=4),
+               "worker-2": Script()}
+    result, sup, clock, doc = run(scripts, tmp_path, 3)
+    assert result.exit_code == 3 and doc["first_failure"] == "worker-0"
+    procs = {p["name"]: p for p in doc["processes"]}
+    assert not procs["worker-0"]["stopped_by_launcher"] and not procs["worker-1"]["stopped_by_launcher"]
+    assert procs["worker-2"]["stopped_by_launcher"]
 
 
 def test_staged_shutdown_term_then_kill_after_the_grace(tmp_path) -> None:
