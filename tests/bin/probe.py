@@ -144,12 +144,16 @@ def main() -> int:
     ap.add_argument("--on-attempts", default=None, metavar="K[,K...]",
                     help="--fail, --kill-self and --exit only in these attempts (PSLAUNCH_ATTEMPT); "
                          "in the others, exit 0")
+    ap.add_argument("--sleep-on-attempts", default=None, metavar="K[,K...]",
+                    help="--sleep only in these attempts (PSLAUNCH_ATTEMPT); in the others, no sleep")
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     attempt = int(os.environ.get(ATTEMPT, "0"))
     if a.on_attempts is not None and str(attempt) not in a.on_attempts.split(","):
         a.fail = a.kill_self = None
         a.exit = 0
+    if a.sleep_on_attempts is not None and str(attempt) not in a.sleep_on_attempts.split(","):
+        a.sleep = 0.0
     # No core file in the working directory (the repository) when a test kills this process with
     # SIGSEGV or SIGABRT: batch systems start tasks with an unlimited core size.
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))

@@ -251,6 +251,70 @@ def test_a_job_launched_from_an_sbatch_script(job: Probes, slurm: SlurmCluster, 
     wait_gone(slurm, job.name)
 
 
+def job_field(alloc: str, field: str) -> str:
+    """``FIELD=value`` of ``scontrol show job`` (it keeps an ended job for MinJobAge, 120 s here)."""
+    shown = subprocess.run(["scontrol", "show", "job", alloc], capture_output=True, text=True, timeout=20).stdout
+    found = re.search(rf"\b{field}=(\S*)", shown)
+    return found.group(1) if found else ""
+
+
+@pytest.mark.timeout(240)
+def test_a_requeued_batch_job_goes_on_counting_attempts(job: Probes, slurm: SlurmCluster,  # noqa: F811
+                                                        tmp_path: Path) -> None:
+    # issue 31: when Slurm requeues a job (sbatch --requeue, then scontrol requeue, as after a node
+    # failure or a preemption), it ends the batch script and runs it again with SLURM_RESTART_COUNT=1;
+    # the pslaunch of the second run starts at attempt 1, so that a program resumes as after a restart
+    log = tmp_path / "batch.out"
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/sh\nexec " + shlex.join(
+        pslaunch_argv("--launcher", "slurm", "--env", f"{MARK}={job.mark}", "--env",
+                      f"DMLC_INTERFACE={slurm.subnet_a}", "-n", "2", "-s", "1", "--kill-grace", "1", "--max-restarts",
+                      "1", *job.probe("--listen", "--sleep", "60", "--sleep-on-attempts", "0"))) + "\n")
+    r = subprocess.run(["sbatch", "--parsable", "--requeue", "-N", "2", "-J", job.name, "-o", str(log),
+                        "--open-mode=append", "-D", str(REPO), str(script)],
+                       capture_output=True, text=True, timeout=60, check=True)
+    alloc = r.stdout.strip().split(";")[0]
+    try:
+        first = wait_probes(job.out, 4, timeout=60, alive=True)
+        assert {name: rec["env"]["PSLAUNCH_ATTEMPT"] for name, rec in first.items()} == dict.fromkeys(first, "0")
+        assert not {rec["env"].get("SLURM_RESTART_COUNT", "0") for rec in first.values()} - {"0"}, first
+        nodes = subprocess.run(["squeue", "-h", "-j", alloc, "-o", "%N"], capture_output=True, text=True,
+                               timeout=20, check=True).stdout.strip()
+        t0 = time.monotonic()
+        subprocess.run(["scontrol", "requeue", alloc], check=True, timeout=20)
+        wait_for(lambda: slurm.job_state(alloc) == "PENDING", 30, interval=0.1, what="the job requeued")
+        t1 = time.monotonic()
+        # the first run ended: nothing of it is left on the nodes
+        wait_for(lambda: not job.marked_pids(), 20, interval=0.1, what="the first run's processes to end")
+        t2 = time.monotonic()
+        assert job_field(alloc, "Reason") == "BeginTime", job_field(alloc, "Reason")
+        # Slurm holds a requeued job 121 s (BeginTime: the job credential's lifetime, 120 s, and 1), and a
+        # job started at once on the nodes it left fails ("Job credential revoked"): start it now on others
+        subprocess.run(["scontrol", "update", f"jobid={alloc}", f"ExcNodeList={nodes}", "StartTime=now"],
+                       check=True, timeout=20)
+        wait_gone(slurm, job.name, timeout=120)
+        t3 = time.monotonic()
+    finally:
+        slurm.scancel(alloc)
+    text = log.read_text()
+    assert job_field(alloc, "JobState") == "COMPLETED" and job_field(alloc, "Restarts") == "1", text
+    # pslaunch, the first run's batch shell, got Slurm's SIGTERM and stopped every process; the second ran to its end
+    assert "stopped by SIGTERM after" in text and "every process was terminated" in text, text
+    assert text.count("all 4 processes exited 0") == 1, text
+    second = read_probes(job.out)
+    first_nodes = {job.node_of(rec).name for rec in first.values()}  # type: ignore[attr-defined]
+    assert set(second) == set(first), second
+    for name, rec in second.items():
+        env = rec["env"]
+        assert env["SLURM_JOB_ID"] == alloc and env["SLURM_RESTART_COUNT"] == "1", (name, env)
+        assert (env["PSLAUNCH_ATTEMPT"], env["DMLC_NUM_ATTEMPT"], env["PSLAUNCH_MAX_RESTARTS"]) == ("1", "1", "1"), \
+            (name, env)
+        assert rec["previous_alive"] == [] and rec["pid"] != first[name]["pid"], (name, rec)
+        assert job.node_of(rec).name not in first_nodes, (name, first_nodes)  # type: ignore[attr-defined]
+    print(f"\nslurm requeue: squeue PENDING {t1 - t0:.1f}s after scontrol requeue, the first run's processes "
+          f"gone after {t2 - t0:.1f}s, the second run ended {t3 - t2:.1f}s after StartTime=now")
+
+
 # --- a batch system's notice (SIGUSR1, SIGUSR2) ------------------------------------------------------
 
 
