@@ -16,7 +16,11 @@
    ``--start-timeout`` is an error;
 5. always: stop every group gracefully, kill it after ``--kill-grace`` (at once on a second
    signal), sweep leftover process groups, write ``--summary-json`` and report who failed
-   first (:mod:`.report`).
+   first (:mod:`.report`);
+6. with ``--max-restarts``, after a failure of a process that ran: wait the restart delay and
+   start again at 1 as the next attempt (a fresh secret and port, the same run id), while the
+   job's one budget (:class:`.report.RestartBudget`) lasts. A signal, ``--timeout`` and a
+   process that could not start end the job.
 
 A dead-man switch (``launcher.node.watchdog``) kills every local process group if the
 launcher itself is killed with SIGKILL. The supervisor never names a backend: it asks the
