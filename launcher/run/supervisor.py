@@ -123,6 +123,8 @@ class Supervisor:
         self.stopped: set[str] = set()  # processes the launcher stopped (names)
         self.first: Optional[ProcessHandle] = None
         self.tracker: Optional[trackers.TrackerHandle] = None  # a collective job's (--tracker), not a process
+        #: a tracker kept for the job's next attempt (``Tracker.restarts``; closed at the job's end)
+        self._kept: Optional[trackers.Tracker] = None
         self._ids = (os.urandom(32).hex(), os.urandom(6).hex())  # (secret, job id): secrets.token_hex's way
         self._backend: Optional[Backend] = None  # while an attempt runs
         self._watch: Optional[addr.SchedulerWatch] = None  # while the job starts: who gets the port
@@ -157,6 +159,8 @@ class Supervisor:
                 self.watchdog = Watchdog(spec.kill_grace, fork=True)
             outcome = self._attempts()
         finally:
+            if self._kept is not None:
+                self._kept.close()
             if self.progress is not None:
                 self.progress.close()
             if self.pump is not None:
@@ -317,8 +321,8 @@ class Supervisor:
                 try:
                     self._shutdown(dump=outcome is not None and outcome[0] == "timeout", quiet=lost)
                 finally:
-                    if self.tracker is not None:
-                        self.tracker.close()  # only now: a worker may need it until it exits
+                    if self.tracker is not None:  # only now: a worker may need it until it exits
+                        self._end_tracker()
                 if outcome is not None and outcome[0] == "failure" and self.first is not None:
                     self.first = self._root_cause(stop_at)
                     outcome = ("failure", self.first.exit_code or 1)
@@ -378,6 +382,9 @@ class Supervisor:
         child (the watchdog excepted); otherwise each is found by its ``PSLAUNCH_PROCESS``."""
         if self.adopt_orphans:
             keep = {self.watchdog.pid} if self.watchdog is not None and self.watchdog.pid else set()
+            for tracker in (self._kept, self.tracker.tracker if self.tracker is not None else None):
+                if tracker is not None and tracker.pid:
+                    keep.add(tracker.pid)  # (closed by its own rules; a kept one serves the next attempt)
             if self._backend is not None:
                 keep |= self._backend.helper_pids()  # the launcher's own helpers (skein's driver, salloc)
             n = kill_children(keep=keep)
@@ -410,13 +417,14 @@ class Supervisor:
         secret, job_id = self._ids
         lo, hi = spec.port_range
         here = root_uri if self.backend_cls.all_here(spec) else None
-        tracker = None
+        tracker, kept = None, self._kept
         if spec.collective:
-            tracker = trackers.create(spec, self.console, self.watchdog)
+            tracker = kept or trackers.create(spec, self.console, self.watchdog)
         if tracker is not None:  # a collective job: its tracker serves where the scheduler would run
+            self._kept = None
             self.tracker = trackers.TrackerHandle(tracker)  # (held before it starts: close() always reaches it)
             tracker.peers = addr.job_peers(spec, addresses, self.backend_cls)
-            port = tracker.start(root_uri)
+            port = tracker.restart(root_uri) if kept is not None else tracker.start(root_uri)
             self.tracker.pid = tracker.pid
         else:
             try:
@@ -438,6 +446,16 @@ class Supervisor:
                             "are ignored", ", ".join(plan.overridden))
             self._log_start(plan)
         return plan
+
+    def _end_tracker(self) -> None:
+        """The attempt has ended: close its tracker, or keep it for the next attempt where it can
+        serve one (``Tracker.restarts``: the torch store's ``import torch`` then happens once a job);
+        :meth:`run` closes a kept one when the job ends."""
+        assert self.tracker is not None
+        if self.spec.max_restarts and self.tracker.tracker.restarts:
+            self._kept = self.tracker.tracker
+        else:
+            self.tracker.close()
 
     def _spawn_local(self, proc: ProcSpec) -> LocalProcess:
         if self.pump is None:

@@ -261,11 +261,7 @@ class Console:
         if self._log_fd is not None:
             out.log_name = f"{name}.log"
             out.log = self._open_log(out.log_name)
-            if out.log is not None and self.log_banner:
-                try:  # (the next attempt's lines follow the last attempt's in the same file)
-                    os.write(out.log, (self.log_banner + "\n").encode())
-                except OSError as e:
-                    self.log_failed(out.log_name, e, 1)
+            out.mark(self.log_banner)
         out.observer = self._observers.get(name)
         with self._lock:
             if self._held is not None:
@@ -304,6 +300,22 @@ class ProcOutput:
         self._lock = threading.Lock()
         self.stdout = LineStream(self, err=False)
         self.stderr = LineStream(self, err=True)
+
+    def mark(self, banner: Optional[str]) -> None:
+        """Write ``banner`` (where an attempt begins) in the log file alone: the next attempt's
+        lines follow the last attempt's in the same file."""
+        if not banner:
+            return
+        with self._lock:
+            if self.log is None:
+                return
+            try:
+                os.write(self.log, (banner + "\n").encode())
+            except OSError as e:
+                failed = e
+            else:
+                return
+        self.console.log_failed(self.log_name or "", failed, 1)
 
     def process_ended(self) -> None:
         """The process has ended (its output may still be in its pipes): look at it now."""

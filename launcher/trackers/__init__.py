@@ -17,7 +17,12 @@ from their variables (:func:`pscontract.rabit_contract`, :func:`pscontract.torch
 * ``xgboost``: XGBoost 2.1+'s own tracker, run by :mod:`.xgboost_child`.
 * ``torch``: a ``torch.distributed.TCPStore`` hosted by :mod:`.torch_store`, on a socket the
   launcher bound itself; every rank connects to it as torchrun's workers connect to their
-  agent's store.
+  agent's store. The program lives as long as the job: each later attempt gets a new store in
+  it, on a new port (:meth:`Tracker.restart`), and pays no second ``import torch``.
+
+rabit and xgboost start a new program for each attempt: XGBoost's trackers serve one
+rendezvous of N workers each (their loop ends when those workers have), and the program starts
+in tenths of a second, where the torch store's ``import torch`` costs about 1.8 s of CPU.
 
 The interface the supervisor drives (:class:`Tracker`, wrapped for it by :class:`TrackerHandle`)::
 
@@ -25,6 +30,7 @@ The interface the supervisor drives (:class:`Tracker`, wrapped for it by :class:
     port = tracker.start(address)              # serving, or on its way (LaunchError: one line)
     tracker.variables()                        # what every worker gets to find it
     tracker.failure()                          # None while all is well; else why it failed
+    port = tracker.restart(address)            # where tracker.restarts: the next attempt, afresh
     tracker.close()                            # after every worker has ended; never blocks long
 
 The launcher never imports xgboost or torch: the children run with the tracker Python, as

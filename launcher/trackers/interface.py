@@ -42,6 +42,9 @@ class Tracker:
 
     kind: ClassVar[str] = ""
     label: ClassVar[str] = ""
+    #: whether :meth:`restart` serves the job's next attempt (``--max-restarts``) in the same
+    #: tracker; otherwise each attempt has a tracker of its own (:func:`~launcher.trackers.create`)
+    restarts: ClassVar[bool] = False
 
     def __init__(self, spec: JobSpec, console: Console, watchdog: Optional[Watchdog]) -> None:
         self.spec = spec
@@ -66,6 +69,16 @@ class Tracker:
         """
         raise NotImplementedError
 
+    def restart(self, address: str) -> int:
+        """Serve the job's next attempt on ``address``, on a new port of ``--port-range``: afresh,
+        nothing of the last attempt reaches it (its state and its port are gone); return the port.
+        Only where :attr:`restarts`; the last attempt's workers have all ended.
+
+        Raises:
+            LaunchError: as :meth:`start`.
+        """
+        raise NotImplementedError
+
     def variables(self) -> dict[str, str]:
         """What every worker gets to find it (its address and port, under the contract's names)."""
         if self.kind == "torch":
@@ -77,8 +90,9 @@ class Tracker:
         return None
 
     def close(self) -> None:
-        """The job is over (every worker has ended): stop serving, release everything, and say
-        what the tracker saw. Idempotent; never blocks for more than a few seconds."""
+        """The job is over (every worker has ended; with :attr:`restarts`, the job's last attempt,
+        else this tracker's): stop serving, release everything, and say what the tracker saw.
+        Idempotent; never blocks for more than a few seconds."""
 
     @classmethod
     def describe(cls, spec: JobSpec, plan: Plan) -> list[str]:

@@ -4,6 +4,7 @@ with the tracker Python. See :mod:`launcher.trackers`.
 
 from __future__ import annotations
 
+import array
 import json
 import logging
 import signal
@@ -25,13 +26,13 @@ from ..runtime import ports
 from ..runtime.output import PipePump, ProcOutput
 from ..runtime.spawn import spawn
 from ..spec import env as jobenv
-from ..spec.job import JobSpec
+from ..spec.job import JobSpec, Role
 from ..spec.plan import Plan
 from .interface import Tracker, python_for, resolve_python
 
 log = logging.getLogger("launcher.trackers")
 
-# After closing a child's stdin, how long it may take to exit before SIGTERM: it exits at once when
+# After closing a child's leash (its stdin), how long it may take to exit before SIGTERM: it exits at once when
 # it reads the end of file, but not while it still imports torch or xgboost (the job may have ended
 # first), and SIGTERM is harmless to it then.
 STOP_WAIT = 0.2
@@ -52,7 +53,8 @@ def _line(value: Any) -> str:
 
 class _Child:
     """A tracker program run with the tracker Python: its own session and process group, known to
-    the watchdog; stdin a pipe that it treats as a leash; stdout JSON event lines; stderr labelled."""
+    the watchdog; stdin its leash, one end of a Unix socket pair (its end of file: exit at once;
+    :meth:`send`: a request with a socket); stdout JSON event lines; stderr labelled."""
 
     def __init__(self, argv: Sequence[str], env: dict[str, str], cwd: Optional[str], output: ProcOutput,
                  watchdog: Optional[Watchdog], pass_fds: Sequence[int] = (),
@@ -65,7 +67,14 @@ class _Child:
         self._buf = b""
         self._eof = False
         self.stopping = False
-        child = spawn(argv, env, cwd, stdin=subprocess.PIPE, pass_fds=pass_fds, watchdog=watchdog)
+        self.leash, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            child = spawn(argv, env, cwd, stdin=theirs.fileno(), pass_fds=pass_fds, watchdog=watchdog)
+        except BaseException:
+            self.leash.close()
+            raise
+        finally:
+            theirs.close()  # (the child's now: when it dies, the leash ends for us too)
         self.popen, self.pid = child.popen, child.pid
         self.pump = PipePump()
         assert child.stderr is not None
@@ -100,6 +109,23 @@ class _Child:
         with self._cond:
             return next((e for e in self.events if e.get("event") in names), None)
 
+    def last(self, name: str) -> Optional[dict]:
+        """The last event named ``name`` so far, or None."""
+        with self._cond:
+            return next((e for e in reversed(self.events) if e.get("event") == name), None)
+
+    def send(self, request: dict, fd: int) -> bool:
+        """Send ``request`` (one JSON line) and the descriptor ``fd`` (``SCM_RIGHTS``: the child gets
+        its own copy) over the leash; False when the child is gone."""
+        data = (json.dumps(request) + "\n").encode()
+        try:
+            sent = self.leash.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+            if sent < len(data):  # (a line this short goes whole into an empty socket buffer; the rest, if not)
+                self.leash.sendall(data[sent:])
+        except OSError:
+            return False
+        return True
+
     def wait_event(self, names: Sequence[str], timeout: float) -> Optional[dict]:
         """Wait for an event named one of ``names``; None when the program ended or ``timeout`` passed."""
         deadline = time.monotonic() + timeout
@@ -122,11 +148,7 @@ class _Child:
     def stop(self) -> None:
         """Close the leash; SIGTERM, then SIGKILL, whatever does not exit in time. Idempotent."""
         self.stopping = True
-        try:
-            if self.popen.stdin is not None:
-                self.popen.stdin.close()
-        except OSError:
-            pass
+        self.leash.close()
         for sig, wait in ((None, STOP_WAIT), (signal.SIGTERM, KILL_WAIT), (signal.SIGKILL, KILL_WAIT)):
             if sig is not None:
                 signal_group(self.pid, sig)
@@ -359,21 +381,30 @@ class XGBoostService(_XGBoostTracker):
 
 
 class TorchService(_ChildService):
-    """The job's rendezvous store, hosted by :mod:`.torch_store` on a socket bound here first."""
+    """The job's rendezvous store, hosted by :mod:`.torch_store` on a socket bound here first; one
+    program for the whole job, a fresh store in it for each attempt (:meth:`restart`)."""
 
     kind = "torch"
     label = "torch store"
     program = "torch_store"
     needs = "torch"
+    restarts = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._noted = False
+        self._noted = -1  # the last attempt whose store was said to serve
+        self.attempt = self.spec.first_attempt  # (PSLAUNCH_ATTEMPT) the attempt its store serves
 
-    def start(self, address: str) -> int:
+    def _bind(self, address: str) -> socket.socket:
+        """A listening socket on ``address`` and the first free port of ``--port-range`` above the
+        last attempt's, else the first one (each attempt on a port of its own while the range
+        lasts; the store that serves holds its port, so the next attempt's always differs)."""
         lo, hi = self.spec.port_range
         try:
-            sock = ports.bind_in_range(address, lo, hi)
+            try:
+                sock = ports.bind_in_range(address, lo, hi, after=self.port)
+            except ports.NoFreePort:
+                sock = ports.bind_in_range(address, lo, hi)
         except ports.NoFreePort as e:
             raise e.for_user("the torch store") from None
         except ports.BindError as e:
@@ -381,23 +412,64 @@ class TorchService(_ChildService):
                               "give an address of this host (DMLC_INTERFACE or --host-ip)") from None
         try:
             sock.listen(socket.SOMAXCONN)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def start(self, address: str) -> int:
+        sock = self._bind(address)
+        try:
             port = sock.getsockname()[1]
-            self._spawn(["--listen-fd", str(sock.fileno()), "--host", address, "--port", str(port)],
-                        pass_fds=(sock.fileno(),))
+            self._spawn(["--listen-fd", str(sock.fileno()), "--host", address, "--port", str(port),
+                         "--attempt", str(self.attempt)], pass_fds=(sock.fileno(),))
         finally:
             sock.close()  # the child holds it now; until its store accepts, connections wait in the backlog
         self.address, self.port = address, port
         log.debug("torch store: pid %d starts on %s:%d (the workers start meanwhile)", self.pid, address, port)
         return port
 
+    def restart(self, address: str) -> int:
+        """The next attempt's store, in the same program: attempt k's store closes there and a new,
+        empty one serves on a port bound here as for the first, sent over the leash. A program that
+        ended or failed in between is replaced by a new one (:meth:`start`)."""
+        self.attempt += 1
+        child = self.child
+        if child is None or child.exit_code() is not None or self._failed(child) is not None:
+            self._replace("it " + (self._failed(child) or "ended") if child is not None else "none runs")
+            return self.start(address)
+        sock = self._bind(address)
+        try:
+            port = sock.getsockname()[1]
+            sent = child.send({"attempt": self.attempt, "host": address, "port": port}, sock.fileno())
+        finally:
+            sock.close()  # (the child has its own copy, or is gone)
+        if not sent:
+            self._replace("its leash is closed")
+            return self.start(address)
+        self.address, self.port = address, port
+        self.output.mark(self.console.log_banner)
+        log.debug("torch store: pid %d serves attempt %d on %s:%d, a new store (the last attempt's is closed)",
+                  self.pid, self.attempt, address, port)
+        return port
+
+    def _replace(self, why: str) -> None:
+        """Stop the program (it ended, failed or cannot be told): the next :meth:`start` runs a new one."""
+        log.info("torch store: starting a new one for attempt %d (pid %s: %s)", self.attempt, self.pid, _line(why))
+        if self.child is not None:
+            self.child.stop()
+        self.child, self.pid, self.port = None, None, 0
+        self.output = self.console.proc(self.name, self.label, str(Role.TRACKER))  # (the last one's is closed)
+
     def failure(self) -> Optional[str]:
         child = self.child
-        if child is not None and not self._noted:
-            event = child.event("listening")
-            if event is not None:
-                self._noted = True
-                log.info("torch store: serving on %s:%d (torch %s, pid %d, ready %.2f s after it started)",
-                         self.address, self.port, event.get("torch", "?"), child.pid, float(event.get("seconds") or 0))
+        if child is not None and self._noted != self.attempt:
+            event = child.last("listening")
+            if event is not None and event.get("attempt", self.attempt) == self.attempt:
+                self._noted = self.attempt
+                log.info("torch store: serving on %s:%d (torch %s, pid %d, ready %.2f s after %s)",
+                         self.address, self.port, event.get("torch", "?"), child.pid, float(event.get("seconds") or 0),
+                         "it started" if child.event("listening") is event else "the restart")
         return super().failure()
 
     @classmethod
