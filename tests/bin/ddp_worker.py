@@ -11,6 +11,12 @@ solo run's up to the order of float64 additions.
 
 ``--exit-before-join TASK:CODE`` makes the worker whose ``DMLC_TASK_ID`` is TASK exit with CODE
 before it joins; ``--join-only`` joins, writes its record and leaves without training.
+
+``--store-check`` (``--max-restarts``): joins, sets a key of its own attempt and rank in the
+store at ``MASTER_ADDR:MASTER_PORT`` (a ``TCPStore`` client, as every rank is one), and writes
+``<out>/task-T-attempt-A.json``: which keys of earlier attempts that store still has, and how many
+of this attempt's it has (every rank's: the store works); in every attempt but the last, the last
+rank then exits 3 (the job restarts).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ def main() -> int:
     ap.add_argument("--solo", type=int, default=None, metavar="N")
     ap.add_argument("--exit-before-join", default=None, metavar="TASK:CODE")
     ap.add_argument("--join-only", action="store_true")
+    ap.add_argument("--store-check", action="store_true")
     a = ap.parse_args()
     task = os.environ.get("DMLC_TASK_ID", os.environ.get("RANK", "0"))
     if a.exit_before_join:
@@ -63,6 +70,8 @@ def main() -> int:
         record.update(rank=rank, world=world)
         if a.join_only:
             return finish(a, record, task, dist)
+        if a.store_check:
+            return store_check(a, record, task, dist)
         net = torch.nn.parallel.DistributedDataParallel(model)
         rows = a.batch
     world_all = a.solo or world
@@ -82,6 +91,33 @@ def main() -> int:
     record["loss"] = float(loss.detach())
     del net, opt  # (DDP's reducer holds the process group: gone before the group is destroyed)
     return finish(a, record, task, dist if not a.solo else None)
+
+
+def store_check(a: argparse.Namespace, record: dict, task: str, dist) -> int:  # noqa: ANN001
+    """``--store-check``: what this attempt's store holds of earlier attempts (see the docstring)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    attempt, rank, world = int(os.environ.get("PSLAUNCH_ATTEMPT", "0")), record["rank"], record["world"]
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                     timeout=timedelta(seconds=60))
+    store.set(f"ddp-worker/attempt-{attempt}/rank-{rank}", str(os.getpid()))
+    dist.barrier()
+    keys = {i: [f"ddp-worker/attempt-{i}/rank-{r}" for r in range(world)] for i in range(attempt + 1)}
+    record["earlier"] = [k for i in range(attempt) for k in keys[i] if store.check([k])]
+    record["this"] = sum(store.check([k]) for k in keys[attempt])
+    record["attempt"] = attempt
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"task-{task}-attempt-{attempt}.json").write_text(json.dumps(record))
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if attempt < int(os.environ.get("PSLAUNCH_MAX_RESTARTS", "0")):
+        os._exit(3 if rank == world - 1 else 0)
+    dist.destroy_process_group()
+    os._exit(0)  # (see finish)
 
 
 def finish(a: argparse.Namespace, record: dict, task: str, dist: object) -> int:

@@ -5,6 +5,8 @@ PyTorch DDP (torch), each checked against one process trained on all the data.
 * XGBoost 2.0.3 under plain ``pslaunch -n 2 -s 0``: one job of world size 2 (rabit reads the
   variables itself), the same model on both workers, equal to one process on all the data;
 * XGBoost 3.0 under ``--tracker xgboost``: predictions identical to one process on all the data;
+* a torch job restarted twice (``--max-restarts``): one store program, a fresh store on a new port
+  in each attempt, holding no key of an attempt before;
 * DDP (gloo, float64) under ``--tracker torch`` on local, over ssh on the testbed (2 hosts,
   ``DMLC_INTERFACE`` as a CIDR), under mpi (Open MPI, MPICH), sge and yarn: the parameters of
   every rank equal those of one process trained on the ranks' batches together.
@@ -15,6 +17,7 @@ Workers are tests/bin/xgb_worker.py and tests/bin/ddp_worker.py.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -176,6 +179,31 @@ def test_ddp_under_tracker_torch_matches_one_process(kind: str, tmp_path: Path,
         assert "torch store: serving on" in r.stderr
     finally:
         cluster.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_restarted_torch_job_keeps_one_store_program_with_a_fresh_store_per_attempt(tmp_path: Path) -> None:
+    # attempts 0 and 1: the last rank exits 3 after every rank set its key; attempt 2 ends well
+    out = tmp_path / "out"
+    r = run_pslaunch("-n", "2", "--tracker", "torch", "--kill-grace", "2", "--max-restarts", "2",
+                     "--restart-delay", "0", "--log-level", "debug", *ddp_argv(out, "--store-check"),
+                     timeout=DEADLINE)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "(after 2 restarts)" in r.stderr
+    res = results(out)
+    assert sorted(res) == [f"task-{t}-attempt-{a}" for t in range(2) for a in range(3)], sorted(res)
+    for x in res.values():
+        assert x["this"] == 2, x  # every rank's key of its own attempt: the check can see keys
+        assert x["earlier"] == [], x  # and none of an attempt before
+    ports = {a: {res[f"task-{t}-attempt-{a}"]["env"]["MASTER_PORT"] for t in range(2)} for a in range(3)}
+    assert all(len(p) == 1 for p in ports.values()) and len(set.union(*ports.values())) == 3, ports
+    # one store program, started once: each later attempt got a new store in it
+    started = re.findall(r"torch store: pid (\d+) starts on 127\.0\.0\.1:(\d+)", r.stderr)
+    served = re.findall(r"torch store: pid (\d+) serves attempt (\d+) on 127\.0\.0\.1:(\d+), a new store",
+                        r.stderr)
+    assert len(started) == 1 and [a for _, a, _ in served] == ["1", "2"], r.stderr
+    assert {pid for pid, _, _ in served} == {started[0][0]}
+    assert [started[0][1]] + [port for _, _, port in served] == [ports[a].pop() for a in range(3)]
 
 
 @pytest.mark.ssh

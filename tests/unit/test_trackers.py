@@ -1,5 +1,6 @@
 """launcher/trackers/: which Python runs a tracker program, where the programs are, what the rabit
-tracker's program says when it cannot serve, and how the launcher shows what it tells.
+tracker's program says when it cannot serve, and how the launcher shows what it tells; the torch
+store's program across attempts (real torch: the main venv's).
 
 XGBoost's trackers themselves run in tests/integration/test_rabit_xgboost.py (real XGBoost 2.0.3
 and 3.0); here the main venv, which has no xgboost, runs the program.
@@ -10,11 +11,14 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import socket
 import stat
 import struct
 import subprocess
 import sys
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -392,3 +396,84 @@ def test_dry_run_lines_show_the_program_the_tracker_python_runs() -> None:
     (line,) = trackers.describe(spec, Plan)  # type: ignore[arg-type]
     assert f"/opt/xgb/bin/python {node.ROOT}/launcher/trackers/xgboost_child.py --tracker rabit --n-workers 2 " \
            "--host-ip 10.0.0.1 --port-range 9091-9998 --task-ids 2;" in line
+
+
+# --- the torch store: one program for the job, a fresh store per attempt --------------------------------
+
+
+def torch_service(console: Console) -> service.TorchService:
+    job = JobSpec(command=(sys.executable, "x.py"), num_workers=2, num_servers=0, tracker="torch")
+    return service.TorchService(job, console, None)
+
+
+def serving(tracker: service.TorchService, attempt: int, timeout: float = 90.0) -> dict:
+    """The store's ``listening`` event for ``attempt``, once it came (torch's import takes seconds here)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        assert tracker.child is not None and tracker.failure() is None, tracker.failure()
+        event = tracker.child.last("listening")
+        if event is not None and event.get("attempt") == attempt:
+            return event
+        time.sleep(0.05)
+    raise AssertionError(f"the store of attempt {attempt} did not serve within {timeout:g}s")
+
+
+def store_client(port: int):
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_torch_store_serves_each_attempt_afresh_in_one_program() -> None:
+    tracker = torch_service(Console(io.BytesIO(), io.BytesIO(), color=False))
+    try:
+        port0 = tracker.start("127.0.0.1")
+        pid = tracker.pid
+        serving(tracker, 0)
+        client = store_client(port0)
+        client.set("attempt-0", "x")
+        assert client.check(["attempt-0"])  # (what the check below would see, were the store the same)
+        ports = [port0]
+        for attempt in (1, 2):
+            port = tracker.restart("127.0.0.1")
+            event = serving(tracker, attempt)
+            assert (tracker.pid, event["pid"], event["port"]) == (pid, pid, port)  # the same program, a new port
+            assert port not in ports
+            ports.append(port)
+            with pytest.raises(ConnectionRefusedError):  # the last attempt's store is closed
+                socket.create_connection(("127.0.0.1", ports[-2]), timeout=5).close()
+            client = store_client(port)
+            assert not client.check([f"attempt-{attempt - 1}"]) and client.num_keys() <= 1  # (its own key)
+            client.set(f"attempt-{attempt}", "x")
+            assert client.check([f"attempt-{attempt}"])
+    finally:
+        tracker.close()
+    assert tracker.child is not None and tracker.child.popen.returncode == 0  # the leash's end: it exits itself
+    assert tracker.child.event("stopped") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_torch_store_that_died_between_attempts_is_started_anew(caplog) -> None:
+    tracker = torch_service(Console(io.BytesIO(), io.BytesIO(), color=False))
+    try:
+        port0 = tracker.start("127.0.0.1")
+        first = tracker.child
+        assert first is not None and tracker.pid is not None
+        serving(tracker, 0)
+        os.kill(tracker.pid, signal.SIGKILL)
+        first.popen.wait(30)
+        assert tracker.failure() is not None  # (said between attempts: the next one starts all the same)
+        with caplog.at_level("INFO"):
+            port = tracker.restart("127.0.0.1")
+        assert tracker.child is not first and tracker.pid == tracker.child.pid != first.pid
+        assert f"torch store: starting a new one for attempt 1 (pid {first.pid}: it exited with code 137" \
+            in caplog.text
+        assert serving(tracker, 1)["port"] == port
+        store_client(port).set("k", "v")
+        assert tracker.failure() is None and port0 > 0
+    finally:
+        tracker.close()
+    assert tracker.child.popen.returncode == 0

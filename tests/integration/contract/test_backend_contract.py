@@ -586,4 +586,6 @@ def test_torch_jobs_get_torchruns_restart_variables(cluster: Cluster, tmp_path: 
             assert env["TORCHELASTIC_RESTART_COUNT"] == env["PSLAUNCH_ATTEMPT"] == str(attempt), name
             assert env["TORCHELASTIC_MAX_RESTARTS"] == "1" and env["TORCHELASTIC_RUN_ID"] == env["PSLAUNCH_RUN_ID"]
     assert history[0]["worker-1"]["env"]["TORCHELASTIC_RUN_ID"] == history[1]["worker-1"]["env"]["TORCHELASTIC_RUN_ID"]
+    # a fresh store on a port of its own in each attempt (the store's program is the same)
+    assert history[0]["worker-1"]["env"]["MASTER_PORT"] != history[1]["worker-1"]["env"]["MASTER_PORT"]
     assert_nothing_left(cluster)
