@@ -199,7 +199,7 @@ def kill_children(sig=signal.SIGKILL, keep=()):
     """
     signalled = set()
     for _ in range(50):
-        pids = [p for p in children() if p not in keep and p not in signalled]
+        pids = [p for p in children() if p not in keep and p not in signalled and not is_watchdog(p)]
         if not pids:
             break
         for p in pids:
@@ -207,6 +207,23 @@ def kill_children(sig=signal.SIGKILL, keep=()):
             _signal_with_group(p, sig)
         _reap_any()
     return len(signalled)
+
+
+#: in the environment of a node program's watchdog (launcher.node.watchdog): the client's pid
+WATCHDOG_NAME = "PSLAUNCH_WATCHDOG_OF"
+
+
+def is_watchdog(pid):
+    """Whether ``pid`` is the watchdog of a node program (a node agent's), which
+    :func:`kill_children` leaves alone: once its client is gone it stops the client's processes,
+    removes the client's files (an agent's error files) and exits by itself, within its grace.
+    An agent killed by mpirun leaves its watchdog to a subreaper launcher, whose sweep would
+    otherwise kill it before its clean-up."""
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as f:
+            return (b"\0" + WATCHDOG_NAME.encode() + b"=") in b"\0" + f.read()
+    except (OSError, ValueError):
+        return False
 
 
 MARK_NAME = "PSLAUNCH_PROCESS"  # (pscontract.PROCESS: spelled here too, this file is Python 3.5 syntax)

@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 
-from .procgroup import group_alive, kill_marked, marked, signal_group, stop_group
+from .procgroup import WATCHDOG_NAME, group_alive, kill_marked, marked, signal_group, stop_group
 
 # The watchdog process starts with every job, and a job that ends at once waits for it: what
 # only some commands need (json, subprocess, threading, ...) is imported where it is used.
@@ -240,8 +240,10 @@ def _start(python):
 
     from . import command  # (the package's __init__: where node programs are)
 
+    env = dict(os.environ)
+    env[WATCHDOG_NAME] = str(os.getpid())  # (a subreaper's sweep leaves it to finish: procgroup.is_watchdog)
     return subprocess.Popen(command("watchdog", python), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+                            stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True, env=env)
 
 
 def _fork():

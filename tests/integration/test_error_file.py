@@ -11,7 +11,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -32,11 +31,23 @@ KINDS = [
 ]
 
 
-def error_dirs(cluster: Cluster) -> set[str]:
-    """The error files' directories that exist where the job's processes run (a private /tmp on
-    each testbed host, this machine's temporary directories)."""
+@pytest.fixture(autouse=True)
+def private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A TMPDIR of this test's own for the launcher and what inherits its environment: the error
+    files' directories of other tests' jobs running beside it (in /tmp) are not this test's."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    return tmp
+
+
+def error_dirs(cluster: Cluster, private: Path) -> set[str]:
+    """The error files' directories that exist where the job's processes run: this test's TMPDIR
+    (the launcher's, and its local processes' and the Slurm tasks'), mpirun's TMPDIR, a private
+    /tmp on each testbed host (their jobs are one at a time). A Grid Engine task's TMPDIR is the
+    job's own, which Grid Engine removes."""
     patterns = ("pslaunch-error-*", "pslaunch-errors-*")  # (a process's, and an agent's or launcher's all)
-    found = {path for p in patterns for path in glob.glob(os.path.join(tempfile.gettempdir(), p))}
+    found = {path for p in patterns for path in glob.glob(os.path.join(private, p))}
     tmp = getattr(cluster, "tmp", None)
     if tmp is not None:
         found |= {path for p in patterns for path in glob.glob(os.path.join(tmp, p))}
@@ -53,11 +64,11 @@ def report_lines(stderr: str) -> list[str]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_report_and_the_summary_carry_the_exception_torch_recorded(kind: str, tmp_path: Path,
+def test_the_report_and_the_summary_carry_the_exception_torch_recorded(kind: str, tmp_path: Path, private_tmp: Path,
                                                                       request: pytest.FixtureRequest) -> None:
     cluster = make_cluster(kind, tmp_path, request)
     summary = tmp_path / "summary.json"
-    before = error_dirs(cluster)
+    before = error_dirs(cluster, private_tmp)
     try:
         r = cluster.run("-n", "3", "--tracker", "torch", "--kill-grace", "2", "--summary-json", str(summary),
                         PY, WORKER, "--fail", "worker-1", "--delay", "1", timeout=240)
@@ -82,7 +93,7 @@ def test_the_report_and_the_summary_carry_the_exception_torch_recorded(kind: str
         # the file's time and the end, both by the clock of the host it ran on
         assert procs["worker-1"]["start_time"] < error["time"] <= procs["worker-1"]["end_time"] + 0.01
         assert all(p["error"] is None for name, p in procs.items() if name != "worker-1")  # stopped: none
-        assert error_dirs(cluster) - before == set()
+        assert error_dirs(cluster, private_tmp) - before == set()
         assert cluster.leftovers() == []
     finally:
         cluster.close()
@@ -109,6 +120,7 @@ def test_a_program_that_writes_nothing_has_no_error(kind: str, tmp_path: Path, r
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["local", pytest.param("ssh", marks=pytest.mark.ssh)])
 def test_a_hostile_error_file_is_bounded_printable_and_no_link_is_followed(kind: str, tmp_path: Path,
+                                                                         private_tmp: Path,
                                                                          request: pytest.FixtureRequest) -> None:
     cluster = make_cluster(kind, tmp_path, request)
     out = cluster.out
@@ -116,7 +128,7 @@ def test_a_hostile_error_file_is_bounded_printable_and_no_link_is_followed(kind:
     (out / "decoy").mkdir()
     (out / "decoy" / "error.json").write_text('{"message": "PLANTED"}')
     summary = tmp_path / "summary.json"
-    before = error_dirs(cluster)
+    before = error_dirs(cluster, private_tmp)
     try:
         r = cluster.run("-n", "3", "-s", "0", "--tracker", "torch", "--kill-grace", "1", "--summary-json",
                         str(summary), PY, WORKER, "--hostile", str(out))
@@ -136,7 +148,7 @@ def test_a_hostile_error_file_is_bounded_printable_and_no_link_is_followed(kind:
         assert "PLANTED" not in r.stderr and "SENTINEL" not in r.stderr
         assert (out / "sentinel").read_text() == "SENTINEL\n"
         assert (out / "decoy" / "error.json").read_text() == '{"message": "PLANTED"}'
-        assert error_dirs(cluster) - before == set()
+        assert error_dirs(cluster, private_tmp) - before == set()
     finally:
         cluster.close()
 
