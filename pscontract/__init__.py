@@ -215,9 +215,11 @@ def attempt_env(*, attempt: int, max_restarts: int, run_id: str, tracker: str) -
     return env
 
 
-def process_marker(job_id: str, process: str) -> str:
-    """``PSLAUNCH_PROCESS``'s value for process ``process`` (``worker-1``) of job ``job_id``."""
-    return f"{job_id}/{process}"
+def process_marker(job_id: str, process: str, attempt: int = 0) -> str:
+    """``PSLAUNCH_PROCESS``'s value for process ``process`` (``worker-1``) of job ``job_id``, in its
+    ``attempt`` (``--max-restarts``): ``<job id>/worker-1``, then ``<job id>/worker-1@2``, so that
+    nothing that cleans up after one attempt (a killed node agent's watchdog) stops the next."""
+    return f"{job_id}/{process}" if not attempt else f"{job_id}/{process}@{attempt}"
 
 
 def _worker_base(*, task_id: int, num_workers: int, cluster: str, secret: str, job_id: str,

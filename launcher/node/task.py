@@ -196,7 +196,9 @@ def task_environment(doc: Mapping[str, Any], role: str, index: int,
     env.update(spec.get("env") or {})
     env[pc.ROLE] = role
     env[pc.TASK_ID] = str(int(spec["first_task_id"]) + index)
-    env[pc.PROCESS] = pc.process_marker(env.get(pc.JOB_ID, "job"), f"{role}-{index}")
+    attempt = env.get(pc.ATTEMPT, "0")
+    env[pc.PROCESS] = pc.process_marker(env.get(pc.JOB_ID, "job"), f"{role}-{index}",
+                                        int(attempt) if attempt.isdigit() else 0)
     local = spec.get("local_procs")
     if isinstance(local, list) and index < len(local):  # (known where the launcher placed the tasks)
         env[pc.LOCAL_PROCS] = str(int(local[index]))

@@ -184,6 +184,8 @@ def build_plan(
 
     def env_for(contract: dict[str, str], role_env: Mapping[str, str], inherit: bool) -> dict[str, str]:
         contract = {**contract, **attempt_env}
+        if attempt and pc.PROCESS in contract:  # (each attempt's processes a marker of their own)
+            contract[pc.PROCESS] = pc.process_marker(job_id, contract[pc.PROCESS].split("/", 1)[1], attempt)
         composed = jobenv.compose(contract, role_env=role_env, cli_env=cli_env, forwarded_env=forwarded,
                                    inherited=environ if inherit else None, owned=owned)
         overridden.update(composed.overridden)

@@ -143,7 +143,13 @@ class MPICluster(Cluster):
         return {**os.environ, "TMPDIR": str(self.tmp)}
 
     def backend_leftovers(self) -> list[str]:
-        left = sorted(str(p.relative_to(self.tmp)) for p in self.tmp.glob("*/*"))
+        left = ["(it kept changing while it was read)"]
+        for _ in range(10):
+            try:  # (a directory may go while it is read: a node agent's watchdog removing it)
+                left = sorted(str(p.relative_to(self.tmp)) for p in self.tmp.glob("*/*"))
+                break
+            except FileNotFoundError:
+                continue
         return [f"mpirun's session directories in TMPDIR: {', '.join(left)}"] if left else []
 
     def close(self) -> None:

@@ -219,3 +219,9 @@ def test_redactor_hides_every_value_longest_first() -> None:
     r = jobenv.Redactor(["secret-1", "secret-12", "", "q"])
     assert r("a secret-12 b secret-1 c q d") == "a <redacted> b <redacted> c <redacted> d"
     assert not jobenv.Redactor(["", ""]) and jobenv.Redactor(["x"])
+
+
+def test_each_attempt_has_markers_of_its_own() -> None:
+    """A node agent's watchdog of attempt k, cleaning up after it, never stops attempt k+1's processes."""
+    assert pc.process_marker("j", "worker-1") == pc.process_marker("j", "worker-1", 0) == "j/worker-1"
+    assert pc.process_marker("j", "worker-1", 2) == "j/worker-1@2"
