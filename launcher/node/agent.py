@@ -252,6 +252,9 @@ def connect(address, ident, secret):
         expected = "ok " + protocol.channel_mac(secret, "server", server_nonce, client_nonce, ident)
         if not hmac.compare_digest(answer, expected):
             raise ConnectionError("%s:%d did not prove it holds the job's secret" % (host, port))
+    except (ConnectionResetError, BrokenPipeError):
+        sock.close()  # (it dropped us as our answer arrived: the answer or the read then meets its reset)
+        raise Dropped("the launcher closed the connection") from None
     except (OSError, ValueError):
         sock.close()
         raise
