@@ -83,7 +83,6 @@ class RestartBudget:
         self.first_delay = first_delay
         self.window = window
         self.used = 0
-        self.returned = 0  # how many times the window gave the budget back
         self._delay: Optional[float] = None
         self._rand = rand
 
@@ -93,7 +92,6 @@ class RestartBudget:
             log.info("the attempt ran %s without failing (--restart-window): the restart budget is back "
                      "(0/%d used)", _seconds(ran), self.limit)
             self.used, self._delay = 0, None
-            self.returned += 1
         return self.used < self.limit
 
     def next_delay(self) -> float:

@@ -258,6 +258,15 @@ def job_field(alloc: str, field: str) -> str:
     return found.group(1) if found else ""
 
 
+def batch_script(path: Path, job: Probes, slurm: SlurmCluster, *args: str) -> Path:  # noqa: F811
+    """A batch script at ``path`` that execs pslaunch on the allocation (``--launcher slurm``, the
+    job's mark, the testbed's network) with ``args``."""
+    path.write_text("#!/bin/sh\nexec " + shlex.join(
+        pslaunch_argv("--launcher", "slurm", "--env", f"{MARK}={job.mark}", "--env",
+                      f"DMLC_INTERFACE={slurm.subnet_a}", *args)) + "\n")
+    return path
+
+
 @pytest.mark.timeout(240)
 def test_a_requeued_batch_job_goes_on_counting_attempts(job: Probes, slurm: SlurmCluster,  # noqa: F811
                                                         tmp_path: Path) -> None:
@@ -265,11 +274,8 @@ def test_a_requeued_batch_job_goes_on_counting_attempts(job: Probes, slurm: Slur
     # failure or a preemption), it ends the batch script and runs it again with SLURM_RESTART_COUNT=1;
     # the pslaunch of the second run starts at attempt 1, so that a program resumes as after a restart
     log = tmp_path / "batch.out"
-    script = tmp_path / "job.sh"
-    script.write_text("#!/bin/sh\nexec " + shlex.join(
-        pslaunch_argv("--launcher", "slurm", "--env", f"{MARK}={job.mark}", "--env",
-                      f"DMLC_INTERFACE={slurm.subnet_a}", "-n", "2", "-s", "1", "--kill-grace", "1", "--max-restarts",
-                      "1", *job.probe("--listen", "--sleep", "60", "--sleep-on-attempts", "0"))) + "\n")
+    script = batch_script(tmp_path / "job.sh", job, slurm, "-n", "2", "-s", "1", "--kill-grace", "1",
+                          "--max-restarts", "1", *job.probe("--listen", "--sleep", "60", "--sleep-on-attempts", "0"))
     r = subprocess.run(["sbatch", "--parsable", "--requeue", "-N", "2", "-J", job.name, "-o", str(log),
                         "--open-mode=append", "-D", str(REPO), str(script)],
                        capture_output=True, text=True, timeout=60, check=True)
@@ -355,11 +361,8 @@ def test_a_batch_shell_signal_reaches_every_process_once(job: Probes, slurm: Slu
     # sbatch --signal=B:USR1@T signals the batch shell, which here is pslaunch (exec); scancel
     # --batch is the same signal now
     log = tmp_path / "batch.out"
-    script = tmp_path / "job.sh"
-    script.write_text("#!/bin/sh\nexec " + shlex.join(
-        pslaunch_argv("--launcher", "slurm", "--env", f"{MARK}={job.mark}", "--env",
-                      f"DMLC_INTERFACE={slurm.subnet_a}", "-n", "2", "-s", "1", "--kill-grace", "1",
-                      *job.probe("--listen", "--sleep", "12", "--notices"))) + "\n")
+    script = batch_script(tmp_path / "job.sh", job, slurm, "-n", "2", "-s", "1", "--kill-grace", "1",
+                          *job.probe("--listen", "--sleep", "12", "--notices"))
     r = subprocess.run(["sbatch", "--parsable", "--no-requeue", "-N", "3", "-J", job.name, "-o", str(log),
                         "-D", str(REPO), str(script)], capture_output=True, text=True, timeout=60, check=True)
     alloc = r.stdout.strip().split(";")[0]
