@@ -159,10 +159,21 @@ def _free_tcp_port() -> int:
         return s.getsockname()[1]
 
 
+def _claim_one_free_port() -> tuple[int, ports.PortClaim]:
+    """A free port of loopback and this test's claim on it. Between the kernel's answer and the
+    claim's look, another test's connection may take that port (the kernel hands out the same
+    ephemeral ports; CI once lost 43233 so): then another port."""
+    for _ in range(20):
+        port = _free_tcp_port()
+        try:
+            return ports.claim_free_port(port, port)
+        except ports.NoFreePort:
+            continue
+    raise AssertionError("20 free ports in a row were taken before they could be claimed")
+
+
 def test_a_claimed_port_is_skipped_until_its_claim_is_released() -> None:
-    port = _free_tcp_port()
-    first, claim = ports.claim_free_port(port, port + 20)
-    assert first == port
+    port, claim = _claim_one_free_port()
     assert ports.PortClaim.take(port) is None  # another run's try
     second, other = ports.claim_free_port(port, port + 20)
     assert second > port
@@ -187,7 +198,7 @@ def test_a_claim_skips_a_port_in_use_and_honours_after() -> None:
 
 
 def test_a_claim_leaves_the_tcp_port_to_the_scheduler() -> None:
-    port, claim = ports.claim_free_port(*(2 * [_free_tcp_port()]))
+    port, claim = _claim_one_free_port()
     try:
         with socket.socket() as s:  # a plain bind, no SO_REUSEADDR: ps-lite's scheduler binds as it likes
             s.bind(("127.0.0.1", port))
@@ -197,8 +208,7 @@ def test_a_claim_leaves_the_tcp_port_to_the_scheduler() -> None:
 
 
 def test_a_range_whose_every_port_is_claimed_is_no_free_port() -> None:
-    port = _free_tcp_port()
-    _, claim = ports.claim_free_port(port, port)
+    port, claim = _claim_one_free_port()
     try:
         with pytest.raises(ports.NoFreePort):
             ports.claim_free_port(port, port)
