@@ -41,6 +41,7 @@ from torch import nn
 
 from trainer.data import MNIST, atomic_write, batches_per_epoch, epoch_batches
 from trainer.data import split_batch as data_split_batch
+from trainer.metrics import MetricsFile
 from trainer.models import create_model, num_parameters
 
 log = logging.getLogger(__name__)
@@ -559,11 +560,21 @@ def plot_history(path: str | os.PathLike[str], history: Sequence[dict[str, Any]]
 # --- the loop ------------------------------------------------------------------------
 
 
-def fit(cfg: TrainConfig, kv: Any, data: MNIST, *, plot: str | None = None) -> dict[str, Any]:
+def plot_title(cfg: TrainConfig, kv_type: str, num_workers: int) -> str:
+    """The plot's title, which names the worker it shows: the interval and training figures are
+    rank 0's own (each worker trains on its shard); the validation accuracy is of the weights
+    every worker shares."""
+    workers = f"{num_workers} worker{'s' if num_workers != 1 else ''}"
+    return f"{cfg.network}, kv-store {kv_type}, batch {cfg.batch_size}: worker 0's curves (of {workers})"
+
+
+def fit(cfg: TrainConfig, kv: Any, data: MNIST, *, plot: str | None = None,
+        metrics: MetricsFile | None = None) -> dict[str, Any]:
     """Train ``cfg.network`` on this worker's shards through ``kv``; return the summary.
 
     Every worker calls this with the same configuration. Rank 0 writes the
-    checkpoints and the plot.
+    checkpoints and the plot; ``metrics`` (this worker's ``--metrics-file``) gets a line
+    per logged interval and per epoch.
 
     Raises:
         FitError: a bad configuration or checkpoint, with a one-line message.
@@ -668,7 +679,7 @@ def fit(cfg: TrainConfig, kv: Any, data: MNIST, *, plot: str | None = None) -> d
                                                num_workers=num_workers, batch_size=cfg.batch_size))
         tic = time.time()
         correct, loss, kv_time = _train_epoch(cfg, kv, replicas, keys, slices, train_x, train_y, order, epoch,
-                                              intervals, first=first, save=save)
+                                              intervals, first=first, save=save, metrics=metrics)
         toc = time.time()
         samples = (epoch_size - first) * cfg.batch_size
         log.info("Epoch[%d] Train-accuracy=%f", epoch, correct / samples)
@@ -687,12 +698,14 @@ def fit(cfg: TrainConfig, kv: Any, data: MNIST, *, plot: str | None = None) -> d
         record["validation_accuracy"] = val_acc
         history.append(record)
         summary_epochs.append(record)
+        if metrics is not None:
+            metrics.write("epoch", **record)
         if (epoch + 1) % cfg.save_period == 0 or cfg.checkpoint_every_batches:
             save(epoch + 1, 0)
         log.info("Epoch[%d] Validation-accuracy=%f", epoch, val_acc)
 
     if plot and rank == 0:
-        title = f"{cfg.network}, kv-store {kv_type}, {num_workers} worker(s), batch {cfg.batch_size}"
+        title = plot_title(cfg, kv_type, num_workers)
         try:
             plot_history(plot, history, title, intervals)
         except (OSError, ValueError) as e:  # (the format and directory were checked before training)
@@ -762,10 +775,12 @@ def _log_resume(cfg: TrainConfig, rank: int, path: Path | None, found: bool, pos
 def _train_epoch(cfg: TrainConfig, kv: Any, replicas: Replicas, keys: list[int], slices: list[slice],
                  train_x: torch.Tensor, train_y: torch.Tensor, order: torch.Tensor,
                  epoch: int, intervals: list[dict[str, Any]] | None = None, *, first: int = 0,
-                 save: Callable[[int, int], None] | None = None) -> tuple[int, float, float]:
+                 save: Callable[[int, int], None] | None = None,
+                 metrics: MetricsFile | None = None) -> tuple[int, float, float]:
     """One epoch of this worker's batches from batch ``first`` on (a resumed epoch skips the
     batches done); logs MXNet's Speedometer lines (and appends each line's window to
-    ``intervals``: ``x`` in epochs, ``accuracy``, ``loss`` per sample). With
+    ``intervals``: ``x`` in epochs, ``accuracy``, ``loss`` per sample; and writes it to
+    ``metrics``). With
     ``cfg.checkpoint_every_batches`` K, ``save(epoch, b)`` runs after every K-th batch but the last
     (the epoch's own checkpoint follows that one).
 
@@ -818,12 +833,15 @@ def _train_epoch(cfg: TrainConfig, kv: Any, replicas: Replicas, keys: list[int],
                     log.info("Epoch[%d] Batch [%d-%d]\tSpeed: %.2f samples/sec\taccuracy=%f",
                              epoch, nbatch - cfg.disp_batches, nbatch, speed, accuracy)
                     bar.postfix(speed=f"{speed:.0f}/s", acc=f"{accuracy:.4f}")
+                    total_loss = sum(float(v) for v in loss_acc)
+                    window_loss = (total_loss - shown_loss) / window_samples
+                    shown_loss = total_loss
                     if intervals is not None:
-                        total_loss = sum(float(v) for v in loss_acc)
                         intervals.append({"x": epoch + (nbatch + 1) / len(order), "accuracy": accuracy,
-                                          "loss": (total_loss - shown_loss) / window_samples,
-                                          "batches": cfg.disp_batches})
-                        shown_loss = total_loss
+                                          "loss": window_loss, "batches": cfg.disp_batches})
+                    if metrics is not None:
+                        metrics.write("interval", epoch=epoch, batch=nbatch, batches=cfg.disp_batches,
+                                      samples_per_sec=round(speed, 2), accuracy=accuracy, loss=window_loss)
                     shown_correct, window_samples = total, 0
                 window_tic = now
             done = nbatch + 1

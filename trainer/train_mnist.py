@@ -2,7 +2,7 @@
 
 The command line of MXNet's ``example/image-classification/train_mnist.py``,
 with its defaults, plus ``--cpus``, ``--work-load-list``, ``--data-dir``,
-``--seed``, ``--threads`` and ``--plot``. One process::
+``--seed``, ``--threads``, ``--plot`` and ``--metrics-file``. One process::
 
     python -m trainer.train_mnist --network lenet --kv-store local --num-epochs 2
 
@@ -20,13 +20,15 @@ kv-store is not a ``dist_*`` one). Log lines follow MXNet's (``Epoch[e] Batch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
-from typing import Callable, NoReturn, Sequence
+from typing import Callable, Iterator, NoReturn, Sequence
 
 import pscontract as pc
+from trainer.metrics import MetricsFile, check_metrics_path, metrics_path
 
 log = logging.getLogger("trainer.train_mnist")
 
@@ -72,12 +74,15 @@ def _non_negative_float(text: str) -> float:
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Adds ``(default: X)`` once: not when the help already says its default in words, and not
-    ``(default: None)`` for an option that is simply off unless given."""
+    """Adds ``(default: X)`` once: not when the help already says its default in words, not
+    ``(default: None)`` for an option that is simply off unless given, and not for a flag
+    (``--no-pin``'s "(default: True)" read as if the flag were on)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         if "(default" in text or action.default is None or action.default is argparse.SUPPRESS:
+            return text
+        if action.nargs == 0:  # a flag (--resume, --no-pin): its help says what it turns on or off
             return text
         return super()._get_help_string(action) or text
 
@@ -124,7 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "each worker keeps its own cores)")
     o.add_argument("--plot", default=None, metavar="FILE.png",
                    help="draw loss and accuracy per epoch and per --disp-batches interval into this image "
-                        "(rank 0; any format matplotlib writes: png, svg, pdf, ...)")
+                        "(rank 0's curves; any format matplotlib writes: png, svg, pdf, ...)")
+    o.add_argument("--metrics-file", default=None, metavar="FILE.jsonl",
+                   help="also write the figures of every logged interval and epoch to this file as JSON lines "
+                        "(appended to; rank 0 only, unless the name has {rank} in it: metrics-{rank}.jsonl gives "
+                        "each worker its own)")
     o.add_argument("--resume", action="store_true",
                    help="start from the newest complete checkpoint of --model-prefix (its weights, optimizer "
                         "state, epoch and place in the epoch's data order), or from scratch when there is none")
@@ -330,6 +339,10 @@ def _worker(args: argparse.Namespace) -> int:
             _check_plot(args.plot)
         except UsageError as e:
             return _fail(f"{e} (see --help)", 2)
+    if args.metrics_file:
+        problem = check_metrics_path(args.metrics_file)
+        if problem:
+            return _fail(f"{problem} (see --help)", 2)
     threads = args.threads or default_threads()
     cores = worker_cores() if args.pin else None
     if cores:
@@ -367,7 +380,8 @@ def _worker(args: argparse.Namespace) -> int:
             log.info("%d torch thread(s), devices %s%s", torch.get_num_threads(), ", ".join(devices),
                      f", cores {','.join(map(str, cores))}" if cores else "")
             data = load_mnist(args.data_dir)
-            summary = fit(cfg, kv, data, plot=args.plot)
+            with _metrics_file(args.metrics_file, kv.rank, cfg.attempt) as metrics:
+                summary = fit(cfg, kv, data, plot=args.plot, metrics=metrics)
         print(json.dumps(summary), flush=True)
         return 0
     except UsageError as e:
@@ -378,6 +392,21 @@ def _worker(args: argparse.Namespace) -> int:
         return _fail(f"kvstore: {e}")
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
+
+
+@contextlib.contextmanager
+def _metrics_file(template: str | None, rank: int, attempt: int | None) -> Iterator[MetricsFile | None]:
+    """This worker's ``--metrics-file``, open for the run, or None when it writes none."""
+    path = metrics_path(template, rank) if template else None
+    if path is None:
+        yield None
+        return
+    try:
+        sink = MetricsFile(path, rank, attempt)
+    except OSError as e:
+        raise UsageError(f"--metrics-file {path}: cannot open it: {e.strerror or e}") from None
+    with sink:
+        yield sink
 
 
 def _attempt() -> int | None:

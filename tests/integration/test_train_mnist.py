@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import pty
 import re
@@ -74,13 +75,18 @@ def test_dist_sync_two_workers_equal_one_worker_with_double_batch(tmp_path: Path
     common = ("--network", "lenet", "--num-epochs", "1", "--num-examples", "640", "--disp-batches", "0",
               "--seed", "3", "--wd", "0.5")
     dist = H.run_launched(*common, "--kv-store", "dist_sync", "--batch-size", "64",
-                          "--model-prefix", str(tmp_path / "dist"), timeout=200)
+                          "--model-prefix", str(tmp_path / "dist"), "--metrics-file", str(tmp_path / "m-{rank}.jsonl"),
+                          timeout=200)
     assert dist.returncode == 0, dist.stdout + dist.stderr
     # The same command ran as scheduler and server too, and every process exited 0.
     assert re.search(r"all 4 processes exited 0", dist.stdout + dist.stderr)
     s0, s1 = H.summaries(dist.stdout)
     assert s0["batches_per_epoch"] == s1["batches_per_epoch"] == 5
     assert s0["validation_accuracy"] == s1["validation_accuracy"]  # the same weights on both workers
+    for rank, summary in enumerate((s0, s1)):  # --metrics-file with {rank}: a file per worker, its own figures
+        (epoch,) = [json.loads(x) for x in (tmp_path / f"m-{rank}.jsonl").read_text().splitlines()]
+        assert (epoch["event"], epoch["rank"], epoch["attempt"]) == ("epoch", rank, 0)
+        assert epoch["train_accuracy"] == summary["train_accuracy"]
     # every process of the job on this host: each worker keeps its own cores (the server floats)
     cores = {w: c for w, c in re.findall(r"^\[worker (\d)\] .*torch thread\(s\), devices cpu(?:, cores ([\d,]+))?$",
                                           dist.stdout + dist.stderr, re.M)}
@@ -221,6 +227,7 @@ def test_gpus_without_cuda_is_one_line() -> None:
         # an unwritable format is found before training, not after it (the default run is 20 epochs)
         (["--plot", "p.txt"], "--plot p.txt: matplotlib cannot write .txt files"),
         (["--plot", "/tmp"], "--plot /tmp is a directory"),
+        (["--metrics-file", "/nonexistent-dir/m-{rank}.jsonl"], "the directory /nonexistent-dir does not exist"),
         (["--cpus", "4", "--batch-size", "3"], "leaves a device without samples"),
     ],
 )

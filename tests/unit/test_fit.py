@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 import threading
@@ -17,6 +18,7 @@ from support import trainer as train_helpers
 from trainer import fit as T  # noqa: E402
 from trainer import kvstore  # noqa: E402
 from trainer.data import MNIST, load_mnist  # noqa: E402
+from trainer.metrics import MetricsFile, check_metrics_path, metrics_path  # noqa: E402
 from trainer.models import create_model  # noqa: E402
 
 
@@ -323,9 +325,58 @@ def test_a_writer_killed_mid_write_leaves_the_previous_checkpoint_the_newest(tmp
 # --- small runs ------------------------------------------------------------------------
 
 
-def _run(cfg: T.TrainConfig, mnist: MNIST, plot: str | None = None) -> dict:
+def _run(cfg: T.TrainConfig, mnist: MNIST, plot: str | None = None, metrics: str | None = None) -> dict:
     with kvstore.create("local") as kv:
-        return T.fit(cfg, kv, mnist, plot=plot)
+        if metrics is None:
+            return T.fit(cfg, kv, mnist, plot=plot)
+        with MetricsFile(metrics, kv.rank, 3) as sink:
+            return T.fit(cfg, kv, mnist, plot=plot, metrics=sink)
+
+
+def test_the_metrics_file_has_a_line_per_logged_interval_and_per_epoch(mnist: MNIST, tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"event": "epoch", "epoch": 9}\n')  # an attempt before: appended to, not replaced
+    cfg = T.TrainConfig(network="mlp", num_epochs=2, num_examples=1600, batch_size=16, disp_batches=10)
+    with caplog.at_level(logging.INFO):
+        summary = _run(cfg, mnist, metrics=str(path))
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert lines[0] == {"event": "epoch", "epoch": 9}
+    logged = [r.getMessage() for r in caplog.records if r.name == "trainer.fit" and "Speed:" in r.getMessage()]
+    intervals = [x for x in lines[1:] if x["event"] == "interval"]
+    assert len(intervals) == len(logged) == 2 * 9  # batches 10..90 of each 100-batch epoch, as the log
+    for record, line in zip(intervals, logged):  # the same figures as the log line, which has 6 decimals
+        epoch, first, last = map(int, re.match(r"Epoch\[(\d+)\] Batch \[(\d+)-(\d+)\]", line).groups())
+        assert (record["epoch"], record["batch"] - record["batches"], record["batch"]) == (epoch, first, last)
+        assert f"accuracy={record['accuracy']:.6f}" in line and record["loss"] > 0
+        assert record["rank"] == 0 and record["attempt"] == 3 and record["samples_per_sec"] > 0
+    epochs = [x for x in lines[1:] if x["event"] == "epoch"]
+    assert [e["epoch"] for e in epochs] == [0, 1]
+    assert [e["validation_accuracy"] for e in epochs] == [e["validation_accuracy"] for e in summary["epochs"]]
+    assert lines[-1]["event"] == "epoch" and lines[-1]["timestamp"] >= intervals[-1]["timestamp"]
+
+
+def test_the_plot_title_names_the_worker_it_shows() -> None:
+    cfg = T.TrainConfig(network="lenet", batch_size=32)
+    assert T.plot_title(cfg, "dist_sync", 4) == "lenet, kv-store dist_sync, batch 32: worker 0's curves (of 4 workers)"
+    assert T.plot_title(cfg, "local", 1).endswith("(of 1 worker)")
+
+
+def test_a_metrics_file_is_rank_0s_unless_its_name_has_the_rank(tmp_path: Path) -> None:
+    assert metrics_path("m.jsonl", 0) == "m.jsonl" and metrics_path("m.jsonl", 1) is None
+    assert metrics_path("m-{rank}.jsonl", 1) == "m-1.jsonl"
+    assert check_metrics_path(str(tmp_path / "m-{rank}.jsonl")) is None
+    assert "is a directory" in (check_metrics_path(str(tmp_path)) or "")
+    assert "does not exist" in (check_metrics_path(str(tmp_path / "no" / "m.jsonl")) or "")
+
+
+def test_a_metrics_file_is_not_written_through_a_planted_link(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("kept\n")
+    (tmp_path / "m.jsonl").symlink_to(victim)
+    with pytest.raises(OSError):
+        MetricsFile(str(tmp_path / "m.jsonl"), 0, None)
+    assert victim.read_text() == "kept\n"
 
 
 def test_fit_logs_mxnet_lines_and_returns_a_summary(mnist: MNIST, caplog: pytest.LogCaptureFixture,

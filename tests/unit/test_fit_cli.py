@@ -133,6 +133,8 @@ def test_help_states_each_default_once() -> None:
         block = flat.split(f" {option} ", 1)[1].split(" --", 1)[0]
         assert block.count("(default") <= 1, (option, block)
     assert "(default: the CPU)" in flat and "(default: 64)" in flat
+    # a flag's default reads as if the flag were on: --no-pin "(default: True)", --resume "(default: False)"
+    assert "(default: True)" not in flat and "(default: False)" not in flat
 
 
 @pytest.mark.parametrize(("threads", "local", "cores", "expected"), [
