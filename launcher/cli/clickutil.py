@@ -11,7 +11,9 @@ from typing import Any, Iterable, Optional, Sequence
 import click
 
 from ..backends.base import BackendOption
+from ..errors import ConfigError
 from .common import fail, guarded
+from .hints import foreign_flags
 
 
 class FiniteFloat(click.ParamType):
@@ -90,6 +92,49 @@ def add_backend_options(command: click.Command, backends: Iterable[tuple[str, Se
                len(command.params))
     extra = [click_option(o, name) for name, options in backends for o in options]
     command.params[cut:cut] = extra
+
+
+# --- a job's command line -------------------------------------------------------------------------
+
+#: ``ctx.meta`` key: the arguments of a :class:`JobCommand` as given (what an answer re-quotes)
+ARGV = "pslaunch.argv"
+
+
+def takes_value(params: Iterable[click.Parameter]) -> dict[str, bool]:
+    """Each option's spelling -> whether it takes a value (``--help`` and ``--config`` included)."""
+    out: dict[str, bool] = {}
+    for p in params:
+        if isinstance(p, click.Option):
+            for name in (*p.opts, *p.secondary_opts):
+                out[name] = not (p.is_flag or p.count)
+    return out
+
+
+class JobCommand(click.Command):
+    """A command that takes a job's options (``pslaunch`` and ``pslaunch doctor``): it keeps its
+    arguments as given (``ctx.meta[ARGV]``), and answers torchrun's and mpirun's own flags among
+    its options in pslaunch's spelling (:func:`.hints.foreign_flags`) before click reads them."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta[ARGV] = list(args)
+        answer = foreign_flags(args, takes_value(self.params))
+        if answer:
+            raise ConfigError(answer)
+        return super().parse_args(ctx, args)
+
+
+def options_given(ctx: click.Context, command: Sequence[str]) -> Optional[list[str]]:
+    """The options of ``ctx``'s command line, before ``command`` (None when the arguments do not
+    end with it: it came from a YAML config)."""
+    argv = ctx.meta.get(ARGV)
+    if argv is None:
+        return None
+    if not command:
+        return list(argv)
+    if list(argv[len(argv) - len(command):]) != list(command):
+        return list(argv)
+    options = list(argv[:len(argv) - len(command)])
+    return options[:-1] if options[-1:] == ["--"] else options
 
 
 def invoke(command: click.Command, args: list[str], prog_name: str, help_hint: str) -> int:

@@ -15,8 +15,11 @@ Exit codes are mapped only in :func:`guarded` and :func:`.clickutil.invoke`.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 import sys
+import threading
 from typing import Callable, Mapping, Optional
 
 import pscontract as pc
@@ -25,6 +28,8 @@ from .. import logs
 from ..errors import ConfigError, LauncherError
 from ..node import safefiles
 from ..spec import env as jobenv
+from ..spec.hosts import is_host_list, read_hosts
+from ..spec.job import Host
 
 # --- value parsers ------------------------------------------------------------------------------
 
@@ -62,6 +67,60 @@ def parse_port_range_option(text: str) -> tuple[int, int]:
         return pc.parse_port_range(text)
     except ValueError as e:
         raise ConfigError(f"--port-range: {e}") from None
+
+
+#: how long -H waits for a name to resolve before it takes the name as a host unasked
+RESOLVE_WAIT = 3.0
+
+
+def _ssh_alias(name: str) -> bool:
+    """``~/.ssh/config`` names ``name`` (a ``HostName`` for it, or a jump host that may resolve it)."""
+    try:
+        from ..transport.ssh import load_ssh_config  # (here: only for a name that does not resolve)
+
+        config = load_ssh_config()
+    except (ImportError, LauncherError):
+        return False
+    if config is None:
+        return False
+    found = config.lookup(name)
+    return (found.get("hostname") or name) != name or any(k in found for k in ("proxyjump", "proxycommand"))
+
+
+def resolves(name: str, wait: float = RESOLVE_WAIT) -> bool:
+    """Whether ``name`` is an address, a name that resolves here, or an ssh alias; a lookup that has
+    not answered within ``wait`` seconds counts as resolving (a slow resolver is not a mistake)."""
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        pass
+    answer: list[bool] = []
+
+    def lookup() -> None:
+        try:
+            socket.getaddrinfo(name, None)
+            answer.append(True)
+        except (OSError, UnicodeError):
+            answer.append(False)
+
+    thread = threading.Thread(target=lookup, name="pslaunch-resolve", daemon=True)
+    thread.start()
+    thread.join(wait)
+    return (not answer or answer[0]) or _ssh_alias(name)
+
+
+def read_hosts_option(value: str) -> tuple[Host, ...]:
+    """``-H value`` as :func:`launcher.spec.hosts.read_hosts` reads it, but a lone bare name that is
+    neither a file here nor a host anywhere (``-H hostsfile`` mistyped) is a usage error that says
+    both, at once, rather than an ssh failure later."""
+    hosts = read_hosts(value)
+    if is_host_list(value) and len(hosts) == 1:
+        h = hosts[0]
+        if h.port is None and h.user is None and h.slots is None and not resolves(h.name):
+            raise ConfigError(f"-H {value}: no such file, and no host by that name resolves; give a hostfile "
+                              "path or host names (-H h1,h2)")
+    return hosts
 
 
 # --- logging ----------------------------------------------------------------------------------------

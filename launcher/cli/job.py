@@ -17,9 +17,8 @@ from ..errors import ConfigError
 from ..node import safefiles
 from ..run.report import format_dry_run
 from ..run.supervisor import dry_run_plan, run_job
-from ..spec.hosts import read_hosts
 from ..spec.job import JobSpec, parse_memory_mb
-from .common import configure_logging, parse_env_item, parse_port_range_option
+from .common import configure_logging, parse_env_item, parse_port_range_option, read_hosts_option
 
 log = logging.getLogger("launcher")
 
@@ -43,7 +42,7 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
     tracker = kw.get("tracker")
     s = kw["num_servers"] if kw.get("num_servers") is not None else (n if tracker in (None, "ps") else 0)
     hostfile = kw.get("hostfile")
-    hosts = read_hosts(hostfile) if hostfile else ()
+    hosts = read_hosts_option(hostfile) if hostfile else ()
     launcher = kw.get("launcher") or ("ssh" if hostfile else "local")
     backend = backends.get(launcher)
     env = tuple(parse_env_item(e, "--env", environ, True) for e in kw.get("env") or ())

@@ -16,9 +16,11 @@ import click
 import pscontract as pc
 
 from .. import __version__, backends, logs
+from ..errors import ConfigError
 from ..spec.job import SCHEDULERS
-from .clickutil import BOUNDED_INT, DURATION, FINITE_FLOAT, add_backend_options
+from .clickutil import BOUNDED_INT, DURATION, FINITE_FLOAT, JobCommand, add_backend_options, options_given, takes_value
 from .config import load_config
+from .hints import python_file_hint
 from .job import run as run_job
 
 HELP = """Start one scheduler, S servers and N workers, each running COMMAND.
@@ -53,8 +55,10 @@ Exit code: the first failing process's code (128+N if killed by signal N),
 126 if it is not executable, 124 after --timeout, 130 on Ctrl-C.
 Hosts: -H FILE (lines: host, host:port, user@host:port, [ipv6]:port,
 host slots=N) or inline: -H h1,h2:2222,alice@h3.
-Before a multi-host job: pslaunch doctor -H hosts COMMAND (ssh, python3,
-the command's program, interface, ports, reachability).
+Before a multi-host job: pslaunch doctor, then the job's own options and
+command (ssh, python3, the command's program, interface, ports, reachability).
+From torchrun: pslaunch -n 4 --tracker torch python ddp.py (-n counts every
+process of the job; docs/usage.md lists torchrun's and mpirun's flags).
 """
 
 
@@ -72,7 +76,7 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
 
 
 @click.command(
-    name="pslaunch", help=HELP,
+    name="pslaunch", help=HELP, cls=JobCommand,
     context_settings=dict(allow_interspersed_args=False, help_option_names=["-h", "--help"],
                           max_content_width=100),
 )
@@ -174,6 +178,11 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
 @click.version_option(__version__, "--version", prog_name="pslaunch")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run_command(**kw: Any) -> None:
+    command = [str(a) for a in kw.get("command") or ()]
+    command = command[1:] if command[:1] == ["--"] else command
+    hint = python_file_hint(command, options_given(click.get_current_context(), command), os.environ, os.getcwd())
+    if hint:  # (before anything starts: torchrun runs a script with python, pslaunch as it is given)
+        raise ConfigError(hint)
     sys.exit(run_job(kw, dict(os.environ)))
 
 
@@ -199,21 +208,17 @@ def command_for(args: Sequence[str]) -> click.Command:
     (a backend's option, a typo for click to explain, ``--config``, ``--help``) takes the full
     command: the outcome of parsing never depends on this shortcut, only its cost does.
     """
-    takes_value: dict[str, bool] = {}
-    for p in run_command.params[:_CORE_PARAMS]:
-        if isinstance(p, click.Option) and p.name not in ("config", "help"):
-            for name in (*p.opts, *p.secondary_opts):
-                takes_value[name] = not (p.is_flag or p.count)
+    arity = takes_value(p for p in run_command.params[:_CORE_PARAMS] if p.name not in ("config", "help"))
     i = 0
     while i < len(args):
         arg = args[i]
         if arg == "--" or not arg.startswith("-") or arg == "-":
             return run_command
         name = arg.partition("=")[0] if arg.startswith("--") else arg[:2]
-        if name not in takes_value:
+        if name not in arity:
             return with_backend_options()
         attached = ("=" in arg) if arg.startswith("--") else len(arg) > 2
-        if attached and not takes_value[name]:
+        if attached and not arity[name]:
             return with_backend_options()  # (combined short flags: click's to read)
-        i += 2 if takes_value[name] and not attached else 1
+        i += 2 if arity[name] and not attached else 1
     return run_command

@@ -329,7 +329,7 @@ def test_a_local_job_imports_no_other_backend() -> None:
 def test_a_backend_option_after_the_shortcut_is_still_an_option_not_a_command() -> None:
     # the same process first parses a core-only job, then one with a backend option
     assert cli.main(["-n", "1", "-s", "0", "--dry-run", "true"]) == 0
-    assert cli.main(["-n", "1", "-s", "0", "--launcher", "ssh", "-H", "h1", "--ssh-user", "alice",
+    assert cli.main(["-n", "1", "-s", "0", "--launcher", "ssh", "-H", "h1,h2", "--ssh-user", "alice",
                      "--accept-new-host-keys", "--dry-run", "true"]) == 0
 
 

@@ -179,7 +179,7 @@ def test_dry_run_without_paramiko_says_the_config_was_not_applied(tmp_path) -> N
     import sys
 
     code = ("import sys; sys.modules['paramiko'] = None; from launcher.cli import main; "
-            "main(['-n', '1', '-s', '0', '-H', 'A', '--sync-dst-dir', '/tmp/j', '--dry-run', 'true'])")
+            "main(['-n', '1', '-s', '0', '-H', 'A,B', '--sync-dst-dir', '/tmp/j', '--dry-run', 'true'])")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "  note: ~/.ssh/config not applied (paramiko is not installed)" in r.stdout
