@@ -4,7 +4,8 @@
 The doctor sends this in the node bundle, through the same bootstrap as the ssh backend's wrapper
 (:mod:`.protocol`, transport a): after the bundle, the launcher writes one :func:`.protocol.blob`
 of JSON arguments ``{"cwd", "env", "iface", "peer", "root", "root_port", "timeout", "command",
-"python", "imports"}``, and the probe prints ``PSLAUNCH-DOCTOR <JSON>`` (``launcher.run.doctor``
+"python", "imports", "synced"}`` (``synced``: the command's files that ``--sync-dst-dir`` sends, which
+count as there), and the probe prints ``PSLAUNCH-DOCTOR <JSON>`` (``launcher.run.doctor``
 reads it): the host's ``python3`` and its version, the working directory, the command's program
 (found by the job's own rule, :func:`.procgroup.resolve_program`), the Python that runs it and
 what it imports, the address on ``DMLC_INTERFACE`` (:mod:`pscontract.netif`), a port bound there,
@@ -43,6 +44,7 @@ class Probe(object):
         cwd = os.path.expanduser(args["cwd"])  # a relative one is below the login's home
         self.cwd = cwd if os.path.isabs(cwd) else os.path.join(os.path.expanduser("~"), cwd)
         self.path = self.env.get("PATH", os.defpath)
+        self.synced = args.get("synced") or {}  # the command's files --sync-dst-dir sends: there already
 
     def run(self, argv, timeout=60):
         """``(exit code, stdout, the last line of stderr)`` of ``argv`` in the job's environment."""
@@ -55,20 +57,27 @@ class Probe(object):
         return p.returncode, p.stdout.decode("utf-8", "replace").strip(), _last(p.stderr)
 
     def locate(self, name):
-        """``(path, found in the directory rather than on PATH)`` of a program, by the job's rule."""
+        """``(path, found in the directory rather than on PATH)`` of a program, by the job's rule
+        (a file that ``--sync-dst-dir`` sends is in the directory already)."""
         if "/" in name:
             return (name if os.path.isabs(name) else os.path.join(self.cwd, name)), False
         if resolve_program(name, self.env, self.cwd) == "./" + name:
             return os.path.join(self.cwd, name), True
-        return shutil.which(name, path=self.path), False
+        found = shutil.which(name, path=self.path)
+        sent = self.synced.get(name)
+        if found is None and sent is not None and sent["executable"]:
+            return os.path.join(self.cwd, name), True
+        return found, False
 
-    def interpreter(self, path):
-        """The Python a script's ``#!`` line names (``#!/usr/bin/env python3``, ``#!/opt/venv/bin/python -u``)."""
-        try:
-            with open(path, "rb") as f:
-                first = f.readline(512).decode("utf-8", "replace")
-        except OSError:
-            return None
+    def interpreter(self, path, first=None):
+        """The Python a script's ``#!`` line names (``#!/usr/bin/env python3``, ``#!/opt/venv/bin/python -u``);
+        ``first``: that line, when it is known (a file the sync sends)."""
+        if first is None:
+            try:
+                with open(path, "rb") as f:
+                    first = f.readline(512).decode("utf-8", "replace")
+            except OSError:
+                return None
         if not first.startswith("#!"):
             return None
         words = first[2:].split()
@@ -83,10 +92,18 @@ class Probe(object):
         prog = {"name": command[0]}
         path, local = self.locate(command[0])
         prog["path"], prog["local"] = path, local
-        if path is None or not os.path.exists(path):
+        sent = self.synced.get(command[0])
+        if sent is not None:  # the sync puts this directory's copy there, mode and all
+            prog["synced"] = True
+            if not sent["executable"]:
+                prog["error"], prog["code"] = "not executable", 126
+                return prog, None
+            if not _PY.match(os.path.basename(command[0])):
+                return prog, self.interpreter(path, sent["head"])
+        elif path is None or not os.path.exists(path):
             prog["error"], prog["code"] = "not found", 127
             return prog, None
-        if os.path.isdir(path) or not os.access(path, os.X_OK):
+        elif os.path.isdir(path) or not os.access(path, os.X_OK):
             prog["error"], prog["code"] = "not executable", 126
             return prog, None
         if not _PY.match(os.path.basename(path)):
@@ -101,6 +118,8 @@ class Probe(object):
         elif args and not args[0].startswith("-"):
             script = args[0] if os.path.isabs(args[0]) else os.path.join(self.cwd, args[0])
             prog["script"] = {"name": args[0], "ok": os.path.isfile(script)}
+            if not prog["script"]["ok"] and args[0] in self.synced:
+                prog["script"].update(ok=True, synced=True)
         return prog, path
 
     def checks(self):

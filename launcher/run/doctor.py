@@ -32,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from ..node.protocol import blob
 from ..runtime import ports
 from ..spec import env as jobenv
 from ..spec.job import Host, JobSpec
+from ..transport import sync as treesend
 from ..transport.ssh import (
     HostSession,
     SSHOptions,
@@ -92,12 +94,47 @@ class Checks:
     sync: bool = False               # --sync-dst-dir given: a missing cwd is created by the sync
     iface: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    #: the command's words that name a file --sync-dst-dir sends: {"executable", "head"} (its first line)
+    synced: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def args(self, peer: str, root: tuple[str, int], timeout: float) -> dict[str, Any]:
         """The arguments of the checks on a host (pure; ``launcher.node.probe``)."""
         return {"cwd": self.cwd, "env": self.env, "iface": self.iface, "peer": peer, "root": root[0],
                 "root_port": root[1], "timeout": timeout, "command": list(self.command),
-                "python": self.python, "imports": list(self.imports)}
+                "python": self.python, "imports": list(self.imports), "synced": self.synced}
+
+
+#: how many of the command's words are looked for in the synced tree
+SYNCED_WORDS = 64
+
+
+def synced_files(command: Sequence[str], src: str, dst: str, opts: SSHOptions) -> dict[str, dict[str, Any]]:
+    """The command's words that name a file ``--sync-dst-dir`` sends from ``src`` (a path relative
+    to the job's directory, or an absolute one below ``dst``): whether it is executable and its
+    first line (a ``#!`` names its Python), so that a host counts it as there before the first
+    sync, and checks the Python it names."""
+    found: dict[str, str] = {}
+    prefix = dst.rstrip("/") + "/"
+    for word in command[:SYNCED_WORDS]:
+        if not word or word.startswith("-"):
+            continue
+        rel = word[len(prefix):] if word.startswith(prefix) else word
+        if not os.path.isabs(rel) and os.path.isfile(os.path.join(src, rel)):
+            found[word] = rel
+    if not found:
+        return {}
+    ignored = () if opts.sync_no_gitignore else (treesend.git_ignored(src)[0] or ())
+    out: dict[str, dict[str, Any]] = {}
+    for word, rel in found.items():
+        if treesend.sends(src, rel, opts.sync_exclude, ignored):
+            path = os.path.join(src, rel)
+            try:
+                with open(path, "rb") as f:
+                    head = f.readline(512).decode("utf-8", "replace")
+            except OSError:
+                continue
+            out[word] = {"executable": os.access(path, os.X_OK), "head": head}
+    return out
 
 
 def probe_input(args: dict[str, Any], bundle: Optional[bytes] = None) -> bytes:
@@ -216,12 +253,16 @@ def _fill_program(row: Row, res: dict, checks: Checks) -> None:
             row.fail("program", f"{name} {prog['error']}", f"{name}: {why}")
             return
         parts.append(name)
+        if prog.get("synced"):
+            row.note(f"{name} is sent by --sync-dst-dir: checked as this directory's copy")
         if prog.get("local"):
             row.note(f"{name} is not on PATH; it runs as ./{name} from the working directory")
         script = prog.get("script")
         if script is not None and not script["ok"]:
             row.fail("program", f"{script['name']} missing", f"{script['name']}: no such file in {res['cwd']['path']}")
             return
+        if script is not None and script.get("synced"):
+            row.note(f"{script['name']} is not in {res['cwd']['path']} yet; --sync-dst-dir sends it")
         module = prog.get("module")
         if module is not None and not module["ok"]:
             row.fail("program", f"-m {module['name']}", f"{prog['path']} -m {module['name']}: no such module there"
@@ -290,8 +331,10 @@ class _Listener:
 
 def run_doctor(hosts: Sequence[Host], opts: SSHOptions, *, cwd: str, env: dict[str, str], environ: dict[str, str],
                host_ip: Optional[str], port_range: tuple[int, int], command: Sequence[str] = (),
-               python: Optional[str] = None, imports: Sequence[str] = (), sync: bool = False) -> tuple[int, str]:
-    """All checks on all hosts; returns (exit code, report)."""
+               python: Optional[str] = None, imports: Sequence[str] = (),
+               sync_src: Optional[str] = None) -> tuple[int, str]:
+    """All checks on all hosts; returns (exit code, report). ``sync_src``: the directory that
+    ``--sync-dst-dir`` (``cwd``) sends, when it is given."""
     require_paramiko()
     spec = JobSpec(command=tuple(command) or ("doctor",), num_workers=1, num_servers=0, launcher="ssh",
                    hosts=tuple(hosts), env=tuple(env.items()), environ=tuple(sorted(environ.items())),
@@ -300,8 +343,10 @@ def run_doctor(hosts: Sequence[Host], opts: SSHOptions, *, cwd: str, env: dict[s
         root = addresses.scheduler_address(spec, {}, backends.get("ssh"))
     except ConfigError as e:
         raise ConfigError(f"the launching host: {e}") from None
-    checks = Checks(cwd=cwd, command=tuple(command), python=python, imports=tuple(imports), sync=sync,
-                    iface=spec.interface, env={**jobenv.forwarded(environ), **env})
+    synced = synced_files(command, sync_src, cwd, opts) if sync_src is not None else {}
+    checks = Checks(cwd=cwd, command=tuple(command), python=python, imports=tuple(imports),
+                    sync=sync_src is not None, iface=spec.interface, env={**jobenv.forwarded(environ), **env},
+                    synced=synced)
     info = []
     if not command and not python:
         info.append("no command given: its program and Python were not checked (pslaunch doctor -H HOSTS "

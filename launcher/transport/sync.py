@@ -192,6 +192,24 @@ def plan_sync(src: str, excludes: Sequence[str], gitignore: bool = True) -> Sync
                     files=files, bytes=total, top=top)
 
 
+def sends(src: str, rel: str, excludes: Sequence[str], ignored: Iterable[str] = ()) -> bool:
+    """Whether the sync of ``src`` sends the file ``rel`` (a ``/``-separated path below it), by
+    :func:`plan_sync`'s rules but without walking the tree: a regular file (or a link), in no
+    excluded, git-ignored (``ignored``: :func:`git_ignored`'s paths), linked or virtual-environment
+    directory, and not excluded itself."""
+    parts = [p for p in rel.split("/") if p not in ("", ".")]
+    if not parts or ".." in parts or not os.path.isfile(os.path.join(src, *parts)):
+        return False
+    skip = {p.rstrip("/") for p in ignored}
+    for i in range(1, len(parts)):
+        below = "/".join(parts[:i])
+        path = os.path.join(src, *parts[:i])
+        if below in skip or is_excluded(below, True, excludes) or os.path.islink(path) or is_venv(path):
+            return False
+    whole = "/".join(parts)
+    return whole not in skip and not is_excluded(whole, False, excludes)
+
+
 def size_text(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":

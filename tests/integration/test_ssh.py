@@ -868,6 +868,35 @@ def test_doctor_passes_the_hosts_a_job_just_ran_on(testbed: Testbed, tmp_path: P
     assert d.returncode == 1 and "FAIL no-such-program-xyz not found" in d.stdout, d.stdout
 
 
+@pytest.mark.timeout(180)
+def test_doctor_counts_what_the_sync_sends_as_there(testbed: Testbed, tmp_path: Path) -> None:
+    """Before the first --sync-dst-dir the hosts have neither the job's directory nor its files:
+    a script and a program that the sync sends count as there, so hosts that are fine are ready
+    (the doctor given the job's whole command line); what the sync leaves out still fails, as the
+    job would."""
+    src = tmp_path / "job"
+    (src / "bin").mkdir(parents=True)
+    shutil.copy(REPO / "tests" / "bin" / "probe.py", src / "probe.py")
+    (src / "bin" / "run.sh").write_text('#!/bin/sh\nexec python3 probe.py "$@"\n')
+    (src / "bin" / "run.sh").chmod(0o755)
+    dst = f"{testbed.sync_root}/doctor-sync-{uuid.uuid4().hex[:6]}"
+    hosts = ",".join(h.addr_a for h in testbed.hosts[:2])
+    job = ("-n", "2", "-s", "0", "--tracker", "torch", "--kill-grace", "1", "-H", hosts, "--sync-dst-dir", dst,
+           "--env", f"DMLC_INTERFACE={testbed.subnet_b}")
+    for command, cell in ((("python3", "probe.py", "--out", "x"), "ok python3 python 3."),
+                          (("./bin/run.sh", "--out", "x"), "ok ./bin/run.sh")):
+        d = run_pslaunch("doctor", *job, *command, env=testbed.env(), cwd=src, timeout=90)
+        assert d.returncode == 0, d.stdout + d.stderr
+        assert "2 of 2 hosts ready" in d.stdout and "FAIL" not in d.stdout, d.stdout
+        assert d.stdout.count(cell) == 2 and d.stdout.count("ok (synced)") == 2, d.stdout
+        print(f"$ pslaunch doctor {' '.join(job + command)}\n{d.stdout}")
+    for h in testbed.hosts[:2]:  # (the doctor sent nothing)
+        assert testbed.run(h, ["test", "-e", dst]).returncode != 0
+    d = run_pslaunch("doctor", *job, "--sync-exclude", "bin", "./bin/run.sh", env=testbed.env(), cwd=src, timeout=90)
+    assert d.returncode == 1 and "0 of 2 hosts ready" in d.stdout, d.stdout + d.stderr
+    assert d.stdout.count("FAIL ./bin/run.sh not found") == 2, d.stdout
+
+
 @pytest.mark.timeout(120)
 def test_doctor_reports_every_problem_and_fails(testbed: Testbed, tmp_path: Path) -> None:
     dead = f"10.200.{testbed.number}.97"

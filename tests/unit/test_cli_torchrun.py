@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +79,11 @@ def test_the_same_flags_after_the_command_are_the_commands(capsys, monkeypatch) 
                                            "with -H the hosts share them)"), err
 
 
+def test_doctor_answers_them_too(capsys) -> None:
+    code, err = run_err(["doctor", "-H", "h1,h2", "--nproc-per-node", "2", "python", "x.py"], capsys)
+    assert code == 2 and one_line(err).startswith("--nproc-per-node 2: pslaunch spells this -n 2"), err
+
+
 # --- a Python file as the command ----------------------------------------------------------------------
 
 
@@ -146,6 +152,8 @@ def test_h_that_is_neither_a_file_nor_a_host_is_a_usage_error(tmp_path: Path, ca
               "names (-H h1,h2)")
     code, err = run_err(["-n", "1", "-s", "0", "-H", "nosuchfile", "--dry-run", "true"], capsys)
     assert code == 2 and one_line(err) == expect, err
+    code, err = run_err(["doctor", "-H", "nosuchfile", "true"], capsys)
+    assert code == 2 and one_line(err) == expect, err
     # a name that resolves, an address, several names, a port: hosts, as before
     for value in ("localhost", "127.0.0.1", "nosuchfile,other", "nosuchfile:2222"):
         assert cli.main(["-n", "1", "-s", "0", "-H", value, "--dry-run", "true"]) == 0, value
@@ -154,3 +162,49 @@ def test_h_that_is_neither_a_file_nor_a_host_is_a_usage_error(tmp_path: Path, ca
     (tmp_path / ".ssh" / "config").write_text("Host nosuchfile\n  HostName 127.0.0.1\n")
     assert cli.main(["-n", "1", "-s", "0", "-H", "nosuchfile", "--dry-run", "true"]) == 0
     capsys.readouterr()
+
+
+# --- doctor takes the job's command line ------------------------------------------------------------------
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_doctor_takes_the_jobs_own_command_line(tmp_path: Path) -> None:
+    """The job's options, those doctor does not check included, are accepted: the checks run (and
+    fail here: no sshd on that port) instead of a usage error."""
+    r = pslaunch("doctor", "-n", "2", "-s", "1", "-H", "127.0.0.1", "--tracker", "torch", "--kill-grace", "1",
+                 "--max-restarts", "2", "--log-dir", "logs", "--ssh-port", str(closed_port()),
+                 "--ssh-connect-timeout", "2", "python3", "x.py", cwd=tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "0 of 1 host ready" in r.stdout and "127.0.0.1: ssh: " in r.stdout, r.stdout
+    assert not (tmp_path / "logs").exists()  # (accepted, not acted on)
+
+
+def test_doctor_help_lists_the_launcher_and_the_backend_options(capsys) -> None:
+    assert cli.main(["doctor", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for option in ("--launcher", "--queue", "--ssh-user", "--sync-exclude", "-n, --num-workers", "--tracker",
+                   "--check-import", "--launcher slurm"):
+        assert option in out, option
+
+
+def test_doctor_without_hosts_or_a_batch_system_is_a_usage_error(capsys) -> None:
+    code, err = run_err(["doctor", "-n", "2", "python", "x.py"], capsys)
+    assert code == 2 and "give the job's hosts: -H FILE or -H h1,h2 (or --launcher slurm" in one_line(err), err
+
+
+def test_doctor_launcher_slurm_takes_the_jobs_options_too(tmp_path: Path) -> None:
+    """``--launcher slurm`` runs the batch system's checks (here: no Slurm commands on PATH), with
+    the job's other options and command accepted; a --launcher in the command is the command's."""
+    env = {**os.environ, "PATH": str(tmp_path)}
+    r = pslaunch("doctor", "-n", "2", "--launcher", "slurm", "--queue", "q", "--tracker", "torch", "python", "x.py",
+                 cwd=tmp_path, env=env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "commands: srun" in r.stdout and "not found on PATH" in r.stdout, r.stdout
+    r = pslaunch("doctor", "-H", "127.0.0.1", "--ssh-port", str(closed_port()), "--ssh-connect-timeout", "2",
+                 "prog", "--launcher", "slurm", cwd=tmp_path)
+    assert r.returncode == 1 and "0 of 1 host ready" in r.stdout, r.stdout + r.stderr

@@ -13,15 +13,16 @@ from pathlib import Path
 import pytest
 
 from launcher.backends.ssh import bootstrap_command
-from launcher.run.doctor import WRAPPER_PYTHON, Checks, Row, fill, format_table, probe_input
+from launcher.run.doctor import WRAPPER_PYTHON, Checks, Row, fill, format_table, probe_input, synced_files
 from launcher.spec.job import Host
+from launcher.transport.options import SSHOptions
 
 
 def _run_checks(tmp_path: Path, cwd: str, command: tuple[str, ...] = (), python: str | None = None,
-                imports: tuple[str, ...] = (), env: dict | None = None) -> dict:
+                imports: tuple[str, ...] = (), env: dict | None = None, synced: dict | None = None) -> dict:
     home = tmp_path / "home"
     (home / "job").mkdir(parents=True, exist_ok=True)
-    checks = Checks(cwd=cwd, command=command, python=python, imports=imports, env=env or {})
+    checks = Checks(cwd=cwd, command=command, python=python, imports=imports, env=env or {}, synced=synced or {})
     path = f"{Path(sys.executable).parent}:/usr/bin:/bin"
     with socket.create_server(("127.0.0.1", 0)) as scheduler:  # what "reach" connects to
         args = checks.args("127.0.0.1", ("127.0.0.1", scheduler.getsockname()[1]), 5.0)
@@ -130,12 +131,51 @@ def test_the_table_shows_imports_only_when_checked(tmp_path, with_imports: bool)
     assert "information:\n  no command given: ..." in text
 
 
-def test_launcher_is_taken_from_the_options_not_from_the_command() -> None:
-    from launcher.cli.doctor import _launcher_of
+def test_a_program_the_sync_sends_counts_as_there(tmp_path) -> None:
+    """Before the first --sync-dst-dir, the job's directory on a host is missing or old: a script
+    or program this directory sends counts as there (a Python one's #! line still names the
+    Python that is checked there), and what the sync leaves out (an exclude, .gitignore, a
+    virtual environment) still fails, as the job would."""
+    src = tmp_path / "src"
+    (src / "tools").mkdir(parents=True)
+    (src / "data").mkdir()
+    (src / "venv").mkdir()
+    (src / "venv" / "pyvenv.cfg").write_text("")
+    (src / "train.py").write_text("print(1)\n")
+    (src / "tools" / "run.sh").write_text(f"#!/usr/bin/env {os.path.basename(sys.executable)}\nprint(1)\n")
+    (src / "tools" / "run.sh").chmod(0o755)
+    (src / "tools" / "plain").write_text("echo 1\n")  # not executable
+    (src / "data" / "gen.py").write_text("")
+    (src / "venv" / "x.py").write_text("")
+    opts = SSHOptions(sync_exclude=SSHOptions.sync_exclude + ("data",))
+    dst = "~/job"
+    command = (os.path.basename(sys.executable), "train.py", "tools/run.sh", "data/gen.py", "venv/x.py", "-x",
+               "tools/plain", "~/job/train.py", "nosuch.py")
+    synced = synced_files(command, str(src), dst, opts)
+    assert sorted(synced) == ["tools/plain", "tools/run.sh", "train.py", "~/job/train.py"]
+    assert synced["tools/run.sh"]["executable"] and not synced["tools/plain"]["executable"]
+    here = ".".join(map(str, sys.version_info[:3]))
+    py = os.path.basename(sys.executable)
 
-    assert _launcher_of(["--launcher", "slurm", "--queue", "q"]) == ("slurm", ["--queue", "q"])
-    assert _launcher_of(["--env", "A=1", "--launcher=slurm"]) == ("slurm", ["--env", "A=1"])
-    # the job's own --launcher option stays in its command
-    args = ["-H", "h1,h2", "--check-import", "trainer", "python", "x.py", "--launcher", "slurm"]
-    assert _launcher_of(args) == (None, args)
-    assert _launcher_of(["-H", "h", "--", "prog", "--launcher", "x"])[0] is None
+    def row_for(*cmd: str) -> Row:
+        checks = Checks(cwd=dst, command=cmd, sync=True, synced=synced_files(cmd, str(src), dst, opts))
+        res = _run_checks(tmp_path, "~/missing", cmd, synced=checks.synced)  # (the directory is not there yet)
+        return _row(res, checks)
+
+    row = row_for(py, "train.py", "--lr", "1")
+    assert row.ok, row.problems
+    assert row.cells["program"] == f"ok {py} python {here}"
+    assert any("train.py is not in" in n and "--sync-dst-dir sends it" in n for n in row.info), row.info
+    row = row_for("./tools/run.sh")
+    assert row.ok and row.cells["program"] == f"ok ./tools/run.sh python {here}", row.problems
+    row = row_for("tools/plain")
+    assert row.cells["program"] == "FAIL tools/plain not executable"
+    row = row_for(py, "data/gen.py")  # excluded: the job would not find it either
+    assert row.cells["program"] == "FAIL data/gen.py missing"
+    row = row_for(py, "venv/x.py")
+    assert row.cells["program"] == "FAIL venv/x.py missing"
+    # git's ignores are the sync's too
+    subprocess.run(["git", "init", "-q", str(src)], check=True)
+    (src / ".gitignore").write_text("train.py\n")
+    assert "train.py" not in synced_files((py, "train.py"), str(src), dst, opts)
+    assert "train.py" in synced_files((py, "train.py"), str(src), dst, SSHOptions(sync_no_gitignore=True))

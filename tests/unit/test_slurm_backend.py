@@ -345,12 +345,16 @@ def test_doctor_without_slurm_commands(tmp_path) -> None:
     assert r.stdout.rstrip().endswith("module") and "controller" not in r.stdout
 
 
-def test_doctor_options_and_the_hostfile_doctor_stay_apart() -> None:
-    from launcher.cli.doctor import _launcher_of
+def test_doctor_options_and_the_hostfile_doctor_stay_apart(tmp_path, monkeypatch, capsys) -> None:
+    """``--launcher slurm`` among the doctor's options runs Slurm's checks (here: no Slurm command on
+    PATH), the job's other options accepted; a ``--launcher`` after the command is the command's."""
+    from launcher import cli
 
-    assert _launcher_of(["--launcher", "slurm", "--queue", "q"]) == ("slurm", ["--queue", "q"])
-    assert _launcher_of(["--launcher=ssh", "-H", "h"]) == ("ssh", ["-H", "h"])
-    assert _launcher_of(["-H", "h"]) == (None, ["-H", "h"])
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert cli.main(["doctor", "-n", "2", "--launcher=slurm", "--queue", "q", "-H", "h1,h2", "python", "x.py"]) == 1
+    assert "commands: srun" in capsys.readouterr().out
+    assert cli.main(["doctor", "prog", "--launcher", "slurm"]) == 2
+    assert "give the job's hosts: -H FILE" in capsys.readouterr().err
 
 
 def test_the_task_document_carries_local_procs() -> None:
