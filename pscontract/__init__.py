@@ -85,6 +85,9 @@ PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
 PYTHONFAULTHANDLER = "PYTHONFAULTHANDLER"
 SUBMIT_CLUSTER = "DMLC_SUBMIT_CLUSTER"
 PATH = "PATH"
+#: the GPUs a process sees; set per worker with ``--gpus-per-process`` or a hostfile's ``gpus=``
+#: (:func:`gpu_slices`), else forwarded from the launcher's environment
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 # --- the collective trackers (--tracker rabit, xgboost, torch) ---------------
 #: ``--tracker`` values: the ps-lite scheduler (``ps``), dmlc's rabit tracker as XGBoost up to 2.0
@@ -295,6 +298,31 @@ def host_ranks(hosts: Sequence[str]) -> list[HostRank]:
             out[i] = HostRank(rank, local, len(members), group, len(groups))
             rank += 1
     return [r for r in out if r is not None]
+
+
+def gpu_slices(count: int, per_process: int | None, gpus: Sequence[int] | None = None) -> list[str]:
+    """``CUDA_VISIBLE_DEVICES`` of the ``count`` workers of one host, in local-rank order: disjoint
+    consecutive slices of ``per_process`` GPUs from ``gpus`` (the host's, as its hostfile line names
+    them; None: not known, the indices count up from 0). Without ``per_process`` every worker
+    sees all of ``gpus``.
+
+    >>> gpu_slices(2, 2), gpu_slices(2, 1, [0, 2]), gpu_slices(2, None, [5, 7])
+    (['0,1', '2,3'], ['0', '2'], ['5,7', '5,7'])
+
+    Raises:
+        ValueError: ``gpus`` has fewer than ``count * per_process`` GPUs (the message says so).
+    """
+    if per_process is None:
+        assert gpus is not None
+        return [",".join(map(str, gpus))] * count
+    need = count * per_process
+    if gpus is None:
+        gpus = range(need)
+    elif len(gpus) < need:
+        workers, each = f"worker{'s' if count != 1 else ''}", f"GPU{'s' if per_process != 1 else ''}"
+        raise ValueError(f"{count} {workers} x {per_process} {each} need {need} GPUs; gpus= names {len(gpus)} "
+                         f"({','.join(map(str, gpus))})")
+    return [",".join(map(str, gpus[i * per_process:(i + 1) * per_process])) for i in range(count)]
 
 
 def torch_placement(place: HostRank, local_procs: bool = True) -> dict[str, str]:

@@ -18,6 +18,8 @@ from ..node import safefiles
 from ..run.report import format_dry_run
 from ..run.supervisor import dry_run_plan, run_job
 from ..spec.job import JobSpec, parse_memory_mb
+from ..spec.only import parse_only
+from ..spec.plan import worker_gpus
 from .common import configure_logging, parse_env_item, parse_port_range_option, read_hosts_option
 
 log = logging.getLogger("launcher")
@@ -70,9 +72,11 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
         options=backend.make_options(kw), tracker=tracker, tracker_python=kw.get("tracker_python"),
         scheduler=kw.get("scheduler") or "command", max_restarts=kw.get("max_restarts") or 0,
         restart_delay=1.0 if kw.get("restart_delay") is None else kw["restart_delay"],
-        restart_window=kw.get("restart_window"),
+        restart_window=kw.get("restart_window"), only=parse_only(kw.get("only") or ()),
+        gpus_per_process=kw.get("gpus_per_process"),
     )
     backend.check_spec(spec)
+    worker_gpus(spec)  # (a host with too few GPUs for its workers: one line now, not at the start)
     return spec
 
 

@@ -54,7 +54,7 @@ Exit code: the first failing process's code (128+N if killed by signal N),
 0 if all succeed, 2 for a usage error, 127 if the program is not found,
 126 if it is not executable, 124 after --timeout, 130 on Ctrl-C.
 Hosts: -H FILE (lines: host, host:port, user@host:port, [ipv6]:port,
-host slots=N) or inline: -H h1,h2:2222,alice@h3.
+host slots=N, host gpus=0,2) or inline: -H h1,h2:2222,alice@h3.
 Before a multi-host job: pslaunch doctor, then the job's own options and
 command (ssh, python3, the command's program, interface, ports, reachability).
 From torchrun: pslaunch -n 4 --tracker torch python ddp.py (-n counts every
@@ -104,8 +104,8 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
                    "ps-lite programs over the zmq van: it listens at once and spares the job one start "
                    "of COMMAND, about 1.5 s of CPU for MXNet; not for BytePS, DMLC_LOCAL or our trainer).")
 @click.option("-H", "--hostfile", "--host-file", "hostfile", type=str, default=None, metavar="FILE|HOSTS",
-              help="Hostfile: one host per line (host, host:port, user@host:port, host slots=N); - reads "
-                   "standard input. Or the hosts inline, comma-separated: -H h1,h2:2222,alice@h3 "
+              help="Hostfile: one host per line (host, host:port, user@host:port, host slots=N, host "
+                   "gpus=0,2); - reads standard input. Or the hosts inline, comma-separated: -H h1,h2:2222,alice@h3 "
                    "(':N' is a port; slots: -H 'h1 slots=2,h2'). A name that is an existing file is a file.")
 @click.option("--launcher", "--cluster", "launcher", type=click.Choice(backends.available()), default=None,
               envvar=pc.SUBMIT_CLUSTER, show_envvar=True,
@@ -146,10 +146,21 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
 @click.option("--restart-window", type=DURATION, default=None, metavar="DURATION",
               help="An attempt that runs this long (e.g. 1h) without failing gives the restart budget "
                    "back, and the delay starts again from --restart-delay.")
+@click.option("--gpus-per-process", type=BOUNDED_INT, default=None, metavar="N",
+              help="Give each worker N GPUs of its host as CUDA_VISIBLE_DEVICES: a host's workers get "
+                   "disjoint consecutive slices in local-rank order (0..N-1, N..2N-1, ...), taken from the "
+                   "host's gpus= in the hostfile when it names them (-H 'h1 gpus=0,2'). Servers and the "
+                   "scheduler get none. local and ssh launchers; not with --env CUDA_VISIBLE_DEVICES.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (hosts, roles, command, environment "
               "with secrets redacted) and exit without starting anything.")
 @click.option("--log-dir", default=None, metavar="DIR",
               help="Also write each process's output to DIR/<role>-<rank>.log.")
+@click.option("--only", "only", multiple=True, metavar="SELECTOR",
+              help="Show only these processes' lines on the console: scheduler, server, worker, server:R, "
+                   "worker:R, worker:A-B or rank:R (a worker's rank, as in a collective job), comma-separated "
+                   "or repeated (--only worker:0-3,server). The --log-dir files still get every line, a failing "
+                   "process's last lines are still in the failure report, and pslaunch's own lines (its "
+                   "tracker's too) are always shown.")
 @click.option("--log-raw", is_flag=True, help="Write the processes' output to --log-dir as they wrote it, "
               "terminal escapes and all. Without it the log files get what the console shows: control "
               "characters made visible, as cat -v does (ESC as ^[), so that no program's output sets "

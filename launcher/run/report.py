@@ -289,8 +289,17 @@ def format_dry_run(spec: JobSpec, plan: Plan, extra: Sequence[str] = (), inherit
         inline = bool(spec.hosts[0].origin.startswith("-H item"))
         source = "the -H list" if inline else f"hostfile {spec.hostfile}"
         out.append(f"hosts ({len(spec.hosts)}, from {source}): " +
-                   ", ".join(h.display + (f" slots={h.slots}" if h.slots else "") for h in spec.hosts[:20]) +
+                   ", ".join(h.display + (f" slots={h.slots}" if h.slots else "") +
+                             (f" gpus={','.join(map(str, h.gpus))}" if h.gpus is not None else "")
+                             for h in spec.hosts[:20]) +
                    (f" and {len(spec.hosts) - 20:,} more" if len(spec.hosts) > 20 else ""))
+    if spec.gpus_chosen:
+        per = f"{spec.gpus_per_process} GPU(s) per worker (--gpus-per-process)" if spec.gpus_per_process else \
+            "every listed GPU to each worker of the host"
+        out.append(f"GPUs: {per}, from each host's gpus= where the hostfile names them, else counted from 0: "
+                   "each worker's CUDA_VISIBLE_DEVICES is below")
+    if spec.only:
+        out.append("console: only " + ", ".join(map(str, spec.only)) + " (--only; --log-dir files get every line)")
     out.append("")
     rows = [("ROLE", "RANK", "TASK_ID", "HOST", "DMLC_NODE_HOST")]
     for p in plan.all:

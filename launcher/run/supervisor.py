@@ -106,7 +106,7 @@ class Supervisor:
                  backend: Optional[type[Backend]] = None, clock: Any = time, watchdog: bool = True,
                  adopt_orphans: bool = False) -> None:
         self.spec = spec
-        self.console = console or Console(log_dir=spec.log_dir, log_raw=spec.log_raw)
+        self.console = console or Console(log_dir=spec.log_dir, log_raw=spec.log_raw, only=spec.only)
         self.backend_cls = backend or backends.get(spec.launcher)
         self.clock = clock
         self.handles: list[ProcessHandle] = []

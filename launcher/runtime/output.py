@@ -53,6 +53,7 @@ from .. import logs
 from ..errors import ConfigError
 from ..logs import RESET, printable, printable_colors
 from ..node import safefiles
+from ..spec.only import Selector, shows
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +106,15 @@ class Console:
     """The launcher's terminal: serialises whole lines from many threads."""
 
     def __init__(self, stdout: BinaryIO | None = None, stderr: BinaryIO | None = None,
-                 log_dir: str | None = None, color: bool | None = None, log_raw: bool = False) -> None:
+                 log_dir: str | None = None, color: bool | None = None, log_raw: bool = False,
+                 only: tuple[Selector, ...] = ()) -> None:
         self.stdout = stdout or sys.stdout.buffer
         self.stderr = stderr or sys.stderr.buffer
         self.log_dir = log_dir
         self.log_raw = log_raw  # the log files get the lines as written, control characters and all
+        #: ``--only``: whose lines the console shows (empty: everyone's); the log files, the tails
+        #: kept for the failure report and the observers get every line all the same
+        self.only = only
         #: applied to every line of every process before it is shown, logged or kept for the
         #: failure report (the job's secret values: see ``launcher.spec.env.Redactor``)
         self.redact: Callable[[str], str] | None = None
@@ -258,6 +263,7 @@ class Console:
         if self.color:
             prefix = f"\x1b[{_COLORS.get(role, '0')}m[{label}]\x1b[0m "
         out = ProcOutput(self, prefix.encode(), None)
+        out.shown = shows(self.only, name)
         if self._log_fd is not None:
             out.log_name = f"{name}.log"
             out.log = self._open_log(out.log_name)
@@ -295,6 +301,7 @@ class ProcOutput:
         #: ``(role, rank, reason)`` from the first ``pslaunch-cause:`` line the process wrote
         #: (:func:`pscontract.cause_line`): why it stopped the job, and who is at fault
         self.cause: Optional[tuple[Optional[str], Optional[int], str]] = None
+        self.shown = True  # its lines reach the console (--only may leave them to the log file alone)
         self.silenced = False  # its attempt lost the scheduler's port: nothing of it is shown (Console.discard)
         self._close_log_later = False  # closed while its lines were held: the log closes on release
         self._lock = threading.Lock()
@@ -343,8 +350,10 @@ class ProcOutput:
             self._deliver(shown, err, data, logged)
 
     def _deliver(self, line: str, err: bool, data: bytes, logged: bytes) -> None:
-        """Show and observe one line (``data``, the line as bytes), and log it (``logged``)."""
-        self.console.write(err, self.prefix + data + b"\n")
+        """Show (unless ``--only`` leaves it out) and observe one line (``data``, the line as
+        bytes), and log it (``logged``)."""
+        if self.shown:
+            self.console.write(err, self.prefix + data + b"\n")
         if self.observer is not None:
             self.observer(line)
         lost, failed = False, None

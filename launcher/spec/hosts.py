@@ -10,18 +10,21 @@ One host per line::
     [fe80::1]:2222             # IPv6 with a port (brackets required then)
     fe80::2                    # IPv6 without a port
     node5 slots=4              # MPI style: at most 4 of this job's processes here
+    node6 gpus=0,2             # the GPUs this host's workers may use (also gpus=0-3, gpus=0-1,4)
 
 A bad line raises :class:`ConfigError` as ``FILE:LINE: what is wrong``.
 
 ``-H`` also takes the hosts inline, comma-separated, in the same grammar
-(``-H h1,h2:2222,alice@h3``, ``-H 'h1 slots=2,h2'``): a value that names an
+(``-H h1,h2:2222,alice@h3``, ``-H 'h1 slots=2,h2'``; a bare number after ``gpus=`` continues
+its list: ``-H 'h1 gpus=0,2,h2'``): a value that names an
 existing file (or contains ``/``, or is ``-`` for stdin) is a hostfile, anything else
 a list (:func:`read_hosts`).
 
 Limits, so that a mistaken or hostile ``-H`` fails at once with one line: a hostfile
 is a regular file (or ``-``) of at most :data:`MAX_HOSTFILE_BYTES`, a line at most
 :data:`MAX_LINE` characters, a host name at most 253 (DNS's limit), ``slots=`` at
-most :data:`~launcher.spec.job.MAX_PROCESSES`.
+most :data:`~launcher.spec.job.MAX_PROCESSES`, ``gpus=`` at most :data:`MAX_GPUS` indices below
+:data:`MAX_GPUS`.
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ MAX_USER = 256
 
 _NAME_RE = r"^[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?$"
 _USER_RE = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$"
-_KNOWN_KEYS = ("slots",)
+_KNOWN_KEYS = ("slots", "gpus")
+MAX_GPUS = 1024  # GPU indices of one host: a bound on a typo
+_GPU_ITEM = re.compile(r"(\d{1,4})(?:-(\d{1,4}))?")
 
 
 def _port(text: str, where: str) -> int:
@@ -108,6 +113,7 @@ def parse_line(line: str, where: str) -> Host | None:
     tokens = text.split()
     host = parse_host(tokens[0], where)
     slots = None
+    gpus: Optional[tuple[int, ...]] = None
     for extra in tokens[1:]:
         key, eq, value = extra.partition("=")
         if not eq:
@@ -115,13 +121,45 @@ def parse_line(line: str, where: str) -> Host | None:
                               f"({', '.join(_KNOWN_KEYS)})")
         if key not in _KNOWN_KEYS:
             raise ConfigError(f"{where}: unknown setting {key!r}; known: {', '.join(_KNOWN_KEYS)}")
+        if key == "gpus":
+            if gpus is not None:
+                raise ConfigError(f"{where}: gpus given twice")
+            gpus = parse_gpus(value, where)
+            continue
         if not value.isdigit() or len(value) > 6 or not 1 <= int(value) <= MAX_PROCESSES:
             shown = value if len(value) <= 30 else value[:30] + "..."
             raise ConfigError(f"{where}: slots={shown!r} must be a whole number from 1 to {MAX_PROCESSES:,}")
         if slots is not None:
             raise ConfigError(f"{where}: slots given twice")
         slots = int(value)
-    return Host(name=host.name, port=host.port, user=host.user, slots=slots, origin=where)
+    return Host(name=host.name, port=host.port, user=host.user, slots=slots, origin=where, gpus=gpus)
+
+
+def parse_gpus(value: str, where: str) -> tuple[int, ...]:
+    """``gpus=0,2`` / ``0-3`` / ``0-1,4``: a host's GPU indices (as ``CUDA_VISIBLE_DEVICES`` numbers
+    them there), in the order given, each once.
+
+    >>> parse_gpus("0-1,4", "h:1")
+    (0, 1, 4)
+    """
+    shown = value if len(value) <= 30 else value[:30] + "..."
+    usage = f"{where}: gpus={shown!r}: give the host's GPU indices, e.g. gpus=0,2 or gpus=0-3"
+    out: list[int] = []
+    for item in value.split(","):
+        m = _GPU_ITEM.fullmatch(item)
+        if m is None:
+            raise ConfigError(usage)
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) is not None else lo
+        if hi < lo or hi >= MAX_GPUS:
+            raise ConfigError(f"{usage} (a range runs upwards, indices below {MAX_GPUS})")
+        out.extend(range(lo, hi + 1))
+        if len(out) > MAX_GPUS:
+            raise ConfigError(f"{usage} (at most {MAX_GPUS} GPUs)")
+    if len(set(out)) != len(out):
+        twice = next(g for i, g in enumerate(out) if g in out[:i])
+        raise ConfigError(f"{where}: gpus={shown}: GPU {twice} is listed twice")
+    return tuple(out)
 
 
 def parse_lines(lines: Iterable[str], source: str) -> tuple[Host, ...]:
@@ -141,7 +179,7 @@ def parse_host_list(text: str, source: str = "-H") -> tuple[Host, ...]:
 
     Each item is named ``-H item N`` in messages.
     """
-    items = text.split(",")
+    items = _join_gpu_lists(text.split(","))
     hosts = []
     for number, item in enumerate(items, 1):
         where = f"{source} item {number}"
@@ -154,6 +192,22 @@ def parse_host_list(text: str, source: str = "-H") -> tuple[Host, ...]:
         assert host is not None
         hosts.append(host)
     return tuple(hosts)
+
+
+def _join_gpu_lists(items: list[str]) -> list[str]:
+    """The ``-H`` list's items with a ``gpus=`` list's commas put back: after an item whose last
+    setting is ``gpus=...``, an item that is a bare number or range (``2``, ``4-5``) is the next
+    GPU of that list, not a host (``-H 'h1 gpus=0,2 slots=2,h2'`` is h1 with GPUs 0 and 2 and two
+slots, then h2)."""
+    out: list[str] = []
+    for item in items:
+        first = item.split()[0] if item.split() else ""
+        if out and _GPU_ITEM.fullmatch(first) and not item[:1].isspace() and out[-1].split() and \
+                out[-1].split()[-1].startswith("gpus=") and not out[-1][-1].isspace():
+            out[-1] += "," + item.strip()
+        else:
+            out.append(item)
+    return out
 
 
 def _short(text: str, limit: int = 60) -> str:

@@ -17,6 +17,7 @@ from typing import Any, Mapping, Optional
 import pscontract as pc
 
 from ..errors import ConfigError
+from .only import Selector, check_only
 
 #: The most servers plus workers one job may have, on any backend: a bound that keeps a typo
 #: (``-n 1000000``) from planning or forking without end. A backend may allow fewer (the local
@@ -26,6 +27,10 @@ MAX_PROCESSES = 20_000
 MAX_CORES = 4096
 #: the most restarts one job may ask for: a bound on a typo, not on a real job
 MAX_RESTARTS = 10_000
+#: the most GPUs per process (--gpus-per-process): a bound on a typo
+MAX_GPUS_PER_PROCESS = 1024
+#: the launchers that know before the start which processes share a host (--gpus-per-process, gpus=)
+GPU_LAUNCHERS = ("local", "ssh")
 #: what may run as a ps job's scheduler (``--scheduler``): the command itself, or pslaunch's own
 SCHEDULERS = ("command", "builtin")
 
@@ -45,10 +50,11 @@ class Role(str, Enum):
 
 @dataclass(frozen=True)
 class Host:
-    """One hostfile line: ``[user@]name[:port] [slots=N]``.
+    """One hostfile line: ``[user@]name[:port] [slots=N] [gpus=0,2]``.
 
-    ``slots`` is ``None`` when the line gives none (no limit, as dmlc). ``origin``
-    is ``"FILE:LINE"`` for messages.
+    ``slots`` is ``None`` when the line gives none (no limit, as dmlc). ``gpus`` are the host's
+    GPUs that its workers may use (``CUDA_VISIBLE_DEVICES`` indices; None: the line names none,
+    and the host's count is not known). ``origin`` is ``"FILE:LINE"`` for messages.
     """
 
     name: str
@@ -56,6 +62,7 @@ class Host:
     user: Optional[str] = None
     slots: Optional[int] = None
     origin: str = ""
+    gpus: Optional[tuple[int, ...]] = None
 
     def __str__(self) -> str:
         return self.display
@@ -134,6 +141,11 @@ class JobSpec:
     restart_delay: float = 1.0
     #: an attempt that runs this long without failing gives the budget back (``--restart-window``)
     restart_window: Optional[float] = None
+    #: ``--only``: whose lines reach the console (empty: everyone's); the log files get all
+    only: tuple[Selector, ...] = ()
+    #: ``--gpus-per-process``: each worker's share of its host's GPUs, as ``CUDA_VISIBLE_DEVICES``
+    #: (None: not set, unless the hostfile names a host's ``gpus=``); see ``launcher.spec.plan``
+    gpus_per_process: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -208,8 +220,40 @@ class JobSpec:
                 raise ConfigError(f"{name} must be 0 or more seconds, got {seconds}")
         if self.restart_window is not None and self.restart_window <= 0:
             raise ConfigError("--restart-window must be longer than 0s (leave it out to never give the budget back)")
+        check_only(self.only, self.num_workers, self.num_servers)
+        self._check_gpus()
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"--log-level {self.log_level}: choose DEBUG, INFO, WARNING or ERROR")
+
+    def _check_gpus(self) -> None:
+        """``--gpus-per-process`` and hostfile ``gpus=``: a sane count, a launcher that knows which
+        workers share a host, and no ``--env`` that chooses the workers' GPUs as well."""
+        n = self.gpus_per_process
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_GPUS_PER_PROCESS):
+            raise ConfigError(f"--gpus-per-process must be a whole number from 1 to {MAX_GPUS_PER_PROCESS}, got "
+                              f"{_short(n)}")
+        listed = next((h for h in self.hosts if h.gpus is not None), None)
+        if n is None and listed is None:
+            return
+        if n is not None:
+            what = f"--gpus-per-process {n}"
+        else:
+            assert listed is not None
+            what = f"the hostfile's gpus= ({listed.origin})"
+        if self.launcher not in GPU_LAUNCHERS:
+            raise ConfigError(f"{what}: --launcher {self.launcher} decides where the workers run, so pslaunch cannot "
+                              "give them disjoint GPUs; ask the batch system (slurm: --gpus-per-task), or use "
+                              f"--launcher {' or '.join(GPU_LAUNCHERS)}")
+        for option, pairs in (("--env", self.env), ("--env-worker", self.env_worker)):
+            value = dict(pairs).get(pc.CUDA_VISIBLE_DEVICES)
+            if value is not None:
+                raise ConfigError(f"{option} {pc.CUDA_VISIBLE_DEVICES}={_short(value)} and {what} both choose the "
+                                  "workers' GPUs; keep one")
+
+    @property
+    def gpus_chosen(self) -> bool:
+        """pslaunch sets each worker's ``CUDA_VISIBLE_DEVICES`` (``--gpus-per-process`` or ``gpus=``)."""
+        return self.gpus_per_process is not None or any(h.gpus is not None for h in self.hosts)
 
     @property
     def num_procs(self) -> int:

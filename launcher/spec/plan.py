@@ -100,6 +100,39 @@ def place(num_workers: int, num_servers: int, hosts: Sequence[Host] = ()) -> tup
     return tuple(slots)
 
 
+def worker_gpus(spec: JobSpec, slots: Optional[Sequence[Slot]] = None) -> dict[int, str]:
+    """Each worker's ``CUDA_VISIBLE_DEVICES`` (by rank) under ``--gpus-per-process`` and the
+    hostfile's ``gpus=``, or {} when neither is given: the workers of one host, in local-rank
+    order, get disjoint consecutive slices of its GPUs (:func:`pscontract.gpu_slices`). Servers
+    and the scheduler get none (a ps-lite server works on the CPU). Pure: ``build_plan`` and the
+    CLI (to refuse a host with too few GPUs before anything starts) ask the same.
+
+    Raises:
+        ConfigError: a host whose ``gpus=`` has too few GPUs for its workers.
+    """
+    if not spec.gpus_chosen:
+        return {}
+    if slots is None:
+        slots = place(spec.num_workers, spec.num_servers, spec.hosts)
+        if spec.collective:
+            slots = by_host(slots)
+    on_host: dict[Optional[Host], list[int]] = {}
+    for s in sorted((s for s in slots if s.role is Role.WORKER), key=lambda s: s.rank):
+        on_host.setdefault(s.host, []).append(s.rank)
+    out: dict[int, str] = {}
+    for host, ranks in on_host.items():
+        gpus = host.gpus if host is not None else None
+        if spec.gpus_per_process is None and gpus is None:
+            continue  # (this host's line names no GPUs: its workers see what they see)
+        try:
+            out.update(zip(ranks, pc.gpu_slices(len(ranks), spec.gpus_per_process, gpus)))
+        except ValueError as e:
+            assert host is not None
+            raise ConfigError(f"{host.origin or host.display}: {host.display}: {e}; lower --gpus-per-process, "
+                              "name more GPUs in gpus=, or place fewer workers there (slots=)") from None
+    return out
+
+
 def by_host(slots: Sequence[Slot]) -> tuple[Slot, ...]:
     """The workers of ``slots`` renumbered host by host (hosts in order of their first worker),
     as a collective job wants them: each host's ranks consecutive, so a ring or a tree crosses
@@ -196,6 +229,9 @@ def build_plan(
         slots = by_host(slots)
     per_host = collections.Counter(s.host.name if s.host else None for s in slots)
     ranks = pc.host_ranks([s.host.name if s.host else "" for s in slots])
+    gpus = worker_gpus(spec, slots)
+    if gpus and pc.CUDA_VISIBLE_DEVICES in forwarded:  # (the spec refuses it from --env)
+        overridden.add(pc.CUDA_VISIBLE_DEVICES)
     procs = []
     for s, place_ in zip(slots, ranks):
         placed = s.host is not None or here is not None
@@ -207,6 +243,8 @@ def build_plan(
         else:
             contract = ps_contract(str(s.role), task_id=s.task_id, cluster=spec.launcher, node_host=node_host,
                                    local_procs=local_procs, process=f"{s.role}-{s.rank}")
+        if s.role is Role.WORKER and s.rank in gpus:
+            contract[pc.CUDA_VISIBLE_DEVICES] = gpus[s.rank]
         role_env = _pairs(spec.env_server if s.role is Role.SERVER else spec.env_worker)
         procs.append(ProcSpec(s.role, s.rank, s.task_id, s.host, spec.command,
                               env_for(contract, role_env, inherit_environ),
