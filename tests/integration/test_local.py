@@ -342,3 +342,40 @@ def test_log_files_go_on_across_attempts(probe, tmp_path) -> None:
     assert text.count("hello") == 2, text
     first, banner, second = text.partition("--- pslaunch: attempt 1 (PSLAUNCH_ATTEMPT=1) ---\n")
     assert banner and "hello" in first and "hello" in second, text
+
+
+# --- --only and --gpus-per-process ----------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_only_shows_one_workers_lines_and_the_log_files_keep_everyones(probe, tmp_path) -> None:
+    logs = tmp_path / "logs"
+    r = run_pslaunch("-n", "3", "-s", "1", "--only", "worker:1", "--log-dir", str(logs),
+                     *probe("--print", "hello from a process"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["[worker 1] hello from a process"]
+    assert "[worker 0]" not in r.stderr and "[scheduler]" not in r.stderr and "[server 0]" not in r.stderr
+    assert "all 5 processes exited 0" in r.stderr  # (pslaunch's own lines are always shown)
+    assert sorted(p.name for p in logs.iterdir()) == ["scheduler.log", "server-0.log", "worker-0.log",
+                                                      "worker-1.log", "worker-2.log"]
+    for log in logs.iterdir():
+        assert log.read_text() == "hello from a process\n", log.name
+
+
+@pytest.mark.timeout(60)
+def test_only_still_reports_a_filtered_out_process_that_fails(probe, tmp_path) -> None:
+    r = run_pslaunch("-n", "2", "-s", "0", "--only", "worker:1", "--kill-grace", "1",
+                     *probe("--sleep", "20", "--fail", "worker-0:3:0.5"))
+    assert r.returncode == 3, r.stderr
+    assert "[worker 0]" not in r.stdout + r.stderr  # (its line never reached the console as its own)
+    assert "  | worker-0 failing with code 3" in r.stderr  # (the failure report shows it all the same)
+
+
+@pytest.mark.timeout(60)
+def test_gpus_per_process_gives_each_worker_its_slice(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    show = "import os; print(os.environ['DMLC_ROLE'], os.environ.get('CUDA_VISIBLE_DEVICES', 'unset'))"
+    r = run_pslaunch("-n", "2", "-s", "1", "--gpus-per-process", "2", sys.executable, "-c", show)
+    assert r.returncode == 0, r.stderr
+    assert sorted(r.stdout.splitlines()) == ["[scheduler] scheduler unset", "[server 0] server unset",
+                                             "[worker 0] worker 0,1", "[worker 1] worker 2,3"]

@@ -143,6 +143,31 @@ def test_env_contract_per_role_and_placement(testbed: Testbed, out: Path, tmp_pa
 
 
 @pytest.mark.timeout(90)
+def test_hostfile_gpus_slices_and_only_over_ssh(testbed: Testbed, out: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    h = testbed.hosts
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"{h[0].addr_a} gpus=1,3,5,7\n{h[1].addr_a}\n")
+    logs = tmp_path / "logs"
+    r = run_ssh(testbed, "-n", "4", "-s", "1", "-H", str(hosts), "--gpus-per-process", "2", "--only", "worker:1",
+                "--log-dir", str(logs), "--kill-grace", "1", *probe(out, "--print", "hello"))
+    assert r.returncode == 0, r.stderr
+    probes = read_probes(out)
+    # server 0 on h0; workers 0, 2 on h1 (no gpus=: counted from 0); workers 1, 3 on h0 (from its gpus=)
+    where = {"server-0": h[0], "worker-0": h[1], "worker-1": h[0], "worker-2": h[1], "worker-3": h[0]}
+    cuda = {"scheduler": None, "server-0": None, "worker-0": "0,1", "worker-1": "1,3", "worker-2": "2,3",
+            "worker-3": "5,7"}
+    for name, rec in probes.items():
+        assert rec["env"].get("CUDA_VISIBLE_DEVICES") == cuda[name], name
+        if name in where:
+            assert testbed.host_of(rec["netns"]) == where[name], name
+    assert r.stdout.splitlines() == [f"[worker 1 @ {h[0].addr_a}] hello"]
+    assert sorted(p.name for p in logs.iterdir()) == ["scheduler.log", "server-0.log", "worker-0.log",
+                                                      "worker-1.log", "worker-2.log", "worker-3.log"]
+    assert all(p.read_text() == "hello\n" for p in logs.iterdir())
+
+
+@pytest.mark.timeout(90)
 def test_hostile_arguments_arrive_intact_and_nothing_runs(testbed: Testbed, out: Path, tmp_path: Path) -> None:
     marker = f"/tmp/pslaunch-pwned-{uuid.uuid4().hex[:6]}"
     hostile = ["a b", "'", '"', "$HOME", ";", "$(id)", "`id`", "*", "\\", "", "--", "-n", "3", "ünï",
