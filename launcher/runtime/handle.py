@@ -108,6 +108,8 @@ class ProcRecord:
     stopped_by_launcher: bool
     #: what it wrote to its error file (:class:`ProgramError`'s fields), if it wrote one
     error: Optional[dict] = None
+    #: the ``CUDA_VISIBLE_DEVICES`` pslaunch gave it (``--gpus-per-process``, ``gpus=``), if any
+    gpus: Optional[str] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -198,6 +200,7 @@ class ProcessHandle:
             host=self.host, pid=self.pid, start_time=self.start_time, end_time=self.end_time,
             exit_code=self.exit_code, signal=signal_name(self.exit_code),
             stopped_by_launcher=stopped_by_launcher, error=self.error.to_dict() if self.error else None,
+            gpus=self.proc.gpus,
         )
 
 

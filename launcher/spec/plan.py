@@ -52,6 +52,8 @@ class ProcSpec:
     argv: tuple[str, ...]
     env: Mapping[str, str] = field(default_factory=dict, compare=False)
     awaits_placement: bool = False
+    #: the ``CUDA_VISIBLE_DEVICES`` pslaunch chose for it (:func:`worker_gpus`); None: none chosen
+    gpus: Optional[str] = None
 
     @property
     def name(self) -> str:
@@ -248,7 +250,8 @@ def build_plan(
         role_env = _pairs(spec.env_server if s.role is Role.SERVER else spec.env_worker)
         procs.append(ProcSpec(s.role, s.rank, s.task_id, s.host, spec.command,
                               env_for(contract, role_env, inherit_environ),
-                              awaits_placement=spec.tracker == "torch" and not placed))
+                              awaits_placement=spec.tracker == "torch" and not placed,
+                              gpus=gpus.get(s.rank) if s.role is Role.WORKER else None))
     scheduler = None
     if spec.has_scheduler:
         contract = ps_contract("scheduler")

@@ -375,7 +375,12 @@ def test_only_still_reports_a_filtered_out_process_that_fails(probe, tmp_path) -
 def test_gpus_per_process_gives_each_worker_its_slice(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     show = "import os; print(os.environ['DMLC_ROLE'], os.environ.get('CUDA_VISIBLE_DEVICES', 'unset'))"
-    r = run_pslaunch("-n", "2", "-s", "1", "--gpus-per-process", "2", sys.executable, "-c", show)
+    summary = tmp_path / "s.json"
+    r = run_pslaunch("-n", "2", "-s", "1", "--gpus-per-process", "2", "--summary-json", str(summary),
+                     sys.executable, "-c", show)
     assert r.returncode == 0, r.stderr
     assert sorted(r.stdout.splitlines()) == ["[scheduler] scheduler unset", "[server 0] server unset",
                                              "[worker 0] worker 0,1", "[worker 1] worker 2,3"]
+    doc = json.loads(summary.read_text())
+    assert {p["name"]: p["gpus"] for p in doc["processes"]} == {"scheduler": None, "server-0": None,
+                                                               "worker-0": "0,1", "worker-1": "2,3"}

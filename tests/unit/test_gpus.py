@@ -84,8 +84,9 @@ def plan_of(s: JobSpec, addresses=None, here=None):
 
 def test_local_workers_get_consecutive_slices_and_servers_none() -> None:
     s = spec(num_workers=2, num_servers=1, gpus_per_process=2)
-    assert cuda(plan_of(s, here="127.0.0.1")) == {"scheduler": None, "server-0": None, "worker-0": "0,1",
-                                                  "worker-1": "2,3"}
+    plan = plan_of(s, here="127.0.0.1")
+    assert cuda(plan) == {"scheduler": None, "server-0": None, "worker-0": "0,1", "worker-1": "2,3"}
+    assert [p.gpus for p in plan.all] == [None, None, "0,1", "2,3"]  # (what --summary-json records)
 
 
 def test_each_host_slices_its_own_gpus_in_local_rank_order() -> None:
