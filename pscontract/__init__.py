@@ -118,6 +118,16 @@ RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
 #: A torch job's role name (torchrun's default ``--role``).
 TORCH_ROLE = "default"
+# Two more that torchrun gives every worker, each the launcher's own value when it has one (its
+# environment, ``--env``), else torchrun's: the signals a launcher forwards to its workers
+# (torch's elastic multiprocessing reads it when a worker starts processes of its own), and
+# NCCL's watchdog tearing a process down on a collective's error or timeout instead of hanging
+# (torchrun's agent sets it to 1 unless set; only NCCL reads it, a gloo job ignores it).
+SIGNALS_TO_HANDLE = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+#: torchrun's ``--signals-to-handle`` default. (pslaunch stops its job on the first three; a SIGQUIT
+#: ends the launcher, and its watchdog then stops the job.)
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 # The interface torch's gloo and NCCL bind: by default gloo takes the address the host's name
 # resolves to, often 127.0.x.x, and then no other host reaches it.
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
@@ -371,6 +381,19 @@ def torch_contract(*, master_addr: str, master_port: int, task_id: int, num_work
     if place is not None:
         env.update(torch_placement(place))
     return env
+
+
+def torch_defaults(environ: Mapping[str, str]) -> dict[str, str]:
+    """What a torch job's workers get as torchrun's workers do, unless the launcher's own
+    environment ``environ`` sets it: ``TORCHELASTIC_SIGNALS_TO_HANDLE`` (torchrun's default list,
+    :data:`TORCHRUN_SIGNALS`) and ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``. Not owned: ``--env``
+    overrides them as it overrides any inherited variable.
+
+    >>> torch_defaults({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"})["TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+    '3'
+    """
+    return {SIGNALS_TO_HANDLE: environ.get(SIGNALS_TO_HANDLE, TORCHRUN_SIGNALS),
+            NCCL_ASYNC_ERROR_HANDLING: environ.get(NCCL_ASYNC_ERROR_HANDLING, "1")}
 
 
 def torch_sockets(environ: Mapping[str, str], interface: str | None) -> dict[str, str]:

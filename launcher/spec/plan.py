@@ -206,6 +206,8 @@ def build_plan(
     environ = spec.environ_dict()
     owned = pc.owned(spec.tracker or "ps")
     forwarded = jobenv.forwarded(environ, extra_names=(), owned=owned)
+    if spec.tracker == "torch":  # (torchrun's defaults, below --env: the user's value wins)
+        forwarded = {**pc.torch_defaults(environ), **forwarded}
     cli_env = _pairs(spec.env)
     if spec.p3:
         cli_env = {pc.PS_VAN_TYPE: "p3", pc.PS_WATER_MARK: "10", **cli_env}

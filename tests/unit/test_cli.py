@@ -506,6 +506,9 @@ def test_dry_run_shows_the_tracker_and_each_workers_variables(tmp_path, capsys) 
                                             "ROLE_RANK=3"]
     assert "GROUP_RANK=0" in own["worker 1 @ 10.0.0.11"] and "LOCAL_RANK=1" in own["worker 1 @ 10.0.0.11"]
     assert "DMLC_PS_ROOT" not in out
+    # torchrun's defaults, shown with the variables every worker gets
+    assert "\n  TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT\n" in out
+    assert "\n  TORCH_NCCL_ASYNC_ERROR_HANDLING=1\n" in out
 
 
 def test_dry_run_of_a_rabit_job(capsys) -> None:

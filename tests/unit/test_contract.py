@@ -172,6 +172,16 @@ def test_attempt_env_is_the_jobs_count_on_every_role() -> None:
         pc.attempt_env(attempt=-1, max_restarts=0, run_id="r", tracker="ps")
 
 
+def test_torch_defaults_are_torchruns_unless_the_launcher_has_a_value() -> None:
+    # torchrun: TORCHELASTIC_SIGNALS_TO_HANDLE from its --signals-to-handle default, and
+    # os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1") in its agent (local_elastic_agent.py)
+    assert pc.torch_defaults({}) == {"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+                                     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    mine = {"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+    assert pc.torch_defaults({**mine, "PATH": "/bin"}) == mine
+    assert not set(pc.torch_defaults({})) & pc.owned("torch")  # (not owned: --env sets them)
+
+
 @pytest.mark.parametrize("hosts, expected", [
     ([], []),
     (["a", "a", "a"], [(0, 0, 3, 0, 1), (1, 1, 3, 0, 1), (2, 2, 3, 0, 1)]),

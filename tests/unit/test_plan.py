@@ -260,6 +260,26 @@ def test_torch_workers_get_torchruns_contract_across_hosts() -> None:
     assert {"RANK", "MASTER_PORT"} <= set(plan.overridden)
 
 
+def test_torch_workers_get_torchruns_defaults_below_the_users_values() -> None:
+    plain = make(spec(num_servers=0, tracker="torch"))
+    for p in plain.procs:
+        assert p.env["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+        assert p.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    # the launcher's environment, then --env and --env-worker, win over torchrun's defaults, on any backend
+    environ = (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3"), ("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGINT"))
+    mine = make(spec(num_servers=0, tracker="torch", launcher="ssh", hosts=(A,), environ=environ), here=None)
+    assert {(p.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"], p.env["TORCHELASTIC_SIGNALS_TO_HANDLE"])
+            for p in mine.procs} == {("3", "SIGINT")}
+    cli = make(spec(num_servers=0, tracker="torch", environ=environ, env=(("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0"),),
+                    env_worker=(("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM"),)))
+    assert {(p.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"], p.env["TORCHELASTIC_SIGNALS_TO_HANDLE"])
+            for p in cli.procs} == {("0", "SIGTERM")} and not cli.overridden
+    # not torchrun's job: nothing of it
+    for other in (make(spec()), make(spec(num_servers=0, tracker="rabit"))):
+        assert not any("TORCH_NCCL_ASYNC_ERROR_HANDLING" in p.env or "TORCHELASTIC_SIGNALS_TO_HANDLE" in p.env
+                       for p in other.procs)
+
+
 def test_a_torch_job_on_a_batch_system_awaits_its_placement() -> None:
     plan = make(spec(num_servers=0, tracker="torch", launcher="sge"), here=None)
     assert all(p.awaits_placement and "RANK" not in p.env for p in plan.procs)
