@@ -36,6 +36,8 @@ apt_install() {
 # in $PSLAUNCH_VENV_CACHE (default ~/.cache/pslaunch/venvs, one per Python and pins) and DIR
 # links there: a fresh clone on the same machine (CI) reuses them instead of installing them
 # again (a minute). A DIR of this checkout's own that passes CHECK is kept as it is.
+# A PIP-ARG `;` splits them into pip installs run one after the other (torch first, then what
+# needs it, under a constraint that keeps it).
 test_venv() {
     local dir=$1 check=$2; shift 2
     if [ -d "$dir" ] && [ ! -L "$dir" ] && "$dir/bin/python" -c "$check" 2>/dev/null; then
@@ -52,7 +54,12 @@ test_venv() {
             log "creating $target ($*)"
             rm -rf "$target"
             python3 -m venv "$target"
-            "$target/bin/python" -m pip install -q --disable-pip-version-check "$@" >&2
+            local group=() arg
+            for arg in "$@" ";"; do
+                if [ "$arg" != ";" ]; then group+=("$arg"); continue; fi
+                "$target/bin/python" -m pip install -q --disable-pip-version-check "${group[@]}" >&2
+                group=()
+            done
         fi
     ) 9>"$cache/.lock" || die "cannot create the venv $target"
     rm -rf "$dir"
