@@ -223,6 +223,27 @@ def _holds(pid: int, targets: set[str]) -> bool:
     return False
 
 
+#: what a ps-lite program maps while it starts: MXNet's library (ps-lite is inside it, loaded in
+#: the first second of an import that takes 7 s on 2 cores), libzmq (pyzmq: our trainer, the
+#: builtin scheduler), BytePS's
+PSLITE_LIBRARIES = ("mxnet", "zmq", "byteps", "pslite", "ps-lite")
+
+
+def maps_pslite(pgid: int) -> bool:
+    """True when a process of group ``pgid`` (the scheduler's) has a ps-lite library mapped
+    (:data:`PSLITE_LIBRARIES`): a scheduler that does not listen yet is most likely importing.
+    False where ``/proc`` cannot tell."""
+    for pid in group_members(pgid):
+        try:
+            with open(f"/proc/{pid}/maps", "rb") as f:
+                names = {line.rsplit(b"/", 1)[-1] for line in f if b"/" in line}
+        except OSError:
+            continue
+        if any(key.encode() in name for name in names for key in PSLITE_LIBRARIES):
+            return True
+    return False
+
+
 class SchedulerWatch:
     """While a job starts, who gets the scheduler's port: ``verdict`` becomes ``"up"`` (the
     scheduler listens on it, or ended with 0 without needing to), ``"lost"`` (another process

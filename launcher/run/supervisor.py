@@ -11,9 +11,11 @@
    Until the scheduler listens, a failure is checked for a lost port race: if someone else
    took the port between the probe and the scheduler's bind, every process of this attempt is
    stopped and the whole job starts again on the next port (a fresh backend; nothing of the
-   lost attempt is reported or left behind: what the processes print is held until the port's
-   verdict, and dropped when it was lost). A scheduler that never listens within
-   ``--start-timeout`` is an error;
+   lost attempt is reported or left behind). What the processes print is shown as it comes,
+   never held for the port's verdict: when the port was lost, one line says that the lines above
+   were the stopped attempt's, and nothing more of it is shown. A scheduler that runs the user's
+   command and does not listen after a few seconds gets one hint (``-s 0``, ``--tracker torch``);
+   one that never listens within ``--start-timeout`` is an error;
 5. always: stop every group gracefully, kill it after ``--kill-grace`` (at once on a second
    signal), sweep leftover process groups, write ``--summary-json`` and report who failed
    first (:mod:`.report`);
@@ -62,8 +64,11 @@ CALM_POLL_INTERVAL = 0.16
 MAX_PORT_ATTEMPTS = 5
 LOST_ATTEMPT_GRACE = 1.0  # SIGTERM to SIGKILL for an attempt that lost its port (it did no work yet)
 PORT_LOST = "port-lost"  # (an attempt's outcome: the scheduler lost its port; the job starts again)
-HOLD_NOTICE = 5.0  # the scheduler not listening this long while output is held: say why it waits
+HINT_AFTER = 5.0  # the user's command as the scheduler, not listening this long: maybe not a ps-lite program
 EXIT_TIMEOUT = 124
+#: what a command that is not a ps-lite program wants instead of the parameter-server default
+NOT_PSLITE = ("run it with -s 0 (workers only: no scheduler, no servers) or, for torch.distributed, "
+              "--tracker torch")
 DUMP_WAIT = 3.0      # after asking for stack dumps, how long to let them print
 KILL_WAIT = 5.0      # after SIGKILL, how long to wait for every process to be gone
 ESCAPE_CHECK_WAIT = 0.2  # output open this long after the end: someone that left its group holds it
@@ -143,6 +148,7 @@ class Supervisor:
         self.attempts: list[report.AttemptRecord] = []
         self._restarts: Optional[report.RestartBudget] = None  # a failed job's, when it could restart
         self._secrets: list[str] = []  # every attempt's secret values, hidden in all that is shown
+        self._hinted = False  # the hint that the command may not be a ps-lite program was given
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -284,12 +290,12 @@ class Supervisor:
                 self._timing("backend ready")
                 plan = self._plan(root_uri, addresses, attempt, after_port)
                 if plan.scheduler is not None:
-                    self.console.hold()  # until the port's verdict (see _on_verdict)
+                    self.console.begin_attempt()  # (silenced if it loses the port: _attempt's end)
                     self.scheduler = self._spawn_local(plan.scheduler)
                     self._add(ProcGroup([self.scheduler]))
                     assert self.scheduler.pid is not None  # (a started local process)
                     self._watch = addr.SchedulerWatch(self.scheduler.pid, plan.root_uri, plan.root_port,
-                                                     on_verdict=self._on_verdict).start()
+                                                     on_verdict=lambda _: self._wake.set()).start()
                     self._timing("scheduler started")
                 self.signals.check()
                 if plan.procs:
@@ -313,10 +319,7 @@ class Supervisor:
                 if self._watch is not None:
                     self._watch.stop()
                     self._watch = None
-                if lost:
-                    self.console.discard()  # before the stop: what the attempt prints while it ends, too
-                else:
-                    self.console.release()
+                shown = self.console.discard() if lost else 0  # before the stop: what it prints while it ends, too
                 stop_at = self.clock.time()
                 try:
                     self._shutdown(dump=outcome is not None and outcome[0] == "timeout", quiet=lost)
@@ -327,7 +330,7 @@ class Supervisor:
                     self.first = self._root_cause(stop_at)
                     outcome = ("failure", self.first.exit_code or 1)
                 if lost:
-                    self._forget_attempt()
+                    self._forget_attempt(shown)
                 if self._claim is not None:  # (the job has ended, or its next attempt claims another)
                     self._claim.release()
                     self._claim = None
@@ -349,18 +352,16 @@ class Supervisor:
             self.stopped.discard(h.name)
         return min([self.first, *failed], key=lambda h: h.end_time or 0.0)
 
-    def _on_verdict(self, verdict: str) -> None:
-        """The port's verdict (from the watch's thread, or this one): the held output is shown at
-        once, unless the port was lost (the attempt's end drops it)."""
-        if verdict != "lost":
-            self.console.release()
-        self._wake.set()
-
-    def _forget_attempt(self) -> None:
-        """After a lost port race: what the attempt started is stopped; keep it only to sweep."""
+    def _forget_attempt(self, shown: int) -> None:
+        """After a lost port race: what the attempt started is stopped; keep it only to sweep.
+        ``shown``: how many lines the attempt's processes printed before (they were shown: the
+        warning says whose they were, and the log files mark where the next attempt begins)."""
         assert self.plan is not None
+        above = f" (the {shown} line{'' if shown == 1 else 's'} above came from the attempt stopped)" if shown else ""
         log.warning("port %d was taken before the scheduler could bind it; starting the job again on the "
-                    "next port", self.plan.root_port)
+                    "next port%s", self.plan.root_port, above)
+        self.console.log_banner = (f"--- pslaunch: port {self.plan.root_port} was taken before the scheduler "
+                                   "could bind it; the job starts again on the next port ---")
         self.discarded.extend(self.handles)
         self.handles, self.groups, self.scheduler, self.first = [], [], None, None
         self.stopped.clear()
@@ -473,7 +474,9 @@ class Supervisor:
         deadline = self.start_time + self.spec.timeout if self.spec.timeout else None
         starting = self._watch is not None
         listen_by = self.clock.monotonic() + max(self.spec.start_timeout, 1.0)
-        notice_at: Optional[float] = self.clock.monotonic() + HOLD_NOTICE
+        hint_at: Optional[float] = None  # (once a job: not again after a lost port race)
+        if self.spec.scheduler == "command" and not self._hinted:
+            hint_at = self.clock.monotonic() + HINT_AFTER
         for name in self.signals.notices():  # (a program would die of it before it set a handler)
             log.warning("SIG%s arrived before the job's processes started: not passed on", name)
         while True:
@@ -503,12 +506,11 @@ class Supervisor:
                     raise LaunchError(
                         f"the scheduler did not listen on {self.plan.root_uri}:{self.plan.root_port} within "
                         f"--start-timeout {self.spec.start_timeout:g}s; is the command a ps-lite program "
-                        "(MXNet, our trainer)?")
-                elif notice_at is not None and self.clock.monotonic() > notice_at and self.console.holding():
-                    notice_at = None
-                    assert self.plan is not None
-                    log.info("the scheduler does not listen on %s:%d yet; what the processes print is shown "
-                             "once it does", self.plan.root_uri, self.plan.root_port)
+                        f"(MXNet, our trainer)? If not, {NOT_PSLITE}")
+                elif hint_at is not None and not failed and self.clock.monotonic() > hint_at:
+                    hint_at, self._hinted = None, True
+                    if self.scheduler is not None and self.scheduler.pid and not addr.maps_pslite(self.scheduler.pid):
+                        self._hint_not_pslite()
             if not failed and running and self.tracker is not None and self.tracker.poll() not in (None, 0):
                 failed.append(self.tracker)  # the tracker failed and no worker did (see trackers.FAILURE_GRACE)
             if failed:
@@ -521,6 +523,17 @@ class Supervisor:
             if self.progress is not None:
                 self.progress.tick(self.handles, self.clock.time())
             self._pause()
+
+    def _hint_not_pslite(self) -> None:
+        """The scheduler runs the user's command and, :data:`HINT_AFTER` seconds after everything
+        started, it runs, nobody listens on its port and it has no ps-lite library loaded
+        (:func:`.addresses.maps_pslite`): most likely a program that is not a ps-lite program (a
+        torch.distributed one, a plain script) run under the parameter-server default, but it
+        may be a ps-lite program still importing on a busy machine. Said once, as a hint."""
+        assert self.plan is not None
+        log.info("hint: nothing listens on the scheduler's port %s:%d after %gs, and the scheduler (your command, "
+                 "run with DMLC_ROLE=scheduler) has loaded no ps-lite library (MXNet, ZeroMQ); if the command is not "
+                 "a ps-lite program, %s", self.plan.root_uri, self.plan.root_port, HINT_AFTER, NOT_PSLITE)
 
     def _pass_notices(self) -> None:
         """Pass each SIGUSR1/SIGUSR2 the launcher got on to every process of the job (a batch

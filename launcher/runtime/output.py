@@ -30,10 +30,12 @@ the console's lock, so a status never ends up inside a labelled line. The launch
 log messages go through :func:`around_status` for the same reason (this module installs it as
 :mod:`launcher.logs`'s write hook).
 
-While a job's scheduler may still lose its port to another process, the supervisor *holds*
-what the attempt's processes print (:meth:`Console.hold`): the lines are kept, in order, and
-shown, logged and observed on :meth:`Console.release`, or dropped with everything the attempt
-prints afterwards on :meth:`Console.discard` (the attempt lost the race; the job starts again).
+While a job's scheduler may still lose its port to another process, the supervisor counts what
+the attempt's processes print as the attempt's (:meth:`Console.begin_attempt`): it is shown as it
+comes, and when the attempt lost the race (the job starts again), :meth:`Console.discard` silences
+everything the attempt prints from then on and says how many of its lines were shown (the
+supervisor's one line about the restart points at them). Nothing is held back: a program that
+never listens (not a ps-lite program) is seen at once, not after ``--start-timeout``.
 """
 
 from __future__ import annotations
@@ -59,7 +61,6 @@ log = logging.getLogger(__name__)
 
 TAIL_LINES = 20
 _MAX_LINE = 64 * 1024  # a longer line without a newline is written in pieces
-HOLD_BYTES = 8 * 1024 * 1024  # held output beyond this is shown at once (see Console.hold)
 
 _COLORS = {"scheduler": "35", "server": "36", "worker": "32"}
 
@@ -125,11 +126,8 @@ class Console:
         self._lock = threading.RLock()
         self._status = b""  # the status line now on the screen (empty: none)
         self._observers: dict[str, Callable[[str], None]] = {}
-        # while held (Console.hold): the lines not shown yet, as (output, line, err, data, logged),
-        # and their size; and every output made since the hold, which a discard silences
-        self._held: Optional[list[tuple[ProcOutput, str, bool, bytes, bytes]]] = None
-        self._held_bytes = 0
-        self._attempt: list[ProcOutput] = []
+        # every output made since Console.begin_attempt (None: no attempt counts), which a discard silences
+        self._attempt: Optional[list[ProcOutput]] = None
         #: written to each log file as it is opened (a restart's attempt; None: nothing)
         self.log_banner: Optional[str] = None
         self._log_fd: Optional[int] = None  # the log directory, open
@@ -198,53 +196,24 @@ class Console:
                 if self._status:
                     self._raw(self.stdout, self._status)
 
-    # -- holding an attempt's output ---------------------------------------------------------
+    # -- an attempt's output ------------------------------------------------------------------
 
-    def hold(self) -> None:
-        """Keep what processes print from now on (shown, logged and observed only on
-        :meth:`release`), and count every output made from now on as the attempt's. More than
-        :data:`HOLD_BYTES` of held lines are released at once: memory is not the price."""
+    def begin_attempt(self) -> None:
+        """Count every output made from now on as the attempt's (a later :meth:`discard`
+        silences them); what they print is shown as it comes."""
         with self._lock:
-            self._held, self._held_bytes, self._attempt = [], 0, []
-
-    def release(self) -> None:
-        """Show, log and observe the held lines in the order they came; stop holding. (A later
-        :meth:`discard` still silences the attempt from then on.)"""
-        with self._lock:
-            held, self._held = self._held, None
-            for out, line, err, data, logged in held or ():
-                out._deliver(line, err, data, logged)
-            for out in self._attempt:
-                if out._close_log_later:
-                    out._close_log()
-
-    def discard(self) -> None:
-        """Drop the held lines and silence every output of the attempt from now on."""
-        with self._lock:
-            self._held = None
-            for out in self._attempt:
-                out.silenced = True
-                out._close_log()
             self._attempt = []
 
-    def holding(self) -> bool:
-        """True while lines are held, not shown yet."""
+    def discard(self) -> int:
+        """Silence every output of the attempt from now on (it lost the scheduler's port and is
+        stopped, to start again); how many of its lines were shown before."""
         with self._lock:
-            return bool(self._held)
-
-    def _keep(self, out: ProcOutput, line: str, err: bool, data: bytes, logged: bytes) -> bool:
-        """True when the line is not for showing now: its output is silenced, or it is held
-        (unless that makes too much: then everything held is released)."""
-        with self._lock:
-            if out.silenced:
-                return True
-            if self._held is None:
-                return False
-            self._held.append((out, line, err, data, logged))
-            self._held_bytes += len(data) + len(line)
-            if self._held_bytes > HOLD_BYTES:
-                self.release()
-            return True
+            for out in self._attempt or ():
+                out.silenced = True
+                out._close_log()
+            shown = sum(out.shown for out in self._attempt or ())
+            self._attempt = None
+            return shown
 
     def _raw(self, target: BinaryIO, data: bytes) -> None:
         try:
@@ -270,7 +239,7 @@ class Console:
             out.mark(self.log_banner)
         out.observer = self._observers.get(name)
         with self._lock:
-            if self._held is not None:
+            if self._attempt is not None:
                 self._attempt.append(out)
         return out
 
@@ -303,7 +272,7 @@ class ProcOutput:
         self.cause: Optional[tuple[Optional[str], Optional[int], str]] = None
         self.shown = True  # its lines reach the console (--only may leave them to the log file alone)
         self.silenced = False  # its attempt lost the scheduler's port: nothing of it is shown (Console.discard)
-        self._close_log_later = False  # closed while its lines were held: the log closes on release
+        self.shown = 0  # lines shown (Console.discard tells an attempt's)
         self._lock = threading.Lock()
         self.stdout = LineStream(self, err=False)
         self.stderr = LineStream(self, err=True)
@@ -346,8 +315,10 @@ class ProcOutput:
             if "\x1b[" in line:  # (colours pass to a coloured console, and are dropped on any other)
                 on_console, kept = printable_colors(line, keep=self.console.color)
                 data = (on_console + RESET if kept else on_console).encode("utf-8", "replace")
-        if not self.console._keep(self, shown, err, data, logged):
-            self._deliver(shown, err, data, logged)
+        if self.silenced:
+            return
+        self.shown += 1
+        self._deliver(shown, err, data, logged)
 
     def _deliver(self, line: str, err: bool, data: bytes, logged: bytes) -> None:
         """Show (unless ``--only`` leaves it out) and observe one line (``data``, the line as
@@ -380,10 +351,6 @@ class ProcOutput:
     def close(self) -> None:
         self.stdout.close()
         self.stderr.close()
-        with self.console._lock:
-            if self.console._held is not None and self in self.console._attempt:
-                self._close_log_later = True  # its last lines are held yet
-                return
         self._close_log()
 
     def _close_log(self) -> None:

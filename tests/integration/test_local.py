@@ -7,7 +7,9 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from typing import Any
 
 import pytest
 from support.helpers import (
@@ -167,15 +169,73 @@ def test_two_jobs_started_together_never_pick_the_same_port(free_port, tmp_path)
     assert got[0] == {str(free_port)} and len(got[1]) == 1 and got[1] != got[0], got
 
 
+def timed_lines(*args: str, timeout: float) -> tuple[int, list[tuple[float, str]]]:
+    """Run pslaunch to the end: its exit code and every line of its stdout and stderr, each with
+    the seconds from the launcher's start to the line's arrival, in the order they came."""
+    lines: list[tuple[float, str]] = []
+    start = time.monotonic()
+    p = start_pslaunch(*args)
+
+    def read(stream: Any) -> None:
+        for line in stream:
+            lines.append((time.monotonic() - start, line.rstrip("\n")))
+
+    readers = [threading.Thread(target=read, args=(s,), daemon=True) for s in (p.stdout, p.stderr)]
+    for t in readers:
+        t.start()
+    try:
+        code = p.wait(timeout=timeout)
+    finally:
+        p.kill()
+    for t in readers:
+        t.join(5)
+    return code, sorted(lines)
+
+
+NOT_PSLITE = "import os, time; print('hello from', os.environ['DMLC_ROLE'], flush=True); time.sleep(60)"
+
+
 @pytest.mark.timeout(60)
-def test_output_held_for_a_slow_scheduler_is_explained_then_shown(probe) -> None:
-    # until the scheduler listens, what the processes print is held (a lost port race shows none
-    # of it); a scheduler that takes long to listen gets one line that says why the output waits
-    r = run_pslaunch("-n", "1", "-s", "1", *probe("--listen-after", "6.5", "--print", "hello from the probe"))
-    assert r.returncode == 0, r.stderr
-    notice = [x for x in r.stderr.splitlines() if "does not listen on" in x]
-    assert len(notice) == 1 and "what the processes print is shown once it does" in notice[0], r.stderr
-    assert "[worker 0] hello from the probe" in r.stdout and "[server 0] hello from the probe" in r.stdout, r.stdout
+def test_a_program_that_is_not_ps_lite_is_shown_at_once_with_a_hint(free_port) -> None:
+    # pslaunch -n 2 python x.py with x.py no ps-lite program: its scheduler never listens. What
+    # each process prints is shown as it comes (not held until --start-timeout for a port race),
+    # and a few seconds on, one hint names -s 0 and --tracker torch; the timeout's error does too
+    code, lines = timed_lines("-n", "2", "--start-timeout", "12", "--kill-grace", "1",
+                              "--port-range", f"{free_port}-{free_port + 20}", sys.executable, "-c", NOT_PSLITE,
+                              timeout=45)
+    text = "\n".join(f"{t:6.2f} {x}" for t, x in lines)
+    assert code == 1, text
+    hello = [t for t, x in lines if "hello from" in x]
+    assert len(hello) == 5 and max(hello) < 5.0, text  # (main: all at 12 s, with the timeout's error)
+    hints = [(t, x) for t, x in lines if x.startswith("pslaunch: hint: ")]
+    assert len(hints) == 1 and 5.0 <= hints[0][0] < 9.0, text
+    assert "-s 0" in hints[0][1] and "--tracker torch" in hints[0][1], text
+    error = [x for _, x in lines if x.startswith("pslaunch: error: ")]
+    assert len(error) == 1 and "--start-timeout 12s" in error[0] and "-s 0" in error[0], text
+
+
+LISTENS_LATE = ("import os, socket, time, zmq\n"
+                "if os.environ['DMLC_ROLE'] == 'scheduler':\n"
+                "    time.sleep(6.5)\n"
+                "    s = socket.create_server((os.environ['DMLC_PS_ROOT_URI'], int(os.environ['DMLC_PS_ROOT_PORT'])))\n"
+                "    time.sleep(0.5)\n"
+                "print('hello from', os.environ['DMLC_ROLE'], flush=True)\n")
+
+
+@pytest.mark.timeout(60)
+def test_a_ps_lite_program_that_listens_late_gets_no_hint(free_port) -> None:
+    # a scheduler that has loaded libzmq (as a ps-lite program has: MXNet's library, pyzmq) and
+    # listens after the hint's few seconds is importing, not wrong: no hint; its output is shown at once
+    pytest.importorskip("zmq")
+    code, lines = timed_lines("-n", "1", "-s", "1", "--kill-grace", "1",
+                              "--port-range", f"{free_port}-{free_port + 20}", sys.executable, "-c", LISTENS_LATE,
+                              timeout=45)
+    text = "\n".join(f"{t:6.2f} {x}" for t, x in lines)
+    assert code == 0, text
+    assert not [x for _, x in lines if "hint" in x], text
+    hello = {x.split("]")[0]: t for t, x in lines if "hello from" in x}
+    assert sorted(hello) == ["[scheduler", "[server 0", "[worker 0"], text
+    assert hello["[worker 0"] < 5.0 and hello["[scheduler"] > 6.5, text
 
 
 @pytest.mark.timeout(60)

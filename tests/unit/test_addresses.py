@@ -221,3 +221,22 @@ def test_the_tracker_takes_connections_from_the_jobs_hosts_where_the_launcher_kn
     # --host-ip alone may be an address on another network than the one the hosts are known by
     spec = JobSpec(command=("x",), num_workers=2, num_servers=0, launcher="ssh", hosts=(a,), host_ip="10.9.0.1")
     assert addresses.job_peers(spec, {a: "10.0.0.9"}, backends.get("ssh")) is None
+
+
+@pytest.mark.parametrize("program, ps_lite", [
+    ("import zmq, time; print('ready', flush=True); time.sleep(30)", True),   # pyzmq maps libzmq
+    ("import json, time; print('ready', flush=True); time.sleep(30)", False),  # a plain program
+], ids=["pyzmq", "plain"])
+@pytest.mark.parametrize("wrapped", [False, True], ids=["leader", "under-a-shell"])
+def test_a_scheduler_that_loads_a_ps_lite_library_is_told_apart(program: str, ps_lite: bool, wrapped: bool) -> None:
+    # the hint that a command may not be a ps-lite program is not given to one that imports for seconds
+    pytest.importorskip("zmq")
+    argv = [sys.executable, "-c", program]
+    if wrapped:  # the library is in a child of the group's leader (a wrapper script)
+        argv = ["sh", "-c", f"{argv[0]} -c \"{program}\"; :"]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True) as p:
+        try:
+            assert p.stdout is not None and p.stdout.readline() == "ready\n"
+            assert addresses.maps_pslite(p.pid) is ps_lite
+        finally:
+            os.killpg(p.pid, 9)

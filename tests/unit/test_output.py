@@ -166,71 +166,48 @@ def test_the_status_line_width(monkeypatch) -> None:
         os.close(slave)
 
 
-# -- holding an attempt's output (while the scheduler may still lose its port) ---------------
+# -- an attempt's output (while the scheduler may still lose its port) -------------------------
 
 
-def test_held_lines_appear_on_release_in_the_order_they_came(tmp_path) -> None:
+def test_an_attempts_lines_are_shown_logged_and_observed_as_they_come(tmp_path) -> None:
+    # never held for the port's verdict: a program that never listens is seen at once
     console, out, err = make(str(tmp_path))
     seen: list[str] = []
     console.observe("worker-0", seen.append)
-    console.hold()
+    console.begin_attempt()
     w, s = console.proc("worker-0", "worker 0", "worker"), console.proc("server-0", "server 0", "server")
     w.stdout.feed(b"w1\n")
+    assert out.getvalue() == b"[worker 0] w1\n" and seen == ["w1"]
+    assert (tmp_path / "worker-0.log").read_bytes() == b"w1\n"
     s.stderr.feed(b"s1\n")
-    w.stdout.feed(b"w2\n")
-    w.close()  # its log stays open for the held lines
-    assert out.getvalue() == err.getvalue() == b"" and seen == [] and console.holding()
-    assert (tmp_path / "worker-0.log").read_bytes() == b""
-    assert w.lines() == ["w1", "w2"]  # (the failure report's tail is not held)
-    console.release()
-    assert out.getvalue() == b"[worker 0] w1\n[worker 0] w2\n" and err.getvalue() == b"[server 0] s1\n"
-    assert seen == ["w1", "w2"] and not console.holding()
-    assert (tmp_path / "worker-0.log").read_bytes() == b"w1\nw2\n" and w.log is None  # closed now
-    s.stdout.feed(b"live\n")  # released: shown at once
-    assert out.getvalue().endswith(b"[server 0] live\n")
+    assert err.getvalue() == b"[server 0] s1\n"
 
 
-def test_a_discarded_attempt_shows_and_logs_nothing_ever(tmp_path) -> None:
+def test_a_discarded_attempt_says_how_much_it_showed_then_shows_and_logs_nothing_more(tmp_path) -> None:
     console, out, err = make(str(tmp_path))
-    console.hold()
-    lost = console.proc("worker-0", "worker 0", "worker")
+    console.begin_attempt()
+    lost, other = console.proc("worker-0", "worker 0", "worker"), console.proc("server-0", "server 0", "server")
     lost.stdout.feed(b"first attempt\n")
-    console.discard()
+    other.stderr.feed(b"first attempt too\n")
+    assert console.discard() == 2
     lost.stdout.feed(b"dying words\n")  # what it prints while it is stopped
     lost.stderr.close()
-    console.hold()  # the next attempt
+    console.log_banner = "--- the next attempt ---"
+    console.begin_attempt()  # the next attempt
     again = console.proc("worker-0", "worker 0", "worker")
     again.stdout.feed(b"second attempt\n")
     lost.stdout.feed(b"late\n")
-    console.release()
-    assert out.getvalue() == b"[worker 0] second attempt\n" and err.getvalue() == b""
-    assert (tmp_path / "worker-0.log").read_bytes() == b"second attempt\n"
+    assert out.getvalue() == b"[worker 0] first attempt\n[worker 0] second attempt\n"
+    assert err.getvalue() == b"[server 0] first attempt too\n"
+    assert (tmp_path / "worker-0.log").read_bytes() == b"first attempt\n--- the next attempt ---\nsecond attempt\n"
 
 
-def test_a_released_attempt_can_still_be_silenced() -> None:
+def test_a_discard_without_an_attempt_or_lines_counts_none() -> None:
     console, out, _ = make()
-    console.hold()
-    p = console.proc("worker-0", "worker 0", "worker")
-    p.stdout.feed(b"shown\n")
-    console.release()  # (as when more than HOLD_BYTES came before the verdict)
-    console.discard()  # and then it lost the port after all
-    p.stdout.feed(b"not shown\n")
-    assert out.getvalue() == b"[worker 0] shown\n"
-
-
-def test_too_much_held_output_is_shown_not_kept(monkeypatch) -> None:
-    import launcher.runtime.output as output
-
-    monkeypatch.setattr(output, "HOLD_BYTES", 100)
-    console, out, _ = make()
-    console.hold()
-    p = console.proc("worker-0", "worker 0", "worker")
-    p.stdout.feed(b"x" * 40 + b"\n")
-    assert out.getvalue() == b""
-    p.stdout.feed(b"y" * 40 + b"\n")  # over the limit: everything so far is shown, and from then on
-    assert out.getvalue() == b"[worker 0] " + b"x" * 40 + b"\n[worker 0] " + b"y" * 40 + b"\n"
-    p.stdout.feed(b"z\n")
-    assert out.getvalue().endswith(b"[worker 0] z\n")
+    assert console.discard() == 0  # (no attempt began)
+    console.begin_attempt()
+    console.proc("worker-0", "worker 0", "worker")
+    assert console.discard() == 0 and out.getvalue() == b""
 
 
 # --- terminal escapes from the processes -----------------------------------------------------------
@@ -270,19 +247,6 @@ def test_log_raw_keeps_the_bytes_in_the_log_file_only(tmp_path) -> None:
     p.close()
     assert out.getvalue().decode() == f"[worker 0] {SHOWN}\n[worker 0] plain\n"
     assert (tmp_path / "worker-0.log").read_bytes() == (ATTACK + "\nplain\n").encode()
-
-
-def test_held_lines_keep_their_raw_log_text(tmp_path) -> None:
-    out, err = Sink(), Sink()
-    console = Console(stdout=out, stderr=err, log_dir=str(tmp_path), color=False, log_raw=True)
-    console.hold()
-    p = console.proc("worker-0", "worker 0", "worker")
-    p.stdout.feed(b"\x1b[2Jheld\n")
-    assert out.getvalue() == b""
-    console.release()
-    p.close()
-    assert out.getvalue() == b"[worker 0] ^[[2Jheld\n"
-    assert (tmp_path / "worker-0.log").read_bytes() == b"\x1b[2Jheld\n"
 
 
 def test_our_own_colours_still_reach_a_terminal() -> None:

@@ -218,22 +218,29 @@ def test_a_ps_lite_job_under_the_builtin_scheduler(cluster: Cluster, mxnet: str,
 def test_a_lost_port_race_starts_the_whole_job_again(cluster: Cluster, tmp_path: Path) -> None:
     """Everything starts at once; another process takes the scheduler's port before it binds: every
     process of that attempt is stopped and the job starts again on the next port (nothing of the
-    lost attempt is reported or left running)."""
+    lost attempt is reported or left running; what it printed before is said to be its)."""
     port, flag, summary = free_port(), tmp_path / "took-port", tmp_path / "summary.json"
     r = cluster.run("-n", "2", "-s", "1", "--kill-grace", "1", "--port-range", f"{port}-{port + 40}",
                     "--summary-json", str(summary),
                     *cluster.probe("--listen", "--sleep", "1", "--take-port-once", str(flag)))
     assert r.returncode == 0, r.stderr
-    assert flag.exists() and f"port {port} was taken before the scheduler could bind it" in r.stderr
+    assert flag.exists()
     probes = read_probes(cluster.out)
     assert sorted(probes) == ["scheduler", "server-0", "worker-0", "worker-1"]
     ports = {rec["env"]["DMLC_PS_ROOT_PORT"] for rec in probes.values()}
     assert len(ports) == 1 and int(ports.pop()) > port, probes
-    # what the lost attempt printed is not shown (each process printed its port once it started,
-    # before the port was taken); the attempt that ran is, once per process
+    # output is never held for the port's verdict: what the lost attempt printed before the port
+    # was taken (each process its port, once it started) was shown as it came, and the warning
+    # counts those lines as the stopped attempt's; nothing of it after. The attempt that ran is
+    # shown once per process
     said = sorted(re.findall(r"^\[[^]]*\] (\S+) started on port (\d+)$", r.stdout, re.M))
     final = probes["worker-0"]["env"]["DMLC_PS_ROOT_PORT"]
-    assert said == [("server-0", final), ("worker-0", final), ("worker-1", final)], r.stdout
+    assert [x for x in said if x[1] == final] == [("server-0", final), ("worker-0", final), ("worker-1", final)]
+    early = [x for x in said if x[1] != final]
+    assert len(early) <= 3 and all(p == str(port) for _, p in early), r.stdout
+    warning = re.search(rf"port {port} was taken before the scheduler could bind it; starting the job again on the "
+                        r"next port(?: \(the (\d+) lines? above came from the attempt stopped\))?$", r.stderr, re.M)
+    assert warning and int(warning.group(1) or 0) >= len(early), r.stderr
     doc = json.loads(summary.read_text())
     assert doc["reason"] == "success" and sorted(p["name"] for p in doc["processes"]) == sorted(probes)
     assert_nothing_left(cluster)
