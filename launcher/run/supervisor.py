@@ -357,7 +357,7 @@ class Supervisor:
         ``shown``: how many lines the attempt's processes printed before (they were shown: the
         warning says whose they were, and the log files mark where the next attempt begins)."""
         assert self.plan is not None
-        above = f" (the {shown} line{'' if shown == 1 else 's'} above came from the attempt stopped)" if shown else ""
+        above = f" (the {shown} line{'' if shown == 1 else 's'} above came from the stopped attempt)" if shown else ""
         log.warning("port %d was taken before the scheduler could bind it; starting the job again on the "
                     "next port%s", self.plan.root_port, above)
         self.console.log_banner = (f"--- pslaunch: port {self.plan.root_port} was taken before the scheduler "

@@ -239,7 +239,7 @@ def test_a_lost_port_race_starts_the_whole_job_again(cluster: Cluster, tmp_path:
     early = [x for x in said if x[1] != final]
     assert len(early) <= 3 and all(p == str(port) for _, p in early), r.stdout
     warning = re.search(rf"port {port} was taken before the scheduler could bind it; starting the job again on the "
-                        r"next port(?: \(the (\d+) lines? above came from the attempt stopped\))?$", r.stderr, re.M)
+                        r"next port(?: \(the (\d+) lines? above came from the stopped attempt\))?$", r.stderr, re.M)
     assert warning and int(warning.group(1) or 0) >= len(early), r.stderr
     doc = json.loads(summary.read_text())
     assert doc["reason"] == "success" and sorted(p["name"] for p in doc["processes"]) == sorted(probes)
