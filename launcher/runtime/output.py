@@ -211,7 +211,7 @@ class Console:
             for out in self._attempt or ():
                 out.silenced = True
                 out._close_log()
-            shown = sum(out.shown for out in self._attempt or ())
+            shown = sum(out.lines_shown for out in self._attempt or ())
             self._attempt = None
             return shown
 
@@ -272,7 +272,7 @@ class ProcOutput:
         self.cause: Optional[tuple[Optional[str], Optional[int], str]] = None
         self.shown = True  # its lines reach the console (--only may leave them to the log file alone)
         self.silenced = False  # its attempt lost the scheduler's port: nothing of it is shown (Console.discard)
-        self.shown = 0  # lines shown (Console.discard tells an attempt's)
+        self.lines_shown = 0  # lines shown on the console (Console.discard tells an attempt's)
         self._lock = threading.Lock()
         self.stdout = LineStream(self, err=False)
         self.stderr = LineStream(self, err=True)
@@ -317,7 +317,7 @@ class ProcOutput:
                 data = (on_console + RESET if kept else on_console).encode("utf-8", "replace")
         if self.silenced:
             return
-        self.shown += 1
+        self.lines_shown += self.shown
         self._deliver(shown, err, data, logged)
 
     def _deliver(self, line: str, err: bool, data: bytes, logged: bytes) -> None:
