@@ -397,11 +397,12 @@ def torch_defaults(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def torch_sockets(environ: Mapping[str, str], interface: str | None) -> dict[str, str]:
-    """For a torch worker (``MASTER_ADDR`` set) whose ``DMLC_INTERFACE`` selects ``interface`` (a name)
-    on its node: ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` (``=name``: that interface
-    exactly), each unless already set; so gloo and NCCL use the network ``DMLC_INTERFACE`` names,
-    whatever the interface is called on each host (a CIDR). Nothing for another job or without
-    an interface."""
+    """For a torch worker (``MASTER_ADDR`` set) whose ranks reach each other through ``interface``
+    (a name) on its node (:func:`netif.carrier_spec`: the one ``DMLC_INTERFACE`` selects, else the
+    one that carries the node's address): ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME``
+    (``=name``: that interface exactly), each unless already set; so gloo and NCCL use the network
+    the other hosts reach this one on, whatever the interface is called on each host. Nothing for
+    another job or without an interface."""
     if not interface or not environ.get(MASTER_ADDR):
         return {}
     env = {}

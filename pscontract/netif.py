@@ -137,6 +137,42 @@ def interface_name(spec: str) -> str:
     return match(spec, interfaces()).name
 
 
+def carrier_spec(interface: str | None, address: str | None) -> str | None:
+    """What selects the interface a node's gloo and NCCL bind (``GLOO_SOCKET_IFNAME``,
+    ``NCCL_SOCKET_IFNAME``): ``DMLC_INTERFACE`` when set; else the node's own address
+    (``DMLC_NODE_HOST``, the one the other hosts reach it on) as a one-address CIDR, which
+    selects the interface that carries it. None when neither is known, or the address is on
+    loopback (every rank runs on this machine: gloo's own choice works there).
+
+    Without it gloo binds the address the host's name resolves to, often 127.0.1.1, and
+    publishes that to the other ranks ("Connection refused, remote=127.0.0.1")."""
+    if interface and interface.strip():
+        return interface.strip()
+    if address and address.strip():
+        try:
+            ip = ipaddress.IPv4Address(address.strip())
+        except ValueError:
+            return None
+        return None if ip.is_loopback else f"{ip}/32"  # (loopback: every rank is on this machine)
+    return None
+
+
+def carrier_name(interface: str | None, address: str | None, ifaces: Sequence[Iface] | None = None) -> str | None:
+    """The name of the interface :func:`carrier_spec` selects here. A ``DMLC_INTERFACE`` that
+    selects nothing raises :class:`NetifError` (the job's network is wrong); an address that no
+    interface here carries (a NAT or a proxy in between) gives None: gloo then picks its own."""
+    spec = carrier_spec(interface, address)
+    if spec is None:
+        return None
+    ifaces = interfaces() if ifaces is None else ifaces
+    try:
+        return match(spec, ifaces).name
+    except NetifError:
+        if interface and interface.strip():
+            raise
+        return None
+
+
 def route_source(dest: str) -> str:
     """The local address the kernel would use to reach ``dest`` (no packet is sent)."""
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)

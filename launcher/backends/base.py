@@ -33,6 +33,7 @@ from ..errors import ConfigError
 from ..node.watchdog import Client as Watchdog
 from ..runtime.handle import ProcGroup
 from ..runtime.output import Console
+from ..spec import network
 from ..spec.job import Host, JobSpec
 from ..spec.plan import Plan, ProcSpec
 
@@ -86,6 +87,8 @@ class Backend:
             process of a host alike (this machine's address; each ssh host's address), not on
             the node from the process's own variables: a per-role ``DMLC_INTERFACE``
             (``--env-worker``) cannot change it, and :meth:`notes` says so.
+        elsewhere: where a batch system runs the processes when that is never this machine
+            (``the Slurm nodes``): a service address on loopback is refused at once.
         Options: the frozen record of the backend's own options (validated in its
             ``__post_init__``); ``JobSpec.options`` holds one.
         options: the CLI options that fill :attr:`Options`.
@@ -98,6 +101,7 @@ class Backend:
     supports_sync: ClassVar[bool] = False
     needs_scheduler_address: ClassVar[bool] = False
     node_address_from_launcher: ClassVar[bool] = False
+    elsewhere: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
     options: ClassVar[tuple[BackendOption, ...]] = ()
 
@@ -165,9 +169,26 @@ class Backend:
         return "this machine" if cls.all_here(spec) else "the cluster's hosts"
 
     @classmethod
+    def machines(cls, spec: JobSpec) -> Optional[Sequence[str]]:
+        """The names or addresses of the machines the processes run on, as far as the launcher knows
+        before the start: none when they all run here, the hostfile's hosts, else None (a batch
+        system decides; :attr:`elsewhere` says whether that is on other machines)."""
+        if cls.all_here(spec):
+            return ()
+        if cls.uses_hostfile and spec.hosts:
+            return [h.name for h in spec.hosts]
+        return None
+
+    @classmethod
     def dry_run_addresses(cls, spec: JobSpec, interface: str) -> Mapping[Host, str]:
         """``DMLC_NODE_HOST`` per host as a dry run shows it (placeholders where only the host can tell)."""
         return {h: (f"<{h.name} on {interface}>" if interface else h.name) for h in spec.hosts}
+
+    @classmethod
+    def dry_run_sockets(cls, spec: JobSpec) -> list[str]:
+        """A torch job's ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` as a dry run shows them, with
+        where each comes from (:func:`launcher.spec.network.socket_lines`; each node finds its own)."""
+        return network.socket_lines(spec, None, cls.all_here(spec))
 
     @classmethod
     def dry_run(cls, spec: JobSpec, plan: Plan) -> list[str]:

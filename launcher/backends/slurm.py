@@ -554,6 +554,7 @@ class SlurmBackend(BatchBackend):
 
     name = "slurm"
     index_source = "slurm"
+    elsewhere = "the Slurm nodes"
     poll_every = 0.1
     close_wait = 20.0
     Options = SlurmOptions

@@ -63,6 +63,7 @@ from ..node.watchdog import Client as Watchdog
 from ..runtime.handle import ProcGroup
 from ..runtime.output import Console, ProcOutput
 from ..runtime.remote import RemoteProcess
+from ..spec import network
 from ..spec.job import Host, JobSpec
 from ..spec.plan import Plan, ProcSpec, place
 from ..transport.options import SSHOptions
@@ -707,6 +708,19 @@ class SSHBackend(Backend):
         return lines
 
     @classmethod
+    def dry_run_sockets(cls, spec: JobSpec) -> list[str]:
+        """Host by host: the launcher works out each host's interface before the start."""
+        lines = hosts_with_processes(spec)
+        targets = cls.dry_targets(spec, lines)[0]
+        return network.socket_lines(spec, [(h.display, t.hostname) for h, t in zip(lines, targets)], all_here=False)
+
+    @classmethod
+    def machines(cls, spec: JobSpec) -> Optional[Sequence[str]]:
+        """The hosts that get a process, as ``~/.ssh/config`` names them (an alias's ``HostName``)."""
+        lines = hosts_with_processes(spec)
+        return [t.hostname for t in cls.dry_targets(spec, lines)[0]]
+
+    @classmethod
     def sync_plan(cls, spec: JobSpec) -> SyncPlan:
         """What ``--sync-dst-dir`` sends (one walk of the working directory, here)."""
         opts = spec.options or SSHOptions()
@@ -808,11 +822,16 @@ class SSHBackend(Backend):
             for candidate in (address, host.session.target.hostname):
                 try:
                     host.node_address = netif.resolve_ipv4(candidate)
-                    return
+                    break
                 except netif.NetifError:
                     continue
-            raise ConfigError(f"{host.label}: no IPv4 address for DMLC_NODE_HOST (the connection reached "
-                              f"{address}; ps-lite needs IPv4): set DMLC_INTERFACE to the host's IPv4 network")
+            else:
+                raise ConfigError(f"{host.label}: no IPv4 address for DMLC_NODE_HOST (the connection reached "
+                                  f"{address}; ps-lite needs IPv4): set DMLC_INTERFACE to the host's IPv4 network")
+            unset = set(network.SOCKET_NAMES) - set(network.user_socket_settings(self.spec))
+            if self.spec.tracker == "torch" and unset:
+                self._resolve_carrier(host)  # (gloo and NCCL on the network ssh reached the host on)
+            return
         doc = host.request(protocol.IFACE, json.dumps({"iface": iface}).encode(), protocol.IFACE_ANSWER, timeout=60.0)
         if "error" in doc:
             raise ConfigError(f"{host.label}: {doc['error']}; set DMLC_INTERFACE to a name or CIDR that every "
@@ -821,12 +840,27 @@ class SSHBackend(Backend):
         host.interface = str(doc.get("interface") or "") or None
         log.debug("%s: DMLC_INTERFACE=%s is %s (%s)", host.label, iface, doc.get("interface"), host.node_address)
 
+    def _resolve_carrier(self, host: RemoteHost) -> None:
+        """Without ``DMLC_INTERFACE``, a torch job's gloo and NCCL on ``host`` bind the interface
+        that carries the address ssh reached it on (:func:`pscontract.netif.carrier_spec`), found
+        there; none found (a NAT or a proxy in between): they pick their own, as before."""
+        spec = netif.carrier_spec(None, host.node_address)
+        if spec is None:
+            return
+        doc = host.request(protocol.IFACE, json.dumps({"iface": spec}).encode(), protocol.IFACE_ANSWER, timeout=60.0)
+        if "error" in doc:
+            log.info("%s: no interface there carries %s (%s); gloo and NCCL pick their own", host.label,
+                     host.node_address, doc["error"])
+            return
+        host.interface = str(doc.get("interface") or "") or None
+
     # -- start ---------------------------------------------------------------------------
 
     def start(self, procs: Sequence[ProcSpec]) -> ProcGroup:
         t0 = time.monotonic()
         handles: list[SSHProcess] = []
         per_host: dict[int, tuple[RemoteHost, list[SSHProcess]]] = {}
+        told: set[str] = set()
         try:
             for i, p in enumerate(procs):
                 if p.host is None or p.host not in self.by_line:
@@ -834,6 +868,10 @@ class SSHBackend(Backend):
                 host = self.by_line[p.host]
                 extra = pc.torch_sockets(p.env, host.interface)  # (a torch job: gloo and NCCL on that network)
                 if extra:
+                    if host.label not in told:
+                        told.add(host.label)
+                        log.info("%s: %s", host.label, network.socket_text(extra, host.interface, host.node_address,
+                                                                          self.spec.interface))
                     p = dataclasses.replace(p, env={**p.env, **extra})
                 h = SSHProcess(p, self.console.proc(p.name, p.label, str(p.role)), host, i)
                 handles.append(h)

@@ -156,7 +156,8 @@ def execute(spec: JobSpec) -> int:
     if spec.dry_run:
         backend = backends.get(spec.launcher)
         plan = dry_run_plan(spec, backend)
-        extra = [f"warning: {note}" for note in backend.notes(spec)] + backend.dry_run(spec, plan)
+        extra = [f"warning: {note}" for note in backend.notes(spec)] + backend.dry_run(spec, plan) + \
+            backend.dry_run_sockets(spec)
         sys.stdout.write(format_dry_run(spec, plan, extra, inherits=not backend.remote,
                                         tracker=trackers.describe(spec, plan)) + "\n")
         return 0

@@ -115,8 +115,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             service = pc.service_endpoint(env)  # the scheduler's or the tracker's address
             env[pc.NODE_HOST] = netif.node_address(env.get(pc.INTERFACE), service[0] if service else None,
                                                    env.get(pc.NODE_HOST))
-            if env.get(pc.INTERFACE, "").strip():  # (a torch job's gloo and NCCL: the same network)
-                env.update(pc.torch_sockets(env, netif.interface_name(env[pc.INTERFACE])))
+            if env.get(pc.MASTER_ADDR):  # (a torch job's gloo and NCCL: the network its ranks share)
+                env.update(pc.torch_sockets(env, netif.carrier_name(env.get(pc.INTERFACE), env[pc.NODE_HOST])))
         except netif.NetifError as e:
             raise AgentError(f"on {socket.gethostname()}: cannot work out this node's address: {e}") from None
         agent = Agent(float(table.get("grace", 10.0)), _connect(table, rank, env), fallback="in-band",

@@ -171,6 +171,18 @@ def node_address(environ: Mapping[str, str]) -> str:
         raise TaskError(f"cannot work out this node's address: {e}") from None
 
 
+def torch_sockets(env: Mapping[str, str]) -> dict[str, str]:
+    """A torch job's gloo and NCCL on the network its ranks reach each other on: the interface
+    ``DMLC_INTERFACE`` selects here, else the one that carries ``DMLC_NODE_HOST`` (the address
+    that routes to the store); nothing where the user set them (:func:`pscontract.torch_sockets`)."""
+    if not env.get(pc.MASTER_ADDR):
+        return {}
+    try:
+        return pc.torch_sockets(env, netif.carrier_name(env.get(pc.INTERFACE), env.get(pc.NODE_HOST)))
+    except netif.NetifError as e:
+        raise TaskError(f"cannot work out this node's interface: {e}") from None
+
+
 def task_environment(doc: Mapping[str, Any], role: str, index: int,
                      environ: Mapping[str, str]) -> dict[str, str]:
     """The command's environment: the task's own, then the job's, then the contract.
@@ -253,8 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         index = task_index(a.index, os.environ)
         env = task_environment(doc, a.role, index, os.environ)
         env[pc.NODE_HOST] = node_address(env)
-        if env.get(pc.INTERFACE, "").strip():  # (a torch job's gloo and NCCL: the same network)
-            env.update(pc.torch_sockets(env, netif.interface_name(env[pc.INTERFACE])))
+        env.update(torch_sockets(env))
         command = list(a.command[1:] if a.command[:1] == ["--"] else a.command) or list(doc.get("argv") or [])
         if not command:
             raise TaskError("no command: neither after -- nor in the task file")

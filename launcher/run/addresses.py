@@ -15,7 +15,7 @@ import logging
 import os
 import socket
 import threading
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 from pscontract import netif
 
@@ -23,6 +23,7 @@ from ..backends.base import Backend
 from ..errors import ConfigError
 from ..runtime.handle import group_members
 from ..runtime.ports import port_is_free
+from ..spec import network
 from ..spec.job import Host, JobSpec
 
 log = logging.getLogger(__name__)
@@ -67,10 +68,70 @@ def scheduler_address(spec: JobSpec, addresses: Mapping[Host, str], backend: typ
                 "set DMLC_INTERFACE (a name or a CIDR such as 10.1.0.0/16) or --host-ip ADDRESS")
         if backend.all_here(spec) or not spec.hosts:
             return "127.0.0.1"
-        first = spec.hosts[0]
-        return netif.route_source(addresses.get(first) or netif.resolve_ipv4(first.name))
+        # toward the first host that is not this machine's loopback (a hostfile may start with localhost)
+        known = [addresses[h] for h in spec.hosts if h in addresses] or [netif.resolve_ipv4(spec.hosts[0].name)]
+        return netif.route_source(next((a for a in known if not network.is_loopback(a)), known[0]))
     except netif.NetifError as e:
         raise ConfigError(str(e)) from None
+
+
+def early_address(spec: JobSpec) -> tuple[Optional[str], str]:
+    """The service's address where it needs no connection to a host, and what chose it:
+    ``("127.0.0.1", "DMLC_INTERFACE=lo")``, ``("10.0.0.1", "--host-ip 10.0.0.1")``; ``(None, "")``
+    when only the hosts can tell (the route to them) or this host lacks the interface."""
+    iface = spec.interface
+    if iface:
+        try:
+            address = interface_address_or_none(iface, spec.host_ip)
+        except netif.NetifError:
+            return None, ""  # (the real run says so, in scheduler_address)
+        if address is not None:
+            return address, f"DMLC_INTERFACE={iface}"
+    if is_literal_host_ip(spec.host_ip):
+        return spec.host_ip, f"--host-ip {spec.host_ip}"
+    return None, ""
+
+
+def other_machines(names: Sequence[str], local: Optional[set[str]] = None) -> list[str]:
+    """The names among ``names`` that are not this machine: one that resolves to a loopback
+    address or to an address of this machine's interfaces is this machine; one that does not
+    resolve counts as another (ssh may still reach it)."""
+    if local is None:
+        try:
+            local = {i.address for i in netif.interfaces()}
+        except netif.NetifError:
+            local = set()
+    found = []
+    for name in names:
+        try:
+            address = netif.resolve_ipv4(name)
+        except netif.NetifError:
+            found.append(name)
+            continue
+        if not network.is_loopback(address) and address not in local:
+            found.append(name)
+    return list(dict.fromkeys(found))
+
+
+def check_loopback(spec: JobSpec, backend: type[Backend]) -> None:
+    """Refuse at once (``ConfigError``, exit 2), before any connection, a service address on
+    loopback while processes run on other machines (:func:`launcher.spec.network.loopback_refusal`):
+    from ``DMLC_INTERFACE`` or ``--host-ip`` with a hostfile's hosts that are not this machine,
+    from ``DMLC_INTERFACE`` on Slurm's nodes. Without either, the address is the route to the
+    first host that is not on loopback (:func:`scheduler_address`)."""
+    address, source = early_address(spec)
+    if not network.is_loopback(address):
+        return
+    machines = backend.machines(spec)
+    if machines is None:  # a batch system's nodes: known to be elsewhere only by the backend. There a
+        # literal --host-ip is the user's word (a cluster whose nodes include this machine; the tests'
+        # way to keep agents from connecting), DMLC_INTERFACE=lo a network name taken for the nodes'
+        elsewhere = [backend.elsewhere] if backend.elsewhere and source.startswith("DMLC_INTERFACE") else []
+    else:
+        elsewhere = other_machines(machines)
+    why = network.loopback_refusal(spec, address, source, elsewhere, routed=not backend.needs_scheduler_address)
+    if why:
+        raise ConfigError(why)
 
 
 def dry_run_address(spec: JobSpec, backend: type[Backend]) -> str:

@@ -285,6 +285,7 @@ class Supervisor:
                 backend.check()
                 if spec.has_scheduler and spec.scheduler == "builtin":
                     require_pyzmq()
+                addr.check_loopback(spec, self.backend_cls)  # (before any connection: at once)
                 addresses = dict(backend.prepare())
                 root_uri = addr.scheduler_address(spec, addresses, self.backend_cls)
                 self._timing("backend ready")

@@ -22,7 +22,10 @@ from typing import Iterable, Mapping
 import pscontract as pc
 
 FORWARD_PREFIXES = ("PS_", "DMLC_", "OMP_", "KMP_", "MXNET_", "AWS_")
-FORWARD_NAMES = frozenset({"PYTHONPATH", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES"})
+# (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME: set in this shell, they win over the ones a torch job's
+# hosts would get, launcher.spec.network, on every host)
+FORWARD_NAMES = frozenset({"PYTHONPATH", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME",
+                           "NCCL_SOCKET_IFNAME"})
 
 _SECRET_WORDS = ("SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL")
 REDACTED = "<redacted>"
@@ -97,8 +100,9 @@ def forwarded(environ: Mapping[str, str], extra_names: Iterable[str] = (),
     """The variables of ``environ`` that reach every node on every backend.
 
     ``PS_*``, ``DMLC_*`` (``DMLC_INTERFACE`` included), ``OMP_*``, ``KMP_*``,
-    ``MXNET_*``, ``AWS_*``, ``PYTHONPATH``, ``LD_LIBRARY_PATH`` and
-    ``CUDA_VISIBLE_DEVICES``, plus ``extra_names``. Contract variables
+    ``MXNET_*``, ``AWS_*``, ``PYTHONPATH``, ``LD_LIBRARY_PATH``,
+    ``CUDA_VISIBLE_DEVICES``, ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME``, plus
+    ``extra_names``. Contract variables
     (``owned``: :func:`pscontract.owned` of the job's tracker) are left out:
     the launcher sets those itself.
     A name that is not a portable variable name (``PS_A$(id)``, set with

@@ -8,7 +8,8 @@ PyTorch DDP (torch), each checked against one process trained on all the data.
 * a torch job restarted twice (``--max-restarts``): one store program, a fresh store on a new port
   in each attempt, holding no key of an attempt before;
 * DDP (gloo, float64) under ``--tracker torch`` on local, over ssh on the testbed (2 hosts,
-  ``DMLC_INTERFACE`` as a CIDR), under mpi (Open MPI, MPICH), sge and yarn: the parameters of
+  ``DMLC_INTERFACE`` as a CIDR, and without it: each host's interface of the address ssh reached),
+  under mpi (Open MPI, MPICH), sge and yarn: the parameters of
   every rank equal those of one process trained on the ranks' batches together.
 
 Workers are tests/bin/xgb_worker.py and tests/bin/ddp_worker.py.
@@ -226,6 +227,35 @@ def test_ddp_over_ssh_on_two_hosts_with_a_cidr(testbed: Testbed, tmp_path: Path)
         assert {e["MASTER_ADDR"] for e in by_rank.values()} == {testbed.root_b}
         first, second = testbed.hosts[0], testbed.hosts[1]
         assert [e["DMLC_NODE_HOST"] for _, e in sorted(by_rank.items())] == [first.addr_b] * 2 + [second.addr_b] * 2
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.mark.ssh
+@pytest.mark.timeout(300)
+def test_ddp_over_ssh_on_two_hosts_without_dmlc_interface(testbed: Testbed, tmp_path: Path) -> None:
+    # no DMLC_INTERFACE: each host's gloo binds the interface of the address ssh reached it on (a name of
+    # its own on each host); without that, gloo took what the host's name resolves to ("Connection
+    # refused, remote=127.0.0.1")
+    out = testbed.shared / uuid.uuid4().hex[:10]
+    out.mkdir(mode=0o777)
+    try:
+        first, second = testbed.hosts[0], testbed.hosts[1]
+        hosts = testbed.write_hostfile(tmp_path / "hosts", [first, second], "{addr_a} slots=2")
+        r = run_pslaunch("--launcher", "ssh", "-H", str(hosts), "-n", "4", "--tracker", "torch", "--kill-grace", "2",
+                         "--log-level", "info", "--env", "PSLAUNCH_NETGUARD_LOG", *ddp_argv(out),
+                         env=testbed.env(), timeout=DEADLINE)
+        assert r.returncode == 0, r.stdout + r.stderr
+        res = check_ddp(out, 4, tmp_path)
+        by_rank = {x["rank"]: x["env"] for x in res.values()}
+        assert {e["MASTER_ADDR"] for e in by_rank.values()} == {testbed.root_a}  # the route to the hosts
+        per_rank = [(e["DMLC_NODE_HOST"], e["GLOO_SOCKET_IFNAME"], e["NCCL_SOCKET_IFNAME"])
+                    for _, e in sorted(by_rank.items())]
+        assert per_rank == [(h.addr_a, h.iface_a, "=" + h.iface_a) for h in (first, first, second, second)]
+        for h in (first, second):  # where the values came from, once per host
+            line = (f"pslaunch: {h.addr_a}: GLOO_SOCKET_IFNAME={h.iface_a}, NCCL_SOCKET_IFNAME=={h.iface_a} (the "
+                    f"interface of {h.addr_a}, the address the other hosts reach)")
+            assert r.stderr.count(line) == 1, r.stderr
     finally:
         shutil.rmtree(out, ignore_errors=True)
 

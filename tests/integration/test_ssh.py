@@ -267,12 +267,21 @@ def test_dmlc_interface_name_missing_on_some_hosts_fails_before_start(testbed: T
 
 
 @pytest.mark.timeout(90)
-def test_dmlc_interface_name_that_every_host_has(testbed: Testbed, out: Path, tmp_path: Path) -> None:
-    # a name prefix present on the launching host too: lo
+def test_dmlc_interface_lo_with_ssh_hosts_is_refused_at_once(testbed: Testbed, out: Path, tmp_path: Path) -> None:
+    # lo, the one name every host has, puts the tracker on this host's loopback: no other host reaches
+    # it, so each process would wait --start-timeout for nothing. One line, before any connection.
     env = testbed.env(DMLC_INTERFACE="lo")
-    r = run_ssh(testbed, "-n", "1", "-s", "0", "-H", hostfile(testbed, tmp_path, 1), *probe(out), env=env)
-    assert r.returncode == 0, r.stderr
-    assert read_probes(out)["worker-0"]["env"]["DMLC_NODE_HOST"] == "127.0.0.1"
+    for args in (("-s", "0"), ("--tracker", "torch"), ("-s", "1")):
+        t0 = time.monotonic()
+        r = run_ssh(testbed, "-n", "2", *args, "-H", hostfile(testbed, tmp_path, 2), *probe(out), env=env)
+        assert r.returncode == 2, r.stderr
+        line = one_line_error(r)
+        assert re.fullmatch(r"pslaunch: error: DMLC_INTERFACE=lo puts the (rabit tracker \(DMLC_TRACKER_URI\)|torch "
+                            r"store \(MASTER_ADDR\)|scheduler \(DMLC_PS_ROOT_URI\)) on 127\.0\.0\.1, a loopback "
+                            rf"address, which processes on {re.escape(testbed.hosts[0].addr_a)} \(and 1 more host\) "
+                            r"cannot reach: set DMLC_INTERFACE to a network the hosts share .*", line), line
+        assert time.monotonic() - t0 < 10
+        assert read_probes(out) == {}  # nothing started
 
 
 # --- orphans ------------------------------------------------------------------------------------------
