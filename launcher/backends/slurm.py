@@ -29,8 +29,9 @@ relays: nothing is lost, only graceful stops go through ``scancel --signal``.
 **The environment.** srun carries the launcher's environment to the tasks (Slurm's default,
 ``--export=ALL``: loaded modules and virtual environments work as they do with srun), straight
 to the nodes' slurmd: it is never part of the job's record (``scontrol show job``, ``squeue``).
-The job's own variables, the secret among them, ride in one variable of srun's environment,
-``PSLAUNCH_TASK`` (the task document), which the wrapper removes; nothing secret is on a
+The job's own variables, the secret among them, ride in srun's environment as the task document
+of the step's role: ``PSLAUNCH_TASK`` (and ``PSLAUNCH_TASK_1``, ... when it is over 96 KiB: execve
+refuses a single variable over 128 KiB), which the wrapper removes; nothing secret is on a
 command line or in a file.
 
 **Failures and leftovers.**
@@ -70,6 +71,7 @@ import pscontract as pc
 
 from .. import external, node
 from ..errors import BackendUnavailableError, ConfigError, LaunchError
+from ..node import task as task_wrapper
 from ..node.protocol import unwrap
 from ..runtime.output import ProcOutput
 from ..runtime.spawn import spawn, spawn_guard
@@ -363,10 +365,17 @@ def build_srun(spec: JobSpec, role: Role, nodes: Sequence[str], *, job_id: str, 
 
 def step_environment(environ: Mapping[str, str], task_doc: Mapping[str, Any]) -> dict[str, str]:
     """srun's environment: the launcher's, less the step-shape variables an enclosing
-    ``sbatch``/``salloc`` set for its own tasks, plus the task document."""
-    env = {k: v for k, v in environ.items() if k not in STEP_SHAPE_VARIABLES and k != TASK_ENV}
-    env[TASK_ENV] = json.dumps(task_doc, separators=(",", ":"))
+    ``sbatch``/``salloc`` set for its own tasks (and the task document of a pslaunch around this
+    one), plus the task document, split over ``PSLAUNCH_TASK``, ``PSLAUNCH_TASK_1``, ... where it is
+    longer than one variable may be (execve refuses one over 128 KiB: ``Argument list too long``)."""
+    env = {k: v for k, v in environ.items() if k not in STEP_SHAPE_VARIABLES and not _is_task_env(k)}
+    env.update(task_wrapper.task_env_chunks(TASK_ENV, json.dumps(task_doc, separators=(",", ":"))))
     return env
+
+
+def _is_task_env(name: str) -> bool:
+    """``PSLAUNCH_TASK`` or one of its continuations (``PSLAUNCH_TASK_1``)."""
+    return name == TASK_ENV or (name.startswith(TASK_ENV + "_") and name[len(TASK_ENV) + 1:].isdigit())
 
 
 def scancel_command(ids: Sequence[str], scancel: Optional[str]) -> Optional[list[str]]:
@@ -790,7 +799,6 @@ class SlurmBackend(BatchBackend):
             members = role_procs(procs, Role(role))
             r["local_procs"] = [per_node[where[(Role(role), p.rank)]] for p in members]
         doc = build_task_file(spec, procs, hub=hub, roles=roles)
-        env = step_environment(os.environ, doc)
         wrapper = node.command("task")
         srun = _which("srun") or "srun"
         log.info("placement: %s", ", ".join(f"{p.label} @ {where[(p.role, p.rank)]}" for p in procs))
@@ -810,7 +818,8 @@ class SlurmBackend(BatchBackend):
                     step.tasks.append(t)
                     self.add_task(t)
                 self.steps.append(step)
-                self._spawn(step, env)
+                # (each step's document holds its own role only: half the size for a large environment)
+                self._spawn(step, step_environment(os.environ, {**doc, "roles": {str(role): roles[str(role)]}}))
             log.debug("%s step: %s", role, shlex.join(argv))
         return self.tasks
 

@@ -20,7 +20,7 @@ import os
 import socket
 import sys
 import threading
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 import pscontract as pc
 
@@ -28,6 +28,7 @@ from .. import logs
 from ..errors import ConfigError, LauncherError
 from ..node import safefiles
 from ..spec import env as jobenv
+from ..spec import envfile
 from ..spec.hosts import is_host_list, read_hosts
 from ..spec.job import Host
 
@@ -56,6 +57,44 @@ def parse_env_item(item: str, option: str, environ: Mapping[str, str], allow_cop
             shown = f"{name}{sep}{jobenv.REDACTED}"
             break
     raise ConfigError(f"{option} {shown!r}: expected {form} with NAME like OMP_NUM_THREADS")
+
+
+#: The longest ``NAME=VALUE`` string Linux's execve takes (MAX_ARG_STRLEN, 32 pages): a longer
+#: variable reaches no process on any backend, so it is refused before anything starts.
+MAX_VARIABLE_BYTES = 32 * 4096
+
+
+def job_env(items: Sequence[str], files: Sequence[str], environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """``--env-file`` then ``--env`` as ``(name, value)`` pairs, lowest precedence first (a later pair
+    wins): each file's lines in order, then each ``--env`` item, a glob (``WANDB_*``) expanded to the
+    matching variables of ``environ`` (:func:`unmatched_globs` says which matched nothing)."""
+    pairs: list[tuple[str, str]] = []
+    for path in files:
+        pairs.extend(envfile.read_env_file(str(path), environ))
+    for item in items:
+        if envfile.is_glob(str(item)):
+            pairs.extend(envfile.expand_glob(str(item), environ))
+        else:
+            pairs.append(parse_env_item(item, "--env", environ, True))
+    check_variable_sizes(pairs)
+    return tuple(pairs)
+
+
+def unmatched_globs(items: Sequence[str], environ: Mapping[str, str]) -> list[str]:
+    """The ``--env`` globs that match no variable of ``environ`` (a warning each, not an error:
+    ``--env 'WANDB_*'`` in a shared script must not fail where W&B is not set up)."""
+    return [str(i) for i in items if envfile.is_glob(str(i)) and not envfile.expand_glob(str(i), environ)]
+
+
+def check_variable_sizes(pairs: Sequence[tuple[str, str]]) -> None:
+    """Refuse a variable longer than :data:`MAX_VARIABLE_BYTES`: execve would fail with E2BIG
+    ("Argument list too long") wherever the process starts, after the job's other processes ran."""
+    for name, value in pairs:
+        size = len(name.encode()) + 1 + len(value.encode("utf-8", "surrogateescape")) + 1
+        if size > MAX_VARIABLE_BYTES:
+            raise ConfigError(f"{name} is {size // 1024} KiB; Linux starts no process with a variable over "
+                              f"{MAX_VARIABLE_BYTES // 1024} KiB (execve: Argument list too long): put the value "
+                              f"in a file and set {name} to its path")
 
 
 def parse_port_range_option(text: str) -> tuple[int, int]:

@@ -20,7 +20,15 @@ from ..run.supervisor import dry_run_plan, run_job
 from ..spec.job import JobSpec, parse_memory_mb
 from ..spec.only import parse_only
 from ..spec.plan import worker_gpus
-from .common import configure_logging, parse_env_item, parse_port_range_option, read_hosts_option
+from .common import (
+    check_variable_sizes,
+    configure_logging,
+    job_env,
+    parse_env_item,
+    parse_port_range_option,
+    read_hosts_option,
+    unmatched_globs,
+)
 
 log = logging.getLogger("launcher")
 
@@ -29,6 +37,8 @@ def run(kw: Mapping[str, Any], environ: Mapping[str, str]) -> int:
     """Build the spec from parsed options, then run it (or its dry run): the exit code."""
     spec = build_spec(kw, environ)
     configure_logging(spec.log_level, spec.log_file)
+    for glob in unmatched_globs(kw.get("env") or (), environ):
+        log.warning("--env %s matches no variable of this shell; nothing is forwarded for it", glob)
     if not spec.dry_run:  # (the dry run lists them with the plan)
         for note in backends.get(spec.launcher).notes(spec):
             log.warning("%s", note)
@@ -47,9 +57,10 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
     hosts = read_hosts_option(hostfile) if hostfile else ()
     launcher = kw.get("launcher") or ("ssh" if hostfile else "local")
     backend = backends.get(launcher)
-    env = tuple(parse_env_item(e, "--env", environ, True) for e in kw.get("env") or ())
+    env = job_env(kw.get("env") or (), kw.get("env_file") or (), environ)
     env_server = tuple(parse_env_item(e, "--env-server", environ, False) for e in kw.get("env_server") or ())
     env_worker = tuple(parse_env_item(e, "--env-worker", environ, False) for e in kw.get("env_worker") or ())
+    check_variable_sizes((*env_server, *env_worker))
     for role_env in (env_server, env_worker):
         try:  # what the processes would refuse at start is refused before anything starts
             pc.heartbeat_settings({**environ, **dict(env), **dict(role_env)})

@@ -113,10 +113,15 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
 @click.option("--sync-dst-dir", default=None,
               help="Copy the working directory to DIR on every host first (ssh); DIR becomes "
                    "the remote working directory.")
-@click.option("--env", "env", multiple=True, metavar="NAME[=VALUE]",
+@click.option("--env", "env", multiple=True, metavar="NAME[=VALUE]|GLOB",
               help="Set a variable for every process (NAME=VALUE, or launch.py's NAME:VALUE); a bare "
                    "NAME copies this shell's value (best for secrets: the value stays off the command "
-                   "line). Repeatable.")
+                   "line); a glob ('WANDB_*', quoted) copies every variable of this shell that matches "
+                   "(none: a warning). Repeatable; wins over --env-file.")
+@click.option("--env-file", "env_file", multiple=True, metavar="FILE",
+              help="Set the variables of a dotenv file for every process: NAME=VALUE lines (export "
+                   "NAME=VALUE too, 'single' and \"double\" quotes, # comments; a bare NAME copies this "
+                   "shell's value). No value reaches a command line. Repeatable; see docs/environment.md.")
 @click.option("--env-server", multiple=True, metavar="NAME=VALUE",
               help="Set a variable for servers only (NAME:VALUE works too). Repeatable.")
 @click.option("--env-worker", multiple=True, metavar="NAME=VALUE",

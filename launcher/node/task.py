@@ -13,8 +13,9 @@ wrapper turns that into the launcher's contract:
   never part of the job's description in ``qstat -j`` or YARN's application spec), on top of
   the task's own environment. Where the batch system carries the launcher's environment to the
   task without recording it (``srun`` sends it to the nodes' slurmd directly), the same document
-  comes in one environment variable instead (``--task-env NAME``), which the wrapper removes
-  before the command starts: no file to share, none to clean up.
+  comes in environment variables instead (``--task-env NAME``: ``NAME``, then ``NAME_1``, ...
+  where it is longer than one variable may be), which the wrapper removes before the command
+  starts: no file to share, none to clean up, and no value on a command line.
 
 Then it runs the command through the node agent (:mod:`.agent`): connected to the launcher's
 hub (the task file's ``hub``), the task's start, output and exit code reach the launcher at
@@ -138,10 +139,28 @@ def load_task_file(path: str) -> dict[str, Any]:
     return _checked(doc, f"task file {path}")
 
 
+#: The most characters of the task document in one variable: Linux's execve refuses a single
+#: ``NAME=VALUE`` over 128 KiB (E2BIG), so a larger document (a job with a few hundred KiB of
+#: variables) goes on in ``NAME_1``, ``NAME_2``, ... (:func:`task_env_chunks`).
+TASK_ENV_CHUNK = 96 * 1024
+
+
+def task_env_chunks(name: str, text: str) -> dict[str, str]:
+    """``text`` (the task document's JSON) as variables ``name``, ``name_1``, ... of at most
+    :data:`TASK_ENV_CHUNK` characters each, in order (what :func:`take_task_env` joins)."""
+    parts = [text[i:i + TASK_ENV_CHUNK] for i in range(0, len(text), TASK_ENV_CHUNK)] or [""]
+    return {(name if n == 0 else f"{name}_{n}"): part for n, part in enumerate(parts)}
+
+
 def take_task_env(name: str, environ: MutableMapping[str, str]) -> dict[str, Any]:
-    """The task document from variable ``name`` of ``environ``, which is removed from it (the
-    command must not inherit the job's secret twice, nor a copy of every role's variables)."""
+    """The task document from variable ``name`` of ``environ`` (and its continuations ``name_1``,
+    ... :func:`task_env_chunks`), which are removed from it (the command must not inherit the job's
+    secret twice, nor a copy of every role's variables)."""
     raw = environ.pop(name, None)
+    n = 1
+    while raw is not None and f"{name}_{n}" in environ:
+        raw += environ.pop(f"{name}_{n}")
+        n += 1
     if raw is None:
         raise TaskError(f"{name} is not set: the launcher passes the task document in it "
                         "(did the batch system drop the launcher's environment?)")

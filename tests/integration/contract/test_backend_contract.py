@@ -30,7 +30,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -135,6 +137,45 @@ def test_env_contract_per_role(cluster: Cluster, monkeypatch) -> None:
     assert "PSLAUNCH_SECRET=" not in r.stderr and sched["PSLAUNCH_SECRET"] not in r.stderr + r.stdout
     # the grandchildren too: in the process's group (--child), or gone from it with setsid() or a
     # double fork (--escape): they go with their process
+    assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(240)
+def test_a_300kB_environment_reaches_every_process_and_no_value_shows_in_ps(cluster: Cluster, tmp_path: Path,
+                                                                             monkeypatch) -> None:
+    """300 variables of 1 kB forwarded by a glob, an env file with a quoted secret and a variable
+    forwarded by name: every process gets each value whole (no "Argument list too long" on the
+    way: not on ssh's command, mpirun's, srun's or a batch task's), and while the job runs no
+    value is in any process's arguments (``ps -eo args``, which every user of a host can read;
+    the testbed's hosts share this machine's process table)."""
+    wanted = {f"PSLT_BIG_{i:03d}": secrets.token_hex(500) for i in range(300)}
+    for k, v in wanted.items():
+        monkeypatch.setenv(k, v)
+    env_file = tmp_path / "job.env"
+    env_file.write_text(f"# the job's own settings\nexport PSLT_FILE_A='{secrets.token_hex(20)} $HOME'\n"
+                        f'PSLT_FILE_TOKEN="{secrets.token_hex(20)}\\nsecond line"\n')
+    wanted["PSLT_FILE_A"] = env_file.read_text().split("'")[1]
+    wanted["PSLT_FILE_TOKEN"] = env_file.read_text().split('"')[1].replace("\\n", "\n")
+    wanted["PSLT_BY_NAME_KEY"] = secrets.token_hex(20)
+    monkeypatch.setenv("PSLT_BY_NAME_KEY", wanted["PSLT_BY_NAME_KEY"])
+    assert sum(len(k) + len(v) + 2 for k, v in wanted.items()) > 300_000
+    p, probes = running_job(cluster, "-n", "2", "-s", "1", "--kill-grace", "1", "--env", "PSLT_BIG_*",
+                            "--env-file", str(env_file), "--env", "PSLT_BY_NAME_KEY", "--env", "PSLT_NONE_*",
+                            *cluster.probe("--listen", "--sleep", "4"), count=4)
+    try:
+        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, timeout=30).stdout
+    finally:
+        out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    shown = [k for k, v in wanted.items() if v[:24] in ps or v[-24:] in ps]
+    assert shown == [], f"values of {shown[:5]} are in ps -eo args"
+    assert sorted(probes) == ["scheduler", "server-0", "worker-0", "worker-1"]
+    for name, rec in read_probes(cluster.out).items():
+        env = rec["env"]
+        missing = [k for k, v in wanted.items() if env.get(k) != v]
+        assert missing == [], (name, len(missing), missing[:5])
+    assert "warning: --env PSLT_NONE_* matches no variable of this shell" in err, err
+    assert "Argument list too long" not in out + err
     assert_nothing_left(cluster)
 
 
