@@ -151,11 +151,12 @@ def test_a_300kB_environment_reaches_every_process_and_no_value_shows_in_ps(clus
     wanted = {f"PSLT_BIG_{i:03d}": secrets.token_hex(500) for i in range(300)}
     for k, v in wanted.items():
         monkeypatch.setenv(k, v)
+    a, token = secrets.token_hex(20), secrets.token_hex(20)
     env_file = tmp_path / "job.env"
-    env_file.write_text(f"# the job's own settings\nexport PSLT_FILE_A='{secrets.token_hex(20)} $HOME'\n"
-                        f'PSLT_FILE_TOKEN="{secrets.token_hex(20)}\\nsecond line"\n')
-    wanted["PSLT_FILE_A"] = env_file.read_text().split("'")[1]
-    wanted["PSLT_FILE_TOKEN"] = env_file.read_text().split('"')[1].replace("\\n", "\n")
+    env_file.write_text(f"# the settings of the job\nexport PSLT_FILE_A='{a} $HOME'\n"
+                        f'PSLT_FILE_TOKEN="{token}\\nsecond line"\n')
+    wanted["PSLT_FILE_A"] = f"{a} $HOME"
+    wanted["PSLT_FILE_TOKEN"] = f"{token}\nsecond line"
     wanted["PSLT_BY_NAME_KEY"] = secrets.token_hex(20)
     monkeypatch.setenv("PSLT_BY_NAME_KEY", wanted["PSLT_BY_NAME_KEY"])
     assert sum(len(k) + len(v) + 2 for k, v in wanted.items()) > 300_000
