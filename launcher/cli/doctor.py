@@ -18,7 +18,7 @@ from ..logs import printable
 from ..run.doctor import run_doctor
 from ..run.preflight import run_preflight
 from .clickutil import JobCommand, invoke, takes_value
-from .common import configure_logging, parse_env_item, parse_port_range_option, read_hosts_option
+from .common import configure_logging, job_env, parse_port_range_option, read_hosts_option
 from .run import with_backend_options
 
 #: doctor checks what an ssh job needs, over the ssh backend's connection settings
@@ -78,15 +78,16 @@ Examples (the job's options and command, as pslaunch would get them):
 @click.option("--check-import", "imports", multiple=True, metavar="MODULE",
               help="Check that the job's Python imports MODULE in the job's directory (e.g. trainer). "
                    "Repeatable.")
-@click.option("--env", "env", multiple=True, metavar="NAME[=VALUE]",
-              help="A variable the job sets (DMLC_INTERFACE, PYTHONPATH, PATH, ...). Repeatable.")
+@click.option("--env", "env", multiple=True, metavar="NAME[=VALUE]|GLOB",
+              help="A variable the job sets (DMLC_INTERFACE, PYTHONPATH, PATH, ...), or a glob of this shell's "
+                   "('WANDB_*'); --env-file's variables count too. Repeatable.")
 @click.option("--host-ip", default=None, metavar="auto|ip|dns|ADDRESS", help="The scheduler's address.")
 @click.option("--port-range", default="9091-9998", show_default=True, metavar="LOW-HIGH",
               help="The scheduler's port range (reachability is tested on its first free port).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def doctor_command(**kw: Any) -> None:
     environ = dict(os.environ)
-    env = dict(parse_env_item(e, "--env", environ, True) for e in kw.get("env") or ())
+    env = dict(job_env(kw.get("env") or (), kw.get("env_file") or (), environ))  # (as the job's: globs, files)
     checked = next((c for c in CHECKED if c.name == kw.get("launcher")), None)
     if checked is not None:
         code, report = run_preflight(checked, environ, env=env, host_ip=kw.get("host_ip"), queue=kw.get("queue"),

@@ -201,3 +201,25 @@ def test_a_large_task_document_is_split_over_variables_execve_takes() -> None:
     assert task.take_task_env("PSLAUNCH_TASK", environ) == doc
     assert environ == {"PATH": "/bin", "PSLAUNCH_TASKS": "kept"}
     assert json.loads(S.step_environment({}, {"version": 2})["PSLAUNCH_TASK"]) == {"version": 2}
+
+
+def test_doctor_checks_with_the_jobs_env_file_and_globs(tmp_path, monkeypatch, capsys) -> None:
+    """``pslaunch doctor`` takes the job's command line: its --env-file and --env globs give the
+    variables the hosts are checked with (DMLC_INTERFACE, PYTHONPATH)."""
+    from launcher.cli import doctor
+
+    seen = {}
+
+    def fake_run_doctor(hosts, opts, **kw):
+        seen.update(kw["env"])
+        return 0, "checked"
+
+    monkeypatch.setattr(doctor, "run_doctor", fake_run_doctor)
+    monkeypatch.setenv("PSLT_GLOB_A", "a")
+    (tmp_path / "job.env").write_text("DMLC_INTERFACE=10.1.0.0/16\n")
+    assert cli.main(["doctor", "-H", "127.0.0.1", "--env-file", str(tmp_path / "job.env"), "--env", "PSLT_GLOB_*",
+                     "true"]) == 0
+    assert seen == {"DMLC_INTERFACE": "10.1.0.0/16", "PSLT_GLOB_A": "a"}
+    (tmp_path / "job.env").write_text("A B=1\n")
+    assert cli.main(["doctor", "-H", "127.0.0.1", "--env-file", str(tmp_path / "job.env"), "true"]) == 2
+    assert "--env-file " + str(tmp_path / "job.env") + ":1: 'A B' is not a variable name" in capsys.readouterr().err
