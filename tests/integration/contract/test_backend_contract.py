@@ -147,7 +147,8 @@ def test_a_300kB_environment_reaches_every_process_and_no_value_shows_in_ps(clus
     forwarded by name: every process gets each value whole (no "Argument list too long" on the
     way: not on ssh's command, mpirun's, srun's or a batch task's), and while the job runs no
     value is in any process's arguments (``ps -eo args``, which every user of a host can read;
-    the testbed's hosts share this machine's process table)."""
+    the testbed's hosts share this machine's process table). Each process sleeps 15 s: on YARN the
+    first container may have ended a short sleep before the last one starts."""
     wanted = {f"PSLT_BIG_{i:03d}": secrets.token_hex(500) for i in range(300)}
     for k, v in wanted.items():
         monkeypatch.setenv(k, v)
@@ -162,7 +163,7 @@ def test_a_300kB_environment_reaches_every_process_and_no_value_shows_in_ps(clus
     assert sum(len(k) + len(v) + 2 for k, v in wanted.items()) > 300_000
     p, probes = running_job(cluster, "-n", "2", "-s", "1", "--kill-grace", "1", "--env", "PSLT_BIG_*",
                             "--env-file", str(env_file), "--env", "PSLT_BY_NAME_KEY", "--env", "PSLT_NONE_*",
-                            *cluster.probe("--listen", "--sleep", "4"), count=4)
+                            *cluster.probe("--listen", "--sleep", "15"), count=4)
     try:
         ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, timeout=30).stdout
     finally:
