@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import shlex
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional, Sequence
 
-from pscontract import NODE_HOST
+from pscontract import CAUSE_PREFIX, NODE_HOST
 
 from ..node import safefiles
 from ..runtime.handle import ProcessHandle, ProcRecord, describe_exit, signal_name
@@ -184,9 +185,12 @@ class Cause:
 
 
 def find_cause(first: ProcessHandle, handles: Sequence[ProcessHandle]) -> Optional[Cause]:
-    """The cause the first failing process gave, else the one given by the earliest to end."""
+    """The cause the first failing process gave, else the one given by the earliest to end; none
+    when the first said nothing of a cause but failed in words of its own (:func:`own_error`): the
+    first to fail is to blame, not whom a process that ended after it blamed (a server that lost
+    the scheduler after a worker's ``--gpus 0`` error stopped the job)."""
     said = [h for h in handles if h.output.cause is not None]
-    if not said:
+    if not said or (first not in said and own_error(first)):
         return None
     reporter = first if first in said else min(said, key=lambda h: h.end_time or float("inf"))
     cause = reporter.output.cause
@@ -199,15 +203,72 @@ def find_cause(first: ProcessHandle, handles: Sequence[ProcessHandle]) -> Option
     return Cause(culprit, reason, reporter)
 
 
+#: what torch.distributed's ``env://`` rendezvous says when no launcher gave it its variables
+_TORCH_UNSET = re.compile(r"environment variable (\w+) expected, but not set")
+#: a tracker's reason that names the job type to use (the rabit tracker to an XGBoost 2.1+ worker)
+_TRACKER_NAMED = re.compile(r"--tracker (\w+)")
+#: the line that ends a program's failure in its own words: a Python exception, ``prog: error: ...``
+_ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Exit)\b|\berror\b", re.IGNORECASE)
+#: C++ stack frames (XGBoost's ``[bt] (3) .../libxgboost.so(+0x1bf337) [0x7fc4...]``): noise in a report
+_BACKTRACE = re.compile(r"\s*(\[bt\] \(\d+\) |Stack trace:\s*$)")
+#: how many lines of process output may follow a tail that the console showed, for it to be
+#: "just above" the report (not shown again)
+ABOVE = 40
+
+
+def rerun_with_tracker(spec: JobSpec, tracker: str) -> str:
+    """``pslaunch -n 2 --tracker torch python ddp.py``: the job again, as a collective job."""
+    return shlex.join(["pslaunch", "-n", str(spec.num_workers), "--tracker", tracker, *spec.command])
+
+
+def job_type_hint(spec: JobSpec, lines: Sequence[str], tracker_failure: Optional[str] = None) -> Optional[str]:
+    """What to say first when the job was started as the wrong type, else None: a torch.distributed
+    program run without ``--tracker torch`` (its ``env://`` rendezvous found no ``RANK``), or a
+    tracker that said which ``--tracker`` its workers need (XGBoost 2.1+ under ``-s 0``)."""
+    named = _TRACKER_NAMED.search(tracker_failure or "")
+    if tracker_failure and named and named.group(1) != spec.tracker:
+        return f"{tracker_failure} ({rerun_with_tracker(spec, named.group(1))})"
+    if spec.tracker == "torch":
+        return None
+    for line in reversed(lines):
+        unset = _TORCH_UNSET.search(line)
+        if unset:
+            return (f"torch.distributed found no {unset.group(1)}: this is a collective job; run it with "
+                    f"--tracker torch ({rerun_with_tracker(spec, 'torch')})")
+    return None
+
+
+def own_error(h: ProcessHandle) -> Optional[str]:
+    """The process's failure in its own one line: the first of its error file (torch's ``@record``),
+    else its last line of output where that names an error (a Python exception, ``prog: error:
+    ...``)."""
+    error = h.describe_error(1)
+    if error:
+        return error[0]
+    last = next((line.strip() for line in reversed(tail_lines(h.output.lines())) if line.strip()), "")
+    return last if _ERROR_LINE.search(last) else None
+
+
+def tail_lines(lines: Sequence[str]) -> list[str]:
+    """A process's last lines as a report shows them: no ``pslaunch-cause:`` line (the launcher's
+    own protocol, said in the report's first line), no C++ stack frames, no blank lines at the end."""
+    kept = [line for line in lines if not line.startswith(CAUSE_PREFIX) and not _BACKTRACE.match(line)]
+    while kept and not kept[-1].strip():
+        kept.pop()
+    return kept
+
+
 def failure_report(h: ProcessHandle, others: int, redact: jobenv.Redactor,
-                   cause: Optional[Cause] = None) -> str:
+                   cause: Optional[Cause] = None, hint: Optional[str] = None) -> str:
     """Log who failed first, how, and the last lines of its output; returns the first line.
 
     A process that could not start at all (``h.failure``) is one line: the reason says it all.
+    A ``hint`` (:func:`job_type_hint`: the job was started as the wrong type) comes first of all.
     When a process of the job named the cause (:class:`Cause`), the report leads with it: a worker
     that hung is named, not the scheduler that noticed and stopped the job. What the process
     wrote to its error file (torch's ``@record``: its exception, then the traceback's end) comes
-    before its last lines: the first line of the report names the exception.
+    before its last lines: the first line of the report names the exception. The last lines are
+    not shown again where the console showed them just above (:meth:`ProcOutput.shown_above`).
     """
     if h.failure is not None:
         head = redact(f"{h.describe()}: {h.failure}")
@@ -215,14 +276,18 @@ def failure_report(h: ProcessHandle, others: int, redact: jobenv.Redactor,
         return head
     exited = f"{describe_exit(h.exit_code or 0)} first"
     error = h.describe_error()  # (what it wrote to its error file: torch's @record)
-    if cause is not None and cause.culprit is not None and cause.culprit is not h:
+    own = own_error(h)
+    if hint is not None:
+        head = f"{h.describe()} {exited}: {hint}"
+    elif cause is not None and cause.culprit is not None and cause.culprit is not h:
         by = (f"reported by the {h.label}, which" if cause.reporter is h else
               f"reported by the {cause.reporter.label}; {h.label}")
         head = f"{cause.culprit.describe()}: {cause.reason} ({by} {exited})"
     elif cause is not None:
         head = f"{h.describe()} {exited}: {cause.reason}"
-    elif error:
-        head = f"{h.describe()} {exited}: {error.pop(0)}"
+    elif own:
+        head = f"{h.describe()} {exited}: {own}"
+        error = error[1:]
     else:
         head = f"{h.describe()} {exited}"
     if others:
@@ -233,8 +298,12 @@ def failure_report(h: ProcessHandle, others: int, redact: jobenv.Redactor,
         log.error("the %s %s wrote to its error file:", "error" if cause is not None else "traceback", h.label)
         for line in error:
             log.error("  ! %s", redact(line))
-    lines = h.output.lines()
-    if lines:
+    lines = tail_lines(h.output.lines())
+    if own is not None and own in head and [line.strip() for line in lines] == [own]:
+        pass  # (its one line is the first line of the report)
+    elif lines and h.output.shown_above(ABOVE):
+        log.error("(the last lines of %s are just above)", h.label)
+    elif lines:
         log.error("last %d line%s of %s:", len(lines), "" if len(lines) == 1 else "s", h.label)
         for line in lines:
             log.error("  | %s", redact(line))

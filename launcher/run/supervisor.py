@@ -203,7 +203,7 @@ class Supervisor:
                 return outcome
             assert self.first is not None
             report.failure_report(self.first, len(self.handles) - 1, self._redactor(),
-                                  report.find_cause(self.first, self.handles))
+                                  report.find_cause(self.first, self.handles), self._hint())
             report.log_attempt_failed(len(self.attempts), self.attempts[-1], restarts, cause)
             waited = self._wait_before_restart(delay)
             if waited is not None:
@@ -232,6 +232,13 @@ class Supervisor:
         if h is None or h.failure is not None or h is self.tracker or h.exit_code in (None, 0):
             return None
         return report.attempt_cause(h, self._redactor())
+
+    def _hint(self) -> Optional[str]:
+        """What the first failure says of the job's type (``report.job_type_hint``): a torch
+        program without ``--tracker torch``, a tracker that named the one its workers need."""
+        assert self.first is not None
+        tracker = self.tracker.tracker.failure() if self.tracker is not None else None
+        return report.job_type_hint(self.spec, self.first.output.lines(), tracker)
 
     def _redactor(self) -> Any:
         """What hides every attempt's secrets so far."""
@@ -628,7 +635,8 @@ class Supervisor:
             n = len(self.handles)
             log.info("all %d process%s exited 0 in %.1fs%s", n, "" if n == 1 else "es", elapsed, after)
         elif reason == "failure" and self.first is not None:
-            message = report.failure_report(self.first, len(self.handles) - 1, self._redactor(), cause)
+            message = report.failure_report(self.first, len(self.handles) - 1, self._redactor(), cause,
+                                            self._hint())
             if self._restarts is not None:
                 message = report.log_attempt_failed(len(self.attempts), self.attempts[-1], self._restarts,
                                                     self.attempts[-1].cause)

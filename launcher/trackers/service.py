@@ -339,8 +339,8 @@ class RabitService(_XGBoostTracker):
         elif kind == "log":
             log.debug("rabit tracker: %s", _line(event.get("text")))
         elif kind == "failed" and self.port and not self.stand_in:
-            # (said now: a worker that fails with it may be the job's report; the stand-in's holds its worker)
-            log.info("rabit tracker: %s", _line(event.get("error")))
+            # (the failure report says it first, where a worker failed of it: report.job_type_hint)
+            log.debug("rabit tracker: %s", _line(event.get("error")))
 
     def close(self) -> None:
         if self.child is None or self._closed:
