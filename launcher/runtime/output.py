@@ -36,6 +36,14 @@ comes, and when the attempt lost the race (the job starts again), :meth:`Console
 everything the attempt prints from then on and says how many of its lines were shown (the
 supervisor's one line about the restart points at them). Nothing is held back: a program that
 never listens (not a ps-lite program) is seen at once, not after ``--start-timeout``.
+
+The console says a thing once where many processes say the same (the log files keep every line):
+a Python traceback that another process printed already, line for line, is one line, ``[worker 0]
+(the same traceback as worker 1: 21 lines)``; a C++ stack trace's frames (``[bt] (3) ...``) are
+left out; the reason of a ``pslaunch-cause:`` line (the launcher's own protocol, for the failure
+report, never shown) is shown in full the first time a process prints it, and as ``(the cause
+above)`` after that (a hung worker's heartbeat sentence, which the scheduler, every server and
+every worker print).
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ import codecs
 import collections
 import logging
 import os
+import re
 import selectors
 import sys
 import threading
@@ -63,6 +72,12 @@ TAIL_LINES = 20
 _MAX_LINE = 64 * 1024  # a longer line without a newline is written in pieces
 
 _COLORS = {"scheduler": "35", "server": "36", "worker": "32"}
+TRACEBACK = "Traceback (most recent call last):"
+MAX_TRACEBACK = 500  # a "traceback" longer than this is shown as it comes, not held to be compared
+SAME_CAUSE = "(the cause above)"
+#: a frame of a C++ stack trace (dmlc-core's, XGBoost's: ``  [bt] (3) .../libxgboost.so(+0x1a0d3e) [0x7f...]``)
+_BACKTRACE = re.compile(r"\s*\[bt\] \(\d+\) ")
+_CLOCK = re.compile(r"\d\d:\d\d:\d\d")  # (a time in a message: two tracebacks a second apart are the same)
 
 
 def _use_color(stream: BinaryIO) -> bool:
@@ -131,6 +146,9 @@ class Console:
         #: written to each log file as it is opened (a restart's attempt; None: nothing)
         self.log_banner: Optional[str] = None
         self._log_fd: Optional[int] = None  # the log directory, open
+        self._shown = 0  # the lines of processes shown so far (ProcOutput.shown_above)
+        self._tracebacks: dict[tuple[str, ...], str] = {}  # each traceback shown, and whose it was
+        self._causes: dict[str, bool] = {}  # each pslaunch-cause reason, and whether it was shown
         self._not_logged = 0  # lines that could not be written to their log file
         self._log_error: Optional[str] = None  # the first reason
         if log_dir:
@@ -233,6 +251,7 @@ class Console:
             prefix = f"\x1b[{_COLORS.get(role, '0')}m[{label}]\x1b[0m "
         out = ProcOutput(self, prefix.encode(), None)
         out.shown = shows(self.only, name)
+        out.label = label
         if self._log_fd is not None:
             out.log_name = f"{name}.log"
             out.log = self._open_log(out.log_name)
@@ -257,6 +276,28 @@ class Console:
                 self._raw(self.stdout, self._status)
 
 
+    def _said_before(self, line: str, data: bytes) -> bytes:
+        """``data`` (the line on the console) with the reason of a ``pslaunch-cause:`` line that a
+        process showed before replaced by :data:`SAME_CAUSE` (under the lock)."""
+        for reason, shown in self._causes.items():
+            if reason in line:
+                if not shown:
+                    self._causes[reason] = True
+                else:
+                    data = data.replace(reason.encode("utf-8", "replace"), SAME_CAUSE.encode())
+        return data
+
+    def _same_target(self) -> bool:
+        """stdout and stderr are the same file (a terminal, ``2>&1``): a line on either is above the report."""
+        if self.stdout is self.stderr:
+            return True
+        try:
+            a, b = os.fstat(self.stdout.fileno()), os.fstat(self.stderr.fileno())
+        except (AttributeError, OSError, ValueError):
+            return False
+        return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
 class ProcOutput:
     """One process's output: two line streams, a tail buffer and an optional log file."""
 
@@ -273,6 +314,11 @@ class ProcOutput:
         self.shown = True  # its lines reach the console (--only may leave them to the log file alone)
         self.silenced = False  # its attempt lost the scheduler's port: nothing of it is shown (Console.discard)
         self.lines_shown = 0  # lines shown on the console (Console.discard tells an attempt's)
+        self.label = ""  # ``worker 1``: how the console names it
+        #: a traceback being printed, held until it ends to be compared (Console._tracebacks)
+        self._block: Optional[list[tuple[str, bool, bytes, bytes]]] = None
+        #: for each of its last lines shown: the console's count of lines then (None: not shown)
+        self._shown_at: collections.deque[Optional[int]] = collections.deque(maxlen=TAIL_LINES)
         self._lock = threading.Lock()
         self.stdout = LineStream(self, err=False)
         self.stderr = LineStream(self, err=True)
@@ -322,9 +368,35 @@ class ProcOutput:
 
     def _deliver(self, line: str, err: bool, data: bytes, logged: bytes) -> None:
         """Show (unless ``--only`` leaves it out) and observe one line (``data``, the line as
-        bytes), and log it (``logged``)."""
-        if self.shown:
-            self.console.write(err, self.prefix + data + b"\n")
+        bytes), and log it (``logged``); a ``pslaunch-cause:`` line is not shown, and a traceback
+        is held until it ends (:meth:`_hold_traceback`)."""
+        if line.startswith(CAUSE_PREFIX):
+            if self.cause is not None:
+                self.console._causes.setdefault(self.cause[2], False)
+            self._log(line, logged)
+            return
+        if self._block is not None and self._block[0][1] == err or line == TRACEBACK:
+            self._hold_traceback(line, err, data, logged)
+            return
+        if _BACKTRACE.match(line):  # (noise to a user: logged, not shown)
+            self._log(line, logged)
+            return
+        if line.strip() == "Stack trace:":
+            data += b" (its frames are left out here" + (b", not from its log file)" if self.log_name else b")")
+        self._show(line, err, data, logged)
+
+    def _show(self, line: str, err: bool, data: bytes, logged: bytes, on_console: bool = True) -> None:
+        """:meth:`_deliver`'s line, on the console unless not ``on_console`` (a repeated traceback's)."""
+        with self.console._lock:
+            on_console = on_console and self.shown
+            if on_console:
+                self.console.write(err, self.prefix + self.console._said_before(line, data) + b"\n")
+                self.console._shown += 1
+            above = err or self.console._same_target()
+            self._shown_at.append(self.console._shown if above and on_console else None)
+        self._log(line, logged)
+
+    def _log(self, line: str, logged: bytes) -> None:
         if self.observer is not None:
             self.observer(line)
         lost, failed = False, None
@@ -340,9 +412,56 @@ class ProcOutput:
         if lost:
             self.console.log_failed(name, failed, lines=1)
 
+    def _hold_traceback(self, line: str, err: bool, data: bytes, logged: bytes) -> None:
+        """Keep the lines of a traceback until its last (the first that is not indented: the
+        exception); then show it, or, where another process showed the same lines, one line that
+        says so (every line is logged)."""
+        if self._block is None:
+            self._block = []
+        self._block.append((line, err, data, logged))
+        if len(self._block) > 1 and line[:1] not in (" ", "\t") or len(self._block) > MAX_TRACEBACK:
+            self._end_traceback()
+
+    def _end_traceback(self) -> None:
+        """Show or note the traceback :meth:`_hold_traceback` kept (also when the output ends in it)."""
+        block, self._block = self._block, None
+        if not block:
+            return
+        console = self.console
+        with console._lock:
+            if not self.shown:  # (--only leaves it out: logged, and no shown traceback is said to be it)
+                for b in block:
+                    self._show(*b)
+                return
+            first = console._tracebacks.setdefault(tuple(_CLOCK.sub("", b[0]) for b in block), self.label)
+            if first == self.label or len(block) == 1:
+                for b in block:
+                    self._show(*b)
+                return
+            note = f"(the same traceback as {first}: {len(block)} lines)"
+            console.write(block[0][1], self.prefix + note.encode() + b"\n")
+            console._shown += 1
+            for line, _err, _data, logged in block:
+                self._shown_at.append(console._shown)  # (shown above, as the note says)
+                self._log(line, logged)
+
     def lines(self) -> list[str]:
         with self._lock:
             return list(self.tail)
+
+    def stream_ended(self, err: bool) -> None:
+        """One of its streams ended: a traceback it was printing there is shown now."""
+        with self.console._lock:
+            if self._block is not None and self._block[0][1] == err:
+                self._end_traceback()
+
+    def shown_above(self, window: int) -> bool:
+        """Its last lines (up to :data:`TAIL_LINES`) are on the console with at most ``window``
+        lines of any process after the first of them: a report just below need not show them again."""
+        with self.console._lock:
+            shown = list(self._shown_at)
+            first = shown[0] if shown else None
+            return first is not None and None not in shown and self.console._shown - first <= window
 
     @property
     def closed(self) -> bool:
@@ -354,6 +473,8 @@ class ProcOutput:
         self._close_log()
 
     def _close_log(self) -> None:
+        if not self.silenced:
+            self._end_traceback()  # (a traceback cut short by the end of the output)
         with self._lock:
             log, self.log, self.log_name = self.log, None, None
         if log is not None:
@@ -395,6 +516,7 @@ class LineStream:
             self._partial = ""
         if rest:
             self.owner.emit(rest, self.err)
+        self.owner.stream_ended(self.err)
         self.done.set()
         hook = self.owner.console.on_stream_end
         if hook is not None:
