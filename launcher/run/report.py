@@ -186,16 +186,19 @@ class Cause:
 
 def find_cause(first: ProcessHandle, handles: Sequence[ProcessHandle]) -> Optional[Cause]:
     """The cause the first failing process gave, else the one given by the earliest to end; none
-    when the first said nothing of a cause but failed in words of its own (:func:`own_error`): the
-    first to fail is to blame, not whom a process that ended after it blamed (a server that lost
-    the scheduler after a worker's ``--gpus 0`` error stopped the job)."""
+    when the first said nothing of a cause but failed in words of its own (:func:`own_error`) that
+    do not tell the same story: the first to fail is to blame, not whom a process that ended after
+    it blamed (a server that lost the scheduler after a worker's ``--gpus 0`` error stopped the job)."""
     said = [h for h in handles if h.output.cause is not None]
-    if not said or (first not in said and own_error(first)):
+    if not said:
         return None
     reporter = first if first in said else min(said, key=lambda h: h.end_time or float("inf"))
     cause = reporter.output.cause
     assert cause is not None  # (the reporter is one of those that said)
     role, rank, reason = cause
+    own = own_error(first) if reporter is not first else None
+    if own is not None and reason not in own:
+        return None
     culprit = None
     if role is not None:
         culprit = next((h for h in handles if str(h.proc.role) == role and (rank is None or h.proc.rank == rank)),

@@ -149,6 +149,7 @@ class Console:
         self._shown = 0  # the lines of processes shown so far (ProcOutput.shown_above)
         self._tracebacks: dict[tuple[str, ...], str] = {}  # each traceback shown, and whose it was
         self._causes: dict[str, bool] = {}  # each pslaunch-cause reason, and whether it was shown
+        self._one_target: Optional[bool] = None  # stdout and stderr are one file (_same_target)
         self._not_logged = 0  # lines that could not be written to their log file
         self._log_error: Optional[str] = None  # the first reason
         if log_dir:
@@ -275,7 +276,6 @@ class Console:
             if self._status:
                 self._raw(self.stdout, self._status)
 
-
     def _said_before(self, line: str, data: bytes) -> bytes:
         """``data`` (the line on the console) with the reason of a ``pslaunch-cause:`` line that a
         process showed before replaced by :data:`SAME_CAUSE` (under the lock)."""
@@ -288,14 +288,15 @@ class Console:
         return data
 
     def _same_target(self) -> bool:
-        """stdout and stderr are the same file (a terminal, ``2>&1``): a line on either is above the report."""
-        if self.stdout is self.stderr:
-            return True
-        try:
-            a, b = os.fstat(self.stdout.fileno()), os.fstat(self.stderr.fileno())
-        except (AttributeError, OSError, ValueError):
-            return False
-        return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+        """stdout and stderr are the same file (a terminal, ``2>&1``): a line on either is above the
+        report (looked at once)."""
+        if self._one_target is None:
+            try:
+                a, b = os.fstat(self.stdout.fileno()), os.fstat(self.stderr.fileno())
+                self._one_target = (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+            except (AttributeError, OSError, ValueError):
+                self._one_target = self.stdout is self.stderr
+        return self._one_target
 
 
 class ProcOutput:
@@ -385,10 +386,11 @@ class ProcOutput:
             data += b" (its frames are left out here" + (b", not from its log file)" if self.log_name else b")")
         self._show(line, err, data, logged)
 
-    def _show(self, line: str, err: bool, data: bytes, logged: bytes, on_console: bool = True) -> None:
-        """:meth:`_deliver`'s line, on the console unless not ``on_console`` (a repeated traceback's)."""
+    def _show(self, line: str, err: bool, data: bytes, logged: bytes) -> None:
+        """:meth:`_deliver`'s line on the console (a cause's reason said before shortened; unless
+        ``--only`` leaves it out), and logged."""
         with self.console._lock:
-            on_console = on_console and self.shown
+            on_console = self.shown
             if on_console:
                 self.console.write(err, self.prefix + self.console._said_before(line, data) + b"\n")
                 self.console._shown += 1

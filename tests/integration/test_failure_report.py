@@ -66,9 +66,9 @@ def test_xgboost3_under_the_rabit_tracker_is_told_to_use_the_xgboost_tracker(tmp
     xgb20, xgb30 = H.xgboost_python("2.0"), H.xgboost_python("3.0")
     if xgb20 is None or xgb30 is None:
         pytest.skip("the XGBoost 2.0.3 and 3.0 venvs are not here (scripts/deps/70-xgboost.sh)")
+    worker = str(H.REPO / "tests" / "bin" / "xgb_worker.py")
     proc = H.run_pslaunch("-n", "2", "-s", "0", "--launcher", "local", "--tracker-python", xgb20,
-                          xgb30, str(H.REPO / "tests" / "bin" / "xgb_worker.py"), "--api", "args", "--out", str(tmp_path),
-                          timeout=120)
+                          xgb30, worker, "--api", "args", "--out", str(tmp_path), timeout=120)
     assert proc.returncode == 1, proc.stderr
     lines = report(proc.stderr)
     assert "exited with code 1 first: " in lines[0] and "run the job with --tracker xgboost (pslaunch -n 2 " \

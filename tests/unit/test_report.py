@@ -124,6 +124,16 @@ def test_a_cause_the_first_to_fail_gave_names_the_culprit(caplog) -> None:
     assert sum(HEARTBEAT in line for line in lines) == 1, lines
 
 
+def test_a_first_failure_that_tells_the_cause_a_later_one_gave_names_its_culprit(caplog) -> None:
+    c, _ = console()
+    hung = Ended(c, Role.WORKER, 1, 137, 20.0, ["epoch 0 batch 5"])
+    told = Ended(c, Role.WORKER, 0, 1, 10.0, [f"train_mnist: error: the scheduler aborted the job: {HEARTBEAT}"])
+    scheduler = Ended(c, Role.SCHEDULER, 0, 1, 10.2, [f"pslaunch-cause: worker 1: {HEARTBEAT}"])
+    cause = report.find_cause(told, [scheduler, told, hung])
+    assert cause is not None and cause.culprit is hung and cause.reporter is scheduler
+    assert reported(caplog, told, cause)[0].startswith(f"worker 1 (on localhost, pid 101): {HEARTBEAT} (reported by")
+
+
 def test_a_first_failure_without_words_of_its_own_takes_the_cause_a_later_one_gave() -> None:
     c, _ = console()
     first = Ended(c, Role.WORKER, 0, 137, 10.0, ["epoch 0 batch 5"])
