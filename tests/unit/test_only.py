@@ -104,6 +104,25 @@ def test_the_console_shows_the_selected_lines_and_the_files_and_tails_keep_all(t
     assert seen == ["zero says", "zero fails"]  # (the status line still reads worker 0)
 
 
+def test_a_traceback_left_out_by_only_is_not_what_a_shown_one_is_said_to_repeat(tmp_path) -> None:
+    """The console says a traceback once for many processes; one that --only left out was never
+    on the screen, so the first shown copy is shown whole, and the hidden one's lines stay
+    out of the failure report's 'shown above'."""
+    out, err = Sink(), Sink()
+    console = Console(stdout=out, stderr=err, log_dir=str(tmp_path), color=False, only=parse_only(["worker:1"]))
+    w0, w1 = console.proc("worker-0", "worker 0", "worker"), console.proc("worker-1", "worker 1", "worker")
+    trace = b'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\nValueError: boom\n'
+    w0.stderr.feed(trace)
+    w1.stderr.feed(trace)
+    for p in (w0, w1):
+        p.close()
+    assert err.getvalue().decode().splitlines() == [
+        "[worker 1] Traceback (most recent call last):", '[worker 1]   File "x.py", line 1, in <module>',
+        "[worker 1] ValueError: boom"]
+    assert (tmp_path / "worker-0.log").read_bytes() == trace
+    assert not w0.shown_above(40) and w1.shown_above(40)
+
+
 def spec_of(args: list[str]):
     captured = {}
 
