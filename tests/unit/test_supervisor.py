@@ -441,3 +441,32 @@ def test_a_signal_while_waiting_to_restart_ends_the_job(tmp_path) -> None:
     assert result.exit_code == 130 and result.reason == "signal"
     assert scripts["worker-0"][1].env == {}  # attempt 1 never started
     assert clock.now - 1000.0 < 15.0
+
+
+def test_a_ranks_clean_exit_stops_nobody_and_the_store_outlives_the_last_rank(tmp_path, monkeypatch) -> None:
+    # issue 32: rank 1 leaves at 1 s while rank 0 still writes its snapshot until 30 s: rank 0 is never
+    # signalled, and the torch store (a process of its own, as torchrun's lives in its agent) is closed
+    # once, only after rank 0 has ended
+    from launcher import trackers
+    from launcher.trackers.interface import Tracker
+
+    clock = Clock()
+    closed: list[float] = []
+
+    class Store(Tracker):
+        kind, label = "torch", "torch store"
+
+        def start(self, address: str) -> int:
+            self.address, self.port = address, 9091
+            return self.port
+
+        def close(self) -> None:
+            closed.append(clock.now)
+
+    monkeypatch.setattr(trackers, "create", lambda spec, console, watchdog: Store(spec, console, watchdog))
+    scripts = {"worker-0": Script(exit_at=30.0), "worker-1": Script(exit_at=1.0)}
+    t0 = clock.now
+    result, sup, clock, doc = run(scripts, tmp_path, 2, clock=clock, tracker="torch")
+    assert result.exit_code == 0 and result.reason == "success", result
+    assert all(s.events == [] for s in scripts.values())  # nothing was signalled
+    assert len(closed) == 1 and closed[0] - t0 >= 30.0, closed
