@@ -12,6 +12,7 @@ in any rank's output, and with the store serving until the last rank has ended.
 from __future__ import annotations
 
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -30,7 +31,7 @@ def test_a_ddp_job_ends_cleanly_twenty_times_in_a_row(tmp_path: Path) -> None:
     bad: list[str] = []
     for i in range(RUNS):
         t0 = time.monotonic()
-        r = run_pslaunch("-n", "2", "--tracker", "torch", "--no-progress", "--log-level", "debug", "python",
+        r = run_pslaunch("-n", "2", "--tracker", "torch", "--no-progress", "--log-level", "debug", sys.executable,
                          EPOCHS, "--epochs", "2", "--snapshot", str(tmp_path / f"snapshot-{i}.pt"), timeout=240)
         out = r.stdout + r.stderr
         if r.returncode != 0 or ABORT.search(out):
