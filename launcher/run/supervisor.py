@@ -65,6 +65,9 @@ MAX_PORT_ATTEMPTS = 5
 LOST_ATTEMPT_GRACE = 1.0  # SIGTERM to SIGKILL for an attempt that lost its port (it did no work yet)
 PORT_LOST = "port-lost"  # (an attempt's outcome: the scheduler lost its port; the job starts again)
 HINT_AFTER = 5.0  # the user's command as the scheduler, not listening this long: maybe not a ps-lite program
+#: how long the scheduler may outlive every server and worker that exited 0: ps-lite's ends with
+#: the job's last barrier, before they do; one still running after this waits for nodes that are gone
+SCHEDULER_OUTLIVES = 10.0
 EXIT_TIMEOUT = 124
 #: what a command that is not a ps-lite program wants instead of the parameter-server default
 NOT_PSLITE = ("run it with -s 0 (workers only: no scheduler, no servers) or, for torch.distributed, "
@@ -487,6 +490,7 @@ class Supervisor:
             hint_at = self.clock.monotonic() + HINT_AFTER
         for name in self.signals.notices():  # (a program would die of it before it set a handler)
             log.warning("SIG%s arrived before the job's processes started: not passed on", name)
+        alone_since: Optional[float] = None  # when the scheduler became the last process running
         while True:
             if self.signals.count:
                 return "signal", self.signals.exit_code
@@ -526,11 +530,27 @@ class Supervisor:
                 return "failure", self.first.exit_code or 1
             if running == 0:
                 return "success", 0
+            if running == 1 and len(self.handles) > 1 and self.scheduler is not None and self.scheduler.poll() is None:
+                alone_since = alone_since or self.clock.monotonic()
+                if self.clock.monotonic() - alone_since > SCHEDULER_OUTLIVES:
+                    self._scheduler_outlived()
+                    return "success", 0
             if deadline is not None and self.clock.time() > deadline:
                 return "timeout", EXIT_TIMEOUT
             if self.progress is not None:
                 self.progress.tick(self.handles, self.clock.time())
             self._pause()
+
+    def _scheduler_outlived(self) -> None:
+        """Every server and worker exited 0 and the scheduler still runs :data:`SCHEDULER_OUTLIVES`
+        later: it waits for nodes that are gone (ps-lite's scheduler ends with the job's last
+        barrier, before the nodes do), most likely because they were not ps-lite programs (under
+        ``--scheduler builtin``, which never ends by itself without them). Their work is done:
+        the scheduler is stopped and the job ends 0, as it would have had the scheduler run the
+        same command."""
+        log.warning("every server and worker exited 0, and the scheduler still ran %gs later: it waits for nodes "
+                    "that are gone, which never spoke ps-lite to it; stopped it. If the command is not a ps-lite "
+                    "program, %s", SCHEDULER_OUTLIVES, NOT_PSLITE)
 
     def _hint_not_pslite(self) -> None:
         """The scheduler runs the user's command and, :data:`HINT_AFTER` seconds after everything
@@ -632,8 +652,9 @@ class Supervisor:
         restarts = len(self.attempts) - 1
         after = f" (after {restarts} restart{'' if restarts == 1 else 's'})" if restarts > 0 else ""
         if reason == "success":
-            n = len(self.handles)
-            log.info("all %d process%s exited 0 in %.1fs%s", n, "" if n == 1 else "es", elapsed, after)
+            n = len(self.handles) - len(self.stopped)
+            log.info("all %d process%s exited 0 in %.1fs%s%s", n, "" if n == 1 else "es", elapsed, after,
+                     "; the scheduler was stopped" if self.stopped else "")
         elif reason == "failure" and self.first is not None:
             message = report.failure_report(self.first, len(self.handles) - 1, self._redactor(), cause,
                                             self._hint())

@@ -444,3 +444,18 @@ def test_gpus_per_process_gives_each_worker_its_slice(tmp_path, monkeypatch) -> 
     doc = json.loads(summary.read_text())
     assert {p["name"]: p["gpus"] for p in doc["processes"]} == {"scheduler": None, "server-0": None,
                                                                "worker-0": "0,1", "worker-1": "2,3"}
+
+
+@pytest.mark.timeout(120)
+def test_a_builtin_scheduler_left_alone_by_nodes_that_are_not_ps_lite_is_stopped() -> None:
+    """Before: servers and workers that are not ps-lite programs (`sleep 1`) exited 0 and the
+    builtin scheduler waited for them to register forever (stopped by hand after 604 s). Now it
+    may outlive them by SCHEDULER_OUTLIVES (10 s), then it is stopped with a warning that names
+    the fix, and the job ends 0: the nodes' work is done."""
+    t0 = time.monotonic()
+    r = run_pslaunch("-n", "2", "-s", "1", "--scheduler", "builtin", "--no-progress", "sleep", "1", timeout=100)
+    took = time.monotonic() - t0
+    assert r.returncode == 0, r.stderr
+    assert "the scheduler still ran 10s later" in r.stderr and "-s 0" in r.stderr, r.stderr
+    assert "all 3 processes exited 0" in r.stderr and "the scheduler was stopped" in r.stderr, r.stderr
+    assert took < 60, took  # (a liveness deadline: 10 s of grace and the start)
