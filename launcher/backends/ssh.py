@@ -251,7 +251,9 @@ class RemoteHost:
             with self._send_lock:
                 chan.sendall(data)
         except (paramiko.SSHException, EOFError, OSError) as e:
-            raise LaunchError(f"{self.label}: the connection to pslaunch's remote wrapper failed: {e}") from None
+            # (a host dropped for what it sent may close the channel under this write: say why)
+            raise LaunchError(self.refused or f"{self.label}: the connection to pslaunch's remote wrapper "
+                              f"failed: {e}") from None
 
     def request(self, kind: bytes, payload: bytes, reply: bytes, timeout: float = 600.0) -> dict:
         """Send a frame and wait for the wrapper's JSON answer of kind ``reply`` (at most twice the

@@ -202,7 +202,11 @@ def test_failing_task_exit_code_and_the_others_are_deleted(job) -> None:
     assert r.returncode == 3, r.stderr
     assert re.search(r"error: worker 1 \(SGE task \d+\.2 on \S+, pid \d+; output \S+/worker\.2\.out\) "
                      r"exited with code 3 first; stopped the other processes", r.stderr), r.stderr
-    assert "  | worker-1 failing with code 3" in r.stderr  # the failed task's last lines
+    # the failed task's last lines: on the console just above the report, which points at them
+    # rather than print them again (or, were they not just above, prints them as its tail)
+    assert re.search(r"\[worker 1[^\]]*\] worker-1 failing with code 3", r.stderr), r.stderr
+    assert ("(the last lines of worker 1 are just above)" in r.stderr
+            or "  | worker-1 failing with code 3" in r.stderr), r.stderr
     assert sge_jobs(job["name"]) == []                    # nothing left once the launcher has exited
     assert took < 40, f"the tasks sleep 60 s; deleting them took {took:.0f}s"
     failed_at = read_probes(job["probes"])["worker-1"]["time"] + 1.0  # the probe fails 1 s after it wrote
