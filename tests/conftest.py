@@ -22,7 +22,7 @@ from typing import Callable, Iterable
 import pytest
 from support.helpers import MPIRUNS, REPO, mpirun_path, mxnet_python, probe_argv
 from support.helpers import free_port as _free_port
-from support.testbed import testbed  # noqa: F401 - the session's namespace hosts (a fixture)
+from support.testbed import shared_out, testbed  # noqa: F401 - the session's namespace hosts, a folder all share (fixtures)
 from support.yarn_testbed import skein_driver  # noqa: F401 - the session's global skein driver (a fixture)
 
 GUARD_DIR = REPO / "tests" / "netguard"

@@ -146,7 +146,7 @@ class Console:
         #: written to each log file as it is opened (a restart's attempt; None: nothing)
         self.log_banner: Optional[str] = None
         self._log_fd: Optional[int] = None  # the log directory, open
-        self._shown = 0  # the lines of processes shown so far (ProcOutput.shown_above)
+        self._lines_on_screen = 0  # the lines of processes shown so far (ProcOutput.shown_above)
         self._tracebacks: dict[tuple[str, ...], str] = {}  # each traceback shown, and whose it was
         self._causes: dict[str, bool] = {}  # each pslaunch-cause reason, and whether it was shown
         self._one_target: Optional[bool] = None  # stdout and stderr are one file (_same_target)
@@ -393,9 +393,9 @@ class ProcOutput:
             on_console = self.shown
             if on_console:
                 self.console.write(err, self.prefix + self.console._said_before(line, data) + b"\n")
-                self.console._shown += 1
+                self.console._lines_on_screen += 1
             above = err or self.console._same_target()
-            self._shown_at.append(self.console._shown if above and on_console else None)
+            self._shown_at.append(self.console._lines_on_screen if above and on_console else None)
         self._log(line, logged)
 
     def _log(self, line: str, logged: bytes) -> None:
@@ -442,9 +442,9 @@ class ProcOutput:
                 return
             note = f"(the same traceback as {first}: {len(block)} lines)"
             console.write(block[0][1], self.prefix + note.encode() + b"\n")
-            console._shown += 1
+            console._lines_on_screen += 1
             for line, _err, _data, logged in block:
-                self._shown_at.append(console._shown)  # (shown above, as the note says)
+                self._shown_at.append(console._lines_on_screen)  # (shown above, as the note says)
                 self._log(line, logged)
 
     def lines(self) -> list[str]:
@@ -463,7 +463,7 @@ class ProcOutput:
         with self.console._lock:
             shown = list(self._shown_at)
             first = shown[0] if shown else None
-            return first is not None and None not in shown and self.console._shown - first <= window
+            return first is not None and None not in shown and self.console._lines_on_screen - first <= window
 
     @property
     def closed(self) -> bool:

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -84,30 +82,27 @@ def test_xgboost20_under_plain_s0_is_one_job(tmp_path: Path) -> None:
 @pytest.mark.xgboost
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("network", ["a", "b"])
-def test_xgboost20_over_ssh_the_rabit_tracker_takes_its_hosts(testbed: Testbed, tmp_path: Path, network: str) -> None:
+def test_xgboost20_over_ssh_the_rabit_tracker_takes_its_hosts(testbed: Testbed, tmp_path: Path, shared_out: Path,
+                                                                network: str) -> None:
     # (issue 30, item 7: the tracker takes connections only from the job's hosts; here they come from
     # the addresses ssh reached them on (a), or from the data network that DMLC_INTERFACE names (b))
     python = xgb("2.0")
-    out = testbed.shared / uuid.uuid4().hex[:10]
-    out.mkdir(mode=0o777)
-    try:
-        hosts = testbed.write_hostfile(tmp_path / "hosts", testbed.hosts[:2], "{addr_a} slots=1")
-        iface = ["--env", f"DMLC_INTERFACE={testbed.subnet_b}"] if network == "b" else []
-        r = run_pslaunch("--launcher", "ssh", "-H", str(hosts), "-n", "2", "-s", "0", "--kill-grace", "2",
-                         "--log-level", "debug", *iface, python, XGB, "--api", "env", "--out", str(out),
-                         env=testbed.env(), timeout=DEADLINE)
-        assert r.returncode == 0, r.stdout + r.stderr
-        res = results(out)
-        assert [(res[k]["rank"], res[k]["world"]) for k in sorted(res)] == [(0, 2), (1, 2)]
-        assert res["task-0"]["predictions"] == res["task-1"]["predictions"] == solo_xgb(python, tmp_path)["predictions"]
-        assert "rabit tracker: dropped" not in r.stderr
-        (line,) = [x for x in r.stderr.splitlines() if "rabit tracker: XGBoost 2.0.3's tracker" in x]
-        peers = line.partition(", from ")[2].split(", ")
-        for host in testbed.hosts[:2]:
-            assert (host.addr_b if network == "b" else host.addr_a) in peers, line
-        assert "127.0.0.1" not in peers
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
+    out = shared_out
+    hosts = testbed.write_hostfile(tmp_path / "hosts", testbed.hosts[:2], "{addr_a} slots=1")
+    iface = ["--env", f"DMLC_INTERFACE={testbed.subnet_b}"] if network == "b" else []
+    r = run_pslaunch("--launcher", "ssh", "-H", str(hosts), "-n", "2", "-s", "0", "--kill-grace", "2",
+                     "--log-level", "debug", *iface, python, XGB, "--api", "env", "--out", str(out),
+                     env=testbed.env(), timeout=DEADLINE)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = results(out)
+    assert [(res[k]["rank"], res[k]["world"]) for k in sorted(res)] == [(0, 2), (1, 2)]
+    assert res["task-0"]["predictions"] == res["task-1"]["predictions"] == solo_xgb(python, tmp_path)["predictions"]
+    assert "rabit tracker: dropped" not in r.stderr
+    (line,) = [x for x in r.stderr.splitlines() if "rabit tracker: XGBoost 2.0.3's tracker" in x]
+    peers = line.partition(", from ")[2].split(", ")
+    for host in testbed.hosts[:2]:
+        assert (host.addr_b if network == "b" else host.addr_a) in peers, line
+    assert "127.0.0.1" not in peers
 
 
 @pytest.mark.xgboost
@@ -209,55 +204,47 @@ def test_a_restarted_torch_job_keeps_one_store_program_with_a_fresh_store_per_at
 
 @pytest.mark.ssh
 @pytest.mark.timeout(300)
-def test_ddp_over_ssh_on_two_hosts_with_a_cidr(testbed: Testbed, tmp_path: Path) -> None:
-    out = testbed.shared / uuid.uuid4().hex[:10]
-    out.mkdir(mode=0o777)
-    try:
-        hosts = testbed.write_hostfile(tmp_path / "hosts", testbed.hosts[:2], "{addr_a} slots=2")
-        # the data network (subnet B), whose interface has another name on each host
-        r = run_pslaunch("--launcher", "ssh", "-H", str(hosts), "-n", "4", "--tracker", "torch", "--kill-grace", "2",
-                         "--env", "PSLAUNCH_NETGUARD_LOG", "--env", f"DMLC_INTERFACE={testbed.subnet_b}",
-                         *ddp_argv(out), env=testbed.env(), timeout=DEADLINE)
-        assert r.returncode == 0, r.stdout + r.stderr
-        res = check_ddp(out, 4, tmp_path)
-        by_rank = {x["rank"]: x["env"] for x in res.values()}
-        # ranks host by host: 0, 1 on the first host, 2, 3 on the second; cuda:LOCAL_RANK would be right
-        assert [(e["GROUP_RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for _, e in sorted(by_rank.items())] == \
-            [("0", "0", "2"), ("0", "1", "2"), ("1", "0", "2"), ("1", "1", "2")]
-        assert {e["MASTER_ADDR"] for e in by_rank.values()} == {testbed.root_b}
-        first, second = testbed.hosts[0], testbed.hosts[1]
-        assert [e["DMLC_NODE_HOST"] for _, e in sorted(by_rank.items())] == [first.addr_b] * 2 + [second.addr_b] * 2
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
+def test_ddp_over_ssh_on_two_hosts_with_a_cidr(testbed: Testbed, tmp_path: Path, shared_out: Path) -> None:
+    out = shared_out
+    hosts = testbed.write_hostfile(tmp_path / "hosts", testbed.hosts[:2], "{addr_a} slots=2")
+    # the data network (subnet B), whose interface has another name on each host
+    r = run_pslaunch("--launcher", "ssh", "-H", str(hosts), "-n", "4", "--tracker", "torch", "--kill-grace", "2",
+                     "--env", "PSLAUNCH_NETGUARD_LOG", "--env", f"DMLC_INTERFACE={testbed.subnet_b}",
+                     *ddp_argv(out), env=testbed.env(), timeout=DEADLINE)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = check_ddp(out, 4, tmp_path)
+    by_rank = {x["rank"]: x["env"] for x in res.values()}
+    # ranks host by host: 0, 1 on the first host, 2, 3 on the second; cuda:LOCAL_RANK would be right
+    assert [(e["GROUP_RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for _, e in sorted(by_rank.items())] == \
+        [("0", "0", "2"), ("0", "1", "2"), ("1", "0", "2"), ("1", "1", "2")]
+    assert {e["MASTER_ADDR"] for e in by_rank.values()} == {testbed.root_b}
+    first, second = testbed.hosts[0], testbed.hosts[1]
+    assert [e["DMLC_NODE_HOST"] for _, e in sorted(by_rank.items())] == [first.addr_b] * 2 + [second.addr_b] * 2
 
 
 @pytest.mark.ssh
 @pytest.mark.timeout(300)
-def test_ddp_over_ssh_on_two_hosts_without_dmlc_interface(testbed: Testbed, tmp_path: Path) -> None:
+def test_ddp_over_ssh_on_two_hosts_without_dmlc_interface(testbed: Testbed, tmp_path: Path, shared_out: Path) -> None:
     # no DMLC_INTERFACE: each host's gloo binds the interface of the address ssh reached it on (a name of
     # its own on each host); without that, gloo took what the host's name resolves to ("Connection
     # refused, remote=127.0.0.1")
-    out = testbed.shared / uuid.uuid4().hex[:10]
-    out.mkdir(mode=0o777)
-    try:
-        first, second = testbed.hosts[0], testbed.hosts[1]
-        hosts = testbed.write_hostfile(tmp_path / "hosts", [first, second], "{addr_a} slots=2")
-        r = run_pslaunch("--launcher", "ssh", "-H", str(hosts), "-n", "4", "--tracker", "torch", "--kill-grace", "2",
-                         "--log-level", "info", "--env", "PSLAUNCH_NETGUARD_LOG", *ddp_argv(out),
-                         env=testbed.env(), timeout=DEADLINE)
-        assert r.returncode == 0, r.stdout + r.stderr
-        res = check_ddp(out, 4, tmp_path)
-        by_rank = {x["rank"]: x["env"] for x in res.values()}
-        assert {e["MASTER_ADDR"] for e in by_rank.values()} == {testbed.root_a}  # the route to the hosts
-        per_rank = [(e["DMLC_NODE_HOST"], e["GLOO_SOCKET_IFNAME"], e["NCCL_SOCKET_IFNAME"])
-                    for _, e in sorted(by_rank.items())]
-        assert per_rank == [(h.addr_a, h.iface_a, "=" + h.iface_a) for h in (first, first, second, second)]
-        for h in (first, second):  # where the values came from, once per host
-            line = (f"pslaunch: {h.addr_a}: GLOO_SOCKET_IFNAME={h.iface_a}, NCCL_SOCKET_IFNAME=={h.iface_a} (the "
-                    f"interface of {h.addr_a}, the address the other hosts reach)")
-            assert r.stderr.count(line) == 1, r.stderr
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
+    out = shared_out
+    first, second = testbed.hosts[0], testbed.hosts[1]
+    hosts = testbed.write_hostfile(tmp_path / "hosts", [first, second], "{addr_a} slots=2")
+    r = run_pslaunch("--launcher", "ssh", "-H", str(hosts), "-n", "4", "--tracker", "torch", "--kill-grace", "2",
+                     "--log-level", "info", "--env", "PSLAUNCH_NETGUARD_LOG", *ddp_argv(out),
+                     env=testbed.env(), timeout=DEADLINE)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = check_ddp(out, 4, tmp_path)
+    by_rank = {x["rank"]: x["env"] for x in res.values()}
+    assert {e["MASTER_ADDR"] for e in by_rank.values()} == {testbed.root_a}  # the route to the hosts
+    per_rank = [(e["DMLC_NODE_HOST"], e["GLOO_SOCKET_IFNAME"], e["NCCL_SOCKET_IFNAME"])
+                for _, e in sorted(by_rank.items())]
+    assert per_rank == [(h.addr_a, h.iface_a, "=" + h.iface_a) for h in (first, first, second, second)]
+    for h in (first, second):  # where the values came from, once per host
+        line = (f"pslaunch: {h.addr_a}: GLOO_SOCKET_IFNAME={h.iface_a}, NCCL_SOCKET_IFNAME=={h.iface_a} (the "
+                f"interface of {h.addr_a}, the address the other hosts reach)")
+        assert r.stderr.count(line) == 1, r.stderr
 
 
 @pytest.mark.xgboost

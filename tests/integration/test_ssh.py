@@ -35,12 +35,9 @@ NETGUARD = ("--env", "PSLAUNCH_NETGUARD_LOG")  # the network guard in every remo
 
 
 @pytest.fixture
-def out(testbed: Testbed) -> Path:
+def out(shared_out: Path) -> Path:
     """A results directory every host can write (probes' --out)."""
-    d = testbed.shared / uuid.uuid4().hex[:10]
-    d.mkdir(mode=0o777)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+    return shared_out
 
 
 def probe(out: Path, *args: str) -> list[str]:

@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import Callable, Iterable, Optional
 
 from launcher.node import procgroup
+from launcher.spec.job import JobSpec
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = REPO / "tests" / "bin"
@@ -145,6 +146,26 @@ def probe_argv(out: Path, *args: str, python: str = sys.executable) -> list[str]
 
 def pslaunch_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "launcher", *args]
+
+
+def spec_of(args: list[str]) -> JobSpec:
+    """Parse ``args`` as pslaunch does and return the JobSpec it would run (nothing is run)."""
+    import pytest
+
+    from launcher import cli
+    from launcher.cli import job
+
+    captured: dict[str, JobSpec] = {}
+
+    def fake_execute(spec: JobSpec) -> int:
+        captured["spec"] = spec
+        return 0
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(job, "execute", fake_execute)
+        code = cli.main(args)
+    assert code == 0, code
+    return captured["spec"]
 
 
 def run_pslaunch(*args: str, timeout: float = 60, env: Optional[dict] = None, cwd: str | Path | None = None,

@@ -53,7 +53,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 from launcher.node import procgroup
 
@@ -573,6 +573,17 @@ try:  # pytest fixtures (conftest.py registers them for every test)
             pytest.skip(f"ssh testbed unavailable: {e}")
         request.config.add_cleanup(close_session)
         return tb
+
+    @pytest.fixture
+    def shared_out(testbed: Testbed) -> Iterator[Path]:
+        """A fresh directory of the testbed's shared folder that every host can write (a job's
+        results), removed after the test."""
+        import uuid
+
+        d = testbed.shared / uuid.uuid4().hex[:10]
+        d.mkdir(mode=0o777)
+        yield d
+        shutil.rmtree(d, ignore_errors=True)
 except ImportError:  # pragma: no cover - the command line works without pytest
     pass
 

@@ -7,27 +7,12 @@ import sys
 
 import click
 import pytest
-from support.helpers import REPO
+from support.helpers import REPO, spec_of
 
 from launcher import backends, cli
-from launcher.cli import common, job, run
+from launcher.cli import common, run
 from launcher.errors import BackendUnavailableError, ConfigError
 from launcher.run.addresses import scheduler_address
-
-
-def spec_of(args: list[str]):
-    """Parse like pslaunch does and return the JobSpec (without running it)."""
-    captured = {}
-
-    def fake_execute(spec):
-        captured["spec"] = spec
-        return 0
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(job, "execute", fake_execute)
-        code = cli.main(args)
-    assert code == 0, code
-    return captured["spec"]
 
 
 def test_command_starts_at_first_non_option() -> None:

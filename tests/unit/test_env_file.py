@@ -7,10 +7,11 @@ import json
 import os
 
 import pytest
+from support.helpers import spec_of
 
 from launcher import cli
 from launcher.backends import slurm as S
-from launcher.cli import common, job
+from launcher.cli import common
 from launcher.errors import ConfigError
 from launcher.node import task
 from launcher.spec import envfile
@@ -19,20 +20,6 @@ from launcher.spec import envfile
 def parse(text: str, environ: dict | None = None) -> dict[str, str]:
     return dict(envfile.parse_env_text(text, "job.env", environ or {}))
 
-
-def spec_of(args: list[str]):
-    """Parse like pslaunch does and return the JobSpec (without running it)."""
-    captured = {}
-
-    def fake_execute(spec):
-        captured["spec"] = spec
-        return 0
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(job, "execute", fake_execute)
-        code = cli.main(args)
-    assert code == 0, code
-    return captured["spec"]
 
 
 # --- the dotenv lines -----------------------------------------------------------------------------

@@ -4,10 +4,10 @@ made before anything starts, and the dry run that shows each worker's CUDA_VISIB
 from __future__ import annotations
 
 import pytest
+from support.helpers import spec_of
 
 import pscontract as pc
 from launcher import cli
-from launcher.cli import job
 from launcher.errors import ConfigError
 from launcher.spec.hosts import parse_host_list, parse_lines
 from launcher.spec.job import Host, JobSpec
@@ -152,19 +152,6 @@ def test_an_env_server_value_is_no_conflict() -> None:
 
 # --- the command line -------------------------------------------------------------------------
 
-
-def spec_of(args: list[str]) -> JobSpec:
-    captured = {}
-
-    def fake_execute(s):
-        captured["spec"] = s
-        return 0
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(job, "execute", fake_execute)
-        code = cli.main(args)
-    assert code == 0, code
-    return captured["spec"]
 
 
 def test_the_option_and_its_yaml_key(tmp_path) -> None:

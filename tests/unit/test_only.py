@@ -6,9 +6,9 @@ from __future__ import annotations
 import io
 
 import pytest
+from support.helpers import spec_of
 
 from launcher import cli
-from launcher.cli import job
 from launcher.errors import ConfigError
 from launcher.runtime.output import Console
 from launcher.spec.only import check_only, parse_only, shows
@@ -122,19 +122,6 @@ def test_a_traceback_left_out_by_only_is_not_what_a_shown_one_is_said_to_repeat(
     assert (tmp_path / "worker-0.log").read_bytes() == trace
     assert not w0.shown_above(40) and w1.shown_above(40)
 
-
-def spec_of(args: list[str]):
-    captured = {}
-
-    def fake_execute(spec):
-        captured["spec"] = spec
-        return 0
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(job, "execute", fake_execute)
-        code = cli.main(args)
-    assert code == 0, code
-    return captured["spec"]
 
 
 def test_the_option_repeats_takes_lists_and_a_yaml_key(tmp_path) -> None:
