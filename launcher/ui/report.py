@@ -222,7 +222,7 @@ def _logs(procs: Sequence[Mapping[str, Any]], logs: Mapping[str, Any], files: bo
         p = by_name.get(name, {})
         lines = logs.get(name) or []
         state = str(p.get("state") or "")
-        seen = p.get("lines") if _num(p.get("lines")) else len(lines)
+        seen = int(p["lines"]) if _num(p.get("lines")) else len(lines)
         kept = f"last {len(lines)} of {seen} lines" if seen > len(lines) else f"{len(lines)} lines"
         link = ""
         if files and (p.get("log") or name):
@@ -234,7 +234,9 @@ def _logs(procs: Sequence[Mapping[str, Any]], logs: Mapping[str, Any], files: bo
         earlier = ""
         if lines and _num(lines[0][0]) and lines[0][0] > 1:
             earlier = f'<p class="note">&#8230; {int(lines[0][0]) - 1} earlier lines not kept</p>'
-        body = (f'<div class="scroll"><pre data-name="{_e(name)}">{_log_text(lines)}</pre></div>' if lines                 else '<p class="note">no output</p>')
+        body = '<p class="note">no output</p>'
+        if lines:
+            body = f'<div class="scroll"><pre data-name="{_e(name)}">{_log_text(lines)}</pre></div>'
         blocks.append(f"<details{' open' if state == 'failed' else ''}>{head}{earlier}{body}</details>")
     return '<section id="log"><h2>Logs</h2>' + "\n".join(blocks) + "</section>"
 

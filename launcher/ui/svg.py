@@ -273,7 +273,9 @@ def _line(scale: _Scale, pts: Sequence[Sequence[float]], hold: float, limit: int
     """One series, downsampled to ``limit`` points and broken at gaps longer than ``hold``: one
     path (a dot for a lone point), its label as a tooltip; and the number of points drawn."""
     title = f"<title>{_esc(label)}</title>"
-    parts, dots, n = [], [], 0
+    parts: list = []
+    dots: list = []
+    n = 0
     for seg in segments(pts, hold):
         seg = downsample(seg, max(1, limit * len(seg) // len(pts)))
         n += len(seg)
@@ -286,8 +288,8 @@ def _line(scale: _Scale, pts: Sequence[Sequence[float]], hold: float, limit: int
     if parts:
         out.append(f'<path fill="none" stroke="{color}" stroke-width="{width}" stroke-linejoin="round" '
                    f'd="{"".join(parts)}">{title}</path>')
-    for xy in dots:
-        x, y = xy.split(",")
+    for dot in dots:
+        x, y = dot.split(",")
         out.append(f'<circle cx="{x}" cy="{y}" r="2.5" fill="{color}">{title}</circle>')
     return "".join(out), n
 
