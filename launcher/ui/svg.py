@@ -21,7 +21,7 @@ downsampled like any series.
 **Bounds.** A series is drawn with at most :data:`MAX_POINTS` points (more are merged in equal
 time bins: the mean time and mean value of the reports in a bin), and all series together with
 about :data:`POINT_BUDGET` (the grey lines of a large job get fewer points each, at least
-:data:`MIN_POINTS`): 256 workers with 1,000 reports each make a chart of about 190 kB. The
+:data:`MIN_POINTS`): 256 workers with 1,000 reports each make a chart of about 220 kB. The
 ``data-points`` attribute of the ``<svg>`` is the number of points drawn.
 
 Coordinates are written with one decimal, labels with fixed rules (``m:ss`` or ``h:mm:ss``;
@@ -39,7 +39,7 @@ from typing import Mapping, Optional, Sequence
 #: most points drawn for one series
 MAX_POINTS = 600
 #: about the most points drawn for all series together (the grey lines of a large job share it)
-POINT_BUDGET = 24000
+POINT_BUDGET = 12000
 #: the fewest points a grey line is drawn with
 MIN_POINTS = 40
 #: a report counts for this many of its series' median intervals (in the total), and a longer
@@ -64,29 +64,33 @@ _TIME_STEPS = (1, 2, 5, 10, 15, 20, 30, 60, 120, 300, 600, 900, 1200, 1800, 3600
 
 
 def throughput_svg(series: Mapping[str, Sequence[Sequence[float]]], attempts: Sequence[float] = (),
-                   width: int = 960, height: int = 300, labels: Optional[Mapping[str, str]] = None) -> str:
+                   width: int = 960, height: int = 340, labels: Optional[Mapping[str, str]] = None) -> str:
     """The chart of ``series`` (``{"worker-0": [(t, samples_per_s), ...]}``, t in seconds since
     the job's start) as one ``<svg>`` element. ``attempts``: the times (same clock) at which the
     second, third, ... attempt began, drawn as dashed verticals. ``labels``: what the legend
     calls a series (``{"worker-0": "worker 0"}``; default its name)."""
     labels = labels or {}
-    data = {name: sorted((float(t), float(v)) for t, v in pts)
-            for name, pts in series.items() if len(pts)}
+    data = {name: sorted(map(tuple, pts)) for name, pts in series.items() if len(pts)}
     names = sorted(data, key=natural_key)
-    total = total_series(data) if len(names) > 1 else []
+    holds = hold_times(data)
+    total = total_series(data, bins=MAX_POINTS, holds=holds) if len(names) > 1 else []
     legend_names, note = _legend_names(names, data)
     right = 190 if names else 12
-    box = _Box(left=56, top=14, right=width - right, bottom=height - 26)
-    xmax = max([1.0] + [p[0] for pts in data.values() for p in pts] + [float(a) for a in attempts])
-    ymax = max([0.0] + [p[1] for p in (total or [p for pts in data.values() for p in pts])])
-    ystep = _nice_step(ymax / 4.0) if ymax > 0 else 1.0
-    ytop = math.ceil(ymax * 1.04 / ystep) * ystep if ymax > 0 else 4.0
-    scale = _Scale(box, xmax, ytop)
+    box = _Box(left=56, top=16, right=width - right, bottom=height - 26)
+    xmax = max([1.0] + [p[-1][0] for p in data.values()] + [float(a) for a in attempts])
     out = [f'<svg class="chart" viewBox="0 0 {width} {height}" width="{width}" height="{height}" '
            f'font-family="system-ui,sans-serif" font-size="11" role="img" '
            f'aria-label="throughput, samples/s per worker and in total"']
-    body = _axes(scale, ystep)
+    body: list = []
     drawn = 0
+    worker_box = box
+    if total:  # two panels, each its own scale: a total n times a worker's would flatten the workers
+        split = box.top + (box.bottom - box.top) * 0.36
+        total_scale = _panel(_Box(box.left, box.top, box.right, split), xmax, [v for _, v in total], 3)
+        body.extend(_axes(total_scale, "total samples/s", time_labels=False))
+        worker_box = _Box(box.left, split + 18, box.right, box.bottom)
+    worker_scale = _panel(worker_box, xmax, [v for pts in data.values() for _, v in pts], 4)
+    body.extend(_axes(worker_scale, "samples/s per worker" if total else "samples/s", time_labels=True))
     if not names:
         body.append(f'<text x="{_f((box.left + box.right) / 2)}" y="{_f((box.top + box.bottom) / 2)}" '
                     f'text-anchor="middle" fill="{AXIS_COLOR}">no throughput reported yet '
@@ -94,19 +98,18 @@ def throughput_svg(series: Mapping[str, Sequence[Sequence[float]]], attempts: Se
     else:
         others = [n for n in names if n not in legend_names]
         cap = min(MAX_POINTS, max(MIN_POINTS, POINT_BUDGET // max(1, len(names))))
-        holds = hold_times(data)
         lines = [(n, cap, OTHER_COLOR, "1") for n in others]
         lines += [(n, MAX_POINTS, PALETTE[i % len(PALETTE)], "1.3") for i, n in enumerate(legend_names)]
         for name, limit, color, stroke in lines:
-            d, pts = _line(scale, data[name], holds[name], limit, color, stroke, labels.get(name, name))
+            d, pts = _line(worker_scale, data[name], holds[name], limit, color, stroke, labels.get(name, name))
             body.append(d)
             drawn += pts
         if total:
             hold = max(holds.values())
-            d, pts = _line(scale, total, hold, MAX_POINTS, TOTAL_COLOR, "2.5", "total")
+            d, pts = _line(total_scale, total, hold, MAX_POINTS, TOTAL_COLOR, "2", "total")
             body.append(d)
             drawn += pts
-    body.extend(_attempt_lines(scale, attempts))
+    body.extend(_attempt_lines(box, worker_scale, attempts))
     if names:
         body.extend(_legend(box, names, legend_names, note, data, total, labels))
     out.append(f' data-points="{drawn}">')
@@ -120,19 +123,26 @@ def natural_key(name: str) -> tuple:
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", name) if p)
 
 
-def total_series(data: Mapping[str, Sequence[Sequence[float]]]) -> list:
-    """The sum of the workers' series on the union of their times (the module's docstring says
-    how each is held); one point per distinct time, sorted."""
-    holds = hold_times(data)
+def total_series(data: Mapping[str, Sequence[Sequence[float]]], bins: Optional[int] = None,
+                 holds: Optional[Mapping[str, float]] = None) -> list:
+    """The sum of the workers' series (each sorted by time) on the union of their times (the
+    module's docstring says how each is held); one point per distinct time, sorted. With more
+    reports than ``bins`` in all, the total is made in ``bins`` equal time bins instead (a point
+    at each bin's middle: the sum of each worker's mean report in the bin, or of its held value),
+    which costs a few operations per report instead of a sort of them all. ``holds``:
+    :func:`hold_times` of ``data``, if the caller has them."""
+    holds = holds if holds is not None else hold_times(data)
+    if bins is not None and sum(len(p) for p in data.values()) > bins:
+        return _binned_total(data, holds, bins)
     events: list = []  # (t, series index, value)
     for i, name in enumerate(sorted(data, key=natural_key)):
-        pts = sorted(data[name])
+        pts = data[name]
+        hold = holds[name]
         for k, (t, v) in enumerate(pts):
             events.append((t, i, v))
-            nxt = pts[k + 1][0] if k + 1 < len(pts) else None
-            if nxt is None or nxt - t > holds[name]:
-                events.append((t + holds[name], i, 0.0))
-    last_t = max((p[0] for pts in data.values() for p in pts), default=0.0)
+            if hold > 0 and (k + 1 == len(pts) or pts[k + 1][0] - t > hold):
+                events.append((t + hold, i, 0.0))
+    last_t = max((p[-1][0] for p in data.values() if len(p)), default=0.0)
     events = [e for e in events if e[0] <= last_t]  # (at the job's end every worker stops at once)
     events.sort(key=lambda e: (e[0], e[1]))
     current: dict = {}
@@ -146,14 +156,43 @@ def total_series(data: Mapping[str, Sequence[Sequence[float]]]) -> list:
     return out
 
 
+def _binned_total(data: Mapping[str, Sequence[Sequence[float]]], holds: Mapping[str, float], bins: int) -> list:
+    """:func:`total_series` in ``bins`` equal time bins."""
+    t0 = min(p[0][0] for p in data.values() if len(p))
+    t1 = max(p[-1][0] for p in data.values() if len(p))
+    scale = bins / ((t1 - t0) or 1.0)
+    width = 1.0 / scale
+    total = [0.0] * bins
+    for name, pts in data.items():
+        sums = [0.0] * bins
+        counts = [0] * bins
+        lasts = [0.0] * bins
+        for t, v in pts:
+            b = int((t - t0) * scale)
+            if b >= bins:
+                b = bins - 1
+            sums[b] += v
+            counts[b] += 1
+            lasts[b] = t
+        hold = holds[name]
+        cur, last = 0.0, None
+        for b in range(bins):
+            if counts[b]:
+                cur, last = sums[b] / counts[b], lasts[b]
+                total[b] += cur
+            elif last is not None and (hold <= 0 or t0 + (b + 0.5) * width - last <= hold):
+                total[b] += cur
+    return [(t0 + (b + 0.5) * width, round(v, 6)) for b, v in enumerate(total)]
+
+
 def hold_times(data: Mapping[str, Sequence[Sequence[float]]]) -> dict:
     """How long each series' report counts: :data:`HOLD` times its median interval (the median
-    of the others' for a series with one report; 0 when no series has two)."""
+    of the others' for a series with one report; 0, for ever, when no series has two)."""
     gaps = {}
     for name, pts in data.items():
-        ts = sorted(p[0] for p in pts)
-        if len(ts) > 1:
-            gaps[name] = median(b - a for a, b in zip(ts, ts[1:]))
+        if len(pts) > 1:
+            ts = [p[0] for p in pts]  # (sorted)
+            gaps[name] = median([b - a for a, b in zip(ts, ts[1:])])
     default = median(gaps.values()) if gaps else 0.0
     return {name: HOLD * gaps.get(name, default) for name in data}
 
@@ -161,31 +200,29 @@ def hold_times(data: Mapping[str, Sequence[Sequence[float]]]) -> dict:
 def segments(points: Sequence[Sequence[float]], hold: float) -> list:
     """``points`` cut where two reports are more than ``hold`` apart (a restart, a stall): the
     chart draws no line across such a gap."""
-    out: list = []
-    for p in points:
-        if out and p[0] - out[-1][-1][0] <= hold:
-            out[-1].append(p)
-        else:
-            out.append([p])
-    return out
+    ts = [p[0] for p in points]
+    cuts = [0, *(k for k in range(1, len(ts)) if ts[k] - ts[k - 1] > hold), len(ts)]
+    return [list(points[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
 def downsample(points: Sequence[Sequence[float]], limit: int) -> list:
-    """At most ``limit`` points: the mean time and mean value of the points in each of ``limit``
-    equal time bins (empty bins give none); ``points`` unchanged when they are few enough."""
-    pts = [(float(t), float(v)) for t, v in points]
-    if len(pts) <= limit:
-        return pts
-    t0, t1 = pts[0][0], pts[-1][0]
-    span = (t1 - t0) or 1.0
-    bins: dict = {}
-    for t, v in pts:
-        b = min(limit - 1, int((t - t0) / span * limit))
-        acc = bins.setdefault(b, [0.0, 0.0, 0])
-        acc[0] += t
-        acc[1] += v
-        acc[2] += 1
-    return [(acc[0] / acc[2], acc[1] / acc[2]) for _, acc in sorted(bins.items())]
+    """At most ``limit`` points: the mean time and mean value of the points (sorted by time) in
+    each of ``limit`` equal time bins (empty bins give none); ``points`` unchanged when they are
+    few enough."""
+    if len(points) <= limit:
+        return [(t, v) for t, v in points]
+    t0 = points[0][0]
+    scale = limit / ((points[-1][0] - t0) or 1.0)
+    st, sv, n = [0.0] * limit, [0.0] * limit, [0] * limit
+    top = limit - 1
+    for t, v in points:
+        b = int((t - t0) * scale)
+        if b > top:
+            b = top
+        st[b] += t
+        sv[b] += v
+        n[b] += 1
+    return [(st[b] / n[b], sv[b] / n[b]) for b in range(limit) if n[b]]
 
 
 def format_rate(v: float) -> str:
@@ -213,8 +250,8 @@ class _Box:
 
 
 class _Scale:
-    def __init__(self, box: _Box, xmax: float, ymax: float) -> None:
-        self.box, self.xmax, self.ymax = box, xmax, ymax
+    def __init__(self, box: _Box, xmax: float, ymax: float, ystep: float) -> None:
+        self.box, self.xmax, self.ymax, self.ystep = box, xmax, ymax, ystep
 
     def x(self, t: float) -> float:
         return self.box.left + (self.box.right - self.box.left) * min(max(t, 0.0), self.xmax) / self.xmax
@@ -240,15 +277,27 @@ def _nice_step(raw: float) -> float:
     return 10.0 * mag
 
 
-def _axes(scale: _Scale, ystep: float) -> list:
-    """The plot's frame, horizontal grid lines with samples/s labels, time ticks below."""
+def _panel(box: _Box, xmax: float, values: Sequence[float], ticks: int) -> _Scale:
+    """The scale of a panel showing ``values`` from 0, topped a little above their maximum at a
+    round number, with about ``ticks`` steps."""
+    ymax = max(values, default=0.0)
+    if ymax <= 0:
+        return _Scale(box, xmax, float(ticks), 1.0)
+    step = _nice_step(ymax / ticks)
+    return _Scale(box, xmax, math.ceil(ymax * 1.02 / step) * step, step)
+
+
+def _axes(scale: _Scale, title: str, time_labels: bool) -> list:
+    """A panel's frame, its title above it, horizontal grid lines with samples/s labels, time
+    ticks below (labelled on the lowest panel only)."""
     b = scale.box
     out = [f'<rect x="{_f(b.left)}" y="{_f(b.top)}" width="{_f(b.right - b.left)}" '
-           f'height="{_f(b.bottom - b.top)}" fill="#ffffff" stroke="{GRID_COLOR}"/>']
+           f'height="{_f(b.bottom - b.top)}" fill="#ffffff" stroke="{GRID_COLOR}"/>',
+           f'<text x="{_f(b.left)}" y="{_f(b.top - 5)}" fill="{AXIS_COLOR}">{_esc(title)}</text>']
     grid, text = [], []
-    n = int(round(scale.ymax / ystep))
+    n = int(round(scale.ymax / scale.ystep))
     for k in range(n + 1):
-        v = k * ystep
+        v = k * scale.ystep
         y = _f(scale.y(v))
         if 0 < k:
             grid.append(f'<line x1="{_f(b.left)}" y1="{y}" x2="{_f(b.right)}" y2="{y}"/>')
@@ -258,13 +307,12 @@ def _axes(scale: _Scale, ystep: float) -> list:
     while k * step <= scale.xmax + 1e-9:
         x = _f(scale.x(k * step))
         grid.append(f'<line x1="{x}" y1="{_f(b.bottom)}" x2="{x}" y2="{_f(b.bottom + 4)}"/>')
-        text.append(f'<text x="{x}" y="{_f(b.bottom + 16)}" text-anchor="middle">{format_time(k * step)}</text>')
+        if time_labels:
+            text.append(f'<text x="{x}" y="{_f(b.bottom + 16)}" text-anchor="middle">'
+                        f"{format_time(k * step)}</text>")
         k += 1
     out.append(f'<g stroke="{GRID_COLOR}">' + "".join(grid) + "</g>")
     out.append(f'<g fill="{AXIS_COLOR}">' + "".join(text) + "</g>")
-    mid = (b.top + b.bottom) / 2
-    out.append(f'<text x="12" y="{_f(mid)}" fill="{AXIS_COLOR}" text-anchor="middle" '
-               f'transform="rotate(-90 12 {_f(mid)})">samples/s</text>')
     return out
 
 
@@ -294,15 +342,14 @@ def _line(scale: _Scale, pts: Sequence[Sequence[float]], hold: float, limit: int
     return "".join(out), n
 
 
-def _attempt_lines(scale: _Scale, attempts: Sequence[float]) -> list:
-    """A dashed vertical at the start of each restart, labelled ``restart k``."""
-    b = scale.box
+def _attempt_lines(box: _Box, scale: _Scale, attempts: Sequence[float]) -> list:
+    """A dashed vertical across the panels at the start of each restart, labelled ``restart k``."""
     out = []
     for k, t in enumerate(attempts, start=1):
         x = _f(scale.x(float(t)))
-        out.append(f'<line x1="{x}" y1="{_f(b.top)}" x2="{x}" y2="{_f(b.bottom)}" stroke="{AXIS_COLOR}" '
+        out.append(f'<line x1="{x}" y1="{_f(box.top)}" x2="{x}" y2="{_f(box.bottom)}" stroke="{AXIS_COLOR}" '
                    f'stroke-dasharray="4 3"/>')
-        out.append(f'<text x="{x}" y="{_f(b.top + 10)}" dx="3" fill="{AXIS_COLOR}">restart {k}</text>')
+        out.append(f'<text x="{x}" y="{_f(box.top + 10)}" dx="3" fill="{AXIS_COLOR}">restart {k}</text>')
     return out
 
 
