@@ -21,7 +21,7 @@ downsampled like any series.
 **Bounds.** A series is drawn with at most :data:`MAX_POINTS` points (more are merged in equal
 time bins: the mean time and mean value of the reports in a bin), and all series together with
 about :data:`POINT_BUDGET` (the grey lines of a large job get fewer points each, at least
-:data:`MIN_POINTS`): 256 workers with 1,000 reports each make a chart of about 220 kB. The
+:data:`MIN_POINTS`): 256 workers with 1,000 reports each make a chart of 250 kB, in 0.26 s of CPU. The
 ``data-points`` attribute of the ``<svg>`` is the number of points drawn.
 
 Coordinates are written with one decimal, labels with fixed rules (``m:ss`` or ``h:mm:ss``;

@@ -3,7 +3,7 @@ large job built to size, and the golden-file check the chart and report tests us
 
 The sample (``tests/unit/ui_sample_snapshot.json``): a PS job on two hosts, a scheduler, 2
 servers, 4 workers, two attempts (worker 3 killed by SIGKILL, then worker 2 failed with a
-traceback), Speedometer throughput for every worker, ~300 log lines.
+traceback), Speedometer throughput for every worker, 199 log lines.
 """
 
 from __future__ import annotations
