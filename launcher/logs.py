@@ -164,6 +164,19 @@ class _OpenFileHandler(logging.StreamHandler):
             super().close()
 
 
+def terminal_only(name: str, message: str, *args: object) -> None:
+    """Log ``message`` at INFO on stderr alone, whatever ``--log-level``: never to ``--log-file``
+    (the job page's address with its token is a secret, for the user's terminal only)."""
+    root = logging.getLogger("launcher")
+    record = root.makeRecord(name, logging.INFO, "", 0, message, args, None)
+    handlers = [h for h in root.handlers if isinstance(h, StderrHandler)]
+    for handler in handlers:
+        handler.handle(record)
+    if not handlers:  # (configure was never called: a program using the launcher as a library)
+        text = Formatter().format(record) + "\n"
+        _around(lambda: (sys.stderr.write(text), sys.stderr.flush()) and None)
+
+
 def configure(level: str, log_file: TextIO | None = None) -> None:
     """The launcher's messages at ``level`` and above go to stderr, prefixed ``pslaunch:``, and
     with ``log_file`` (an open text file, which the handler closes when replaced) also there,

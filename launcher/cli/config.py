@@ -245,6 +245,10 @@ def convert(key: str, value: Any, param: click.Parameter, path: str) -> Any:
         if not isinstance(value, bool):
             raise ConfigError(f"{where} is {_kind(value)}; expected true or false")
         return value
+    if isinstance(value, bool) and getattr(param, "_flag_needs_value", False):
+        if not value:  # (ui: true is --ui alone)
+            raise ConfigError(f"{where} is false; remove the key for no {key}")
+        return param.flag_value  # type: ignore[attr-defined]
     if isinstance(value, bool):
         raise ConfigError(f"{path}: {key} takes a value, not true/false")
     ptype = getattr(param, "type", None)

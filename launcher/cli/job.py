@@ -20,6 +20,8 @@ from ..run.supervisor import dry_run_plan, run_job
 from ..spec.job import JobSpec, parse_memory_mb
 from ..spec.only import parse_only
 from ..spec.plan import worker_gpus
+from ..ui.page import dry_run_lines, open_page
+from ..ui.server import parse_address
 from .common import (
     check_variable_sizes,
     configure_logging,
@@ -85,10 +87,22 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
         restart_delay=1.0 if kw.get("restart_delay") is None else kw["restart_delay"],
         restart_window=kw.get("restart_window"), only=parse_only(kw.get("only") or ()),
         gpus_per_process=kw.get("gpus_per_process"),
+        ui=None if kw.get("ui") is None else parse_address(_ui_value(kw["ui"])),
+        ui_linger=kw.get("ui_linger") or 0.0, report=kw.get("report"),
     )
     backend.check_spec(spec)
     worker_gpus(spec)  # (a host with too few GPUs for its workers: one line now, not at the start)
     return spec
+
+
+def _ui_value(value: str) -> str:
+    """``--ui``'s value, refused in one line where it is most likely the command (click gives
+    ``--ui python train.py`` the value ``python``)."""
+    text = str(value).strip()
+    if text and not any(c.isdigit() for c in text.rpartition(":")[2]):
+        raise ConfigError(f"--ui {text[:40]}: not [HOST:]PORT; --ui takes the next argument as its address unless "
+                          "it starts with '-': write --ui -- COMMAND, --ui 0 (a free port), or --ui HOST:PORT")
+    return text
 
 
 def _probe_write(directory: str, name: str) -> Optional[str]:
@@ -148,17 +162,23 @@ def check_outputs(spec: JobSpec, create: bool) -> None:
     """
     if spec.log_dir:
         check_log_dir(spec.log_dir, create)
-    if spec.summary_json:
-        path = spec.summary_json
-        if os.path.isdir(path):
-            raise ConfigError(f"--summary-json {path} is a directory; give a file name")
-        parent = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(parent):
-            raise ConfigError(f"--summary-json {path}: the directory {parent} does not exist")
-        why = _probe_write(parent, os.path.basename(path)) if create else (
-            None if os.access(parent, os.W_OK | os.X_OK) else "permission denied")
-        if why:
-            raise ConfigError(f"--summary-json {path}: cannot write there: {why}")
+    for option, path in (("--summary-json", spec.summary_json), ("--report", spec.report)):
+        if path:
+            check_output_file(option, path, create)
+
+
+def check_output_file(option: str, path: str, create: bool) -> None:
+    """``path`` (``--summary-json``, ``--report``) can be written when the job ends: a file name in
+    a directory that exists and is writable (checked by writing beside it, for a real run)."""
+    if os.path.isdir(path):
+        raise ConfigError(f"{option} {path} is a directory; give a file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{option} {path}: the directory {parent} does not exist")
+    why = _probe_write(parent, os.path.basename(path)) if create else (
+        None if os.access(parent, os.W_OK | os.X_OK) else "permission denied")
+    if why:
+        raise ConfigError(f"{option} {path}: cannot write there: {why}")
 
 
 def execute(spec: JobSpec) -> int:
@@ -168,8 +188,17 @@ def execute(spec: JobSpec) -> int:
         backend = backends.get(spec.launcher)
         plan = dry_run_plan(spec, backend)
         extra = [f"warning: {note}" for note in backend.notes(spec)] + backend.dry_run(spec, plan) + \
-            backend.dry_run_sockets(spec)
+            backend.dry_run_sockets(spec) + dry_run_lines(spec)
         sys.stdout.write(format_dry_run(spec, plan, extra, inherits=not backend.remote,
                                         tracker=trackers.describe(spec, plan)) + "\n")
         return 0
-    return run_job(spec, adopt_orphans=True).exit_code
+    page = open_page(spec, spec.launcher)
+    if page is None:
+        return run_job(spec, adopt_orphans=True).exit_code
+    try:
+        return run_job(spec, adopt_orphans=True, view=page.view).exit_code
+    except BaseException as e:
+        page.start_failed(e)
+        raise
+    finally:
+        page.close()

@@ -170,6 +170,15 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
               "terminal escapes and all. Without it the log files get what the console shows: control "
               "characters made visible, as cat -v does (ESC as ^[), so that no program's output sets "
               "the terminal's title, writes its clipboard or fakes a line of pslaunch.")
+@click.option("--ui", "ui", is_flag=False, flag_value="", default=None, metavar="[HOST:]PORT",
+              help="Serve a live page of the job: every process's state, CPU, memory, throughput and last lines. "
+                   "--ui alone: 127.0.0.1 on a free port; another address only as written (--ui 0.0.0.0:8080). "
+                   "pslaunch prints its address with a secret token (#token=...); without it, every request gets "
+                   "403. Before the command, write --ui -- COMMAND or --ui 0.")
+@click.option("--ui-linger", type=DURATION, default=0.0, metavar="DURATION",
+              help="Keep serving the job page this long after the job ended (default: 0).")
+@click.option("--report", default=None, metavar="FILE.html",
+              help="When the job ends (any way), write the job page as one static HTML file (no scripts).")
 @click.option("--summary-json", default=None, metavar="FILE",
               help="Write one record per process (role, rank, host, pid, times, exit code, signal).")
 @click.option("--log-level", default="INFO", show_default=True,
@@ -225,6 +234,7 @@ def command_for(args: Sequence[str]) -> click.Command:
     command: the outcome of parsing never depends on this shortcut, only its cost does.
     """
     arity = takes_value(p for p in run_command.params[:_CORE_PARAMS] if p.name not in ("config", "help"))
+    optional = {o for p in run_command.params if getattr(p, "_flag_needs_value", False) for o in p.opts}
     i = 0
     while i < len(args):
         arg = args[i]
@@ -236,5 +246,8 @@ def command_for(args: Sequence[str]) -> click.Command:
         attached = ("=" in arg) if arg.startswith("--") else len(arg) > 2
         if attached and not arity[name]:
             return with_backend_options()  # (combined short flags: click's to read)
+        if name in optional and not attached:  # (--ui: a value when the next argument is no option)
+            i += 2 if i + 1 < len(args) and not args[i + 1].startswith("-") else 1
+            continue
         i += 2 if arity[name] and not attached else 1
     return run_command

@@ -43,6 +43,8 @@ class JobResult:
     log_errors: Optional[dict] = None
     #: every attempt of the job, the last included (``--max-restarts``)
     attempts: tuple[AttemptRecord, ...] = ()
+    #: the job page's address, without its token (``--ui``), if it was served
+    ui: Optional[str] = None
 
 
 def redactor(plan: Optional[Plan], also: Sequence[str] = ()) -> jobenv.Redactor:
@@ -331,6 +333,7 @@ def write_summary(path: str, spec: JobSpec, plan: Optional[Plan], result: JobRes
         "restarts": {"max": spec.max_restarts, "done": max(0, len(result.attempts) - 1),
                      "first_delay": spec.restart_delay, "window": spec.restart_window},
         "attempts": [a.to_dict() for a in result.attempts],
+        "ui": result.ui,
     }
 
     text = redactor(plan)(json.dumps(doc, indent=2))

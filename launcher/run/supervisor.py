@@ -43,7 +43,7 @@ from ..backends.base import Backend
 from ..errors import LaunchError
 from ..node.procgroup import become_subreaper, has_children, kill_children, kill_marked
 from ..node.watchdog import Client as Watchdog
-from ..runtime.handle import ProcessHandle, ProcGroup
+from ..runtime.handle import ProcessHandle, ProcGroup, describe_exit
 from ..runtime.local import LocalProcess
 from ..runtime.output import Console, PipePump, is_terminal
 from ..runtime.ports import NoFreePort, PortClaim, claim_free_port
@@ -107,14 +107,18 @@ class Supervisor:
     the ``time`` module), and whether to start the dead-man switch. ``adopt_orphans`` (the
     command line's launcher, which has no other children) makes this process a child subreaper:
     a job process's descendant that detaches from its group is re-parented here and stopped at
-    the end, even when nothing else marks it.
+    the end, even when nothing else marks it. ``view`` (a ``launcher.ui.model.JobView``, for
+    ``--ui`` and ``--report``) is fed every line, state, attempt and the failure as they happen.
     """
 
     def __init__(self, spec: JobSpec, console: Optional[Console] = None,
                  backend: Optional[type[Backend]] = None, clock: Any = time, watchdog: bool = True,
-                 adopt_orphans: bool = False) -> None:
+                 adopt_orphans: bool = False, view: Any = None) -> None:
         self.spec = spec
         self.console = console or Console(log_dir=spec.log_dir, log_raw=spec.log_raw, only=spec.only)
+        self.view = view
+        if view is not None:
+            self.console.tap = view.add_line
         self.backend_cls = backend or backends.get(spec.launcher)
         self.clock = clock
         self.handles: list[ProcessHandle] = []
@@ -200,13 +204,18 @@ class Supervisor:
             self.attempts.append(report.AttemptRecord(
                 attempt=self.attempt, start_time=started, end_time=ended, reason=outcome[0], exit_code=outcome[1],
                 cause=cause, delay=delay))
+            if self.view is not None:
+                self.view.set_attempts([a.to_dict() for a in self.attempts])
             if delay is None:
                 if outcome[0] == "failure" and spec.max_restarts:
                     self._restarts = restarts  # (the last line, after the failure report: _finish)
                 return outcome
             assert self.first is not None
-            report.failure_report(self.first, len(self.handles) - 1, self._redactor(),
-                                  report.find_cause(self.first, self.handles), self._hint())
+            head = report.failure_report(self.first, len(self.handles) - 1, self._redactor(),
+                                         report.find_cause(self.first, self.handles), self._hint())
+            self._show_failure(head)
+            if self.view is not None:
+                self.view.set_state("restarting")
             report.log_attempt_failed(len(self.attempts), self.attempts[-1], restarts, cause)
             waited = self._wait_before_restart(delay)
             if waited is not None:
@@ -447,6 +456,8 @@ class Supervisor:
                           addresses=addresses, here=here, inherit_environ=not self.backend_cls.remote,
                           attempt=self.attempt)
         self.plan = plan
+        if self.view is not None:
+            self.view.plan(plan.job_id, plan.all, self.attempt)
         redactor = report.redactor(plan, self._secrets)
         self._secrets = list(redactor.values)
         self.console.redact = redactor if redactor else None  # what the processes print, too
@@ -527,6 +538,8 @@ class Supervisor:
                 failed.append(self.tracker)  # the tracker failed and no worker did (see trackers.FAILURE_GRACE)
             if failed:
                 self.first = min(failed, key=lambda h: h.end_time or 0.0)
+                self._show(force=True)  # (the page: at once, not after the teardown)
+                self._show_failure(f"{self.first.describe()} {describe_exit(self.first.exit_code or 1)}")
                 return "failure", self.first.exit_code or 1
             if running == 0:
                 return "success", 0
@@ -576,6 +589,7 @@ class Supervisor:
         ends. When every process is a local child and no tracker runs, each end, signal and port
         verdict wakes this at once: then the looks back off to :data:`CALM_POLL_INTERVAL` while
         nothing happens (each look costs the cores the job needs about 150 microseconds)."""
+        self._show()
         if self.clock is not time:
             self.clock.sleep(POLL_INTERVAL)
             return
@@ -584,6 +598,19 @@ class Supervisor:
             self._interval = POLL_INTERVAL
         else:
             self._interval = min(self._interval * 2, CALM_POLL_INTERVAL)
+
+    def _show(self, force: bool = False) -> None:
+        """Bring the job page's rows up to the handles (its own pace, unless ``force``)."""
+        if self.view is not None:
+            self.view.sync(self.handles, self.stopped, force=force)
+
+    def _show_failure(self, headline: str) -> None:
+        """The first failure on the job page: ``headline`` (the failure report's first line), what
+        the process wrote to its error file, and its last lines."""
+        if self.view is not None and self.first is not None:
+            redact = self._redactor()
+            lines = [*self.first.describe_error(), *report.tail_lines(self.first.output.lines())]
+            self.view.set_failure(self.first.name, redact(headline), [redact(line) for line in lines])
 
     def _wait_verdict(self, seconds: float = 1.0) -> None:
         if self._watch is not None and self._watch.judge_now() is not None:
@@ -608,6 +635,7 @@ class Supervisor:
         ``quiet``: an attempt that lost its port, stopped to start again (a short grace)."""
         if self.progress is not None:
             self.progress.close()
+        self._show(force=True)
         running = [h for h in self.handles if h.poll() is None]
         if dump and running:
             log.warning("dumping the Python stacks of %d running process%s",
@@ -658,6 +686,7 @@ class Supervisor:
         elif reason == "failure" and self.first is not None:
             message = report.failure_report(self.first, len(self.handles) - 1, self._redactor(), cause,
                                             self._hint())
+            self._show_failure(message)
             if self._restarts is not None:
                 message = report.log_attempt_failed(len(self.attempts), self.attempts[-1], self._restarts,
                                                     self.attempts[-1].cause)
@@ -678,7 +707,9 @@ class Supervisor:
             start_time=self.start_time, end_time=end_time, message=message, log_errors=log_errors,
             cause=None if cause is None else {"process": cause.culprit.name if cause.culprit else None,
                                               "reason": cause.reason, "reported_by": cause.reporter.name},
-            attempts=tuple(self.attempts))
+            attempts=tuple(self.attempts), ui=getattr(self.view, "address", None))
+        if self.view is not None:
+            self.view.finish(reason, code, self.handles, self.stopped)
         if self.spec.summary_json:
             report.write_summary(self.spec.summary_json, self.spec, self.plan, result)
         return result
@@ -691,9 +722,11 @@ def _progress(console: Console, enabled: bool, expected: Mapping[str, int], star
     return Progress.create(console, enabled, expected, start)
 
 
-def run_job(spec: JobSpec, console: Optional[Console] = None, adopt_orphans: bool = False) -> report.JobResult:
-    """Run ``spec`` to the end and return the result (never raises for a failed process)."""
-    return Supervisor(spec, console, adopt_orphans=adopt_orphans).run()
+def run_job(spec: JobSpec, console: Optional[Console] = None, adopt_orphans: bool = False,
+            view: Any = None) -> report.JobResult:
+    """Run ``spec`` to the end and return the result (never raises for a failed process);
+    ``view``: the job page's model (``launcher.ui.model.JobView``), fed as the job runs."""
+    return Supervisor(spec, console, adopt_orphans=adopt_orphans, view=view).run()
 
 
 def dry_run_plan(spec: JobSpec, backend: type[Backend]) -> Plan:

@@ -141,6 +141,9 @@ class Console:
         self._lock = threading.RLock()
         self._status = b""  # the status line now on the screen (empty: none)
         self._observers: dict[str, Callable[[str], None]] = {}
+        #: called with ``(name, line, err)`` for every line of every process (the job page's
+        #: model): after redaction, control characters made visible, ``--only`` or not
+        self.tap: Callable[[str, str, bool], None] | None = None
         # every output made since Console.begin_attempt (None: no attempt counts), which a discard silences
         self._attempt: Optional[list[ProcOutput]] = None
         #: written to each log file as it is opened (a restart's attempt; None: nothing)
@@ -253,6 +256,7 @@ class Console:
         out = ProcOutput(self, prefix.encode(), None)
         out.shown = shows(self.only, name)
         out.label = label
+        out.name = name
         if self._log_fd is not None:
             out.log_name = f"{name}.log"
             out.log = self._open_log(out.log_name)
@@ -316,6 +320,7 @@ class ProcOutput:
         self.silenced = False  # its attempt lost the scheduler's port: nothing of it is shown (Console.discard)
         self.lines_shown = 0  # lines shown on the console (Console.discard tells an attempt's)
         self.label = ""  # ``worker 1``: how the console names it
+        self.name = ""  # ``worker-1``: its log file's stem (what Console.tap calls it)
         #: a traceback being printed, held until it ends to be compared (Console._tracebacks)
         self._block: Optional[list[tuple[str, bool, bytes, bytes]]] = None
         #: for each of its last lines shown: the console's count of lines then (None: not shown)
@@ -364,6 +369,9 @@ class ProcOutput:
                 data = (on_console + RESET if kept else on_console).encode("utf-8", "replace")
         if self.silenced:
             return
+        tap = self.console.tap
+        if tap is not None and not shown.startswith(CAUSE_PREFIX):  # (the launcher's protocol: never shown)
+            tap(self.name, shown, err)
         self.lines_shown += self.shown
         self._deliver(shown, err, data, logged)
 

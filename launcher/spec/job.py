@@ -146,6 +146,12 @@ class JobSpec:
     #: ``--gpus-per-process``: each worker's share of its host's GPUs, as ``CUDA_VISIBLE_DEVICES``
     #: (None: not set, unless the hostfile names a host's ``gpus=``); see ``launcher.spec.plan``
     gpus_per_process: Optional[int] = None
+    #: ``--ui``: serve the live job page on (host, port) (port 0: a free one); None: no page
+    ui: Optional[tuple[str, int]] = None
+    #: ``--ui-linger``: seconds the page is still served after the job ended
+    ui_linger: float = 0.0
+    #: ``--report``: the static HTML file written when the job ends, however it ends
+    report: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -222,8 +228,23 @@ class JobSpec:
             raise ConfigError("--restart-window must be longer than 0s (leave it out to never give the budget back)")
         check_only(self.only, self.num_workers, self.num_servers)
         self._check_gpus()
+        self._check_page()
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"--log-level {self.log_level}: choose DEBUG, INFO, WARNING or ERROR")
+
+    def _check_page(self) -> None:
+        """``--ui``, ``--ui-linger`` and ``--report`` make sense together (the address itself is
+        parsed, and bound, by the CLI)."""
+        if self.ui is not None and not 0 <= self.ui[1] <= 65535:
+            raise ConfigError(f"--ui {self.ui[0]}:{self.ui[1]}: the port must be from 0 to 65535")
+        linger = self.ui_linger
+        if isinstance(linger, bool) or not isinstance(linger, (int, float)) or not math.isfinite(linger) or \
+                linger < 0:
+            raise ConfigError(f"--ui-linger must be 0 or more seconds, got {_short(linger)}")
+        if linger and self.ui is None:
+            raise ConfigError("--ui-linger keeps the job page up after the job; it needs --ui as well")
+        if self.report is not None and (not self.report or "\0" in self.report):
+            raise ConfigError("--report needs a file name, e.g. --report job.html")
 
     def _check_gpus(self) -> None:
         """``--gpus-per-process`` and hostfile ``gpus=``: a sane count, a launcher that knows which

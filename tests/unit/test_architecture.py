@@ -3,7 +3,7 @@
 * ``launcher/node/`` and ``pscontract/`` import only the standard library, the contract and the
   node package: they run on nodes where nothing else is installed;
 * the trainer imports nothing of the launcher but the contract;
-* the layers import downwards only: cli -> run -> backends, trackers -> runtime/transport -> spec;
+* the layers import downwards only: cli -> ui -> run -> backends, trackers -> runtime/transport -> spec;
   ``launcher.external`` (external commands) is below them all but ``launcher.errors`` (and
   imports nothing else of the launcher), though the spec, pure builders, runs no command;
   node and pscontract import nothing of them, and ``launcher.logs`` (the lowest floor, with
@@ -103,24 +103,26 @@ def test_the_trainer_imports_only_the_contract_of_pslaunch() -> None:
 
 
 LAYERS = {  # a module of the key may not import a module of any value
-    "launcher.spec": ("launcher.cli", "launcher.run", "launcher.backends", "launcher.runtime", "launcher.transport",
-                      "launcher.trackers", "launcher.external",
+    "launcher.spec": ("launcher.cli", "launcher.run", "launcher.ui", "launcher.backends", "launcher.runtime",
+                      "launcher.transport", "launcher.trackers", "launcher.external",
                       "launcher.node.agent", "launcher.node.ssh_wrapper", "launcher.node.mpirank",
                       "launcher.node.task"),
-    "launcher.runtime": ("launcher.cli", "launcher.run", "launcher.backends", "launcher.transport",
+    "launcher.runtime": ("launcher.cli", "launcher.run", "launcher.ui", "launcher.backends", "launcher.transport",
                          "launcher.trackers"),
-    "launcher.transport": ("launcher.cli", "launcher.run", "launcher.backends", "launcher.runtime",
+    "launcher.transport": ("launcher.cli", "launcher.run", "launcher.ui", "launcher.backends", "launcher.runtime",
                            "launcher.trackers"),
-    "launcher.backends": ("launcher.cli", "launcher.run", "launcher.trackers"),
-    "launcher.trackers": ("launcher.cli", "launcher.run", "launcher.backends", "launcher.transport"),
-    "launcher.run": ("launcher.cli",),
-    "launcher.node": ("launcher.cli", "launcher.run", "launcher.backends", "launcher.runtime", "launcher.transport",
-                      "launcher.trackers", "launcher.spec", "launcher.errors", "launcher.external", "launcher.logs"),
-    "launcher.external": ("launcher.cli", "launcher.run", "launcher.backends", "launcher.runtime",
+    "launcher.backends": ("launcher.cli", "launcher.run", "launcher.ui", "launcher.trackers"),
+    "launcher.trackers": ("launcher.cli", "launcher.run", "launcher.ui", "launcher.backends", "launcher.transport"),
+    "launcher.ui": ("launcher.cli",),
+    "launcher.run": ("launcher.cli", "launcher.ui"),
+    "launcher.node": ("launcher.cli", "launcher.run", "launcher.ui", "launcher.backends", "launcher.runtime",
+                      "launcher.transport", "launcher.trackers", "launcher.spec", "launcher.errors",
+                      "launcher.external", "launcher.logs"),
+    "launcher.external": ("launcher.cli", "launcher.run", "launcher.ui", "launcher.backends", "launcher.runtime",
                           "launcher.transport", "launcher.trackers", "launcher.spec", "launcher.node"),
     "pscontract": ("launcher",),
-    "launcher.logs": ("launcher.cli", "launcher.run", "launcher.backends", "launcher.runtime", "launcher.transport",
-                      "launcher.trackers", "launcher.spec", "launcher.node", "launcher.errors"),
+    "launcher.logs": ("launcher.cli", "launcher.run", "launcher.ui", "launcher.backends", "launcher.runtime",
+                      "launcher.transport", "launcher.trackers", "launcher.spec", "launcher.node", "launcher.errors"),
 }
 
 
