@@ -20,8 +20,9 @@ each, is measured in docs/job-page.md and by ``tests/unit/test_ui_model.py``):
   doubles: when it is full, every other point goes and the gap between kept points doubles;
 * the event ring keeps at most :data:`EVENT_BYTES` bytes of encoded messages
   (and :data:`MAX_EVENTS` events); lines not yet sent wait in one batch of at most
-  :data:`BATCH_LINES`. While nobody watches, lines are not encoded at all (a viewer that comes
-  back gets a snapshot): the job pays for the page only while someone looks.
+  :data:`BATCH_LINES` lines and :data:`BATCH_CHARS` characters. While nobody watches, lines are
+  not encoded at all (a viewer that comes back gets a snapshot): the job pays for the page only
+  while someone looks.
 """
 
 from __future__ import annotations
@@ -43,15 +44,16 @@ LOG_LINES = 1000
 #: bytes of lines kept for all processes together (each gets its share, at least LOG_MIN_BYTES)
 LOG_BUDGET = 16 * 1024 * 1024
 LOG_MIN_BYTES = 64 * 1024
-#: what one kept line costs besides its characters (the tuple, its time, the str header)
-LINE_COST = 120
+#: what one kept line costs besides its characters (the tuple, its time, the str header, the deque's slot)
+LINE_COST = 150
 #: points kept per worker's throughput series
 SERIES_POINTS = 512
 #: the event ring's bounds (encoded bytes, events)
 EVENT_BYTES = 8 * 1024 * 1024
 MAX_EVENTS = 4096
-#: lines gathered into one ``lines`` event at most (more make another event)
+#: lines (and characters) gathered into one ``lines`` event at most (more make another event)
 BATCH_LINES = 2000
+BATCH_CHARS = 256 * 1024
 #: how often the rows are compared with the handles (s): a state change is on the page well within 0.5 s
 SYNC_INTERVAL = 0.1
 #: rows whose line-derived fields (last line, speed, count) changed are sent at most this often (s)
@@ -142,6 +144,7 @@ class JobView:
         self._next_id = 1
         self._lost_upto = 0  # a viewer that saw less than this id cannot resume (it gets a snapshot)
         self._pending: list[list] = []  # lines not yet in an event
+        self._pending_chars = 0
         self._points: list[list] = []  # throughput points not yet in an event
         self._synced = self._sampled = 0.0
         self._usage_from = 0  # the next handle to sample (a big job's samples go round)
@@ -307,7 +310,8 @@ class JobView:
                 self._speed_locked(row, line, t)
             if self._watched_locked():
                 self._pending.append([name, row.lines, t, kind, line])
-                if len(self._pending) >= BATCH_LINES:
+                self._pending_chars += len(line)
+                if len(self._pending) >= BATCH_LINES or self._pending_chars >= BATCH_CHARS:
                     self._flush_locked(now)
             else:
                 self._unwatched_locked(now)
@@ -413,7 +417,7 @@ class JobView:
     def _flush_locked(self, now: float) -> None:
         """Lines and points gathered so far become one event each."""
         if self._pending:
-            lines, self._pending = self._pending, []
+            lines, self._pending, self._pending_chars = self._pending, [], 0
             self._emit_locked("lines", {"lines": lines})
         if self._points:
             points, self._points = self._points, []
