@@ -87,7 +87,7 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
         restart_delay=1.0 if kw.get("restart_delay") is None else kw["restart_delay"],
         restart_window=kw.get("restart_window"), only=parse_only(kw.get("only") or ()),
         gpus_per_process=kw.get("gpus_per_process"),
-        ui=None if kw.get("ui") is None else parse_address(_ui_value(kw["ui"])),
+        ui=None if kw.get("ui") is None else parse_address(ui_value(kw["ui"])),
         ui_linger=kw.get("ui_linger") or 0.0, report=kw.get("report"),
     )
     backend.check_spec(spec)
@@ -95,7 +95,7 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
     return spec
 
 
-def _ui_value(value: str) -> str:
+def ui_value(value: str) -> str:
     """``--ui``'s value, refused in one line where it is most likely the command (click gives
     ``--ui python train.py`` the value ``python``)."""
     text = str(value).strip()

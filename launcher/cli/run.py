@@ -22,6 +22,7 @@ from .clickutil import BOUNDED_INT, DURATION, FINITE_FLOAT, JobCommand, add_back
 from .config import load_config
 from .hints import python_file_hint
 from .job import run as run_job
+from .job import ui_value
 
 HELP = """Start one scheduler, S servers and N workers, each running COMMAND.
 
@@ -205,6 +206,8 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
 def run_command(**kw: Any) -> None:
     command = [str(a) for a in kw.get("command") or ()]
     command = command[1:] if command[:1] == ["--"] else command
+    if kw.get("ui"):
+        ui_value(kw["ui"])  # (--ui python train.py: that, before a hint about train.py)
     hint = python_file_hint(command, options_given(click.get_current_context(), command), os.environ, os.getcwd())
     if hint:  # (before anything starts: torchrun runs a script with python, pslaunch as it is given)
         raise ConfigError(hint)
