@@ -215,12 +215,13 @@ class JobView:
         stopped = set(stopped)
         changed = []
         with self._lock:
+            watched = self._watched_locked()  # (unwatched, a row's new last line waits for the next snapshot)
             for h in handles:
                 row = self.rows.get(h.name)
                 if row is None:
                     continue
                 if self._update_locked(row, h, h.name in stopped, usage.get(h.name)) or \
-                        row.dirty and now - row.sent_at >= ROW_INTERVAL:
+                        watched and row.dirty and now - row.sent_at >= ROW_INTERVAL:
                     changed.append(row)
             if any(r.started for r in self.rows.values()) and self.job["state"] == "starting":
                 self.job["state"] = "running"
