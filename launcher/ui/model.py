@@ -166,7 +166,8 @@ class JobView:
                 host = p.host.name if p.host is not None else "localhost"
                 row = self.rows.get(p.name)
                 if row is None:
-                    row = self.rows[p.name] = Row(p.name, str(p.role), p.rank, p.label, host)
+                    label = p.label.partition(" @ ")[0]  # (the host has its own column)
+                    row = self.rows[p.name] = Row(p.name, str(p.role), p.rank, label, host)
                     if self.job["logs"]:
                         row.log = f"{p.name}.log"
                 else:  # (a restart: the same name, a new process; its kept lines stay)

@@ -27,7 +27,7 @@ def procs(workers: int = 2, servers: int = 1, scheduler: bool = True) -> list[An
     out = [NS(name="scheduler", role="scheduler", rank=0, label="scheduler", host=None)] if scheduler else []
     out += [NS(name=f"server-{r}", role="server", rank=r, label=f"server {r}", host=None) for r in range(servers)]
     # (workers out of order: the rows come sorted)
-    out += [NS(name=f"worker-{r}", role="worker", rank=r, label=f"worker {r}", host=NS(name="h1"))
+    out += [NS(name=f"worker-{r}", role="worker", rank=r, label=f"worker {r} @ h1", host=NS(name="h1"))
             for r in reversed(range(workers))]
     return out
 
@@ -67,8 +67,8 @@ def test_the_snapshot_has_the_contracts_shape_and_is_json() -> None:
     row = snap["processes"][3]
     assert set(row) == {"name", "role", "rank", "label", "host", "pid", "state", "exit_code", "signal", "cpu", "rss",
                         "last_line", "speed", "epoch", "batch", "lines", "log"}
-    assert (row["host"], row["lines"], row["speed"], row["epoch"], row["batch"], row["log"]) == (
-        "h1", 2, 1234.5, 1, 200, "worker-1.log")
+    assert (row["label"], row["host"], row["lines"], row["speed"], row["epoch"], row["batch"], row["log"]) == (
+        "worker 1", "h1", 2, 1234.5, 1, 200, "worker-1.log")
     assert snap["logs"]["worker-1"] == [[1, 2.5, "e", "hello"], [2, 2.5, "o", SPEED.format(1234.5)]]
     assert snap["throughput"] == {"worker-1": [[2.5, 1234.5]]}
     assert snap["failure"] is None
