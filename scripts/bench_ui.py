@@ -5,11 +5,12 @@
 100 characters (``--procs``, ``--lines``, ``--width``), with one viewer taking the events every
 2,560 lines: the process's peak RSS over its RSS before, and the model's own estimate.
 
-``live``: a real local job (``python -m launcher -n 4 -s 0 --ui``), each worker printing
-``--rate`` lines a second (one in ten a Speedometer line, each stamped with the time it was
-printed), for ``--seconds`` a phase; in three phases with 0, 1 and 2 viewers reading
-``/events`` over loopback: the launcher's CPU (utime + stime of its process, /proc) per phase, and
-each line's latency from the print to its arrival at a viewer (median, 99th percentile, max).
+``live``: a real local job (``python -m launcher -n 4 -s 0``), each worker printing ``--rate``
+lines a second (one in ten a Speedometer line, the others stamped with the time they were
+printed), for ``--seconds`` a phase: first without ``--ui`` (the reference), then with it in three
+phases with 0, 1 and 2 viewers reading ``/events`` over loopback: the launcher's CPU (utime +
+stime of its process, /proc) per phase, and each line's latency from the print to its arrival at
+a viewer (median, 99th percentile, max).
 
     .venv/bin/python scripts/bench_ui.py memory
     .venv/bin/python scripts/bench_ui.py live --seconds 20
@@ -122,7 +123,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def baseline(seconds: float, rate: float, workers: int) -> None:
+    """The same job without ``--ui``: the launcher's CPU without the page (the reference)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        prog = Path(tmp) / "worker.py"
+        prog.write_text(WORKER)
+        proc = subprocess.Popen([sys.executable, "-m", "launcher", "-n", str(workers), "-s", "0", "--no-progress",
+                                 "python", str(prog), str(rate), str(seconds + 5)],
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(3)
+        c0, t0 = cpu_seconds(proc.pid), time.monotonic()
+        time.sleep(seconds - 1)
+        cpu = (cpu_seconds(proc.pid) - c0) / (time.monotonic() - t0)
+        print(f"live: {workers} workers x {rate:g} lines/s, no --ui: launcher CPU {cpu * 100:.2f}% of a core")
+        proc.terminate()
+        proc.wait(30)
+
+
 def live(seconds: float, rate: float, workers: int) -> None:
+    baseline(seconds, rate, workers)
     with tempfile.TemporaryDirectory() as tmp:
         prog = Path(tmp) / "worker.py"
         prog.write_text(WORKER)
