@@ -257,9 +257,13 @@ class PageServer(ThreadingHTTPServer):
         self._thread.start()
         return self
 
-    def close(self) -> None:
-        """Stop serving: the streams end, the socket closes (the threads are daemons)."""
+    def close(self, drain: float = 1.0) -> None:
+        """Stop serving: each stream sends what it has not sent yet (the job's end) and ends,
+        for at most ``drain`` seconds; then the socket closes (the threads are daemons)."""
         self.stopping.set()
+        end = time.monotonic() + drain
+        while self.streams and time.monotonic() < end:
+            time.sleep(0.01)
         if self._thread is not None:
             self.shutdown()
             self._thread.join(2.0)
@@ -420,7 +424,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             self.wfile.write(b"retry: 1000\n\n")
             wrote = time.monotonic()
-            while not self.server.stopping.is_set():
+            while True:
                 events = view.events_after(last) if last is not None else None
                 if events is None:
                     last, data = view.snapshot_message()
@@ -428,6 +432,8 @@ class Handler(BaseHTTPRequestHandler):
                 elif events:
                     last = events[-1][0]
                     self.wfile.write(b"".join(e[1] for e in events))
+                elif self.server.stopping.is_set():
+                    return  # (the server stops, and this viewer has every event: the job's end too)
                 elif time.monotonic() - wrote >= KEEPALIVE:
                     self.wfile.write(b": k\n\n")
                 else:

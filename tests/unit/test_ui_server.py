@@ -259,3 +259,23 @@ def test_a_port_in_use_is_a_one_line_error() -> None:
         port = s.getsockname()[1]
         with pytest.raises(ConfigError, match=f"port {port} is in use; choose another port"):
             PageServer.open(view, "127.0.0.1", port)
+
+
+def test_a_viewer_gets_the_jobs_end_when_the_page_closes_at_once(page: PageServer) -> None:
+    """--ui-linger 0: the server stops right after the job ends; the end still reaches the viewer."""
+    cookie = session(page)
+    viewer = Events(page, cookie)
+    viewer.next()
+    time.sleep(0.3)  # (the viewer's thread is waiting for news)
+    page.view.add_line("worker-0", "the last line", False)
+    page.view.finish("success", 0)
+    page.close()
+    seen = []
+    try:
+        while True:
+            seen.append(viewer.next())
+    except EOFError:
+        pass
+    viewer.close()
+    assert any(m["event"] == "job" and m["data"]["state"] == "succeeded" for m in seen), seen
+    assert any(m["event"] == "lines" and m["data"]["lines"][0][4] == "the last line" for m in seen)
