@@ -6,17 +6,15 @@ has ended, however it ended.
 
 from __future__ import annotations
 
-import importlib
-import json
 import logging
 import time
-from html import escape
 from typing import Optional
 
 from .. import logs
 from ..node import safefiles
 from ..spec.job import JobSpec
 from .model import JobView
+from .report import render_report
 from .server import PageServer, is_loopback
 
 log = logging.getLogger(__name__)
@@ -73,22 +71,11 @@ def open_page(spec: JobSpec, backend: str) -> Optional[JobPage]:
     return JobPage(spec, view, server)
 
 
-def render(snapshot: dict) -> str:
-    """The static report of ``snapshot``: ``launcher.ui.report.render_report`` (branch uireport);
-    until that exists here, a plain page of the snapshot (this function is the one place to drop)."""
-    try:
-        report = importlib.import_module("launcher.ui.report")
-    except ImportError:
-        return ("<!doctype html><html><head><meta charset=\"utf-8\"><title>pslaunch job report</title></head>"
-                f"<body><pre>{escape(json.dumps(snapshot, indent=1))}</pre></body></html>")
-    return str(report.render_report(snapshot))
-
-
 def write_report(path: str, snapshot: dict) -> None:
     """``--report``: the page as one static file, written atomically, no link followed; a write
     error is one logged line (the job's own exit code stands)."""
     try:
-        safefiles.write_atomic(path, render(snapshot).encode("utf-8", "replace"))
+        safefiles.write_atomic(path, render_report(snapshot).encode("utf-8", "replace"))
     except OSError as e:
         log.error("cannot write --report %s: %s", path, e.strerror or e)
         return

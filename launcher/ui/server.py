@@ -43,6 +43,8 @@ from .model import JobView
 
 log = logging.getLogger(__name__)
 
+#: the session cookie's name, + ``_<port>``: each job's page its own (a browser sends 127.0.0.1's
+#: cookies to every port, so one name would have two pages overwrite each other's session)
 COOKIE = "pslaunch_session"
 TOKEN_HEADER = "X-Pslaunch-Token"
 KEEPALIVE = 15.0  # seconds between SSE comments while nothing happens
@@ -139,6 +141,7 @@ class PageServer(ThreadingHTTPServer):
             self.address_family = socket.AF_INET6
         super().__init__((host, port), Handler)
         self.port = self.server_address[1]
+        self.cookie = f"{COOKIE}_{self.port}"
         self.hosts = self._allowed_hosts()
         self._thread: Optional[threading.Thread] = None
 
@@ -215,7 +218,8 @@ class PageServer(ThreadingHTTPServer):
         """A cookie of ``Cookie:`` is one of our sessions (each compared in constant time)."""
         if not cookie_header:
             return False
-        given = [v.strip() for k, _, v in (p.strip().partition("=") for p in cookie_header.split(";")) if k == COOKIE]
+        pairs = (p.strip().partition("=") for p in cookie_header.split(";"))
+        given = [v.strip() for k, _, v in pairs if k == self.cookie]
         with self._count_lock:
             sessions = list(self.sessions)
         ok = False
@@ -329,7 +333,7 @@ class Handler(BaseHTTPRequestHandler):
             self._forbidden()
             return
         session = self.server.new_session()
-        self._answer(204, extra=(("Set-Cookie", f"{COOKIE}={session}; HttpOnly; SameSite=Strict; Path=/"),))
+        self._answer(204, extra=(("Set-Cookie", f"{self.server.cookie}={session}; HttpOnly; SameSite=Strict; Path=/"),))
 
     def do_GET(self) -> None:
         if not self._allowed():

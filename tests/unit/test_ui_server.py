@@ -67,7 +67,7 @@ def test_every_route_without_the_cookie_is_403_and_the_bootstrap_holds_no_job_da
         assert b"very-private" not in body and b"pslaunch-t" not in body
     status, headers, body = request(page, "GET", "/")
     assert headers["content-type"].startswith("text/html") and b"/session" in body  # (the bootstrap page)
-    status, _, _ = request(page, "GET", "/api/state", {"Cookie": f"{srv.COOKIE}=made-up"})
+    status, _, _ = request(page, "GET", "/api/state", {"Cookie": f"{page.cookie}=made-up"})
     assert status == 403
 
 
@@ -78,13 +78,29 @@ def test_the_token_is_exchanged_for_an_httponly_strict_cookie(page: PageServer) 
     status, headers, _ = request(page, "POST", "/session", {srv.TOKEN_HEADER: page.token})
     assert status == 204
     cookie = headers["set-cookie"]
-    assert re.fullmatch(rf"{srv.COOKIE}=[\w-]{{40,}}; HttpOnly; SameSite=Strict; Path=/", cookie), cookie
+    assert re.fullmatch(rf"{page.cookie}=[\w-]{{40,}}; HttpOnly; SameSite=Strict; Path=/", cookie), cookie
     assert page.token not in cookie
     status, headers, body = request(page, "GET", "/api/state", {"Cookie": "other=1; " + cookie.split(";")[0]})
     assert status == 200 and headers["content-type"] == "application/json"
     snap = json.loads(body)
     assert snap["job"]["command"] == SECRET_COMMAND and [p["name"] for p in snap["processes"]] == [
         "worker-0", "worker-1"]
+
+
+def test_two_jobs_pages_in_one_browser_keep_their_own_cookies(page: PageServer, tmp_path: Path) -> None:
+    """A browser sends 127.0.0.1's cookies to every port: each page names its cookie by its port,
+    so a second job's page neither overwrites the first's session nor takes it."""
+    other = PageServer.open(JobView(["true"], "ps", "local"), "127.0.0.1", 0, str(tmp_path)).start()
+    try:
+        mine, theirs = session(page), session(other)
+        assert mine.split("=")[0] != theirs.split("=")[0]
+        both = {"Cookie": f"{mine}; {theirs}"}
+        assert request(page, "GET", "/api/state", both)[0] == 200
+        assert request(other, "GET", "/api/state", both)[0] == 200
+        value = mine.split("=", 1)[1]
+        assert request(other, "GET", "/api/state", {"Cookie": f"{other.cookie}={value}"})[0] == 403
+    finally:
+        other.close()
 
 
 def test_a_foreign_host_is_refused_even_with_the_cookie(page: PageServer) -> None:
