@@ -7,6 +7,7 @@ has ended, however it ended.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Optional
 
@@ -42,7 +43,7 @@ class JobPage:
         """The job has ended: write ``--report``, serve ``--ui-linger`` seconds more, stop."""
         try:
             if self.spec.report:
-                write_report(self.spec.report, self.view.snapshot())
+                write_report(self.spec.report, self.view.snapshot(), self.spec.log_dir)
             if self.server is not None and self.spec.ui_linger > 0:
                 log.info("the job page stays up %gs (--ui-linger); Ctrl-C stops it", self.spec.ui_linger)
                 time.sleep(self.spec.ui_linger)
@@ -71,11 +72,11 @@ def open_page(spec: JobSpec, backend: str) -> Optional[JobPage]:
     return JobPage(spec, view, server)
 
 
-def write_report(path: str, snapshot: dict) -> None:
+def write_report(path: str, snapshot: dict, log_dir: Optional[str] = None) -> None:
     """``--report``: the page as one static file, written atomically, no link followed; a write
     error is one logged line (the job's own exit code stands)."""
     try:
-        safefiles.write_atomic(path, render_report(snapshot).encode("utf-8", "replace"))
+        safefiles.write_atomic(path, render_report(snapshot, _logs_from(path, log_dir)).encode("utf-8", "replace"))
     except OSError as e:
         log.error("cannot write --report %s: %s", path, e.strerror or e)
         return
@@ -92,3 +93,10 @@ def dry_run_lines(spec: JobSpec) -> list[str]:
     if spec.report:
         out.append(f"job report: would be written to {spec.report} when the job ends (--report)")
     return out
+
+
+def _logs_from(report: str, log_dir: Optional[str]) -> str:
+    """``--log-dir`` relative to the report's directory, for the report's links to the full logs."""
+    if not log_dir:
+        return "."
+    return os.path.relpath(os.path.abspath(log_dir), os.path.dirname(os.path.abspath(report)))

@@ -86,8 +86,9 @@ footer{margin-top:24px;color:var(--dim);font-size:11px}
 """
 
 
-def render_report(snapshot: Mapping[str, Any]) -> str:
-    """The report of the job ``snapshot`` describes: one HTML document, as a string."""
+def render_report(snapshot: Mapping[str, Any], logs_at: str = ".") -> str:
+    """The report of the job ``snapshot`` describes: one HTML document, as a string;
+    ``logs_at``: where the ``--log-dir`` files are, relative to where the report is written."""
     job = snapshot.get("job") or {}
     procs = list(snapshot.get("processes") or [])
     title = f"pslaunch {job.get('id') or 'job'}: {job.get('state') or '?'}"
@@ -104,7 +105,7 @@ def render_report(snapshot: Mapping[str, Any]) -> str:
         _attempts(job),
         _process_table(procs),
         _chart(snapshot.get("throughput") or {}, job, procs),
-        _logs(procs, snapshot.get("logs") or {}, bool(job.get("logs"))),
+        _logs(procs, snapshot.get("logs") or {}, bool(job.get("logs")), logs_at),
         f'<footer>Written by pslaunch when the job ended{_at(job.get("end"))}. A static page: '
         "no script, nothing loaded from the network.</footer>",
         "</body></html>",
@@ -213,7 +214,7 @@ def _chart(throughput: Mapping[str, Any], job: Mapping[str, Any], procs: Sequenc
             "</section>")
 
 
-def _logs(procs: Sequence[Mapping[str, Any]], logs: Mapping[str, Any], files: bool) -> str:
+def _logs(procs: Sequence[Mapping[str, Any]], logs: Mapping[str, Any], files: bool, logs_at: str) -> str:
     """Each process's last lines in a ``<details>`` (open when it failed)."""
     blocks = []
     stamps: dict = {}
@@ -229,7 +230,7 @@ def _logs(procs: Sequence[Mapping[str, Any]], logs: Mapping[str, Any], files: bo
         link = ""
         if files and p.get("log"):
             log = str(p["log"])
-            link = f' · <a class="log-link" href="{_e(_relative(log))}">{_e(log)}</a>'
+            link = f' · <a class="log-link" href="{_e(_relative(log, logs_at))}">{_e(log)}</a>'
         head = (f"<summary><b>{_e(p.get('label') or name)}</b> <span class=\"dim\">{_e(_dash(p.get('host')))} · "
                 f"</span><span class=\"badge s-{_e(state)}\">{_e(state or '?')}</span> "
                 f"<span class=\"dim\">{kept}</span>{link}</summary>")
@@ -326,7 +327,9 @@ def _cause(cause: Any) -> str:
     return text or "-"
 
 
-def _relative(name: str) -> str:
-    """A log file's name as a relative link: no scheme, no directory (a hostile name stays text)."""
+def _relative(name: str, logs_at: str = ".") -> str:
+    """A log file's name as a relative link below ``logs_at``: no scheme, the name's own directory
+    dropped (a hostile name stays text)."""
     base = str(name).replace("\\", "/").rsplit("/", 1)[-1]
-    return "./" + quote(base)
+    parts = [quote(p) for p in logs_at.replace("\\", "/").split("/") if p and p != "."]
+    return "./" + "".join(p + "/" for p in parts) + quote(base)

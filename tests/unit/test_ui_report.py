@@ -140,3 +140,17 @@ def test_256_processes_of_1000_lines() -> None:
     assert html.count("<details open>") == 1 and html.count("<tr data-name=") == 256
     assert took < 10, took
     print(f"256 processes x 1000 lines: {len(html)} bytes ({text_bytes} of line text), {took * 1000:.0f} ms")
+
+
+def test_the_links_to_the_full_logs_lead_to_the_log_dir_from_where_the_report_is(tmp_path) -> None:
+    """``--report out/job.html --log-dir logs``: the links go ``../logs/worker-0.log``, and a file is there."""
+    from launcher.ui.page import write_report
+
+    snap = sample_snapshot()
+    snap["job"]["logs"] = True
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "out").mkdir()
+    write_report(str(tmp_path / "out" / "job.html"), snap, str(tmp_path / "logs"))
+    html = (tmp_path / "out" / "job.html").read_text()
+    assert 'href="./../logs/worker-1.log"' in html, html[:2000]
+    assert 'href="./worker-1.log"' in render_report(snap)
