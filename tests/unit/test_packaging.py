@@ -96,6 +96,8 @@ def test_the_wheel_holds_every_package(tmp_path) -> None:
     for pkg in ("launcher", "pscontract", "trainer"):
         assert f"{pkg}/__init__.py" in names, (pkg, names[:20])
     assert "launcher/node/ssh_wrapper.py" in names and "pscontract/netif.py" in names
+    for page in ("page.html", "app.js", "app.css"):  # the job page, package data
+        assert f"launcher/ui/static/{page}" in names, (page, [n for n in names if n.startswith("launcher/ui")])
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     code = "import pscontract, launcher.node, launcher.spec.plan; print(launcher.node.ROOT)"  # (no site: no click)
