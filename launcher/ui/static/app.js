@@ -3,7 +3,7 @@
 // (GET /api/state, or the SSE `snapshot` event) and the SSE events of /events (see the contract in
 // the launcher's notes: `lines`, `procs`, `job`, `points`, `failure`). Events only change the model
 // and mark what is dirty; one requestAnimationFrame pass writes the DOM, so 256 processes printing
-// fast cost one batched update per frame, and the table is patched cell by cell, never rebuilt.
+// fast cost one batched update per 100 ms, and the table is patched cell by cell, never rebuilt.
 'use strict';
 (() => {
   // Bounds: what the page holds and shows, whatever the job prints.
@@ -520,7 +520,7 @@
     box.append(frag);
     shownCount = out.length;
     current = null;
-    afterPaneChange(true);
+    afterPaneChange();
   }
 
   function appendPane() {
@@ -545,13 +545,13 @@
       note.textContent = `${(matchedHeld - shownCount).toLocaleString('en-US')} earlier lines not shown: narrow the filters, or open a full log`;
       if (!follow) box.scrollTop = Math.max(0, top - (h0 - box.scrollHeight));
     }
-    afterPaneChange(false);
+    afterPaneChange();
   }
 
-  function afterPaneChange(rebuilt) {
+  function afterPaneChange() {
     const box = pane();
     if (follow) box.scrollTop = box.scrollHeight;
-    updateCount(rebuilt);
+    updateCount();
     const s = $('log-summary');
     const total = M.held.length - M.dead;
     s.textContent = `${shownCount.toLocaleString('en-US')} shown of ${total.toLocaleString('en-US')} held`;
@@ -580,14 +580,13 @@
       const span = d.lastElementChild;
       fillText(span, span.textContent);
     }
-    updateCount(true);
+    updateCount();
   }
 
-  function updateCount(jump) {
+  function updateCount() {
     const c = $('search-count');
     if (!search.q) { c.textContent = ''; c.classList.remove('none'); return; }
     const ms = marks();
-    if (jump && !current && ms.length) setCurrent(follow ? ms[ms.length - 1] : ms[0], false);
     const n = ms.length;
     const i = current ? Array.prototype.indexOf.call(ms, current) : -1;
     c.textContent = n === 0 ? 'no matches' : (i >= 0 ? `${i + 1} of ${n}` : `${n} match${n === 1 ? '' : 'es'}`);
@@ -608,11 +607,11 @@
 
   function step(d) {
     const ms = marks();
-    if (!ms.length) { updateCount(false); return; }
+    if (!ms.length) { updateCount(); return; }
     let i = current ? Array.prototype.indexOf.call(ms, current) : -1;
     i = i < 0 ? (d > 0 ? 0 : ms.length - 1) : (i + d + ms.length) % ms.length;
     setCurrent(ms[i], true);
-    updateCount(false);
+    updateCount();
   }
 
   // ---- chart ----
@@ -654,8 +653,8 @@
     const names = [...M.series.keys()].filter((n) => M.series.get(n).length)
       .sort((a, b) => M.order.indexOf(a) - M.order.indexOf(b));
     const withTotal = names.length > 1;
-    const W = Math.max(320, box.clientWidth - 16 || 600), H = 250;
-    const L = 50, R = withTotal ? 58 : 14, T = 14, B = 30;
+    const W = Math.max(320, box.clientWidth - 16 || 600), H = 290;
+    const L = 50, R = withTotal ? 62 : 14, T = 14, B = 30;
     const pw = W - L - R, ph = H - T - B;
     let npts = 0, tmax = 0, vmax = 0;
     for (const n of names) {
@@ -710,7 +709,7 @@
         out.push(`<text class="tick tick-total" x="${L + pw + 7}" y="${(+y + 3.5).toFixed(1)}">${esc(fmtAxis(v))}</text>`);
       }
       out.push(`<line class="axis" x1="${L + pw}" x2="${L + pw}" y1="${T}" y2="${T + ph}"/>`);
-      out.push(`<text class="axis-label tick-total" transform="translate(${W - 5} ${T + ph / 2}) rotate(90)" text-anchor="middle">total samples/s</text>`);
+      out.push(`<text class="axis-label tick-total" transform="translate(${W - 10} ${T + ph / 2}) rotate(90)" text-anchor="middle">total samples/s</text>`);
     }
     const xs = niceTimeStep(tmax, Math.max(3, Math.floor(pw / 90)));
     for (let t = 0; t <= tmax + 1e-9; t += xs) {
