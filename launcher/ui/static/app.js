@@ -665,6 +665,7 @@
     }
     const el0 = elapsedNow();
     if (el0 != null) tmax = Math.max(tmax, el0);
+    const tnow = tmax;               // the total stops here: a last point is not held into the future
     tmax = Math.max(tmax, 10);
     // buckets for the total (and to thin long series): one per 2 px
     const nb = Math.max(10, Math.floor(pw / 2));
@@ -680,6 +681,7 @@
       let j = -1;
       for (let b = 0; b <= nb; b++) {
         const tb = b * bw;
+        if (tb > tnow + bw) break;
         while (j + 1 < s.length && s[j + 1][0] <= tb + 1e-9) j++;
         if (j < 0) continue;
         const a = attemptOf(starts, s[j][0]);
