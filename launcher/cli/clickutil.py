@@ -110,6 +110,42 @@ def takes_value(params: Iterable[click.Parameter]) -> dict[str, bool]:
     return out
 
 
+class OptionalValue(click.Option):
+    """An option whose value may be left out (``--ui`` or ``--ui 8080``): it takes the next
+    argument only when ``looks_like`` says it is its value, so ``--ui python train.py`` is a bare
+    ``--ui`` followed by the command (click alone would take ``python`` as the value)."""
+
+    def __init__(self, *args: Any, looks_like: Any, **kw: Any) -> None:
+        super().__init__(*args, is_flag=False, **kw)
+        self.looks_like = looks_like
+
+
+def attach_optional_values(args: Sequence[str], params: Iterable[click.Parameter]) -> list[str]:
+    """``args`` with each :class:`OptionalValue` among the options that is not followed by its
+    value written ``--ui=`` (its value when alone), so that click leaves the next argument alone;
+    the options end, as click reads them, at the first argument that is not an option or a value."""
+    params = list(params)
+    optional = {name: p for p in params if isinstance(p, OptionalValue) for name in p.opts}
+    arity = takes_value(params)
+    out = list(args)
+    i = 0
+    while i < len(out):
+        arg = out[i]
+        if arg == "--" or arg == "-" or not arg.startswith("-"):
+            break
+        name, eq, _ = arg.partition("=") if arg.startswith("--") else (arg[:2], "", "")
+        p = optional.get(arg)
+        if p is not None:
+            given = i + 1 < len(out) and p.looks_like(out[i + 1])
+            if not given:
+                out[i] = f"{arg}={p.flag_value}"
+            i += 2 if given else 1
+            continue
+        attached = bool(eq) if arg.startswith("--") else len(arg) > 2
+        i += 2 if arity.get(name) and not attached else 1
+    return out
+
+
 class JobCommand(click.Command):
     """A command that takes a job's options (``pslaunch`` and ``pslaunch doctor``): it keeps its
     arguments as given (``ctx.meta[ARGV]``), and answers torchrun's and mpirun's own flags among
@@ -117,6 +153,7 @@ class JobCommand(click.Command):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         ctx.meta[ARGV] = list(args)
+        args = attach_optional_values(args, self.params)
         answer = foreign_flags(args, takes_value(self.params))
         if answer:
             raise ConfigError(answer)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import sys
 from typing import Any, Mapping, Optional
 
@@ -95,13 +96,22 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
     return spec
 
 
+#: what ``--ui`` takes as its value when it follows: ``8080``, ``HOST:8080``, ``[::1]:8080``
+_ADDRESS = re.compile(r"(?:\S*:)?\d{1,5}")
+
+
+def looks_like_address(arg: str) -> bool:
+    """``arg``, after a bare ``--ui``, is its ``[HOST:]PORT`` (else it is the job's command)."""
+    return bool(_ADDRESS.fullmatch(arg))
+
+
 def ui_value(value: str) -> str:
-    """``--ui``'s value, refused in one line where it is most likely the command (click gives
-    ``--ui python train.py`` the value ``python``)."""
+    """``--ui``'s value, refused in one line where it is no address at all (``--ui=python``,
+    YAML ``ui: python``): the server's parser would say less."""
     text = str(value).strip()
     if text and not any(c.isdigit() for c in text.rpartition(":")[2]):
-        raise ConfigError(f"--ui {text[:40]}: not [HOST:]PORT; --ui takes the next argument as its address unless "
-                          "it starts with '-': write --ui -- COMMAND, --ui 0 (a free port), or --ui HOST:PORT")
+        raise ConfigError(f"--ui {text[:40]}: not [HOST:]PORT; write --ui alone (a free port), --ui 8080 or "
+                          "--ui HOST:PORT")
     return text
 
 

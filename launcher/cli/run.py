@@ -18,11 +18,20 @@ import pscontract as pc
 from .. import __version__, backends, logs
 from ..errors import ConfigError
 from ..spec.job import SCHEDULERS
-from .clickutil import BOUNDED_INT, DURATION, FINITE_FLOAT, JobCommand, add_backend_options, options_given, takes_value
+from .clickutil import (
+    BOUNDED_INT,
+    DURATION,
+    FINITE_FLOAT,
+    JobCommand,
+    OptionalValue,
+    add_backend_options,
+    options_given,
+    takes_value,
+)
 from .config import load_config
 from .hints import python_file_hint
+from .job import looks_like_address, ui_value
 from .job import run as run_job
-from .job import ui_value
 
 HELP = """Start one scheduler, S servers and N workers, each running COMMAND.
 
@@ -171,11 +180,12 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
               "terminal escapes and all. Without it the log files get what the console shows: control "
               "characters made visible, as cat -v does (ESC as ^[), so that no program's output sets "
               "the terminal's title, writes its clipboard or fakes a line of pslaunch.")
-@click.option("--ui", "ui", is_flag=False, flag_value="", default=None, metavar="[HOST:]PORT",
+@click.option("--ui", "ui", cls=OptionalValue, looks_like=looks_like_address, flag_value="", default=None,
+              metavar="[HOST:]PORT",
               help="Serve a live page of the job: every process's state, CPU, memory, throughput and last lines. "
                    "--ui alone: 127.0.0.1 on a free port; another address only as written (--ui 0.0.0.0:8080). "
                    "pslaunch prints its address with a secret token (#token=...); without it, every request gets "
-                   "403. Before the command, write --ui -- COMMAND or --ui 0.")
+                   "403.")
 @click.option("--ui-linger", type=DURATION, default=0.0, metavar="DURATION",
               help="Keep serving the job page this long after the job ended (default: 0).")
 @click.option("--report", default=None, metavar="FILE.html",
@@ -237,7 +247,7 @@ def command_for(args: Sequence[str]) -> click.Command:
     command: the outcome of parsing never depends on this shortcut, only its cost does.
     """
     arity = takes_value(p for p in run_command.params[:_CORE_PARAMS] if p.name not in ("config", "help"))
-    optional = {o for p in run_command.params if getattr(p, "_flag_needs_value", False) for o in p.opts}
+    optional = {o: p for p in run_command.params if isinstance(p, OptionalValue) for o in p.opts}
     i = 0
     while i < len(args):
         arg = args[i]
@@ -249,8 +259,8 @@ def command_for(args: Sequence[str]) -> click.Command:
         attached = ("=" in arg) if arg.startswith("--") else len(arg) > 2
         if attached and not arity[name]:
             return with_backend_options()  # (combined short flags: click's to read)
-        if name in optional and not attached:  # (--ui: a value when the next argument is no option)
-            i += 2 if i + 1 < len(args) and not args[i + 1].startswith("-") else 1
+        if name in optional and not attached:  # (--ui: a value when the next argument looks like one)
+            i += 2 if i + 1 < len(args) and optional[name].looks_like(args[i + 1]) else 1
             continue
         i += 2 if arity[name] and not attached else 1
     return run_command

@@ -20,6 +20,9 @@ def run_err(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
 
 @pytest.mark.parametrize("args, ui", [
     (["--ui", "--", "python", "t.py"], ("127.0.0.1", 0)),
+    (["--ui", "python", "t.py"], ("127.0.0.1", 0)),  # (the command, not an address)
+    (["--ui", "[::1]:8080", "python", "t.py"], ("::1", 8080)),
+    (["--ui", "localhost:8080", "python", "t.py"], ("localhost", 8080)),
     (["--ui", "-s", "0", "python", "t.py"], ("127.0.0.1", 0)),
     (["--ui", "0", "python", "t.py"], ("127.0.0.1", 0)),
     (["--ui", "8080", "python", "t.py"], ("127.0.0.1", 8080)),
@@ -44,8 +47,7 @@ def test_ui_linger_and_report_in_yaml(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--ui", "python", "t.py"], "--ui python: not [HOST:]PORT; --ui takes the next argument"),
-    (["--ui", "python", "t.py"], "write --ui -- COMMAND"),  # (not the hint that t.py is a Python file)
+    (["--ui=python", "t.py"], "--ui python: not [HOST:]PORT; write --ui alone"),
     (["--ui", "99999", "python", "t.py"], "--ui 99999: '99999' is not a port"),
     (["--ui-linger", "5", "python", "t.py"], "--ui-linger keeps the job page up after the job; it needs --ui"),
     (["--report", "/no/such/dir/r.html", "python", "t.py"], "--report /no/such/dir/r.html: the directory /no/such/dir "
