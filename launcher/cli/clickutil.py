@@ -116,7 +116,8 @@ class OptionalValue(click.Option):
     ``--ui`` followed by the command (click alone would take ``python`` as the value)."""
 
     def __init__(self, *args: Any, looks_like: Any, **kw: Any) -> None:
-        super().__init__(*args, is_flag=False, **kw)
+        kw["is_flag"] = False
+        super().__init__(*args, **kw)
         self.looks_like = looks_like
 
 
