@@ -11,7 +11,7 @@ text.
 What it shows, top to bottom: the header (job id, command, tracker, backend, final state, exit
 code, attempt k/N, start, end, duration); the first failure and its last lines; the attempts and
 their causes (when there was a restart); the process table, states coloured; the throughput
-chart; each process's last lines, stderr in red, and the name of its full ``--log-dir`` file
+chart; each process's last lines, stderr in brown, and the name of its full ``--log-dir`` file
 (``worker-0.log``, relative: the report knows no directory) when the job wrote them.
 
 Size: the logs are most of it, one line of text each, with markup only around stderr lines and
@@ -79,7 +79,7 @@ summary .dim{color:var(--dim);font-size:12px}
 details .scroll{display:flex;flex-direction:column-reverse;max-height:30em;overflow:auto;
 border-top:1px solid var(--line)}
 details pre{padding:6px 8px;line-height:1.35}
-pre em{font-style:normal;color:#b91c1c;background:#fff1f0}
+pre em{font-style:normal;color:#92400e}
 .dim{color:var(--dim)}
 .note{color:var(--dim);font-size:12px;margin:2px 0 6px}
 footer{margin-top:24px;color:var(--dim);font-size:11px}
@@ -246,7 +246,7 @@ def _logs(procs: Sequence[Mapping[str, Any]], logs: Mapping[str, Any], files: bo
 
 def _log_text(lines: Iterable[Sequence[Any]], stamps: dict) -> str:
     """The lines as text: a time prefix each (``m:ss`` since the job began), stderr lines in
-    ``<em>`` (red): the only markup. Escaped in one pass over the whole text, with stderr marked
+    ``<em>`` (brown): the only markup. Escaped in one pass over the whole text, with stderr marked
     by two control characters first (a line has none: the snapshot's lines are printable text,
     and any that came through are removed), which makes 256,000 lines cost ~0.3 s, not ~1.5.
     ``stamps``: second -> its ``m:ss``, shared by the processes of a report."""
