@@ -30,6 +30,7 @@ from typing import Any, ClassVar, Mapping, Optional, Sequence
 import pscontract as pc
 
 from ..errors import LaunchError
+from ..node import protocol
 from ..node.procgroup import resolve_program
 from ..runtime.handle import ProcGroup
 from ..runtime.hub import Hub, stop_all
@@ -108,6 +109,8 @@ def build_task_file(spec: JobSpec, procs: Sequence[ProcSpec], *, hub: Optional[t
                            "grace": spec.kill_grace}
     if hub is not None:
         doc["hub"] = [hub[0], hub[1]]
+    if spec.wants_usage:  # (the agents report each task's CPU and RSS: u frames)
+        doc["usage"] = protocol.USAGE_INTERVAL
     if any(p.awaits_placement for p in procs):
         # the agents wait for the placement; the launcher gives up on the tasks after --start-timeout
         doc["placement"] = {"timeout": PLACEMENT_WAIT + max(spec.start_timeout, 1.0)}

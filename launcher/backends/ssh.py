@@ -109,13 +109,17 @@ def wrapper_command(python: str = REMOTE_PYTHON) -> str:
 
 
 def wrapper_header(procs: Sequence[tuple[int, ProcSpec]], cwd: Optional[str], keepalive: float,
-                   grace: float) -> dict:
-    """What the wrapper needs to start a host's processes (``(id, proc)`` pairs, in start order).
+                   grace: float, usage: bool = False) -> dict:
+    """What the wrapper needs to start a host's processes (``(id, proc)`` pairs, in start order);
+    with ``usage``, it reports their CPU and RSS (``u`` frames).
 
     Sent on the channel's stdin, never on a command line.
     """
-    return {"procs": [{"id": i, "argv": list(p.argv), "env": dict(p.env), "cwd": cwd} for i, p in procs],
-            "keepalive": keepalive, "lost_after": LOST_FACTOR * keepalive, "grace": grace}
+    header = {"procs": [{"id": i, "argv": list(p.argv), "env": dict(p.env), "cwd": cwd} for i, p in procs],
+              "keepalive": keepalive, "lost_after": LOST_FACTOR * keepalive, "grace": grace}
+    if usage:
+        header["usage"] = protocol.USAGE_INTERVAL
+    return header
 
 
 def wrapper_preamble(bundle: Optional[bytes] = None) -> bytes:
@@ -291,7 +295,7 @@ class RemoteHost:
         self.procs.extend(procs)
         self._by_id.update((p.ident, p) for p in procs)
         header = wrapper_header([(p.ident, p.proc) for p in procs], self.workdir, self.interval,
-                                self.spec.kill_grace)
+                                self.spec.kill_grace, self.spec.wants_usage)
         try:
             self.send_bytes(header_frame(header))
         except LaunchError as e:

@@ -54,6 +54,7 @@ import time
 from . import errorfile, protocol
 from .procgroup import (
     MARK_NAME,
+    UsageMeter,
     become_subreaper,
     exit_status,
     kill_children,
@@ -310,10 +311,12 @@ class Agent(object):
             groups; False where whoever sends them signals every process of the task itself, as
             Slurm does (its proctrack plugins cgroup and linuxproc: they would get it twice). The
             launcher's ``X`` frames are always passed on.
+        usage: report each running process's CPU and RSS (``u``) every ``usage`` seconds; 0: never
+            (the launcher asks only for a job page or report: a job without one pays nothing).
     """
 
     def __init__(self, grace, channel=None, fallback=None, tee=False, hold=False, lost_after=None, linger=0.0,
-                 here=None, prefix="pslaunch agent", watchdog=False, pass_notices=True):
+                 here=None, prefix="pslaunch agent", watchdog=False, pass_notices=True, usage=0.0):
         if fallback not in (None, "in-band", "plain"):
             raise ValueError("unknown fallback %r" % fallback)
         self.grace = grace
@@ -335,6 +338,9 @@ class Agent(object):
         self.listening = channel is not None  # the launcher's frames may still come
         self.stopping = False  # every process gets the staged stop, and the agent ends after them
         self.machine = machine()
+        self.usage = usage if usage > 0 else 0.0
+        self.meter = UsageMeter() if self.usage else None
+        self.next_usage = 0.0  # (monotonic: when to look at the processes' usage next)
 
     # -- where frames go -----------------------------------------------------------------------
 
@@ -583,9 +589,24 @@ class Agent(object):
             if c.kill_at is not None and now >= c.kill_at:
                 signal_group(c.pid, signal.SIGKILL)
                 c.kill_at = None
+        if self.meter is not None and now >= self.next_usage:
+            self.next_usage = now + self.usage
+            self._report_usage()
         if self.listening and self.lost_after and now - self.channel.last_input > self.lost_after:
             self.listening = False  # no keep-alive: the network, the launcher's host or sshd is gone
             self._stop("TERM")
+
+    def _report_usage(self):
+        """One ``u`` per running process: its tree's CPU and RSS since the last look (none after the
+        first look, nor where no frame can reach the launcher)."""
+        running = [c for c in self.children if c.pid and c.code is None]
+        if not running or (self.channel is None and self.fallback != "in-band"):
+            return
+        self.meter.look()
+        for c in running:
+            value = self.meter.usage(c.pid)
+            if value is not None:
+                self.send(protocol.USAGE, c.id, protocol.usage_payload(*value))
 
     def _read(self, child, fd):
         """Forward what one of ``child``'s pipes holds (a read or two; never blocks)."""

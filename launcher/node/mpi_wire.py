@@ -8,7 +8,8 @@ one environment variable (no secret on a command line), and each rank's wrapper
      "roles": {"server": {...}, "worker": {...}}, # variables every rank of a role shares
      "ranks": [[role, rank within the role, {its own variables}], ...],   # by MPI rank
      "pinned": {"PATH": ..., "LD_LIBRARY_PATH": ...},  # values mpirun may rewrite on the way
-     "hub": [host, port]}                         # where the wrappers connect (optional)
+     "hub": [host, port],                         # where the wrappers connect (optional)
+     "usage": 1.0}                                # report CPU and RSS every 1.0 s (optional: u frames)
 
 Standard library only.
 """

@@ -120,7 +120,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except netif.NetifError as e:
             raise AgentError(f"on {socket.gethostname()}: cannot work out this node's address: {e}") from None
         agent = Agent(float(table.get("grace", 10.0)), _connect(table, rank, env), fallback="in-band",
-                      linger=LINGER, here=socket.gethostname(), prefix=PREFIX, watchdog=True)
+                      linger=LINGER, here=socket.gethostname(), prefix=PREFIX, watchdog=True,
+                      usage=float(table.get("usage") or 0.0))
         start = {"addr": env[pc.NODE_HOST], "source": "mpi4py" if mpi else "env"}
         code = agent.run([{"id": rank, "argv": args, "env": env, "start": start}])[0]
     except AgentError as e:

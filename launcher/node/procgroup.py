@@ -11,6 +11,7 @@ import collections
 import os
 import shutil
 import signal
+import time
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -125,10 +126,11 @@ def become_subreaper():
     return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
-class ProcStat(collections.namedtuple("ProcStat", "pid state ppid pgid start")):
+class ProcStat(collections.namedtuple("ProcStat", "pid state ppid pgid start ticks rss")):
     """What pslaunch reads of one process's ``/proc/<pid>/stat``: ``pid``, ``state`` (a letter:
-    ``R``, ``S``, ``Z`` for a zombie...), ``ppid``, ``pgid`` and ``start`` (its start time, in
-    clock ticks after boot: with the pid, it names one process for good)."""
+    ``R``, ``S``, ``Z`` for a zombie...), ``ppid``, ``pgid``, ``start`` (its start time, in
+    clock ticks after boot: with the pid, it names one process for good), ``ticks`` (the CPU time
+    it used so far, user and system, in clock ticks) and ``rss`` (its resident pages)."""
 
     __slots__ = ()
 
@@ -141,9 +143,9 @@ class ProcStat(collections.namedtuple("ProcStat", "pid state ppid pgid start")):
 def stat(pid):
     """Process ``pid``'s :class:`ProcStat`; None when it is gone (or there is no ``/proc``).
 
-    The line is ``pid (comm) state ppid pgrp session ...`` with the start time the 22nd field;
-    ``comm`` (the program's name, up to 15 bytes) may hold spaces and parentheses, so the fields
-    are counted from the last ``)``.
+    The line is ``pid (comm) state ppid pgrp session ...`` with utime, stime the 14th and 15th
+    fields, the start time the 22nd and rss the 24th; ``comm`` (the program's name, up to 15
+    bytes) may hold spaces and parentheses, so the fields are counted from the last ``)``.
     """
     try:
         with open("/proc/%d/stat" % pid, "rb") as f:
@@ -152,7 +154,8 @@ def stat(pid):
         return None
     fields = line[line.rfind(b")") + 2:].split()
     try:
-        return ProcStat(pid, fields[0].decode("ascii"), int(fields[1]), int(fields[2]), int(fields[19]))
+        return ProcStat(pid, fields[0].decode("ascii"), int(fields[1]), int(fields[2]), int(fields[19]),
+                        int(fields[11]) + int(fields[12]), int(fields[21]))
     except (IndexError, ValueError):
         return None
 
@@ -170,6 +173,75 @@ def scan():
             if st is not None:
                 found.append(st)
     return found
+
+
+def _sysconf(name, default):
+    try:
+        value = os.sysconf(name)
+    except (ValueError, OSError, AttributeError):
+        return default
+    return value if value > 0 else default
+
+
+class UsageMeter(object):
+    """The CPU use and resident memory of process trees, from one pass over ``/proc`` per look.
+
+    :meth:`look` reads every process's ``stat`` once (:func:`scan`), however many trees are asked
+    about: a host runs a job's processes side by side, and one pass costs about as much as a
+    walk of a few trees would (see docs/architecture.md, *Usage*). :meth:`usage` sums over the
+    process group a leader leads and every descendant of its members (``sh -c``, a program that
+    forks data loaders, one that left the group but not its parent): CPU as percent of one core
+    between the last two looks (utime + stime; a process that started in between counts whole,
+    one that ended in between loses its last slice), RSS in bytes at the last look (pages that
+    forked processes share count once per process, as ``top``'s RES does). Not thread-safe.
+    """
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self.hertz = float(_sysconf("SC_CLK_TCK", 100))
+        self.page = _sysconf("SC_PAGE_SIZE", 4096)
+        self.looked = None  # when the last look was (the clock's time), or None
+        self._before = None  # (when, {(pid, start): ticks}) of the look before the last
+        self._last = None  # (when, {(pid, start): ticks}, {pgid: [ProcStat]}, {ppid: [ProcStat]})
+
+    def look(self):
+        """Read ``/proc`` once; False where there is none."""
+        procs = scan()
+        now = self.clock()
+        if procs is None:
+            self._before = self._last = self.looked = None
+            return False
+        ticks, by_group, by_parent = {}, {}, {}
+        for p in procs:
+            ticks[(p.pid, p.start)] = p.ticks
+            by_group.setdefault(p.pgid, []).append(p)
+            by_parent.setdefault(p.ppid, []).append(p)
+        self._before = (self._last[0], self._last[1]) if self._last is not None else None
+        self._last = (now, ticks, by_group, by_parent)
+        self.looked = now
+        return True
+
+    def usage(self, leader):
+        """``(CPU percent of one core, RSS bytes)`` of the tree of group ``leader`` between the last
+        two looks; None before the second look, or when the leader is gone or a zombie."""
+        if self._before is None or self._last is None:
+            return None
+        then, old = self._before
+        now, _, by_group, by_parent = self._last
+        members = list(by_group.get(leader, ()))
+        if now <= then or not any(p.pid == leader and p.alive for p in members):
+            return None
+        seen = set(p.pid for p in members)
+        todo = list(members)
+        while todo:
+            for child in by_parent.get(todo.pop().pid, ()):
+                if child.pid not in seen:
+                    seen.add(child.pid)
+                    members.append(child)
+                    todo.append(child)
+        used = sum(max(0, p.ticks - old.get((p.pid, p.start), 0)) for p in members)
+        rss = sum(p.rss for p in members if p.alive)
+        return (used / self.hertz / (now - then) * 100.0, rss * self.page)
 
 
 def children(pid=None):

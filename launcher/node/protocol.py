@@ -84,6 +84,12 @@ s     :data:`SYNC_ANSWER`    NODE        JSON ``{"dir", "need": [path, ...]}`` (
 d     :data:`DONE_ANSWER`    NODE        JSON ``{"dir", "files", "bytes", "deleted"}`` or
                                          ``{"error"}``: once per sync, after ``D`` or at the first
                                          error while writing
+u     :data:`USAGE`          a process   ASCII ``CPU RSS``: the percent of one core its process
+                                         tree used since the last ``u`` (decimal, one place) and
+                                         its resident bytes (:class:`.procgroup.UsageMeter`); about
+                                         once per :data:`USAGE_INTERVAL` while it runs, only when
+                                         the launcher asked (``"usage"`` in the header, the task
+                                         file or the rank table), never after its ``x``
 ====  =====================  ==========  =========================================================
 
 Transports
@@ -173,9 +179,11 @@ ALIVE = b"k"
 IFACE_ANSWER = b"i"
 SYNC_ANSWER = b"s"
 DONE_ANSWER = b"d"
+USAGE = b"u"
 
 TO_NODE = (HEADER, SIGNAL, PLACE, PING, IFACE, SYNC, FILE, DONE)
-FROM_NODE = (STARTED, FAILED, STDOUT, STDERR, EXIT, RECORD, HERE, ALIVE, IFACE_ANSWER, SYNC_ANSWER, DONE_ANSWER)
+FROM_NODE = (STARTED, FAILED, STDOUT, STDERR, EXIT, RECORD, HERE, ALIVE, IFACE_ANSWER, SYNC_ANSWER, DONE_ANSWER,
+             USAGE)
 #: The payloads of :data:`SIGNAL`.
 SIGNALS = ("TERM", "INT", "KILL", "ABRT", "USR1", "USR2")
 
@@ -187,6 +195,9 @@ MAX_TO_NODE = 1 << 30
 #: may be (``s`` lists every file a host lacks, which for a large tree is more than
 #: :data:`MAX_FROM_NODE`).
 MAX_ANSWER = MAX_TO_NODE
+#: Seconds between a node's usage reports (``u``), when the launcher asks for them: what it sends
+#: as ``"usage"`` (an agent takes any positive number it is given).
+USAGE_INTERVAL = 1.0
 #: The longest placement payload.
 ENV_MAX = 64 * 1024
 #: The longest payload of an in-band frame: its line, ``\\x1e``, base64 and newline, is then at most
@@ -286,6 +297,25 @@ def parse_exit(payload):
 def parse_code(payload):
     """The exit code of an ``x`` payload (1 when it is malformed)."""
     return parse_exit(payload)[0]
+
+
+def usage_payload(cpu, rss):
+    """A ``u`` payload: CPU percent of one core (one decimal place) and resident bytes."""
+    return b"%.1f %d" % (cpu, rss)
+
+
+def parse_usage(payload):
+    """``(CPU percent, RSS bytes)`` of a ``u`` payload, or None when it is malformed."""
+    parts = payload.split()
+    if len(parts) != 2:
+        return None
+    try:
+        cpu, rss = float(parts[0].decode("ascii")), int(parts[1].decode("ascii"))
+    except ValueError:  # (UnicodeDecodeError is one)
+        return None
+    if not 0.0 <= cpu < 1e7 or not 0 <= rss < 1 << 62:  # (NaN, infinity, nonsense)
+        return None
+    return cpu, rss
 
 
 def blob(data):

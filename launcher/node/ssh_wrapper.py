@@ -103,7 +103,8 @@ def main():
     catch_signals()
     keepalive = float(header.get("keepalive") or 5.0)
     agent = Agent(float(header.get("grace") or 0.0), channel, hold=True,
-                  lost_after=float(header.get("lost_after") or 4 * keepalive), watchdog="fork")
+                  lost_after=float(header.get("lost_after") or 4 * keepalive), watchdog="fork",
+                  usage=float(header.get("usage") or 0.0))
     specs = []
     for proc in header["procs"]:
         env = dict(os.environ)

@@ -43,7 +43,8 @@ Task file (JSON)::
                           "local_procs": [2, 1]}},  # optional: PSLAUNCH_LOCAL_PROCS by index
      "hub": ["10.0.0.1", 9092],                 # optional: where the agent connects
      "placement": {"timeout": 120.0},           # optional: report the host, wait for the rest
-     "grace": 10.0}                             # --kill-grace
+     "grace": 10.0,                             # --kill-grace
+     "usage": 1.0}                              # optional: report CPU and RSS every 1.0 s (u frames)
 
 With ``placement``, the agent tells the launcher which host it runs on and waits (at most
 ``timeout`` seconds) for the variables that depend on which tasks share a host (torch's
@@ -296,7 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ident = int(env[pc.TASK_ID])
     agent = Agent(float(doc.get("grace", 10.0)), _connect(doc, ident, env),
                   fallback="in-band" if a.in_band else "plain", tee=not a.no_tee, here=socket.gethostname(),
-                  prefix=PREFIX, watchdog=True, pass_notices=a.index != "slurm")
+                  prefix=PREFIX, watchdog=True, pass_notices=a.index != "slurm",
+                  usage=float(doc.get("usage") or 0.0))
     placement = doc.get("placement")
     if placement:
         try:

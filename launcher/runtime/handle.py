@@ -185,6 +185,14 @@ class ProcessHandle:
         ``groups`` is a :func:`scan_groups` snapshot shared by all handles.
         """
 
+    def usage(self) -> Optional[tuple[float, int]]:
+        """``(CPU percent of one core over the last sampling interval, RSS bytes)`` of the process
+        and everything it started (its group and their descendants), or None when not known: not
+        started, ended, not sampled yet (the first value comes about a second after the first
+        look), or a handle that cannot tell. Node agents sample only when the spec asks
+        (:attr:`~launcher.spec.job.JobSpec.wants_usage`); a local process is sampled when asked."""
+        return None
+
     def describe(self) -> str:
         where = f"on {self.host}" + (f", pid {self.pid}" if self.pid else "")
         return f"{self.label} ({where})"

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import atexit
 import signal
+import threading
+import time
 from typing import Mapping, Optional
 
 from ..node import errorfile
-from ..node.procgroup import group_alive, resolve_program, signal_group, stop_group
+from ..node.procgroup import UsageMeter, group_alive, resolve_program, signal_group, stop_group
 from ..node.watchdog import Client as Watchdog
 from ..spec.plan import ProcSpec
 from .handle import ProcessHandle, ProgramError, group_members
@@ -38,6 +40,22 @@ def error_slot(watchdog: Optional[Watchdog]) -> errorfile.Slot:
         _error_base = errorfile.Base(watchdog)
         atexit.register(_error_base.close)
     return _error_base.slot()
+
+
+#: the shortest time between two looks at the local processes' usage (a look reads all of /proc)
+USAGE_INTERVAL = 1.0
+_meter = UsageMeter()
+_meter_lock = threading.Lock()
+
+
+def local_usage(pgid: int, interval: float = USAGE_INTERVAL) -> Optional[tuple[float, int]]:
+    """``(CPU percent, RSS bytes)`` of local group ``pgid``'s tree (:class:`UsageMeter`), shared by
+    every local process: /proc is read when someone asks, at most once per ``interval`` for all
+    of them, so a job nobody looks at pays nothing. None until two looks were made."""
+    with _meter_lock:
+        if _meter.looked is None or time.monotonic() - _meter.looked >= interval:
+            _meter.look()
+        return _meter.usage(pgid)
 
 
 class LocalProcess(ProcessHandle):
@@ -75,6 +93,9 @@ class LocalProcess(ProcessHandle):
         if code is not None and self._error_file is not None and not self._error_file.done:
             self.error = ProgramError.from_doc(self._error_file.collect())
         return code
+
+    def usage(self) -> Optional[tuple[float, int]]:
+        return None if self.exit_code is not None else local_usage(self.pgid)
 
     def terminate(self) -> None:
         stop_group(self.pgid, signal.SIGTERM)

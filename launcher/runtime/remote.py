@@ -5,7 +5,7 @@ Every backend but the local one runs its servers and workers under a node agent
 over an ssh channel (``launcher.backends.ssh``), over a connection to the job's hub
 (:mod:`.hub`), or in-band on mpirun's or srun's output. Whatever carried them, the frames of a
 process go to its :class:`RemoteProcess` (:meth:`RemoteProcess.frame`), which turns them into what
-the supervisor sees: output, pid, start, failure and exit code. A backend's handle subclasses it
+the supervisor sees: output, pid, start, failure, exit code and usage. A backend's handle subclasses it
 and overrides the hooks it needs (:meth:`~RemoteProcess.on_start`, :meth:`~RemoteProcess.on_exit`,
 :meth:`~RemoteProcess.on_failed`, :meth:`~RemoteProcess.on_here`, the channel's ends).
 """
@@ -38,6 +38,8 @@ class RemoteProcess(ProcessHandle):
         self.first_output: float | None = None  # (monotonic: scripts/bench_launch_ssh.py)
         #: its agent's connection to the hub: ``none``, ``open`` or ``closed``
         self.channel = "none"
+        #: the last ``u``: (CPU percent, RSS bytes)
+        self.last_usage: tuple[float, int] | None = None
 
     def frame(self, kind: bytes, payload: bytes) -> None:
         """One frame from the agent about this process (see ``launcher.node.protocol``)."""
@@ -64,6 +66,14 @@ class RemoteProcess(ProcessHandle):
             self.on_failed(str(info.get("error") or "could not start"), code, info)
         elif kind == protocol.HERE:
             self.on_here(parse_json(payload))
+        elif kind == protocol.USAGE:
+            value = protocol.parse_usage(payload)
+            if value is not None:
+                self.last_usage = value
+
+    def usage(self) -> tuple[float, int] | None:
+        """The last ``u`` its agent sent (sent only when the spec asks), until it ended."""
+        return None if self.reported is not None or self.exit_code is not None else self.last_usage
 
     # -- the hooks -------------------------------------------------------------------------------
 

@@ -153,6 +153,12 @@ class JobSpec:
     #: ``--report``: the static HTML file written when the job ends, however it ends
     report: Optional[str] = None
 
+    @property
+    def wants_usage(self) -> bool:
+        """Whether the nodes report each process's CPU and RSS (``u`` frames): only for a job page
+        or report, so that a job without one pays nothing for it."""
+        return self.ui is not None or bool(self.report)
+
     def __post_init__(self) -> None:
         if not self.command:
             raise ConfigError("no command given: put the program to run after the options, "

@@ -36,7 +36,7 @@ def test_the_vocabulary() -> None:
     """One letter per kind and direction: upper case to the node, lower case from it; each a
     constant, and each in the spec's tables."""
     assert len(set(protocol.TO_NODE)) == len(protocol.TO_NODE) == 8
-    assert len(set(protocol.FROM_NODE)) == len(protocol.FROM_NODE) == 11
+    assert len(set(protocol.FROM_NODE)) == len(protocol.FROM_NODE) == 12
     assert all(len(k) == 1 and k.isupper() for k in protocol.TO_NODE)
     assert all(len(k) == 1 and k.islower() for k in protocol.FROM_NODE)
     doc = protocol.__doc__ or ""

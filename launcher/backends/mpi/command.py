@@ -27,7 +27,7 @@ from pscontract import netif
 
 from ... import external, node
 from ...errors import BackendUnavailableError, ConfigError, LaunchError
-from ...node import mpi_wire
+from ...node import mpi_wire, protocol
 from ...spec.job import Host, JobSpec
 from ...spec.plan import ProcSpec
 
@@ -173,7 +173,7 @@ def rank_layout(procs: Sequence[ProcSpec]) -> RankLayout:
 
 def rank_table(procs: Sequence[ProcSpec], layout: RankLayout, grace: float,
                extra_common: Mapping[str, str] = {},
-               hub: Optional[tuple[str, int]] = None) -> tuple[dict[str, str], dict[str, Any]]:
+               hub: Optional[tuple[str, int]] = None, usage: bool = False) -> tuple[dict[str, str], dict[str, Any]]:
     """Split the plan's environments into what all ranks share and the rank table.
 
     Returns:
@@ -183,7 +183,8 @@ def rank_table(procs: Sequence[ProcSpec], layout: RankLayout, grace: float,
         role's ranks (``roles``) and per MPI rank ``[role, rank, own variables]``
         (``ranks``), the shared values mpirun may rewrite (``pinned``), the
         kill grace the wrappers give the commands, and the launcher's address
-        for the rank wrappers' connections (``hub``, when there is one).
+        for the rank wrappers' connections (``hub``, when there is one); with ``usage``, how
+        often the wrappers report each rank's CPU and RSS (``u`` frames).
     """
     ordered = [procs[i] for i in layout.order]
     envs = [dict(p.env) for p in ordered]
@@ -204,6 +205,8 @@ def rank_table(procs: Sequence[ProcSpec], layout: RankLayout, grace: float,
     table: dict[str, Any] = {"grace": grace, "roles": roles, "ranks": ranks, "pinned": pinned}
     if hub is not None:
         table["hub"] = [hub[0], hub[1]]
+    if usage:
+        table["usage"] = protocol.USAGE_INTERVAL
     return common, table
 
 
@@ -333,7 +336,7 @@ def mpirun_command(spec: JobSpec, info: MPIInfo, procs: Sequence[ProcSpec], layo
     source = spec.environ_dict().get(mpi_wire.RANK_SOURCE)
     if source:
         extra[mpi_wire.RANK_SOURCE] = source
-    common, table = rank_table(procs, layout, spec.kill_grace, extra, hub)
+    common, table = rank_table(procs, layout, spec.kill_grace, extra, hub, usage=spec.wants_usage)
     encoded = mpi_wire.encode_table(table)
     if len(encoded) > MAX_TABLE_CHARS:
         raise LaunchError(f"the rank table for {len(procs)} ranks is {len(encoded)} characters, more than "
