@@ -7,12 +7,13 @@
    and without: the agent's own CPU time (the kernel's count, ``/proc/<pid>/schedstat``) and the
    bytes it wrote, by frame kind.
 
-    .venv/bin/python scripts/bench_usage.py --procs 8 --seconds 20
+    .venv/bin/python scripts/bench_usage.py --procs 8 --seconds 20 [--threads 16]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -33,25 +34,34 @@ def cpu_ns(pid: int) -> int:
 def bench_look(n: int, looks: int) -> None:
     children = [subprocess.Popen(["sleep", "600"], start_new_session=True) for _ in range(n)]
     try:
-        meter = procgroup.UsageMeter()
-        meter.look()
-        t0 = time.process_time()
-        for _ in range(looks):
-            meter.look()
-            for c in children:
-                meter.usage(c.pid)
-        each = (time.process_time() - t0) / looks
-        print(f"one look + {n} sums: {each * 1e3:.2f} ms of CPU, with {len(procgroup.scan() or ())} processes "
-              f"in /proc ({each * 1e3 / n:.3f} ms per process when one agent runs all {n}, as on an ssh host)")
+        for root, how in ((None, "every process of /proc"), (os.getpid(), "the tree under this process")):
+            meter = procgroup.UsageMeter()
+            meter.look(root)
+            t0 = time.process_time()
+            for _ in range(looks):
+                meter.look(root)
+                for c in children:
+                    meter.usage(c.pid)
+            each = (time.process_time() - t0) / looks
+            print(f"one look at {how} + {n} sums: {each * 1e3:.2f} ms of CPU ({len(procgroup.scan() or ())} "
+                  f"processes in /proc; {each * 1e3 / n:.3f} ms per process when one agent runs all {n})")
     finally:
         for c in children:
             c.kill()
             c.wait()
 
 
-def run_agent(n: int, seconds: float, usage: float) -> tuple[float, dict[bytes, int]]:
-    """An agent (its own process) runs ``n`` sleeps; its CPU ms per second and bytes by kind."""
-    specs = [{"id": i, "argv": ["sleep", str(seconds)], "env": {"PATH": "/usr/bin:/bin"}} for i in range(n)]
+def idle_argv(seconds: float, threads: int) -> list[str]:
+    """An idle process: ``sleep``, or a Python with ``threads`` more threads (a children file each)."""
+    if not threads:
+        return ["sleep", str(seconds)]
+    return [sys.executable, "-S", "-c", f"import threading, time; [threading.Thread(target=time.sleep, "
+            f"args=({seconds},), daemon=True).start() for _ in range({threads})]; time.sleep({seconds})"]
+
+
+def run_agent(n: int, seconds: float, usage: float, threads: int) -> tuple[float, dict[bytes, int]]:
+    """An agent (its own process) runs ``n`` idle processes; its CPU ms per second and bytes by kind."""
+    specs = [{"id": i, "argv": idle_argv(seconds, threads), "env": {"PATH": "/usr/bin:/bin"}} for i in range(n)]
     code = (f"import sys; from launcher.node.agent import Agent, Channel; "
             f"sys.exit(Agent(1.0, Channel(0, 1), usage={usage!r}).run({specs!r})[0])")
     p = subprocess.Popen([sys.executable, "-S", "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT)
@@ -72,13 +82,16 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--looks", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=0, help="the agent's processes: Pythons with this many "
+                    "more threads (0: sleep)")
     a = ap.parse_args()
     bench_look(a.procs, a.looks)
     for usage in (0.0, protocol.USAGE_INTERVAL, 0.0, protocol.USAGE_INTERVAL):
-        ms, sizes = run_agent(a.procs, a.seconds, usage)
+        ms, sizes = run_agent(a.procs, a.seconds, usage, a.threads)
         u = sizes.get(protocol.USAGE, 0)
-        print(f"agent, {a.procs} idle processes, usage={usage}: {ms:.2f} ms of CPU per second; "
-              f"u frames {u} bytes = {u / a.seconds:.0f} B/s ({u // max(1, round(a.seconds * a.procs))} B each)")
+        each = u // max(1, round(a.seconds * a.procs))
+        print(f"agent, {a.procs} idle processes ({a.threads} threads more each), usage={usage}: "
+              f"{ms:.2f} ms of CPU per second; u frames {u} bytes = {u / a.seconds:.0f} B/s ({each} B each)")
 
 
 if __name__ == "__main__":

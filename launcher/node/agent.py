@@ -602,7 +602,7 @@ class Agent(object):
         running = [c for c in self.children if c.pid and c.code is None]
         if not running or (self.channel is None and self.fallback != "in-band"):
             return
-        self.meter.look()
+        self.meter.look(os.getpid())  # (a subreaper: whatever its processes started is below it)
         for c in running:
             value = self.meter.usage(c.pid)
             if value is not None:

@@ -175,6 +175,44 @@ def scan():
     return found
 
 
+def _children_of(pid):
+    """The pids of ``pid``'s children, forked by any of its threads (``/proc/<pid>/task/*/children``)."""
+    found = []
+    try:
+        tids = os.listdir("/proc/%d/task" % pid)
+    except OSError:
+        return found
+    for tid in tids:
+        try:
+            with open("/proc/%d/task/%s/children" % (pid, tid), "rb") as f:
+                found.extend(int(c) for c in f.read().split())
+        except (OSError, ValueError):
+            pass  # (the thread ended)
+    return found
+
+
+def tree(root):
+    """The :class:`ProcStat` of ``root`` and of every descendant of it, zombies included; None where
+    the kernel has no ``children`` files (Linux before 3.5, or without ``CONFIG_PROC_CHILDREN``).
+
+    For a subreaper (a node agent, the launcher) that is everything it runs, orphans re-parented
+    to it included, at the cost of the job's own processes instead of all of ``/proc``'s.
+    """
+    if not os.path.exists("/proc/%d/task/%d/children" % (root, root)):
+        return None
+    found, seen, todo = [], set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        st = stat(pid)
+        if st is not None:
+            found.append(st)
+            todo.extend(_children_of(pid))
+    return found
+
+
 def _sysconf(name, default):
     try:
         value = os.sysconf(name)
@@ -186,9 +224,9 @@ def _sysconf(name, default):
 class UsageMeter(object):
     """The CPU use and resident memory of process trees, from one pass over ``/proc`` per look.
 
-    :meth:`look` reads every process's ``stat`` once (:func:`scan`), however many trees are asked
-    about: a host runs a job's processes side by side, and one pass costs about as much as a
-    walk of a few trees would (see docs/architecture.md, *Usage*). :meth:`usage` sums over the
+    :meth:`look` reads the ``stat`` of every process under a root once (:func:`tree`; every process
+    of ``/proc`` where the kernel cannot list children), however many trees are asked about
+    (``docs/architecture.md``, *Usage*, has the cost). :meth:`usage` sums over the
     process group a leader leads and every descendant of its members (``sh -c``, a program that
     forks data loaders, one that left the group but not its parent): CPU as percent of one core
     between the last two looks (utime + stime; a process that started in between counts whole,
@@ -204,9 +242,12 @@ class UsageMeter(object):
         self._before = None  # (when, {(pid, start): ticks}) of the look before the last
         self._last = None  # (when, {(pid, start): ticks}, {pgid: [ProcStat]}, {ppid: [ProcStat]})
 
-    def look(self):
-        """Read ``/proc`` once; False where there is none."""
-        procs = scan()
+    def look(self, root=None):
+        """Read ``/proc`` once: the tree under ``root`` (:func:`tree`: a subreaper passes its own
+        pid), or where that cannot be read, or without ``root``, every process. False without ``/proc``."""
+        procs = tree(root) if root is not None else None
+        if procs is None:
+            procs = scan()
         now = self.clock()
         if procs is None:
             self._before = self._last = self.looked = None

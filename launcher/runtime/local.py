@@ -10,6 +10,7 @@ one pump thread reads into its labelled output.
 from __future__ import annotations
 
 import atexit
+import os
 import signal
 import threading
 import time
@@ -54,7 +55,7 @@ def local_usage(pgid: int, interval: float = USAGE_INTERVAL) -> Optional[tuple[f
     of them, so a job nobody looks at pays nothing. None until two looks were made."""
     with _meter_lock:
         if _meter.looked is None or time.monotonic() - _meter.looked >= interval:
-            _meter.look()
+            _meter.look(os.getpid())  # (its children's trees; a subreaper launcher's, their orphans too)
         return _meter.usage(pgid)
 
 

@@ -53,21 +53,26 @@ def _run_ns(pgid: int) -> int:
     return total
 
 
-def _measure(pgid: int, seconds: float = 1.0) -> tuple[tuple[float, int], float]:
+#: how a look finds the processes: every process of /proc, or the tree under this test's process
+ROOTS = pytest.mark.parametrize("root", [None, os.getpid()], ids=["scan", "tree"])
+
+
+def _measure(pgid: int, seconds: float = 1.0, root: int | None = None) -> tuple[tuple[float, int], float]:
     """The meter's ``(cpu, rss)`` of group ``pgid`` over ``seconds``, and the kernel's CPU percent
     over the same interval."""
     meter = UsageMeter()
     ns0, t0 = _run_ns(pgid), time.monotonic()
-    meter.look()
+    meter.look(root)
     time.sleep(seconds)
-    meter.look()
+    meter.look(root)
     ns1, t1 = _run_ns(pgid), time.monotonic()
     value = meter.usage(pgid)
     assert value is not None
     return value, (ns1 - ns0) / 1e9 / (t1 - t0) * 100.0
 
 
-def test_a_busy_tree_counts_every_process_of_it() -> None:
+@ROOTS
+def test_a_busy_tree_counts_every_process_of_it(root: int | None) -> None:
     """``sh -c`` that starts two busy loops: the meter sums the tree, and agrees with the kernel's
     run time over the same second. (On an idle 2-core machine that is about 200 %; on a loaded one,
     what the loops got.)"""
@@ -75,38 +80,59 @@ def test_a_busy_tree_counts_every_process_of_it() -> None:
     try:
         wait_for(lambda: len(procgroup.children(p.pid)) == 2, 10, what="two busy loops")
         time.sleep(0.3)
-        (cpu, rss), kernel = _measure(p.pid, 1.5)
+        (cpu, rss), kernel = _measure(p.pid, 1.5, root)
         print(f"busy tree: meter {cpu:.1f} %, kernel {kernel:.1f} %, rss {rss / 1e6:.1f} MB")
-        assert kernel > 20.0  # (they did run)
+        assert kernel > 5.0  # (they did run: on a loaded machine, not much)
         assert abs(cpu - kernel) <= max(10.0, 0.1 * kernel), (cpu, kernel)
         assert 3e6 < rss < 100e6  # sh and two Pythons without site
     finally:
         _stop(p)
 
 
-def test_an_idle_process_is_near_zero() -> None:
+@ROOTS
+def test_a_child_that_left_the_group_still_counts(root: int | None) -> None:
+    """``setsid`` puts the busy loop in a group of its own; its parent is still the leader's."""
+    p = _start(f"setsid {BUSY} & wait")
+    loop = wait_for(lambda: procgroup.children(p.pid), 10, what="the busy loop")[0]  # type: ignore[index]
+    try:
+        wait_for(lambda: procgroup.stat(loop).pgid == loop, 10, what="setsid")
+        meter = UsageMeter()
+        meter.look(root)
+        time.sleep(1.0)
+        meter.look(root)
+        value, alone = meter.usage(p.pid), meter.usage(loop)
+        assert value is not None and alone is not None and alone[0] > 10.0
+        assert value[0] >= alone[0] and value[1] > alone[1]  # the loop, and sh beside it
+    finally:
+        procgroup.signal_group(loop, signal.SIGKILL)  # (it left p's group)
+        _stop(p)
+
+
+@ROOTS
+def test_an_idle_process_is_near_zero(root: int | None) -> None:
     p = _start("sleep 60")
     try:
         time.sleep(0.2)
-        (cpu, rss), kernel = _measure(p.pid)
+        (cpu, rss), kernel = _measure(p.pid, root=root)
         assert cpu <= 2.0 and kernel <= 2.0, (cpu, kernel)
         assert 0 < rss < 20e6
     finally:
         _stop(p)
 
 
-def test_the_rss_of_a_process_that_allocates_200_mb_grows() -> None:
+@ROOTS
+def test_the_rss_of_a_process_that_allocates_200_mb_grows(root: int | None) -> None:
     p = _start(ALLOCATE, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         meter = UsageMeter()
-        meter.look()
+        meter.look(root)
         time.sleep(0.3)
-        meter.look()
+        meter.look(root)
         before = meter.usage(p.pid)
         p.stdin.write(b"go\n")  # type: ignore[union-attr]
         p.stdin.flush()  # type: ignore[union-attr]
         assert p.stdout.readline() == b"ok\n"  # type: ignore[union-attr]
-        meter.look()
+        meter.look(root)
         after = meter.usage(p.pid)
         assert before is not None and after is not None
         print(f"rss before {before[1] / 1e6:.1f} MB, after {after[1] / 1e6:.1f} MB")
@@ -196,7 +222,7 @@ def test_an_agent_reports_usage_only_when_asked() -> None:
     usage = [parse_usage(p) for k, i, p in frames if k == protocol.USAGE and i == 2]
     assert 3 <= len(usage) <= 7 and set(kinds) == {protocol.STARTED, protocol.USAGE, protocol.EXIT}
     print("agent's u frames:", usage)
-    assert max(u[0] for u in usage if u) > 10.0 and all(u and u[1] > 1e6 for u in usage)
+    assert max(u[0] for u in usage if u) > 3.0 and all(u and u[1] > 1e6 for u in usage)
     assert [k for k, _, _ in _agent_frames(0.0, 0.5)] == [protocol.STARTED, protocol.EXIT]  # not asked: none
 
 
