@@ -127,7 +127,7 @@ with one ``write`` below ``PIPE_BUF`` so that no other writer's bytes can land i
     \\x1eeAACAAAAATM=\\n        (x, process 2, exit code 3)
 
 An in-band frame carries at most :data:`LINE_PAYLOAD` bytes (a process's output is cut into such
-pieces, ``r`` is shortened to fit), so its line stays under 4096 bytes. ``p``, ``o`` and ``x`` go
+pieces, ``r`` is shortened to fit), so its line stays under 4096 bytes. ``p``, ``o``, ``u`` and ``x`` go
 to the agent's stdout, ``e`` and ``f`` to its stderr, and ``r`` and ``x`` to both (the launcher keeps
 the first that arrives). A line that is not exactly one envelope (:func:`unwrap`) is the tools' own
 text.
