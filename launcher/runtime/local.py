@@ -43,7 +43,8 @@ def error_slot(watchdog: Optional[Watchdog]) -> errorfile.Slot:
     return _error_base.slot()
 
 
-#: the shortest time between two looks at the local processes' usage (a look reads all of /proc)
+#: the shortest time between two looks at the local processes' usage (a look reads the stat of every process
+#: under the launcher)
 USAGE_INTERVAL = 1.0
 _meter = UsageMeter()
 _meter_lock = threading.Lock()
