@@ -238,6 +238,7 @@ class JobView:
         code = h.exit_code
         state = "running" if code is None else "stopped" if stopped else "succeeded" if code == 0 else "failed"
         cpu, rss = usage if usage is not None else (row.cpu, row.rss)
+        rss = rss or row.rss  # (0 bytes: a process leaving, its memory already given back; the last RSS stays)
         if code is not None:
             cpu = None  # (an ended process uses no CPU; its last RSS stays)
         if (h.pid, state, code, h.host, cpu, rss) == (row.pid, row.state, row.exit_code, row.host, row.cpu, row.rss):

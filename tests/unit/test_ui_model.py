@@ -117,6 +117,9 @@ def test_cpu_and_rss_come_from_usage_at_most_once_a_second() -> None:
     clock.now += 2
     v.sync([handle("worker-0", usage=broken)])  # (a failed sample changes nothing, and raises nothing)
     assert v.snapshot()["processes"][2]["rss"] == 123456
+    clock.now += 2
+    v.sync([handle("worker-0", usage=lambda: (3.0, 0))])  # (a process leaving: its memory given back)
+    assert (v.snapshot()["processes"][2]["cpu"], v.snapshot()["processes"][2]["rss"]) == (3.0, 123456)
 
 
 def test_events_carry_one_global_id_and_resume_after_any_of_them() -> None:
