@@ -216,6 +216,15 @@ _TRACKER_NAMED = re.compile(r"--tracker (\w+)")
 _ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Exit)\b|\berror\b", re.IGNORECASE)
 #: C++ stack frames (XGBoost's ``[bt] (3) .../libxgboost.so(+0x1bf337) [0x7fc4...]``): noise in a report
 _BACKTRACE = re.compile(r"\s*(\[bt\] \(\d+\) |Stack trace:\s*$)")
+#: what libstdc++ says when ``std::terminate`` ends a process with no exception in flight
+_TERMINATE = "terminate called without an active exception"
+#: faulthandler's header of one thread's stack, and what follows it when the thread runs no Python
+_STACK_HEAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+( \[[^\]]*\])? \(most recent call first\):$")
+_NO_FRAME = "<no Python frame>"
+#: the one line a report gives an abort at the interpreter's exit (:func:`exit_abort`)
+EXIT_ABORT = ("it aborted after its program had returned, while Python shut down (terminate called without an "
+              "active exception): with torch's gloo backend, a race of torch's that torchrun's jobs meet too; see "
+              "\"A rank aborts at exit\" in docs/collective.md")
 #: how many lines of process output may follow a tail that the console showed, for it to be
 #: "just above" the report (not shown again)
 ABOVE = 40
@@ -241,6 +250,25 @@ def job_type_hint(spec: JobSpec, lines: Sequence[str], tracker_failure: Optional
             return (f"torch.distributed found no {unset.group(1)}: this is a collective job; run it with "
                     f"--tracker torch ({rerun_with_tracker(spec, 'torch')})")
     return None
+
+
+def exit_abort(lines: Sequence[str]) -> bool:
+    """Whether a process ended by ``std::terminate`` after its Python program had returned: libstdc++'s
+    ``terminate called without an active exception``, then faulthandler's dump (``PYTHONFAULTHANDLER``,
+    which the launcher sets) with no Python frame in any thread: the interpreter was shutting down.
+
+    torch 2.x's gloo backend does this at random (torch's race, not the launcher's, see
+    tests/bin/gloo_exit_race.py): a ``pt_gloo_runloop`` thread that drops the last reference to a
+    finished collective takes the GIL to release its Python objects; CPython (3.11 here) ends a
+    thread that asks for the GIL once its finalization began with ``pthread_exit``, whose unwinding
+    meets a ``noexcept`` destructor. Without faulthandler's dump the abort could be anywhere: no."""
+    stripped = [line.strip() for line in lines]
+    if _TERMINATE not in stripped:
+        return False
+    after = stripped[stripped.index(_TERMINATE):]
+    heads = [i for i, line in enumerate(after) if _STACK_HEAD.match(line)]
+    return ("Fatal Python error: Aborted" in after and bool(heads)
+            and all(after[i + 1:i + 2] == [_NO_FRAME] for i in heads))
 
 
 def own_error(h: ProcessHandle) -> Optional[str]:
@@ -290,6 +318,8 @@ def failure_report(h: ProcessHandle, others: int, redact: jobenv.Redactor,
         head = f"{cause.culprit.describe()}: {cause.reason} ({by} {exited})"
     elif cause is not None:
         head = f"{h.describe()} {exited}: {cause.reason}"
+    elif exit_abort(h.output.lines()):
+        head = f"{h.describe()} {exited}: {EXIT_ABORT}"
     elif own:
         head = f"{h.describe()} {exited}: {own}"
         error = error[1:]

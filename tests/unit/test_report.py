@@ -34,6 +34,17 @@ XGB_TAIL = [
     "",
     "",
 ]
+#: a rank of torch's gloo exit race (tests/bin/gloo_exit_race.py): faulthandler's dump after libstdc++'s line
+EXIT_ABORT_TAIL = [
+    "rank 1: leaving",
+    "terminate called without an active exception",
+    "Fatal Python error: Aborted",
+    "",
+    "Thread 0x00007f5c9b487b80 (most recent call first):",
+    "  <no Python frame>",
+    "",
+    "Extension modules: numpy._core._multiarray_umath, torch._C (total: 2)",
+]
 HEARTBEAT = "worker 1 (task 1, pid 3772 on 127.0.0.1) sent no heartbeat for 10 s (PS_HEARTBEAT_TIMEOUT): it hangs"
 
 
@@ -223,3 +234,30 @@ def test_own_error_takes_a_last_line_that_names_an_error(line: str) -> None:
     c, _ = console()
     h = Ended(c, Role.WORKER, 0, 1, 1.0, ["working", line])
     assert report.own_error(h) == (None if line == "KeyboardInterrupt" else line)
+
+
+# --- an abort at the interpreter's exit: torch's gloo race, said so --------------------------------
+
+def test_an_abort_after_the_program_returned_is_told_for_what_it_is(caplog) -> None:
+    c, _ = console()
+    h = Ended(c, Role.WORKER, 1, 134, 10.0, EXIT_ABORT_TAIL)
+    assert report.exit_abort(h.output.lines())
+    lines = reported(caplog, h)
+    assert lines[0] == f"worker 1 (on localhost, pid 101) was killed by SIGABRT (exit code 134) first: " \
+                       f"{report.EXIT_ABORT}; stopped the other processes"
+
+
+@pytest.mark.parametrize("tail", [
+    # a Python frame left: the program was still running (a joinable thread destroyed, say)
+    EXIT_ABORT_TAIL[:5] + ['  File "/tmp/ddp.py", line 9 in main'] + EXIT_ABORT_TAIL[6:],
+    # the main thread without Python, another one in it
+    EXIT_ABORT_TAIL[:7] + ["Current thread 0x00007f5c9b400000 (most recent call first):",
+                           '  File "/tmp/ddp.py", line 3 in hook'],
+    # no faulthandler: where it aborted is not known
+    EXIT_ABORT_TAIL[:2],
+    # another C++ error
+    ["terminate called after throwing an instance of 'gloo::EnforceNotMet'", "Fatal Python error: Aborted", "",
+     "Thread 0x00007f5c9b487b80 (most recent call first):", "  <no Python frame>"],
+])
+def test_other_aborts_are_not_taken_for_the_exit_race(tail: list[str]) -> None:
+    assert not report.exit_abort(tail)
