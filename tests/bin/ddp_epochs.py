@@ -7,6 +7,11 @@ epochs over a synthetic data set split by a DistributedSampler, and rank 0 saves
 ``destroy_process_group()`` and exits 0: rank 0 is still writing its last snapshot when the others
 leave, the order in which a job's clean end happens in practice.
 
+``--exit-at-once``: after all that, each rank leaves with ``os._exit(0)`` (its output flushed),
+without the interpreter's finalization, where torch's gloo backend has a race of its own that
+aborts a rank now and then (tests/bin/gloo_exit_race.py; docs/collective.md, "A rank aborts at
+exit").
+
 ``--snapshot PATH`` is where rank 0 writes (a temporary directory's file by default);
 ``--rows`` and ``--snapshot-mb`` size the data set and the snapshot (a larger one is written
 longer after the others left).
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 
 
@@ -26,6 +32,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--snapshot", default=None)
     ap.add_argument("--snapshot-mb", type=float, default=4.0, help="size of the extra tensor in each snapshot")
+    ap.add_argument("--exit-at-once", action="store_true", help="os._exit(0) after destroy_process_group()")
     a = ap.parse_args()
 
     import torch
@@ -58,6 +65,10 @@ def main() -> int:
     dist.destroy_process_group()
     if rank == 0 and not a.snapshot:
         os.unlink(snapshot)
+    if a.exit_at_once:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
