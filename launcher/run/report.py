@@ -260,7 +260,7 @@ def exit_abort(lines: Sequence[str]) -> bool:
     torch 2.x's gloo backend does this at random (torch's race, not the launcher's, see
     tests/bin/gloo_exit_race.py): a ``pt_gloo_runloop`` thread that drops the last reference to a
     finished collective takes the GIL to release its Python objects; CPython (3.11 here) ends a
-    thread that asks for the GIL once its finalization began with ``pthread_exit``, whose unwinding
+    thread that waits for the GIL when the finalization begins with ``pthread_exit``, whose unwinding
     meets a ``noexcept`` destructor. Without faulthandler's dump the abort could be anywhere: no."""
     stripped = [line.strip() for line in lines]
     if _TERMINATE not in stripped:

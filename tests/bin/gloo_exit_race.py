@@ -21,8 +21,10 @@ already finalizing the interpreter. Seen in a core of ``ddp_epochs.py``'s rank 1
 (the main thread meanwhile in ``Py_FinalizeEx`` → ``PyGC_Collect``). The work's destructor
 releases Python objects (the ``contextvars.Context`` that autograd's ``_engine_run_backward``
 stashes in the thread-local state every work made during a backward copies, and the tensors'
-own PyObjects), so it takes the GIL; CPython (3.11 here) ends a thread that asks for the GIL
-after finalization began with ``pthread_exit``, whose forced unwinding meets the destructor's
+own PyObjects), so it takes the GIL (``ConcretePyInterpreterVTable::decref`` in
+torch/csrc/PyInterpreter.cpp: it leaks the object once ``Py_IsInitialized()`` is false, else
+``gil_scoped_acquire``); CPython (3.11 here) ends a thread that waits for the GIL when the
+finalization begins with ``pthread_exit``, whose forced unwinding meets the destructor's
 ``noexcept`` and calls ``std::terminate``. Nothing of the launcher is involved: it happens
 under ``torchrun`` as under ``pslaunch --tracker torch``. In a DDP program the window is the
 time from the last backward's allreduce to the interpreter's finalization (short in a rank that
