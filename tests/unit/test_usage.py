@@ -229,7 +229,8 @@ def test_an_agent_reports_usage_only_when_asked() -> None:
 # --- the switch -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ui, report, wanted", [(None, None, False), (("127.0.0.1", 8080), None, True), (None, "r.html", True)])
+@pytest.mark.parametrize("ui, report, wanted", [
+    (None, None, False), (("127.0.0.1", 8080), None, True), (None, "r.html", True)])
 def test_the_switch_reaches_every_kind_of_node(ui, report, wanted) -> None:
     from launcher.backends.batch import build_task_file
     from launcher.backends.mpi.command import rank_layout, rank_table
