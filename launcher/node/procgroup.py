@@ -264,7 +264,8 @@ class UsageMeter(object):
 
     def usage(self, leader):
         """``(CPU percent of one core, RSS bytes)`` of the tree of group ``leader`` between the last
-        two looks; None before the second look, or when the leader is gone or a zombie."""
+        two looks; None before the second look, or when the leader is gone, a zombie or leaving
+        (no memory left)."""
         if self._before is None or self._last is None:
             return None
         then, old = self._before
@@ -282,6 +283,8 @@ class UsageMeter(object):
                     todo.append(child)
         used = sum(max(0, p.ticks - old.get((p.pid, p.start), 0)) for p in members)
         rss = sum(p.rss for p in members if p.alive)
+        if not rss:  # (the leader is leaving: its memory already given back, no sample worth sending)
+            return None
         return (used / self.hertz / (now - then) * 100.0, rss * self.page)
 
 
