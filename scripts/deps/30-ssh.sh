@@ -5,6 +5,7 @@
 # step only installs. No service is started: each testbed host runs its own sshd.
 source "$(dirname "$0")/lib.sh"
 apt_install openssh-server openssh-client rsync iproute2 util-linux procps
+require_users sshd=openssh-server
 # sshd refuses to start without its privilege-separation directory.
 mkdir -p /run/sshd
 chmod 0755 /run/sshd

@@ -10,4 +10,6 @@ if ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("dr
     log "installing drmaa==0.7.9 (the [sge] extra) into $PY"
     "$PY" -m pip install -q --disable-pip-version-check drmaa==0.7.9 >&2
 fi
+require_users sgeadmin=gridengine-common
 scripts/setup-sge.sh start
+require_users sgeadmin=gridengine-common

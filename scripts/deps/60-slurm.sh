@@ -5,4 +5,6 @@
 # when it runs already). stdout: SLURM_CONF and PSLAUNCH_SLURM_TESTBED.
 source "$(dirname "$0")/lib.sh"
 cd "$(dirname "$0")/../.."
+require_users munge=munge slurm=slurm-wlm-basic-plugins
 scripts/setup-slurm.sh start
+require_users munge=munge slurm=slurm-wlm-basic-plugins

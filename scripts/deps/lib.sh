@@ -65,3 +65,18 @@ test_venv() {
     rm -rf "$dir"
     ln -s "$target" "$dir"
 }
+
+# require_users USER=PACKAGE...: each USER of an installed PACKAGE exists (getent passwd), else die
+# with one line naming the missing user and the fix (a PACKAGE not installed yet is skipped: its
+# install adds the user). A package's maintainer script adds its system user once; a later install
+# that rewrites /etc/passwd (Chromium's dependency tree did, here) drops it again, and dpkg still
+# says the package is installed, so apt_install does not run the script again: only a reinstall does.
+require_users() {
+    local pair user pkg
+    for pair in "$@"; do
+        user=${pair%%=*} pkg=${pair#*=}
+        [ "$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null || true)" = "install ok installed" ] || continue
+        getent passwd "$user" >/dev/null \
+            || die "system user '$user' is missing from /etc/passwd (an install rewrote it?): apt-get install --reinstall $pkg"
+    done
+}
