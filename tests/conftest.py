@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import pytest
+from support.browser import Browser, artifacts_dir
+from support.browser import missing as browser_missing
 from support.helpers import MPIRUNS, REPO, mpirun_path, mxnet_python, probe_argv
 from support.helpers import free_port as _free_port
 from support.testbed import shared_out, testbed  # noqa: F401 - the session's namespace hosts, a folder all share (fixtures)
@@ -111,3 +113,15 @@ def mpirun(request: pytest.FixtureRequest) -> str:
         pytest.skip(f"{request.param}: mpirun not found "
                     f"(run scripts/deps/40-mpi.sh or set {MPIRUNS[request.param][0]})")
     return path
+
+
+@pytest.fixture
+def browser(request: pytest.FixtureRequest) -> Iterable[Browser]:
+    """A headless Chromium (tests/support/browser.py) whose screenshots, console and requests stay
+    under ``$PSLAUNCH_TEST_ARTIFACTS/<test>`` (default test-artifacts/); a last screenshot at the end."""
+    why = browser_missing()
+    if why:
+        pytest.skip(why)
+    b = Browser(artifacts_dir(request.node.nodeid))
+    yield b
+    b.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 #: markers of tests that need a backend or a real client; CI must not skip them
-STRICT_MARKERS = ("mxnet", "xgboost", "torchlibs", "ssh", "mpi", "sge", "slurm", "yarn")
+STRICT_MARKERS = ("mxnet", "xgboost", "torchlibs", "ssh", "mpi", "sge", "slurm", "yarn", "browser")
 
 
 def fail_skips_under_ci(item: pytest.Item, report: pytest.TestReport, environ: dict) -> None:
