@@ -129,19 +129,22 @@ def test_one_row_per_process_and_the_chart_grows(browser: Browser, start_job) ->
     first = int(wait_for(points, 20, what="points on the chart"))
     browser.shot("training")
     wait_for(lambda: points() >= first + 8, 20, what=f"the chart to gain points (had {first})")
-    browser.shot("chart-grew")
+    browser.shot("chart-grew", full=True)
 
     assert_self_contained(browser, job.origin)
     sent = browser.requests()
     assert sent, "the performance log saw the page's requests"
-    assert not [r["url"] for r in sent if job.token in r["url"] or job.token in json.dumps(r["headers"])], \
+    assert not [r["url"] for r in sent if job.token in r["url"]], \
         "the token never travels in a request line (it is the URL's fragment)"
+    carried = [(r["method"], r["url"]) for r in sent if job.token in json.dumps(r["headers"])]
+    assert carried == [("POST", job.origin + "/session")], "only the exchange for the cookie carries the token"
 
 
 @pytest.mark.browser
 def test_a_killed_worker_turns_failed_within_2s(browser: Browser, start_job) -> None:
     job = start_job("--ui-linger", "20s")
     open_page(browser, job)
+    wait_for(lambda: all(tick_of(r) >= 5 for r in rows(browser)[2:]), 30, what="5 ticks from every worker")
     pid = pid_of(job, "worker-1")
 
     os.kill(pid, signal.SIGKILL)
@@ -261,6 +264,8 @@ def test_requests_without_the_session_get_403(start_job, tmp_path: Path) -> None
     cookie = session_cookie(addr, job.token)
     snap = state(addr, cookie)
     assert [p["name"] for p in snap["processes"]] == NAMES
+    assert snap["job"]["logs"] is True and snap["processes"][2]["log"] == "worker-0.log", snap["processes"][2]
+    wait_for(lambda: state(addr, cookie)["processes"][2]["lines"] >= 2, 30, what="worker 0's first lines")
     status, headers, body = request(addr, "GET", "/logs/worker-0.log", {"Cookie": cookie})
     assert status == 200 and (b"tick" in body or b"Speed:" in body), (status, body[:200])
     check_headers(headers)
@@ -290,7 +295,8 @@ def test_a_wrong_token_opens_nothing(browser: Browser, start_job) -> None:
     posts = [r for r in browser.requests() if r["url"].endswith("/session")]
     assert posts, "the bootstrap page tried the token"
     assert_self_contained(browser, job.origin)
-    # the right one, in the same browser, opens the page
+    # the right one, in the same browser, opens the page (a new load: only the fragment differs)
+    browser.get("about:blank")
     open_page(browser, job)
 
 
@@ -361,7 +367,7 @@ def test_the_report_file_opens_offline_without_scripts(browser: Browser, tmp_pat
     assert len(html.encode()) < 300_000
 
     browser.get(out.as_uri())
-    browser.shot("report")
+    browser.shot("report", full=True)
     assert browser.js("return document.scripts.length") == 0
     table = rows(browser)
     assert [x["name"] for x in table] == ["scheduler", "server-0", "worker-0", "worker-1"], table

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -129,11 +130,19 @@ class Browser:
         """The visible text of the first element matching ``css`` ('' when there is none)."""
         return self.js("const e = document.querySelector(arguments[0]); return e ? e.textContent.trim() : '';", css)
 
-    def shot(self, label: str) -> Path:
-        """Save a screenshot ``NN-label.png`` in the test's folder; returns its path."""
+    def shot(self, label: str, full: bool = False) -> Path:
+        """Save a screenshot ``NN-label.png`` in the test's folder (``full``: the whole page, not
+        only the window); returns its path."""
         self._shots += 1
         path = self.out / f"{self._shots:02d}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', label)}.png"
-        self.driver.save_screenshot(str(path))
+        if full:
+            size = self.driver.execute_cdp_cmd("Page.getLayoutMetrics", {})["cssContentSize"]
+            png = self.driver.execute_cdp_cmd("Page.captureScreenshot", {
+                "format": "png", "captureBeyondViewport": True,
+                "clip": {"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1}})
+            path.write_bytes(base64.b64decode(png["data"]))
+        else:
+            self.driver.save_screenshot(str(path))
         return path
 
     def close(self, final_label: str = "end") -> None:
