@@ -40,6 +40,16 @@ return Array.from(document.querySelectorAll('#procs tbody tr')).map(function (tr
 });
 """
 
+# the right-most x of each line of the chart (its SVG paths' "M x y L x y ..." data)
+CHART_ENDS_JS = """
+function maxX(p) { var xs = (p.getAttribute('d') || '').match(/[ML]\\s*-?[0-9.]+/g) || [];
+  return xs.reduce(function (m, s) { return Math.max(m, parseFloat(s.slice(1))); }, -1); }
+var svg = document.querySelector('#chart svg');
+var total = svg.querySelector('path.total');
+return {series: Array.from(svg.querySelectorAll('path.series')).map(maxX), total: total ? maxX(total) : null,
+        width: svg.viewBox.baseVal.width || svg.clientWidth};
+"""
+
 
 @pytest.fixture
 def start_job(tmp_path: Path):
@@ -130,6 +140,11 @@ def test_one_row_per_process_and_the_chart_grows(browser: Browser, start_job) ->
     browser.shot("training")
     wait_for(lambda: points() >= first + 8, 20, what=f"the chart to gain points (had {first})")
     browser.shot("chart-grew", full=True)
+    # the total is drawn where there are points: it does not run on past the workers' newest ones
+    ends = browser.js(CHART_ENDS_JS)
+    assert ends["series"] and ends["total"] is not None, ends
+    assert ends["total"] <= max(ends["series"]) + 0.05 * ends["width"], \
+        f"the total line runs {ends['total'] - max(ends['series']):.0f} px past the newest point: {ends}"
 
     assert_self_contained(browser, job.origin)
     sent = browser.requests()
