@@ -261,7 +261,8 @@ def test_requests_without_the_session_get_403(start_job, tmp_path: Path) -> None
         assert status == 403, (path, status)
         check_headers(headers)
         assert b"worker-0" not in body and job.token.encode() not in body, (path, body[:300])
-    for cookie in ("pslaunch_session=wrong", "pslaunch_session=", f"pslaunch_session={job.token}"):
+    name = f"pslaunch_session_{addr[1]}"  # (each job's page its own cookie: one per port)
+    for cookie in (f"{name}=wrong", f"{name}=", f"{name}={job.token}", "pslaunch_session=wrong"):
         for path in protected[1:4]:
             status, _, _ = request(addr, "GET", path, {"Cookie": cookie}, timeout=5)
             assert status == 403, (path, cookie, status)
@@ -274,7 +275,7 @@ def test_requests_without_the_session_get_403(start_job, tmp_path: Path) -> None
     status, headers, _ = request(addr, "POST", "/session", {"X-Pslaunch-Token": job.token})
     assert status == 204, status
     flags = [f.strip().lower() for f in headers["set-cookie"].split(";")]
-    assert flags[0].startswith("pslaunch_session=") and "httponly" in flags and "samesite=strict" in flags, flags
+    assert flags[0].startswith(f"{name}=") and "httponly" in flags and "samesite=strict" in flags, flags
     assert "path=/" in flags, flags
     cookie = session_cookie(addr, job.token)
     snap = state(addr, cookie)

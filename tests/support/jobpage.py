@@ -120,7 +120,7 @@ def request(address: tuple[str, int], method: str, path: str, headers: Optional[
 
 
 def session_cookie(address: tuple[str, int], token: str) -> str:
-    """``pslaunch_session=...``: what the bootstrap page gets for the token (``POST /session``)."""
+    """``pslaunch_session_PORT=...``: what the bootstrap page gets for the token (``POST /session``)."""
     status, headers, body = request(address, "POST", "/session", {"X-Pslaunch-Token": token})
     assert status == 204, (status, body[:200])
     cookie = headers.get("set-cookie", "")
