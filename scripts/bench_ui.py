@@ -5,7 +5,8 @@
    carry the time they were printed (tests/bin/speedo.py: ``tick K of worker R at EPOCH``). A real
    SSE client (``/events``, as the page's EventSource reads it) records when each line arrives;
    with ``--browser``, headless Chromium also records when each line's element appears in the
-   page's log pane (a MutationObserver; Chromium's clock is this machine's). Median, p95 and max
+   page's log pane (a MutationObserver; Chromium's clock is this machine's; lines printed before it
+   watched, the backlog the page draws when it opens, do not count). Median, p95 and max
    over ``--lines`` lines, at two rates: a line per worker every 50 ms, and one every 0.5 s.
 2. **The launcher's CPU with 0, 1 and 2 viewers**, during a training-like job: a scheduler, a
    server and 4 workers, each worker printing a Speedometer line and a tick line every 0.1 s
@@ -89,6 +90,7 @@ def sse_latencies(job: UIJob, count: int, timeout: float) -> list[float]:
 
 OBSERVER_JS = """
 window.__arrivals = [];
+window.__since = Date.now() / 1000;
 var log = document.querySelector('#log');
 new MutationObserver(function (records) {
   var now = performance.timeOrigin + performance.now();
@@ -118,13 +120,14 @@ def browser_latencies(job: UIJob, count: int, timeout: float, out_dir: Path) -> 
             if len(arrivals) >= count:
                 break
             time.sleep(0.5)
+        since = b.js("return window.__since")
         b.shot("latency")
     finally:
         b.close()
     found = []
     for text, at in arrivals:
         m = re.search(r"tick \d+ of worker \d+ at ([0-9.]+)", text)
-        if m:
+        if m and float(m.group(1)) > since:  # (not the backlog the page drew when it opened)
             found.append(at / 1000 - float(m.group(1)))
     return found[:count]
 
@@ -282,7 +285,7 @@ from types import SimpleNamespace
 from launcher.ui.model import JobView
 procs, lines = int(sys.argv[1]), int(sys.argv[2])
 view = JobView(["python", "flood.py"], "rabit", "local")
-specs = [SimpleNamespace(name=f"worker-{r}", role="worker", rank=r, label=f"worker {r}", host="localhost")
+specs = [SimpleNamespace(name=f"worker-{r}", role="worker", rank=r, label=f"worker {r}", host=None)
          for r in range(procs)]
 view.plan("bench", specs, 0)
 watch = sys.argv[3] == "1"
