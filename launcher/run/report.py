@@ -291,7 +291,7 @@ def tail_lines(lines: Sequence[str]) -> list[str]:
     return kept
 
 
-def failure_report(h: ProcessHandle, others: int, redact: jobenv.Redactor,
+def failure_report(h: ProcessHandle, stopped: int, redact: jobenv.Redactor,
                    cause: Optional[Cause] = None, hint: Optional[str] = None) -> str:
     """Log who failed first, how, and the last lines of its output; returns the first line.
 
@@ -325,7 +325,7 @@ def failure_report(h: ProcessHandle, others: int, redact: jobenv.Redactor,
         error = error[1:]
     else:
         head = f"{h.describe()} {exited}"
-    if others:
+    if stopped:  # (processes the launcher stopped; none when the others had ended by themselves)
         head += "; stopped the other processes"
     head = redact(head)
     log.error("%s", head)

@@ -69,6 +69,10 @@ HINT_AFTER = 5.0  # the user's command as the scheduler, not listening this long
 #: the job's last barrier, before they do; one still running after this waits for nodes that are gone
 SCHEDULER_OUTLIVES = 10.0
 EXIT_TIMEOUT = 124
+EXIT_ABORT = 134  # SIGABRT (128 + 6)
+#: how long a process that aborted after its program returned (torch's gloo exit race) leaves the
+#: others running to finish their work (rank 0's checkpoint) before the job is stopped as failed
+EXIT_RACE_GRACE = 60.0
 #: what a command that is not a ps-lite program wants instead of the parameter-server default
 NOT_PSLITE = ("run it with -s 0 (workers only: no scheduler, no servers) or, for torch.distributed, "
               "--tracker torch")
@@ -211,7 +215,7 @@ class Supervisor:
                     self._restarts = restarts  # (the last line, after the failure report: _finish)
                 return outcome
             assert self.first is not None
-            head = report.failure_report(self.first, len(self.handles) - 1, self._redactor(),
+            head = report.failure_report(self.first, len(self.stopped), self._redactor(),
                                          report.find_cause(self.first, self.handles), self._hint())
             self._show_failure(head)
             if self.view is not None:
@@ -514,6 +518,8 @@ class Supervisor:
                     running += 1
                 elif code != 0:
                     failed.append(h)
+            if failed and running and all(self._left_after_return(h) for h in failed):
+                failed = []  # (torch's exit race: its work was done; the others finish theirs first)
             if starting:
                 assert self._watch is not None
                 if self.scheduler in failed:  # the watch's verdict on its death comes at once
@@ -553,6 +559,17 @@ class Supervisor:
             if self.progress is not None:
                 self.progress.tick(self.handles, self.clock.time())
             self._pause()
+
+    def _left_after_return(self, h: ProcessHandle) -> bool:
+        """``h`` aborted after its program had returned (torch's gloo exit race,
+        :func:`.report.exit_abort`), less than :data:`EXIT_RACE_GRACE` ago: its work is done, so
+        the other processes are not stopped in theirs (rank 0 writing its checkpoint). The job
+        fails all the same, with ``h``'s code, once they have ended (or the grace is over)."""
+        if h.exit_code != EXIT_ABORT or h.end_time is None or self.clock.time() - h.end_time > EXIT_RACE_GRACE:
+            return False
+        if not (h.output.stdout.done.is_set() and h.output.stderr.done.is_set()):
+            return self.clock.time() - h.end_time < 1.0  # (its last lines are on their way: look again)
+        return report.exit_abort(h.output.lines())
 
     def _scheduler_outlived(self) -> None:
         """Every server and worker exited 0 and the scheduler still runs :data:`SCHEDULER_OUTLIVES`
@@ -684,7 +701,7 @@ class Supervisor:
             log.info("all %d process%s exited 0 in %.1fs%s%s", n, "" if n == 1 else "es", elapsed, after,
                      "; the scheduler was stopped" if self.stopped else "")
         elif reason == "failure" and self.first is not None:
-            message = report.failure_report(self.first, len(self.handles) - 1, self._redactor(), cause,
+            message = report.failure_report(self.first, len(self.stopped), self._redactor(), cause,
                                             self._hint())
             self._show_failure(message)
             if self._restarts is not None:

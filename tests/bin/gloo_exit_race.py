@@ -70,6 +70,8 @@ def main() -> int:
     ap.add_argument("--flag", required=True, help="a file rank 1 creates at its exit")
     ap.add_argument("--hold", type=float, default=2.0, help="seconds rank 1 holds the GIL at its exit")
     ap.add_argument("--safe-exit", action="store_true")
+    ap.add_argument("--work-after", type=float, default=1.0,
+                    help="seconds rank 0 works on after the allreduce (rank 1 aborts meanwhile)")
     a = ap.parse_args()
     if os.environ.get("RANK") == "1":
         _hold_then_leave(a.hold, a.flag, a.safe_exit)
@@ -86,7 +88,8 @@ def main() -> int:
             time.sleep(0.01)
         dist.all_reduce(t)
         print(f"rank 0: allreduce done ({t[0].item():g})", flush=True)
-        time.sleep(1)  # (rank 1 ends meanwhile)
+        time.sleep(a.work_after)  # (rank 1 ends meanwhile)
+        print("rank 0: work after the allreduce done", flush=True)
     else:
         x = torch.ones(4, requires_grad=True)
         x.register_hook(lambda g: (dist.all_reduce(t, async_op=True), g)[1])  # a work made in a backward

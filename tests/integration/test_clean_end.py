@@ -64,7 +64,7 @@ def _race_under_torchrun(flag: Path) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(900)
 def test_torchs_gloo_exit_race_ends_a_job_under_pslaunch_as_under_torchrun(tmp_path: Path) -> None:
     ran = run_pslaunch("-n", "2", "--tracker", "torch", "--no-progress", sys.executable, RACE,
-                       "--flag", str(tmp_path / "pslaunch"), timeout=240)
+                       "--flag", str(tmp_path / "pslaunch"), "--work-after", "6", timeout=240)
     torchrun = _race_under_torchrun(tmp_path / "torchrun")
     ours = ran.stdout + ran.stderr
     theirs = torchrun.stdout + torchrun.stderr
@@ -77,7 +77,9 @@ def test_torchs_gloo_exit_race_ends_a_job_under_pslaunch_as_under_torchrun(tmp_p
         assert "exitcode  : -6" in theirs, theirs
         head = next(line for line in ran.stderr.splitlines() if line.startswith("pslaunch: error: "))
         assert head == (f"pslaunch: error: worker 1 (on localhost, pid {head.split('pid ')[1].split(')')[0]}) was "
-                        f"killed by SIGABRT (exit code 134) first: {EXIT_ABORT}; stopped the other processes"), head
+                        f"killed by SIGABRT (exit code 134) first: {EXIT_ABORT}"), head
+        # rank 1's work was done: rank 0 was not stopped in the middle of its own (its checkpoint)
+        assert "rank 0: work after the allreduce done" in ours, ours
     else:
         assert ran.returncode == 0 and torchrun.returncode == 0, (ours, theirs)
     safe = run_pslaunch("-n", "2", "--tracker", "torch", "--no-progress", sys.executable, RACE,
