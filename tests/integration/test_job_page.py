@@ -101,7 +101,10 @@ def tick_of(row: dict) -> int:
 
 
 def pid_of(job: UIJob, name: str) -> int:
-    return int((job.pids / f"{name}.pid").read_text())  # type: ignore[attr-defined]
+    """The pid ``name`` wrote itself (the page may show it before the program got that far)."""
+    path = job.pids / f"{name}.pid"  # type: ignore[attr-defined]
+    return int(wait_for(lambda: path.exists() and path.read_text().strip(), 30, interval=0.1,
+                        what=f"{path} written"))
 
 
 def assert_self_contained(browser: Browser, origin: str) -> None:
