@@ -14,7 +14,7 @@ from support.uisample import sample_snapshot
 
 from launcher.ui.report import render_report
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 HOSTILE = '<script>document.title="pwned"</script><img src=x onerror="document.title=1">'
