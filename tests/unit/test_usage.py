@@ -24,7 +24,8 @@ from launcher.spec.job import JobSpec, Role
 from launcher.spec.plan import ProcSpec
 
 ROOT = Path(__file__).resolve().parents[2]
-BUSY = f"{sys.executable} -S -c 'while True: pass'"
+# (a loop that ends by itself: a run of these tests killed midway leaves no core busy for long)
+BUSY = f"{sys.executable} -S -c 'import time; end = time.time() + 120\nwhile time.time() < end: pass'"
 #: 200 MB, written (so resident), once a line arrives on stdin
 ALLOCATE = (f"{sys.executable} -S -c 'import sys, time; sys.stdin.readline(); b = b\"x\" * (200 << 20); "
             "print(\"ok\", flush=True); time.sleep(60)'")
