@@ -639,3 +639,35 @@ def test_torch_jobs_get_torchruns_restart_variables(cluster: Cluster, tmp_path: 
     # a fresh store on a port of its own in each attempt (the store's program is the same)
     assert history[0]["worker-1"]["env"]["MASTER_PORT"] != history[1]["worker-1"]["env"]["MASTER_PORT"]
     assert_nothing_left(cluster)
+
+
+_ROW = re.compile(r'<tr data-name="([\w-]+)" class="state-(\w+)">(.*?)</tr>')
+_CELL = re.compile(r'<td class="(\w+)[^"]*">(.*?)</td>')
+
+
+@pytest.mark.timeout(150)
+def test_the_job_page_and_its_report_show_every_process_with_its_memory(cluster: Cluster, tmp_path: Path) -> None:
+    """``--ui`` and ``--report`` on every backend (issue 33): one row per process with its host, pid,
+    state and exit code, the RSS its node reported (the ``u`` frames of a node agent, or the
+    launcher's own look for local processes), the first failure named, and the page's address
+    (never its token) in the summary."""
+    report, summary = tmp_path / "job.html", tmp_path / "summary.json"
+    r = cluster.run("-n", "2", "-s", "1", "--kill-grace", "1", "--ui", "--report", str(report),
+                    "--summary-json", str(summary),
+                    *cluster.probe("--listen", "--sleep", "60", "--fail", "worker-1:3:6.0"))
+    assert r.returncode == 3, r.stderr
+    token = re.search(r"job page http://127\.0\.0\.1:\d+/#token=([\w-]+)", r.stderr)
+    assert token, r.stderr
+    doc = json.loads(summary.read_text())
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/", doc["ui"]) and token.group(1) not in summary.read_text()
+    html = report.read_text()
+    rows = {name: (state, dict(_CELL.findall(cells))) for name, state, cells in _ROW.findall(html)}
+    assert sorted(rows) == ["scheduler", "server-0", "worker-0", "worker-1"], rows
+    assert rows["worker-1"][0] == "failed" and rows["worker-1"][1]["exit"] == "3", rows["worker-1"]
+    for name, (state, cells) in rows.items():
+        assert cells["pid"].isdigit() and cells["host"] not in ("", "-"), (name, cells)
+        assert re.fullmatch(r"[\d.]+ [KMG]iB", cells["rss"]), (name, cells, "the RSS its node reported")
+        if name != "worker-1":
+            assert state == "stopped", (name, state)
+    assert 'id="failure"' in html and "worker 1" in html and "exited with code 3" in html
+    assert_nothing_left(cluster)
