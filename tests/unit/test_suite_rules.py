@@ -107,3 +107,14 @@ def test_tests_of_one_shared_service_run_in_one_xdist_worker(pytester, tmp_path,
         workers = {w for name, w in ran.items() if name.startswith(group)}
         assert len(workers) == 1 and workers <= {"gw0", "gw1"}, ran
     assert {w for name, w in ran.items() if name.startswith("plain")} == {"gw0", "gw1"}, ran  # side by side
+
+
+def test_no_two_test_modules_share_a_name() -> None:
+    """pytest imports test modules by their base name (no packages here): two ``test_x.py`` in
+    different folders make the second one an import error, in a run that collects both (CI)."""
+    from collections import Counter
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parents[1]
+    names = Counter(p.name for p in tests.rglob("test_*.py") if "pytest-of" not in str(p))
+    assert [n for n, c in names.items() if c > 1] == []
