@@ -11,7 +11,7 @@ is one event with a global id (``snapshot``, ``lines``, ``procs``, ``job``, ``po
 when the ring no longer holds them. Nobody waits on a viewer: the lock is held only to copy.
 
 Memory is bounded whatever the job prints (the bound, for 256 processes printing 50,000 lines
-each, is measured in docs/job-page.md and by ``tests/unit/test_ui_model.py``):
+each, is measured in docs/performance.md "The job page" and by ``tests/unit/test_ui_model.py``):
 
 * a line is cut to :data:`MAX_LINE` characters;
 * each process keeps its last :data:`LOG_LINES` lines, and at most ``LOG_BUDGET / processes``

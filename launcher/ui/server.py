@@ -1,9 +1,9 @@
 """The live job page's server: standard library only (``http.server.ThreadingHTTPServer``, one
 daemon thread per connection), serving one :class:`~launcher.ui.model.JobView`.
 
-Nothing is served without the job's secret (docs/job-page.md): the token (``secrets.token_urlsafe(32)``)
-travels only in the URL's fragment, which browsers never send; a tiny bootstrap page (the 403
-answer to ``GET /``, the same for every job, no job data) posts it once in the
+Nothing is served without the job's secret (docs/usage.md, "The job page"): the token
+(``secrets.token_urlsafe(32)``) travels only in the URL's fragment, which browsers never send; a
+tiny bootstrap page (the 403 answer to ``GET /``, the same for every job, no job data) posts it once in the
 ``X-Pslaunch-Token`` header to ``POST /session``, which answers with an HttpOnly, SameSite=Strict
 session cookie. Every other request without a session's cookie gets 403, and so does any request
 whose ``Host`` is not this server's (DNS rebinding). Every answer carries a strict
