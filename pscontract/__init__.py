@@ -68,6 +68,12 @@ RESTART_LIMIT = "PSLAUNCH_MAX_RESTARTS"
 JOB_RUN_ID = "PSLAUNCH_RUN_ID"
 #: dmlc's attempt number (its YARN ApplicationMaster's ``DMLC_NUM_ATTEMPT``), as a variable
 NUM_ATTEMPT = "DMLC_NUM_ATTEMPT"
+#: ``process`` in a parameter-server job run with ``--restart-scope process``: a lost worker is
+#: replaced in place, so the scheduler and the servers wait for its replacement (absent otherwise)
+RESTART_SCOPE = "PSLAUNCH_RESTART_SCOPE"
+#: on a replacement worker only: ``k`` for the k-th replacement of that worker in this attempt; it
+#: has the lost worker's whole environment besides, and starts only once that one has ended
+REPLACEMENT = "PSLAUNCH_REPLACEMENT"
 #: a file of this process's own, where a program may write why it failed (torch's ``@record``
 #: writes JSON to ``TORCHELASTIC_ERROR_FILE``): the launcher reads it back after the process ends
 ERROR_FILE = "PSLAUNCH_ERROR_FILE"
@@ -139,7 +145,7 @@ ROLES = ("scheduler", "server", "worker")
 CONTRACT = frozenset(
     {ROLE, ROOT_URI, ROOT_PORT, NUM_WORKER, NUM_SERVER, TASK_ID, JOB_CLUSTER,
      NODE_HOST, SECRET, JOB_ID, PROCESS, LOCAL_PROCS, START_TIMEOUT, TRACKER_URI, TRACKER_PORT,
-     ATTEMPT, RESTART_LIMIT, JOB_RUN_ID, NUM_ATTEMPT, ERROR_FILE, TORCH_ERROR_FILE}
+     ATTEMPT, RESTART_LIMIT, JOB_RUN_ID, NUM_ATTEMPT, ERROR_FILE, TORCH_ERROR_FILE, RESTART_SCOPE, REPLACEMENT}
 )
 #: What a worker of a ``torch`` job gets on top of the dmlc worker variables; the launcher owns
 #: these too in such a job (a ``RANK`` inherited from an outer torchrun would be wrong here).
@@ -226,6 +232,40 @@ def attempt_env(*, attempt: int, max_restarts: int, run_id: str, tracker: str) -
     if tracker == "torch":
         env.update({RESTART_COUNT: str(attempt), MAX_RESTARTS: str(max_restarts), RUN_ID: run_id})
     return env
+
+
+#: ps-lite's heartbeats where a lost worker is replaced (``--restart-scope process``): its recovery
+#: path gives a late node the id of a node of its role silent for longer than the timeout
+REPLACEMENT_HEARTBEATS = {HEARTBEAT_INTERVAL: "1", HEARTBEAT_TIMEOUT: "2"}
+
+
+def replacement_defaults(environ: Mapping[str, str]) -> dict[str, str]:
+    """What every process of a job whose lost workers are replaced in place gets unless the
+    launcher's own environment ``environ`` sets it: ps-lite's heartbeats
+    (:data:`REPLACEMENT_HEARTBEATS`). Not owned: ``--env`` overrides them.
+
+    >>> replacement_defaults({"PS_HEARTBEAT_TIMEOUT": "10"})
+    {'PS_HEARTBEAT_INTERVAL': '1', 'PS_HEARTBEAT_TIMEOUT': '10'}
+    """
+    return {name: environ.get(name, value) for name, value in REPLACEMENT_HEARTBEATS.items()}
+
+
+def replacement_env(env: Mapping[str, str], k: int) -> dict[str, str]:
+    """The environment of the ``k``-th replacement (1, 2, ...) of a lost worker whose environment
+    was ``env``: the same, with ``PSLAUNCH_REPLACEMENT=k`` and a process marker of its own (so that
+    what cleans up after the lost one never stops it).
+
+    >>> e = replacement_env({"PSLAUNCH_PROCESS": "ab/worker-1@2", "DMLC_ROLE": "worker"}, 1)
+    >>> e["PSLAUNCH_PROCESS"], e["PSLAUNCH_REPLACEMENT"]
+    ('ab/worker-1@2~1', '1')
+    """
+    if k < 1:
+        raise ValueError("a replacement is the first (1) or a later one")
+    out = dict(env)
+    out[REPLACEMENT] = str(k)
+    if PROCESS in out:
+        out[PROCESS] = f"{out[PROCESS].split('~', 1)[0]}~{k}"
+    return out
 
 
 def process_marker(job_id: str, process: str, attempt: int = 0) -> str:

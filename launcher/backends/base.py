@@ -16,6 +16,7 @@ The supervisor drives a backend in this order::
         ...                              # the supervisor starts the scheduler here
         group = backend.start(procs)     # servers and workers; a ProcGroup of handles
         ...                              # poll the handles, signal the group
+        backend.replace(proc)            # maybe: a lost worker's replacement (--restart-scope process)
 
 The CLI imports every backend to build its options: an optional dependency (paramiko,
 drmaa, skein) is imported inside the methods that need it. Pure builders of commands and
@@ -223,6 +224,11 @@ class Backend:
         clean up whatever else it half-started itself.
         """
         raise NotImplementedError
+
+    def replace(self, proc: ProcSpec) -> ProcGroup:
+        """Start ``proc`` while the job runs: the replacement of a lost worker
+        (``--restart-scope process``), where that one ran. The default: :meth:`start` again."""
+        return self.start([proc])
 
     def started(self) -> ProcGroup:
         """What :meth:`start` had started when it raised, for the supervisor's staged stop

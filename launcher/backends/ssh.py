@@ -863,15 +863,39 @@ class SSHBackend(Backend):
     # -- start ---------------------------------------------------------------------------
 
     def start(self, procs: Sequence[ProcSpec]) -> ProcGroup:
+        return self._launch(procs, self.by_line)
+
+    def replace(self, proc: ProcSpec) -> ProcGroup:
+        """A lost worker's replacement, on its host: a wrapper of its own there (a fresh channel of
+        the host's connection: a wrapper runs the processes of one header), which needs no new
+        address or sync. A host that is lost cannot take it (a ``LaunchError``)."""
+        old = self.by_line.get(proc.host) if proc.host is not None else None
+        if old is None:
+            raise LaunchError(f"{proc.label}: no connection to its host (internal error)")
+        if old.lost:
+            raise LaunchError(f"{old.label} is lost ({old.lost_reason or 'no answer'}): it cannot take {proc.label}'s "
+                              "replacement")
+        host = RemoteHost(old.session, self.spec)
+        host.node_address, host.interface, host.workdir = old.node_address, old.interface, old.workdir
+        with self._lock:
+            if self._closing:
+                raise LaunchError(f"{old.label}: the launcher is stopping")
+            self.hosts[(old.session.target.ident, len(self.hosts))] = host  # close() reaches it from now on
+        host.open()
+        assert proc.host is not None
+        return self._launch([proc], {proc.host: host})
+
+    def _launch(self, procs: Sequence[ProcSpec], hosts: Mapping[Host, RemoteHost]) -> ProcGroup:
+        """Start ``procs``, each through the wrapper of its line in ``hosts``."""
         t0 = time.monotonic()
         handles: list[SSHProcess] = []
         per_host: dict[int, tuple[RemoteHost, list[SSHProcess]]] = {}
         told: set[str] = set()
         try:
             for i, p in enumerate(procs):
-                if p.host is None or p.host not in self.by_line:
+                if p.host is None or p.host not in hosts:
                     raise LaunchError(f"{p.label}: no connection to its host (internal error)")
-                host = self.by_line[p.host]
+                host = hosts[p.host]
                 extra = pc.torch_sockets(p.env, host.interface)  # (a torch job: gloo and NCCL on that network)
                 if extra:
                     if host.label not in told:

@@ -17,7 +17,7 @@ import pscontract as pc
 
 from .. import __version__, backends, logs
 from ..errors import ConfigError
-from ..spec.job import SCHEDULERS
+from ..spec.job import RESTART_SCOPES, SCHEDULERS
 from .clickutil import (
     BOUNDED_INT,
     DURATION,
@@ -161,6 +161,11 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
 @click.option("--restart-window", type=DURATION, default=None, metavar="DURATION",
               help="An attempt that runs this long (e.g. 1h) without failing gives the restart budget "
                    "back, and the delay starts again from --restart-delay.")
+@click.option("--restart-scope", type=click.Choice(RESTART_SCOPES), default="job", show_default=True,
+              help="What a failure restarts: job (every process) or process (a lost worker of a "
+                   "parameter-server job is replaced in place, with its rank, while the scheduler, the servers "
+                   "and the other workers run on; a lost server or scheduler still restarts the job). Each "
+                   "replacement uses one of --max-restarts. See docs/restarts.md.")
 @click.option("--gpus-per-process", type=BOUNDED_INT, default=None, metavar="N",
               help="Give each worker N GPUs of its host as CUDA_VISIBLE_DEVICES: a host's workers get "
                    "disjoint consecutive slices in local-rank order (0..N-1, N..2N-1, ...), taken from the "

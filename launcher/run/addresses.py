@@ -288,19 +288,22 @@ def _holds(pid: int, targets: set[str]) -> bool:
 #: the first second of an import that takes 7 s on 2 cores), libzmq (pyzmq: our trainer, the
 #: builtin scheduler), BytePS's
 PSLITE_LIBRARIES = ("mxnet", "zmq", "byteps", "pslite", "ps-lite")
+#: the libraries that hold C++ ps-lite itself (not ZeroMQ alone, which pyzmq maps too)
+NATIVE_PSLITE = ("mxnet", "byteps", "pslite", "ps-lite")
 
 
-def maps_pslite(pgid: int) -> bool:
+def maps_pslite(pgid: int, libraries: Sequence[str] = PSLITE_LIBRARIES) -> bool:
     """True when a process of group ``pgid`` (the scheduler's) has a ps-lite library mapped
-    (:data:`PSLITE_LIBRARIES`): a scheduler that does not listen yet is most likely importing.
-    False where ``/proc`` cannot tell."""
+    (``libraries``, by default :data:`PSLITE_LIBRARIES`: a scheduler that does not listen yet is
+    most likely importing; :data:`NATIVE_PSLITE`: it is C++ ps-lite's). False where ``/proc``
+    cannot tell."""
     for pid in group_members(pgid):
         try:
             with open(f"/proc/{pid}/maps", "rb") as f:
                 names = {line.rsplit(b"/", 1)[-1] for line in f if b"/" in line}
         except OSError:
             continue
-        if any(key.encode() in name for name in names for key in PSLITE_LIBRARIES):
+        if any(key.encode() in name for name in names for key in libraries):
             return True
     return False
 

@@ -45,6 +45,8 @@ class JobResult:
     attempts: tuple[AttemptRecord, ...] = ()
     #: the job page's address, without its token (``--ui``), if it was served
     ui: Optional[str] = None
+    #: every worker replaced in place (``--restart-scope process``): :func:`replacement_record`
+    replacements: tuple[dict, ...] = ()
 
 
 def redactor(plan: Optional[Plan], also: Sequence[str] = ()) -> jobenv.Redactor:
@@ -134,6 +136,21 @@ def attempt_cause(h: ProcessHandle, redact: jobenv.Redactor) -> dict:
             "last_lines": [redact(line) for line in h.output.lines()[-CAUSE_LINES:]]}
 
 
+def replacement_record(lost: ProcessHandle, attempt: int, k: int, delay: float) -> dict:
+    """What ``--summary-json``'s ``replacements`` says of the ``k``-th replacement of worker
+    ``lost`` in ``attempt``: the lost process (host, pid, exit code or signal, when it ended) and
+    the wait before its replacement started; :func:`replacement_started` adds the new one."""
+    return {"process": lost.name, "rank": lost.proc.rank, "attempt": attempt, "replacement": k,
+            "host": lost.host, "pid": lost.pid, "exit_code": lost.exit_code, "signal": signal_name(lost.exit_code),
+            "lost_at": lost.end_time, "delay": round(delay, 3), "started_at": None, "new_host": None, "new_pid": None,
+            "error": None}
+
+
+def replacement_started(record: dict, new: ProcessHandle) -> None:
+    """The replacement in ``record`` (:func:`replacement_record`) started as ``new``."""
+    record.update(started_at=new.start_time, new_host=new.host, new_pid=new.pid)
+
+
 def describe_cause(cause: dict) -> str:
     """``worker 2 on h2 (pid 4121) killed by SIGKILL``."""
     who = "scheduler" if cause["role"] == "scheduler" else f"{cause['role']} {cause['rank']}"
@@ -166,6 +183,12 @@ def restart_policy(spec: JobSpec) -> str:
     cap = max(MAX_RESTART_DELAY, spec.restart_delay)
     window = (f"; an attempt that runs {_seconds(spec.restart_window)} without failing gives the budget back"
               if spec.restart_window else "")
+    if spec.replaces_workers:
+        return (f"restarts: up to {spec.max_restarts} for the whole job; a lost worker is replaced in place "
+                "(--restart-scope process: its rank, at once, then after doubling delays if it is lost again) "
+                f"while the others run on; a lost server or the scheduler restarts every role after "
+                f"{_seconds(spec.restart_delay)} doubling each time up to {_seconds(cap)} (+-{RESTART_JITTER:.0%})"
+                f"{window}; never after Ctrl-C, --timeout or a process that could not start")
     return (f"restarts: up to {spec.max_restarts} for the whole job, every role at once, after "
             f"{_seconds(spec.restart_delay)} doubling each time up to {_seconds(cap)} "
             f"(+-{RESTART_JITTER:.0%}){window}; never after Ctrl-C, --timeout or a process that could not start")
@@ -360,9 +383,11 @@ def write_summary(path: str, spec: JobSpec, plan: Optional[Plan], result: JobRes
         "end_time": result.end_time,
         "processes": [r.to_dict() for r in result.records],
         "log_errors": result.log_errors,
-        "restarts": {"max": spec.max_restarts, "done": max(0, len(result.attempts) - 1),
-                     "first_delay": spec.restart_delay, "window": spec.restart_window},
+        "restarts": {"max": spec.max_restarts,
+                     "done": max(0, len(result.attempts) - 1) + len(result.replacements),
+                     "first_delay": spec.restart_delay, "window": spec.restart_window, "scope": spec.restart_scope},
         "attempts": [a.to_dict() for a in result.attempts],
+        "replacements": list(result.replacements),
         "ui": result.ui,
     }
 

@@ -22,7 +22,10 @@
 6. with ``--max-restarts``, after a failure of a process that ran: wait the restart delay and
    start again at 1 as the next attempt (a fresh secret and port, the same run id), while the
    job's one budget (:class:`.report.RestartBudget`) lasts. A signal, ``--timeout`` and a
-   process that could not start end the job.
+   process that could not start end the job. With ``--restart-scope process``, a lost worker of
+   a parameter-server job is replaced in place instead, out of the same budget: the job goes on
+   while a new worker with its environment (and ``PSLAUNCH_REPLACEMENT``) starts where it ran
+   (:meth:`Supervisor._replace_lost`).
 
 A dead-man switch (``launcher.node.watchdog``) kills every local process group if the
 launcher itself is killed with SIGKILL. The supervisor never names a backend: it asks the
@@ -31,12 +34,15 @@ backend's class.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import threading
 import time
 from typing import Any, Mapping, Optional
+
+import pscontract as pc
 
 from .. import backends, trackers
 from ..backends.base import Backend
@@ -47,7 +53,7 @@ from ..runtime.handle import ProcessHandle, ProcGroup, describe_exit
 from ..runtime.local import LocalProcess
 from ..runtime.output import Console, PipePump, is_terminal
 from ..runtime.ports import NoFreePort, PortClaim, claim_free_port
-from ..spec.job import Host, JobSpec
+from ..spec.job import Host, JobSpec, Role
 from ..spec.plan import Plan, ProcSpec, build_plan
 from ..trackers.pslite import require_pyzmq
 from . import addresses as addr
@@ -80,6 +86,9 @@ DUMP_WAIT = 3.0      # after asking for stack dumps, how long to let them print
 KILL_WAIT = 5.0      # after SIGKILL, how long to wait for every process to be gone
 ESCAPE_CHECK_WAIT = 0.2  # output open this long after the end: someone that left its group holds it
 OUTPUT_WAIT = 2.0    # how long the output pumps may take to deliver the last lines
+#: a C++ ps-lite scheduler gives a late node a lost one's id only once the lost one missed its
+#: heartbeats for PS_HEARTBEAT_TIMEOUT: its replacement starts this much later still
+PSLITE_DEAD_MARGIN = 1.0
 
 
 class Wakeup:
@@ -158,6 +167,13 @@ class Supervisor:
         self.attempt = spec.first_attempt
         self.attempts: list[report.AttemptRecord] = []
         self._restarts: Optional[report.RestartBudget] = None  # a failed job's, when it could restart
+        #: the job's one restart budget (whole attempts and, --restart-scope process, replacements)
+        self._budget = report.RestartBudget(spec.max_restarts, spec.restart_delay, spec.restart_window)
+        self.replaced: list[ProcessHandle] = []  # lost workers that a replacement took over from
+        self.replacements: list[dict] = []  # what --summary-json says of each (report.replacement_record)
+        #: lost workers waiting for their replacement to start: (the lost handle, when, its record)
+        self._pending: list[tuple[ProcessHandle, float, dict]] = []
+        self._native_pslite: Optional[bool] = None  # the attempt's scheduler is C++ ps-lite's (asked once)
         self._secrets: list[str] = []  # every attempt's secret values, hidden in all that is shown
         self._hinted = False  # the hint that the command may not be a ps-lite program was given
 
@@ -195,7 +211,7 @@ class Supervisor:
         while the job's one budget lasts. ``(reason, exit code)`` of the last attempt (or of the
         wait before the next: a signal, ``--timeout``)."""
         spec = self.spec
-        restarts = report.RestartBudget(spec.max_restarts, spec.restart_delay, spec.restart_window)
+        restarts = self._budget
         port = spec.port_range[0] - 1
         while True:
             started = self.clock.time()
@@ -286,6 +302,7 @@ class Supervisor:
         self.attempt += 1
         self.handles, self.groups, self.scheduler, self.first, self.tracker = [], [], None, None, None
         self.stopped.clear()
+        self._pending, self._native_pslite = [], None
         self._ids = (os.urandom(32).hex(), self._ids[1])
         self.console.log_banner = f"--- pslaunch: attempt {self.attempt} (PSLAUNCH_ATTEMPT={self.attempt}) ---"
         self.signals.raise_now = True
@@ -520,6 +537,11 @@ class Supervisor:
                     failed.append(h)
             if failed and running and all(self._left_after_return(h) for h in failed):
                 failed = []  # (torch's exit race: its work was done; the others finish theirs first)
+            if failed and not starting and self.spec.replaces_workers:
+                failed = self._replace_lost(failed)
+            if self._pending and not failed:
+                failed = self._start_replacements()
+            running += len(self._pending)
             if starting:
                 assert self._watch is not None
                 if self.scheduler in failed:  # the watch's verdict on its death comes at once
@@ -559,6 +581,79 @@ class Supervisor:
             if self.progress is not None:
                 self.progress.tick(self.handles, self.clock.time())
             self._pause()
+
+    # -- replacing lost workers (--restart-scope process) ------------------------------------
+
+    def _replace_lost(self, failed: list[ProcessHandle]) -> list[ProcessHandle]:
+        """Workers that failed, each to be replaced in place while the rest of the job runs on,
+        out of the job's restart budget: they leave :attr:`handles` (kept in :attr:`replaced`)
+        and wait in :attr:`_pending` for their replacement's start. Returns what still fails the
+        job: all of ``failed`` when any of them is no worker that ran (a server, the scheduler, a
+        process that could not start), or when the budget does not cover them all."""
+        if any(h.proc.role is not Role.WORKER or h is self.tracker or h.failure is not None for h in failed):
+            return failed
+        now = self.clock.time()
+        if not all(self._budget.may_restart(now - (h.start_time or now)) for h in failed) or \
+                self._budget.limit - self._budget.used < len(failed):
+            return failed  # (the failure report then says the budget is used up)
+        for h in failed:
+            k = 1 + sum(1 for r in self.replacements if r["process"] == h.name and r["attempt"] == self.attempt)
+            nominal = self._budget.next_delay()
+            delay = max(0.0 if k == 1 else nominal, self._pslite_wait(h))
+            record = report.replacement_record(h, self.attempt, k, delay)
+            self.replacements.append(record)
+            self.handles.remove(h)
+            self.replaced.append(h)
+            self._pending.append((h, self.clock.monotonic() + delay, record))
+            when = f" in {delay:.1f}s" if delay >= 0.05 else ""
+            log.warning("%s; replacing it in place%s (restart %d/%d)",
+                        report.describe_cause(report.attempt_cause(h, self._redactor())), when, self._budget.used,
+                        self._budget.limit)
+        if self.progress is not None:
+            self.progress.restarts = f"restart {self._budget.used}/{self._budget.limit}"
+        return []
+
+    def _pslite_wait(self, lost: ProcessHandle) -> float:
+        """How long after now a replacement for ``lost`` must wait so that the scheduler sees the
+        lost node as dead: C++ ps-lite's scheduler (the user's command with MXNet's or BytePS's
+        library, or ``--scheduler builtin``, which follows it) gives a late node a lost one's id
+        only once that one's last heartbeat is older than ``PS_HEARTBEAT_TIMEOUT``. 0 for other
+        schedulers (pslaunch's KV store takes a replacement's word at once)."""
+        if self._native_pslite is None:
+            pid = self.scheduler.pid if self.scheduler is not None else None
+            self._native_pslite = self.spec.scheduler == "builtin" or \
+                (pid is not None and addr.maps_pslite(pid, addr.NATIVE_PSLITE))
+        if not self._native_pslite:
+            return 0.0
+        try:
+            timeout = float(lost.proc.env.get(pc.HEARTBEAT_TIMEOUT) or 0)
+        except ValueError:
+            timeout = 0.0
+        since = self.clock.time() - (lost.end_time or self.clock.time())
+        return max(0.0, timeout + PSLITE_DEAD_MARGIN - since)
+
+    def _start_replacements(self) -> list[ProcessHandle]:
+        """Start every pending replacement that is due, where its lost worker ran; one that cannot
+        start fails the job with its lost worker as the cause (returned)."""
+        assert self._backend is not None
+        now = self.clock.monotonic()
+        due = [p for p in self._pending if p[1] <= now]
+        for lost, _, record in due:
+            self._pending.remove((lost, _, record))
+            proc = dataclasses.replace(lost.proc, env=pc.replacement_env(lost.proc.env, record["replacement"]))
+            try:
+                group = self._backend.replace(proc)
+            except (LaunchError, OSError) as e:
+                record["error"] = str(e)
+                log.error("could not start a replacement for %s: %s", lost.label, e)
+                self.replaced.remove(lost)
+                self.handles.append(lost)
+                return [lost]
+            self._add(group)
+            for h in group.handles:
+                report.replacement_started(record, h)
+            log.info("%s replaced: %s", lost.label, ", ".join(h.describe() for h in group.handles))
+        return []
 
     def _left_after_return(self, h: ProcessHandle) -> bool:
         """``h`` aborted after its program had returned (torch's gloo exit race,
@@ -720,11 +815,13 @@ class Supervisor:
                         self.spec.log_dir, log_errors["first_error"])
         result = report.JobResult(
             exit_code=code, reason=reason, first_failure=self.first.record() if self.first else None,
-            records=tuple(h.record(h.name in self.stopped) for h in self.handles),
+            records=(*(h.record(replaced=True) for h in self.replaced),
+                     *(h.record(h.name in self.stopped) for h in self.handles)),
             start_time=self.start_time, end_time=end_time, message=message, log_errors=log_errors,
             cause=None if cause is None else {"process": cause.culprit.name if cause.culprit else None,
                                               "reason": cause.reason, "reported_by": cause.reporter.name},
-            attempts=tuple(self.attempts), ui=getattr(self.view, "address", None))
+            attempts=tuple(self.attempts), ui=getattr(self.view, "address", None),
+            replacements=tuple(self.replacements))
         if self.view is not None:
             self.view.finish(reason, code, self.handles, self.stopped)
         if self.spec.summary_json:

@@ -110,6 +110,8 @@ class ProcRecord:
     error: Optional[dict] = None
     #: the ``CUDA_VISIBLE_DEVICES`` pslaunch gave it (``--gpus-per-process``, ``gpus=``), if any
     gpus: Optional[str] = None
+    #: it was lost and a replacement took its place (``--restart-scope process``)
+    replaced: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -202,13 +204,13 @@ class ProcessHandle:
         message, then the traceback's end; ``[]`` when it wrote none."""
         return self.error.lines(max_lines) if self.error is not None else []
 
-    def record(self, stopped_by_launcher: bool = False) -> ProcRecord:
+    def record(self, stopped_by_launcher: bool = False, replaced: bool = False) -> ProcRecord:
         return ProcRecord(
             name=self.name, role=str(self.proc.role), rank=self.proc.rank, task_id=self.proc.task_id,
             host=self.host, pid=self.pid, start_time=self.start_time, end_time=self.end_time,
             exit_code=self.exit_code, signal=signal_name(self.exit_code),
             stopped_by_launcher=stopped_by_launcher, error=self.error.to_dict() if self.error else None,
-            gpus=self.proc.gpus,
+            gpus=self.proc.gpus, replaced=replaced,
         )
 
 

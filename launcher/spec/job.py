@@ -33,6 +33,8 @@ MAX_GPUS_PER_PROCESS = 1024
 GPU_LAUNCHERS = ("local", "ssh")
 #: what may run as a ps job's scheduler (``--scheduler``): the command itself, or pslaunch's own
 SCHEDULERS = ("command", "builtin")
+#: what a failure restarts (``--restart-scope``): the whole job, or a lost parameter-server worker alone
+RESTART_SCOPES = ("job", "process")
 
 
 class Role(str, Enum):
@@ -141,6 +143,9 @@ class JobSpec:
     restart_delay: float = 1.0
     #: an attempt that runs this long without failing gives the budget back (``--restart-window``)
     restart_window: Optional[float] = None
+    #: what a failure restarts (:data:`RESTART_SCOPES`): ``job``, every process; ``process``, a lost
+    #: worker of a parameter-server job alone, in place (a server or the scheduler: the job)
+    restart_scope: str = "job"
     #: ``--only``: whose lines reach the console (empty: everyone's); the log files get all
     only: tuple[Selector, ...] = ()
     #: ``--gpus-per-process``: each worker's share of its host's GPUs, as ``CUDA_VISIBLE_DEVICES``
@@ -232,11 +237,27 @@ class JobSpec:
                 raise ConfigError(f"{name} must be 0 or more seconds, got {seconds}")
         if self.restart_window is not None and self.restart_window <= 0:
             raise ConfigError("--restart-window must be longer than 0s (leave it out to never give the budget back)")
+        self._check_scope()
         check_only(self.only, self.num_workers, self.num_servers)
         self._check_gpus()
         self._check_page()
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"--log-level {self.log_level}: choose DEBUG, INFO, WARNING or ERROR")
+
+    def _check_scope(self) -> None:
+        """``--restart-scope process`` replaces parameter-server workers, out of ``--max-restarts``."""
+        if self.restart_scope not in RESTART_SCOPES:
+            raise ConfigError(f"--restart-scope {_short(self.restart_scope)}: choose one of "
+                              f"{', '.join(RESTART_SCOPES)}")
+        if self.restart_scope == "job":
+            return
+        if self.collective:
+            raise ConfigError(f"--restart-scope process replaces a lost worker of a parameter-server job; a "
+                              f"--tracker {self.tracker} job's workers form one group, so it restarts whole: drop "
+                              "--restart-scope (a lost host can leave the job smaller: -n MIN:MAX)")
+        if not self.max_restarts:
+            raise ConfigError("--restart-scope process replaces lost workers out of the restart budget; give it "
+                              "one: --max-restarts N")
 
     def _check_page(self) -> None:
         """``--ui``, ``--ui-linger`` and ``--report`` make sense together (the address itself is
@@ -291,6 +312,11 @@ class JobSpec:
     def has_scheduler(self) -> bool:
         """dmlc starts a scheduler only when there are servers (``-s 0`` is a rabit job)."""
         return self.num_servers > 0
+
+    @property
+    def replaces_workers(self) -> bool:
+        """A lost worker is replaced in place (``--restart-scope process``)."""
+        return self.restart_scope == "process"
 
     @property
     def collective(self) -> bool:

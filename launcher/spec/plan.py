@@ -208,6 +208,8 @@ def build_plan(
     forwarded = jobenv.forwarded(environ, extra_names=(), owned=owned)
     if spec.tracker == "torch":  # (torchrun's defaults, below --env: the user's value wins)
         forwarded = {**pc.torch_defaults(environ), **forwarded}
+    if spec.replaces_workers:  # (ps-lite's heartbeats, for its recovery path; the user's values win)
+        forwarded = {**pc.replacement_defaults(environ), **forwarded}
     cli_env = _pairs(spec.env)
     if spec.p3:
         cli_env = {pc.PS_VAN_TYPE: "p3", pc.PS_WATER_MARK: "10", **cli_env}
@@ -218,6 +220,8 @@ def build_plan(
 
     attempt_env = pc.attempt_env(attempt=attempt, max_restarts=spec.max_restarts, run_id=job_id,
                                  tracker=spec.tracker or "ps")
+    if spec.replaces_workers:
+        attempt_env[pc.RESTART_SCOPE] = spec.restart_scope
 
     def env_for(contract: dict[str, str], role_env: Mapping[str, str], inherit: bool) -> dict[str, str]:
         contract = {**contract, **attempt_env}
