@@ -88,6 +88,8 @@ class Backend:
             process of a host alike (this machine's address; each ssh host's address), not on
             the node from the process's own variables: a per-role ``DMLC_INTERFACE``
             (``--env-worker``) cannot change it, and :meth:`notes` says so.
+        can_replace: it can start one process into a running job (:meth:`replace`), so
+            ``--restart-scope process`` can replace a lost worker in place.
         elsewhere: where a batch system runs the processes when that is never this machine
             (``the Slurm nodes``): a service address on loopback is refused at once.
         Options: the frozen record of the backend's own options (validated in its
@@ -102,6 +104,7 @@ class Backend:
     supports_sync: ClassVar[bool] = False
     needs_scheduler_address: ClassVar[bool] = False
     node_address_from_launcher: ClassVar[bool] = False
+    can_replace: ClassVar[bool] = False
     elsewhere: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
     options: ClassVar[tuple[BackendOption, ...]] = ()
@@ -137,6 +140,10 @@ class Backend:
                               "or choose a backend that does (--launcher ssh or mpi)")
         if cls.requires_hostfile and not spec.hosts:
             raise ConfigError(f"--launcher {cls.name} needs hosts: give -H/--hostfile FILE with one host per line")
+        if spec.replaces_workers and not cls.can_replace:
+            raise ConfigError(f"--launcher {cls.name} cannot start one process into a running job, so it cannot "
+                              "replace a lost worker in place: drop --restart-scope process (lost workers then "
+                              "restart the whole job), or use --launcher local, ssh or slurm")
         if spec.sync_dst_dir and not cls.supports_sync:
             raise ConfigError(f"--sync-dst-dir copies the working directory to remote hosts over ssh; "
                               f"--launcher {cls.name} has none (drop --sync-dst-dir)")

@@ -32,6 +32,7 @@ def local_processes(spec: JobSpec) -> int:
 
 class LocalBackend(Backend):
     name = "local"
+    can_replace = True
     node_address_from_launcher = True
 
     def __init__(self, spec: JobSpec, console: Console, watchdog: Optional[Watchdog]) -> None:

@@ -619,6 +619,7 @@ class SSHBackend(Backend):
     requires_hostfile = True
     supports_sync = True
     node_address_from_launcher = True
+    can_replace = True
     Options = SSHOptions
     #: the options that say how to connect (``pslaunch doctor`` takes these too)
     connection_options = (

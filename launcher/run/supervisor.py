@@ -791,6 +791,9 @@ class Supervisor:
         cause = report.find_cause(self.first, self.handles) if self.first is not None else None
         restarts = len(self.attempts) - 1
         after = f" (after {restarts} restart{'' if restarts == 1 else 's'})" if restarts > 0 else ""
+        if self.replacements:
+            n_replaced = len(self.replacements)
+            after += f" ({n_replaced} worker{'' if n_replaced == 1 else 's'} replaced in place)"
         if reason == "success":
             n = len(self.handles) - len(self.stopped)
             log.info("all %d process%s exited 0 in %.1fs%s%s", n, "" if n == 1 else "es", elapsed, after,

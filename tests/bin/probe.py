@@ -27,6 +27,7 @@ ROLE, TASK_ID, NUM_WORKER = "DMLC_ROLE", "DMLC_TASK_ID", "DMLC_NUM_WORKER"
 ROOT_URI, ROOT_PORT = "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT"
 TRACKERS = (("DMLC_TRACKER_URI", "DMLC_TRACKER_PORT"), ("MASTER_ADDR", "MASTER_PORT"))
 ATTEMPT = "PSLAUNCH_ATTEMPT"
+REPLACEMENT = "PSLAUNCH_REPLACEMENT"
 
 
 def name_of(env: dict) -> str:
@@ -146,12 +147,18 @@ def main() -> int:
                          "in the others, exit 0")
     ap.add_argument("--sleep-on-attempts", default=None, metavar="K[,K...]",
                     help="--sleep only in these attempts (PSLAUNCH_ATTEMPT); in the others, no sleep")
+    ap.add_argument("--on-replacements", default=None, metavar="K[,K...]",
+                    help="--fail and --kill-self only as these replacements of a lost worker "
+                         "(PSLAUNCH_REPLACEMENT; 0: the first process of its place)")
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     attempt = int(os.environ.get(ATTEMPT, "0"))
+    replacement = int(os.environ.get(REPLACEMENT, "0"))
     if a.on_attempts is not None and str(attempt) not in a.on_attempts.split(","):
         a.fail = a.kill_self = None
         a.exit = 0
+    if a.on_replacements is not None and str(replacement) not in a.on_replacements.split(","):
+        a.fail = a.kill_self = None
     if a.sleep_on_attempts is not None and str(attempt) not in a.sleep_on_attempts.split(","):
         a.sleep = 0.0
     # No core file in the working directory (the repository) when a test kills this process with
@@ -212,7 +219,7 @@ def main() -> int:
         "name": me, "env": env, "argv": sys.argv[1:], "rest": a.rest, "cwd": os.getcwd(), "pid": os.getpid(),
         "pgid": os.getpgid(0), "sid": os.getsid(0), "host": socket.gethostname(), "child": child_pid,
         "time": time.time(), "netns": _netns(), "escaped": escaped, "attempt": attempt,
-        "previous_alive": _previous_alive(a.out, attempt),
+        "previous_alive": _previous_alive(a.out, attempt), "replacement": replacement,
     }
     if a.reach_tracker:
         record["tracker"] = _reach(env)
@@ -222,7 +229,8 @@ def main() -> int:
         os.chmod(history, 0o777)  # (the testbed's hosts may run the probes as other users)
     except OSError:
         pass
-    for target in (os.path.join(history, f"{me}.{attempt}.json"), os.path.join(a.out, f"{me}.json")):
+    kept = f"{me}~{replacement}" if replacement else me  # (a replacement's record beside its lost one's)
+    for target in (os.path.join(history, f"{kept}.{attempt}.json"), os.path.join(a.out, f"{me}.json")):
         tmp = os.path.join(a.out, f".{me}.{os.getpid()}.tmp")
         with open(tmp, "w") as f:
             json.dump(record, f)

@@ -538,6 +538,45 @@ def test_restart_options_and_the_dry_runs_policy(tmp_path, capsys) -> None:
     assert "restarts: none (--max-restarts 0)" in capsys.readouterr().out
 
 
+def test_restart_scope_process_replaces_ps_workers_out_of_the_budget(tmp_path, capsys) -> None:
+    s = spec_of(["-n", "2", "-s", "1", "--max-restarts", "2", "--restart-scope", "process", "python", "t.py"])
+    assert s.restart_scope == "process" and s.replaces_workers
+    assert spec_of(["-n", "2", "-s", "1", "python", "t.py"]).restart_scope == "job"
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("max-restarts: 1\nrestart-scope: process\n")
+    assert spec_of(["--config", str(cfg), "-n", "2", "-s", "1", "true"]).replaces_workers
+    assert cli.main(["-n", "2", "-s", "1", "--max-restarts", "2", "--restart-scope", "process", "--dry-run",
+                     "python", "t.py"]) == 0
+    out = capsys.readouterr().out
+    assert "a lost worker is replaced in place" in out
+    for var in ("PSLAUNCH_RESTART_SCOPE=process", "PS_HEARTBEAT_INTERVAL=1", "PS_HEARTBEAT_TIMEOUT=2"):
+        assert f"\n  {var}\n" in out, var  # (every process's: the dry run shows what they share once)
+    # the user's heartbeats win (ps-lite reads them on every node)
+    assert cli.main(["-n", "1", "-s", "1", "--max-restarts", "1", "--restart-scope", "process", "--env",
+                     "PS_HEARTBEAT_TIMEOUT=9", "--dry-run", "true"]) == 0
+    out = capsys.readouterr().out
+    assert "PS_HEARTBEAT_TIMEOUT=9" in out and "PS_HEARTBEAT_TIMEOUT=2" not in out
+    assert cli.main(["-n", "2", "-s", "1", "--dry-run", "true"]) == 0
+    out = capsys.readouterr().out
+    assert "PSLAUNCH_RESTART_SCOPE" not in out and "PS_HEARTBEAT" not in out
+
+
+@pytest.mark.parametrize("args, says", [
+    (["-s", "1", "--restart-scope", "process"], "give it one: --max-restarts N"),
+    (["-s", "0", "--max-restarts", "1", "--restart-scope", "process"], "a --tracker rabit job's workers form one"),
+    (["--tracker", "torch", "--max-restarts", "1", "--restart-scope", "process"], "drop --restart-scope"),
+    (["-s", "1", "--max-restarts", "1", "--restart-scope", "rank"], "'rank' is not one of 'job', 'process'"),
+    (["-s", "1", "--max-restarts", "1", "--restart-scope", "process", "--launcher", "mpi"],
+     "--launcher mpi cannot start one process into a running job"),
+    (["-s", "1", "--max-restarts", "1", "--restart-scope", "process", "--launcher", "sge", "--host-ip", "10.0.0.1"],
+     "--launcher sge cannot start one process into a running job"),
+])
+def test_restart_scope_errors_are_one_line(capsys, args: list[str], says: str) -> None:
+    assert cli.main(["-n", "2", *args, "python", "t.py"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("value, first", [("2", 2), ("", 0), ("x", 0), ("99999999", 0)])
 def test_a_requeued_slurm_job_goes_on_counting(monkeypatch, value: str, first: int) -> None:
     monkeypatch.setenv("SLURM_RESTART_COUNT", value)

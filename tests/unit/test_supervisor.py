@@ -372,7 +372,8 @@ def test_a_failure_restarts_every_process_with_the_attempt_in_their_environment(
         assert b["start_time"] - a["end_time"] == pytest.approx(a["delay"], abs=0.05)
     # every process of attempt k was stopped before attempt k+1 started
     assert [e for _, e in scripts["worker-0"][0].events] == ["TERM"]
-    assert doc["restarts"] == {"max": 2, "done": 2, "first_delay": 1.0, "window": None}
+    assert doc["restarts"] == {"max": 2, "done": 2, "first_delay": 1.0, "window": None, "scope": "job"}
+    assert doc["replacements"] == []
     # each attempt's processes learn it; the run id stays, the secret is new
     envs = [scripts["worker-0"][k].env for k in range(3)]
     assert [e["PSLAUNCH_ATTEMPT"] for e in envs] == ["0", "1", "2"]

@@ -671,3 +671,47 @@ def test_the_job_page_and_its_report_show_every_process_with_its_memory(cluster:
             assert state == "stopped", (name, state)
     assert 'id="failure"' in html and "worker 1" in html and "exited with code 3" in html
     assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(200)
+def test_a_lost_worker_is_replaced_in_place_where_the_backend_can(cluster: Cluster, tmp_path: Path) -> None:
+    """``--restart-scope process`` (issue 34): kill -9 of worker 1 starts a replacement with its
+    environment and ``PSLAUNCH_REPLACEMENT=1`` where it ran, while the scheduler, the server and
+    worker 0 run on (each once, its pid unchanged); the job exits 0 in its first attempt. A
+    backend that cannot start one process into a running job refuses the option in one line."""
+    from launcher import backends
+
+    summary = tmp_path / "summary.json"
+    args = ("-n", "2", "-s", "1", "--kill-grace", "1", "--max-restarts", "2", "--restart-scope", "process",
+            "--summary-json", str(summary),
+            *cluster.probe("--listen", "--sleep", "6", "--kill-self", "worker-1:KILL", "--on-replacements", "0"))
+    if not backends.get(cluster.launcher).can_replace:
+        r = cluster.run(*args, timeout=60)
+        assert r.returncode == 2 and "cannot replace a lost worker in place" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and not list(cluster.out.glob("*.json")), r.stderr
+        return
+    r = cluster.run(*args, timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"worker 1 on \S+ \(pid \d+\) killed by SIGKILL; replacing it in place \(restart 1/2\)",
+                     r.stderr), r.stderr
+    doc = json.loads(summary.read_text())
+    assert [(a["attempt"], a["reason"]) for a in doc["attempts"]] == [(0, "success")], doc["attempts"]
+    assert doc["restarts"]["done"] == 1 and doc["restarts"]["scope"] == "process"
+    (rep,) = doc["replacements"]
+    history = _history(cluster)
+    assert sorted(history) == [0] and sorted(history[0]) == ["scheduler", "server-0", "worker-0", "worker-1",
+                                                             "worker-1~1"], sorted(history[0])
+    lost, new = history[0]["worker-1"], history[0]["worker-1~1"]
+    assert rep["process"] == "worker-1" and rep["signal"] == "SIGKILL" and rep["pid"] == lost["pid"]
+    assert rep["new_pid"] == new["pid"] != lost["pid"] and new["host"] == lost["host"] and new["netns"] == lost["netns"]
+    assert new["env"]["PSLAUNCH_REPLACEMENT"] == "1" and "PSLAUNCH_REPLACEMENT" not in lost["env"]
+    for name in ("DMLC_TASK_ID", "DMLC_ROLE", "DMLC_PS_ROOT_PORT", "PSLAUNCH_SECRET", "PSLAUNCH_ATTEMPT",
+                 "PSLAUNCH_RESTART_SCOPE", "PS_HEARTBEAT_TIMEOUT"):
+        assert new["env"].get(name) == lost["env"].get(name) is not None, name
+    # every other process ran once, to its end, with the pid it started with
+    procs = {(p["name"], p["pid"]): p for p in doc["processes"]}
+    for name in ("scheduler", "server-0", "worker-0"):
+        assert procs[(name, history[0][name]["pid"])]["exit_code"] == 0, name
+        assert sum(1 for p in doc["processes"] if p["name"] == name) == 1, name
+    assert procs[("worker-1", lost["pid"])]["replaced"] and procs[("worker-1", new["pid"])]["exit_code"] == 0
+    assert_nothing_left(cluster)
