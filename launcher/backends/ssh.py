@@ -869,13 +869,14 @@ class SSHBackend(Backend):
     def replace(self, proc: ProcSpec) -> ProcGroup:
         """A lost worker's replacement, on its host: a wrapper of its own there (a fresh channel of
         the host's connection: a wrapper runs the processes of one header), which needs no new
-        address or sync. A host that is lost cannot take it (a ``LaunchError``)."""
+        address or sync. When that host is lost, on the job's connected host that runs the fewest
+        processes, with that host's ``DMLC_NODE_HOST``; with none left, a ``LaunchError``."""
         old = self.by_line.get(proc.host) if proc.host is not None else None
         if old is None:
             raise LaunchError(f"{proc.label}: no connection to its host (internal error)")
         if old.lost:
-            raise LaunchError(f"{old.label} is lost ({old.lost_reason or 'no answer'}): it cannot take {proc.label}'s "
-                              "replacement")
+            proc = self._elsewhere(proc, old)
+            old = self.by_line[proc.host]  # type: ignore[index]  # (_elsewhere gives a connected line)
         host = RemoteHost(old.session, self.spec)
         host.node_address, host.interface, host.workdir = old.node_address, old.interface, old.workdir
         with self._lock:
@@ -885,6 +886,22 @@ class SSHBackend(Backend):
         host.open()
         assert proc.host is not None
         return self._launch([proc], {proc.host: host})
+
+    def _elsewhere(self, proc: ProcSpec, lost: RemoteHost) -> ProcSpec:
+        """``proc`` moved off the lost host ``lost`` to the connected host with the fewest running
+        processes of the job (hostfile order breaks ties)."""
+        load = collections.Counter(id(h.remote) for h in self.handles if h.running)
+        usable = [(line, h) for line, h in self.by_line.items() if not h.lost and not h.closed and h is not lost]
+        if not usable:
+            raise LaunchError(f"{lost.label} is lost ({lost.lost_reason or 'no answer'}) and no other host of the job "
+                              f"is connected: {proc.label} cannot be replaced")
+        line, host = min(usable, key=lambda item: load[id(item[1])])
+        log.warning("%s is lost (%s): %s's replacement runs on %s", lost.label, lost.lost_reason or "no answer",
+                    proc.label, host.label)
+        env = dict(proc.env)
+        if host.node_address:
+            env[pc.NODE_HOST] = host.node_address
+        return dataclasses.replace(proc, host=line, env=env)
 
     def _launch(self, procs: Sequence[ProcSpec], hosts: Mapping[Host, RemoteHost]) -> ProcGroup:
         """Start ``procs``, each through the wrapper of its line in ``hosts``."""
