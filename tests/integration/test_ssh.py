@@ -349,6 +349,40 @@ def test_link_down_on_one_host_fails_the_job_and_leaves_nothing(testbed: Testbed
         testbed.link(down, up=True)
 
 
+@pytest.mark.timeout(120)
+def test_a_worker_on_a_host_whose_link_goes_down_is_replaced_on_another(testbed: Testbed, out: Path,
+                                                                       tmp_path: Path) -> None:
+    """--restart-scope process (issue 34): worker 1's host drops off the network; once it is lost
+    (4 silent keep-alives), worker 1 is replaced on a connected host, with that host's
+    DMLC_NODE_HOST, while the scheduler, the server and worker 0 run on; the job exits 0, and the
+    downed host's wrapper stops the lost worker there by itself."""
+    summary = tmp_path / "summary.json"
+    p, probes = _running_job(testbed, out, tmp_path, "--kill-grace", "1", "--ssh-keepalive", "1", "--max-restarts",
+                             "1", "--restart-scope", "process", "--summary-json", str(summary), n=2,
+                             probe_args=("--listen", "--sleep", "14", "--child"))
+    down = testbed.hosts[2]  # worker 1 (the server is on host 0, worker 0 on host 1)
+    assert probes["worker-1"]["netns"] == testbed.netns_link(down), probes["worker-1"]
+    try:
+        testbed.link(down, up=False)
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        assert re.search(rf"worker 1 on {re.escape(down.addr_a)} \(pid \d+\) exited with code 255(: .*)?; replacing "
+                         r"it in place \(restart 1/1\)", err), err
+        assert f"{down.addr_a} is lost" in err and "replacement runs on" in err, err
+        doc = json.loads(summary.read_text())
+        (rep,) = doc["replacements"]
+        assert rep["host"] == down.addr_a and rep["new_host"] != down.addr_a, rep
+        new = json.loads(next((out / "history").glob("worker-1~1.*.json")).read_text())
+        assert new["netns"] != testbed.netns_link(down) and new["env"]["PSLAUNCH_REPLACEMENT"] == "1"
+        assert new["env"]["DMLC_NODE_HOST"] == rep["new_host"] != probes["worker-1"]["env"]["DMLC_NODE_HOST"]
+        procs = {(q["name"], q["pid"]): q for q in doc["processes"]}
+        for name in ("server-0", "worker-0"):
+            assert procs[(name, probes[name]["pid"])]["exit_code"] == 0, name
+        assert_no_leftovers(testbed, timeout=15, hosts=[down])  # (the wrapper there stopped its worker itself)
+    finally:
+        testbed.link(down, up=True)
+
+
 # --- refusals ---------------------------------------------------------------------------------------------
 
 

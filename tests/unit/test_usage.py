@@ -146,15 +146,21 @@ def test_the_rss_of_a_process_that_allocates_200_mb_grows(root: int | None) -> N
 def test_no_value_before_two_looks_nor_for_a_zombie_or_a_stranger() -> None:
     meter = UsageMeter()
     p = subprocess.Popen(["true"], start_new_session=True)
+    # a leader that runs (this test's own group may have none: its leader, the shell that started
+    # pytest, can have ended, as in CI)
+    alive = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:
         meter.look()
-        assert meter.usage(p.pid) is None and meter.usage(os.getpid()) is None  # one look: no interval yet
+        assert meter.usage(p.pid) is None and meter.usage(alive.pid) is None  # one look: no interval yet
         wait_for(lambda: procgroup.stat(p.pid).state == "Z", 10, what="the child to end")
         meter.look()
         assert meter.usage(p.pid) is None  # ended, not reaped
-        assert meter.usage(os.getpgid(0)) is not None  # (this test's own group: it runs)
+        assert meter.usage(alive.pid) is not None  # (a group whose leader runs)
+        assert meter.usage(os.getpid()) is None or os.getpgid(0) == os.getpid()  # no group's leader
     finally:
         p.wait()
+        alive.kill()
+        alive.wait()
     meter.look()
     assert meter.usage(p.pid) is None  # gone
 
