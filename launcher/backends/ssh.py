@@ -573,6 +573,15 @@ class SSHProcess(RemoteProcess):
         """
         self.remote.cleaned(self)
 
+    def host_lost(self) -> Optional[str]:
+        """Its host stopped answering keep-alives (:meth:`RemoteHost.mark_lost`), or the connection
+        to its wrapper ended before its exit code came (sshd gone, the connection reset)."""
+        if self.lost:
+            return self.remote.lost_reason or "lost"
+        if self.gone and self.started.is_set():
+            return f"the connection ended before its exit code came ({self.gone})"
+        return None
+
     def describe(self) -> str:
         where = f"on {self.host}" + (f", pid {self.pid}" if self.pid else "")
         if self.lost:

@@ -44,6 +44,28 @@ class BoundedInt(click.types.IntParamType):
         return int(super().convert(value, param, ctx))
 
 
+class WorkerCount(click.ParamType):
+    """``-n``: a number of workers (``4``), or for a collective job that may go on with fewer after
+    hosts were left out, ``MIN:MAX`` (``2:4``): the tuple ``(MIN, MAX)``. (Not an int type: a YAML
+    config's ``num-workers: '2:4'`` is text for it.)"""
+
+    name = "N|MIN:MAX"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> Any:
+        if isinstance(value, tuple):
+            return value
+        text = str(value).strip()
+        if ":" not in text:
+            return BOUNDED_INT.convert(value, param, ctx)
+        lo, _, hi = text.partition(":")
+        if not (lo.strip().isdigit() and hi.strip().isdigit()) or len(lo.strip()) > 9 or len(hi.strip()) > 9:
+            self.fail(f"{text[:40]!r} is not N or MIN:MAX (whole numbers, e.g. -n 4 or -n 2:4)", param, ctx)
+        low, high = int(lo), int(hi)
+        if not 1 <= low <= high:
+            self.fail(f"{text[:40]!r}: MIN:MAX needs 1 <= MIN <= MAX, e.g. -n 2:4", param, ctx)
+        return (low, high)
+
+
 class Duration(FiniteFloat):
     """A length of time: seconds (``90``, ``1.5``) or a number with a unit, ``s``, ``m``, ``h`` or
     ``d`` (``90s``, ``30m``, ``1h``, ``2d``); never negative."""
@@ -68,6 +90,7 @@ class Duration(FiniteFloat):
 FINITE_FLOAT = FiniteFloat()
 DURATION = Duration()
 BOUNDED_INT = BoundedInt()
+WORKER_COUNT = WorkerCount()
 
 
 # --- backend options as click options ------------------------------------------------------------

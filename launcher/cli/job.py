@@ -11,11 +11,14 @@ import re
 import sys
 from typing import Any, Mapping, Optional
 
+import click
+
 import pscontract as pc
 
 from .. import backends, trackers
 from ..errors import ConfigError
 from ..node import safefiles
+from ..run import hosthealth
 from ..run.report import format_dry_run
 from ..run.supervisor import dry_run_plan, run_job
 from ..spec.job import JobSpec, parse_memory_mb
@@ -23,6 +26,7 @@ from ..spec.only import parse_only
 from ..spec.plan import worker_gpus
 from ..ui.page import dry_run_lines, open_page
 from ..ui.server import parse_address
+from .clickutil import DURATION
 from .common import (
     check_variable_sizes,
     configure_logging,
@@ -53,11 +57,13 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
     command = tuple(kw.get("command") or ())
     if command and command[0] == "--":
         command = command[1:]
-    n = kw["num_workers"]
+    n, least = worker_range(kw["num_workers"])
     tracker = kw.get("tracker")
     s = kw["num_servers"] if kw.get("num_servers") is not None else (n if tracker in (None, "ps") else 0)
     hostfile = kw.get("hostfile")
-    hosts = read_hosts_option(hostfile) if hostfile else ()
+    listed = read_hosts_option(hostfile) if hostfile else ()
+    hosts = tuple(h for h in listed if not h.spare)
+    spares = tuple(h for h in listed if h.spare)
     launcher = kw.get("launcher") or ("ssh" if hostfile else "local")
     backend = backends.get(launcher)
     env = job_env(kw.get("env") or (), kw.get("env_file") or (), environ)
@@ -91,10 +97,36 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
         gpus_per_process=kw.get("gpus_per_process"),
         ui=None if kw.get("ui") is None else parse_address(ui_value(kw["ui"])),
         ui_linger=kw.get("ui_linger") or 0.0, report=kw.get("report"),
+        spares=spares, min_workers=least, host_cooldown=parse_cooldown(kw.get("host_cooldown")),
     )
     backend.check_spec(spec)
     worker_gpus(spec)  # (a host with too few GPUs for its workers: one line now, not at the start)
     return spec
+
+
+def worker_range(value: Any) -> tuple[Any, Optional[int]]:
+    """``-n``'s value (``WorkerCount``: N, or ``(MIN, MAX)``) as ``(MAX, MIN or None)``."""
+    if isinstance(value, tuple):
+        return value[1], value[0]
+    return value, None
+
+
+def parse_cooldown(value: Optional[str]) -> tuple[float, float]:
+    """``--host-cooldown LOWER[:UPPER]`` (durations: ``90``, ``1m``, ``1h``) as seconds; UPPER
+    defaults to 1h (LOWER when that is longer). ``0``: a host is never left out."""
+    if value is None:
+        return hosthealth.DEFAULT_COOLDOWN
+    text = str(value).strip()
+    lo, colon, hi = text.partition(":")
+    try:
+        lower = DURATION.convert(lo, None, None)
+        upper = DURATION.convert(hi, None, None) if colon else max(hosthealth.DEFAULT_COOLDOWN[1], lower)
+    except click.BadParameter:
+        raise ConfigError(f"--host-cooldown {text[:40]!r}: give LOWER[:UPPER] as durations, e.g. 1m:1h or "
+                          "30s") from None
+    if lower > upper:
+        raise ConfigError(f"--host-cooldown {text[:40]}: LOWER is longer than UPPER; e.g. 1m:1h")
+    return (lower, upper)
 
 
 #: what ``--ui`` takes as its value when it follows: ``8080``, ``HOST:8080``, ``[::1]:8080``

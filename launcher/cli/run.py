@@ -22,6 +22,7 @@ from .clickutil import (
     BOUNDED_INT,
     DURATION,
     FINITE_FLOAT,
+    WORKER_COUNT,
     JobCommand,
     OptionalValue,
     add_backend_options,
@@ -94,7 +95,11 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
               callback=_load_config_callback, help="YAML file with any of these options as keys "
               "(num-workers: 2, hostfile: hosts, env: {OMP_NUM_THREADS: 2}, command: [python, x.py]); "
               "options on the command line win.")
-@click.option("-n", "--num-workers", type=BOUNDED_INT, required=True, help="Number of workers.")
+@click.option("-n", "--num-workers", type=WORKER_COUNT, required=True, metavar="N|MIN:MAX",
+              help="Number of workers. MIN:MAX (collective jobs: --tracker torch, rabit, xgboost): MAX at "
+                   "first; with --max-restarts, when hosts were left out and no spare is left, the next "
+                   "attempt runs as many as the hosts left hold, if at least MIN (WORLD_SIZE, DMLC_NUM_WORKER "
+                   "follow). See docs/restarts.md.")
 @click.option("-s", "--num-servers", type=BOUNDED_INT, default=None,
               help="Number of servers (default: the number of workers, as launch.py; 0 with "
                    "--tracker rabit, xgboost or torch). 0: no scheduler and no servers.")
@@ -166,6 +171,11 @@ def _load_config_callback(ctx: click.Context, param: click.Parameter, value: Opt
                    "parameter-server job is replaced in place, with its rank, while the scheduler, the servers "
                    "and the other workers run on; a lost server or scheduler still restarts the job). Each "
                    "replacement uses one of --max-restarts. See docs/restarts.md.")
+@click.option("--host-cooldown", type=str, default=None, metavar="LOWER[:UPPER]",
+              help="With --max-restarts: how long a host that was left out (lost, or its processes failed "
+                   "first in 2 attempts in a row) stays out: LOWER the first time, then twice as long each "
+                   "time, at most UPPER, plus up to LOWER of jitter (default 1m:1h). Hostfile lines marked "
+                   "'spare' take such a host's place. See docs/restarts.md.")
 @click.option("--gpus-per-process", type=BOUNDED_INT, default=None, metavar="N",
               help="Give each worker N GPUs of its host as CUDA_VISIBLE_DEVICES: a host's workers get "
                    "disjoint consecutive slices in local-rank order (0..N-1, N..2N-1, ...), taken from the "

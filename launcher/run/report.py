@@ -112,7 +112,9 @@ class RestartBudget:
 class AttemptRecord:
     """One attempt of the job, as ``--summary-json``'s ``attempts`` lists it: ``attempt`` is its
     ``PSLAUNCH_ATTEMPT``; ``cause`` the failed process (:func:`attempt_cause`), if one of the job's
-    processes failed; ``delay`` the wait before the next attempt (None: none followed)."""
+    processes failed; ``delay`` the wait before the next attempt (None: none followed); ``hosts``
+    the hosts it ran on when they were not the hostfile's (``hosthealth.Layout.to_dict``: the hosts
+    left out and why, the spares in their places, the workers), else None."""
 
     attempt: int
     start_time: float
@@ -121,6 +123,7 @@ class AttemptRecord:
     exit_code: int
     cause: Optional[dict] = None
     delay: Optional[float] = None
+    hosts: Optional[dict] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -183,15 +186,21 @@ def restart_policy(spec: JobSpec) -> str:
     cap = max(MAX_RESTART_DELAY, spec.restart_delay)
     window = (f"; an attempt that runs {_seconds(spec.restart_window)} without failing gives the budget back"
               if spec.restart_window else "")
+    hosts = ""
+    if spec.hosts and spec.host_cooldown[0] > 0:
+        lower, upper = spec.host_cooldown
+        hosts = (f"; a host that is lost, or whose processes fail first in 2 attempts in a row, is left out for "
+                 f"{_seconds(lower)} doubling up to {_seconds(upper)} (--host-cooldown)")
     if spec.replaces_workers:
         return (f"restarts: up to {spec.max_restarts} for the whole job; a lost worker is replaced in place "
                 "(--restart-scope process: its rank, at once, then after doubling delays if it is lost again) "
                 f"while the others run on; a lost server or the scheduler restarts every role after "
                 f"{_seconds(spec.restart_delay)} doubling each time up to {_seconds(cap)} (+-{RESTART_JITTER:.0%})"
-                f"{window}; never after Ctrl-C, --timeout or a process that could not start")
+                f"{window}; never after Ctrl-C, --timeout or a process that could not start{hosts}")
     return (f"restarts: up to {spec.max_restarts} for the whole job, every role at once, after "
             f"{_seconds(spec.restart_delay)} doubling each time up to {_seconds(cap)} "
-            f"(+-{RESTART_JITTER:.0%}){window}; never after Ctrl-C, --timeout or a process that could not start")
+            f"(+-{RESTART_JITTER:.0%}){window}; never after Ctrl-C, --timeout or a process that could not start"
+            f"{hosts}")
 
 
 def _seconds(value: float) -> str:
@@ -423,6 +432,13 @@ def format_dry_run(spec: JobSpec, plan: Plan, extra: Sequence[str] = (), inherit
                              (f" gpus={','.join(map(str, h.gpus))}" if h.gpus is not None else "")
                              for h in spec.hosts[:20]) +
                    (f" and {len(spec.hosts) - 20:,} more" if len(spec.hosts) > 20 else ""))
+    if spec.spares:
+        out.append(f"spares ({len(spec.spares)}, used only in the place of a host that is left out): " +
+                   ", ".join(h.display + (f" slots={h.slots}" if h.slots else "") for h in spec.spares[:20]) +
+                   (f" and {len(spec.spares) - 20:,} more" if len(spec.spares) > 20 else ""))
+    if spec.min_workers is not None:
+        out.append(f"workers: {spec.num_workers} at first; at least {spec.min_workers} when hosts are left out "
+                   f"and no spare is left (-n {spec.min_workers}:{spec.num_workers})")
     if spec.gpus_chosen:
         per = f"{spec.gpus_per_process} GPU(s) per worker (--gpus-per-process)" if spec.gpus_per_process else \
             "every listed GPU to each worker of the host"

@@ -57,7 +57,7 @@ from ..spec.job import Host, JobSpec, Role
 from ..spec.plan import Plan, ProcSpec, build_plan
 from ..trackers.pslite import require_pyzmq
 from . import addresses as addr
-from . import report
+from . import hosthealth, report
 from .progress import Progress
 from .signals import Interrupted, Signals
 
@@ -127,7 +127,8 @@ class Supervisor:
     def __init__(self, spec: JobSpec, console: Optional[Console] = None,
                  backend: Optional[type[Backend]] = None, clock: Any = time, watchdog: bool = True,
                  adopt_orphans: bool = False, view: Any = None) -> None:
-        self.spec = spec
+        self.spec = spec  # the attempt's: the job's, with the hosts and workers of hosthealth's layout
+        self.job_spec = spec
         self.console = console or Console(log_dir=spec.log_dir, log_raw=spec.log_raw, only=spec.only)
         self.view = view
         if view is not None:
@@ -176,6 +177,10 @@ class Supervisor:
         self._native_pslite: Optional[bool] = None  # the attempt's scheduler is C++ ps-lite's (asked once)
         self._secrets: list[str] = []  # every attempt's secret values, hidden in all that is shown
         self._hinted = False  # the hint that the command may not be a ps-lite program was given
+        self._hosts: list[hosthealth.AttemptHosts] = []  # what each attempt did on its hosts
+        self._layout: Optional[hosthealth.Layout] = None  # the attempt's hosts, when they differ
+        self._first_counts: dict[Host, int] = {}  # what each host held in the first attempt
+        self._cannot: Optional[str] = None  # why the job could not go on (too few hosts left)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -219,15 +224,19 @@ class Supervisor:
             ended = self.clock.time()
             cause = self._attempt_cause()
             delay = None
+            layout = self._layout
+            self._note_hosts(ended)
             if outcome[0] == "failure" and cause is not None and restarts.may_restart(ended - started):
-                delay = restarts.next_delay()
+                nxt = self._next_layout(ended)
+                if nxt is not None:
+                    delay = restarts.next_delay()
             self.attempts.append(report.AttemptRecord(
                 attempt=self.attempt, start_time=started, end_time=ended, reason=outcome[0], exit_code=outcome[1],
-                cause=cause, delay=delay))
+                cause=cause, delay=delay, hosts=None if layout is None else layout.to_dict()))
             if self.view is not None:
                 self.view.set_attempts([a.to_dict() for a in self.attempts])
             if delay is None:
-                if outcome[0] == "failure" and spec.max_restarts:
+                if outcome[0] == "failure" and spec.max_restarts and self._cannot is None:
                     self._restarts = restarts  # (the last line, after the failure report: _finish)
                 return outcome
             assert self.first is not None
@@ -237,12 +246,76 @@ class Supervisor:
             if self.view is not None:
                 self.view.set_state("restarting")
             report.log_attempt_failed(len(self.attempts), self.attempts[-1], restarts, cause)
+            self._show_layout(nxt)
             waited = self._wait_before_restart(delay)
             if waited is not None:
                 return waited
             if self.plan is not None:
                 port = self.plan.root_port  # (each attempt on a fresh port: nothing of the last reaches it)
+            self._use_layout(nxt)
             self._next_attempt(f"restart {restarts.used}/{restarts.limit}")
+
+    # -- hosts that fail (hosthealth) ---------------------------------------------------------
+
+    def _note_hosts(self, ended: float) -> None:
+        """Keep what the attempt that ended did on its hosts: the host of its first failure (the
+        root cause) and the hosts pslaunch lost (:meth:`ProcessHandle.host_lost`)."""
+        if not self.job_spec.hosts:
+            return
+        if not self._hosts and not self._first_counts:
+            self._first_counts = hosthealth.first_counts([h.proc.host for h in self.handles if h is not self.tracker])
+        first = self.first
+        failed = None
+        if first is not None and first is not self.tracker and first.exit_code not in (None, 0):
+            failed = first.proc.host
+        lost: dict[Host, str] = {}
+        for h in self.handles:
+            why = h.host_lost() if h is not self.tracker else None
+            if why and h.proc.host is not None:
+                lost.setdefault(h.proc.host, why)
+        self._hosts.append(hosthealth.AttemptHosts(self.attempt, ended, self.spec.hosts, failed, tuple(lost.items())))
+
+    def _policy(self) -> hosthealth.Policy:
+        spec = self.job_spec
+        return hosthealth.Policy(hosts=spec.hosts, spares=spec.spares, num_workers=spec.num_workers,
+                                 min_workers=spec.min_workers, num_servers=spec.num_servers,
+                                 cooldown=spec.host_cooldown, seed=self._ids[1], first=self._first_counts)
+
+    def _next_layout(self, now: float) -> Optional[hosthealth.Layout]:
+        """The next attempt's hosts and workers (the job's when nothing is out); None when too few
+        hosts are left for the job (:attr:`_cannot` says why)."""
+        if not self.job_spec.hosts:  # (local, or hosts a batch system chose: nothing to leave out)
+            return hosthealth.Layout(self.job_spec.hosts, self.job_spec.num_workers)
+        try:
+            return hosthealth.next_layout(self._policy(), self._hosts, now)
+        except hosthealth.CannotContinue as e:
+            self._cannot = str(e)
+            return None
+
+    def _use_layout(self, layout: Optional[hosthealth.Layout]) -> None:
+        """The next attempt runs on ``layout``'s hosts with its workers: a spec of its own (the
+        backends see an ordinary spec). Its lines say who is out, which spare took whose place,
+        and the size when it shrank."""
+        job = self.job_spec
+        if layout is None or (layout.hosts == job.hosts and layout.num_workers == job.num_workers):
+            self._layout = layout if layout is not None and (layout.out or layout.back) else None
+            self.spec = job
+        else:
+            self._layout = layout
+            self.spec = dataclasses.replace(job, hosts=layout.hosts, num_workers=layout.num_workers)
+        self._expected["worker"] = self.spec.num_workers
+
+    def _show_layout(self, layout: Optional[hosthealth.Layout]) -> None:
+        """Say who is left out and why, which spare takes whose place, and the size when it shrinks."""
+        if layout is None:
+            return
+        for line in hosthealth.describe(layout, self.clock.time()):
+            log.warning("%s", line)
+        job = self.job_spec
+        if layout.num_workers != job.num_workers:
+            log.warning("the next attempt runs %d of %d workers (-n %s:%d): %s %s out and no spare is left",
+                        layout.num_workers, job.num_workers, job.min_workers, job.num_workers,
+                        ", ".join(h.display for h in layout.dropped), "is" if len(layout.dropped) == 1 else "are")
 
     def _attempt_on_free_port(self, after_port: int) -> tuple[str, int]:
         """One attempt of the job, started again on the next port while its scheduler loses the
@@ -805,6 +878,9 @@ class Supervisor:
             if self._restarts is not None:
                 message = report.log_attempt_failed(len(self.attempts), self.attempts[-1], self._restarts,
                                                     self.attempts[-1].cause)
+            elif self._cannot is not None:  # (too few hosts left for another attempt: hosthealth)
+                message = f"attempt {len(self.attempts)} failed and the job {self._cannot}"
+                log.error("%s", message)
         elif reason == "timeout":
             message = f"the job ran longer than --timeout {self.spec.timeout:g}s and was stopped"
             log.error("%s", message)

@@ -195,6 +195,12 @@ class ProcessHandle:
         (:attr:`~launcher.spec.job.JobSpec.wants_usage`); a local process is sampled when asked."""
         return None
 
+    def host_lost(self) -> Optional[str]:
+        """Why the launcher lost the process's host (no answer to keep-alives, the connection
+        gone), or None: the host is not to blame, or the handle cannot tell. The supervisor leaves
+        such a host out of the next attempts (``launcher.run.hosthealth``)."""
+        return None
+
     def describe(self) -> str:
         where = f"on {self.host}" + (f", pid {self.pid}" if self.pid else "")
         return f"{self.label} ({where})"

@@ -11,6 +11,8 @@ One host per line::
     fe80::2                    # IPv6 without a port
     node5 slots=4              # MPI style: at most 4 of this job's processes here
     node6 gpus=0,2             # the GPUs this host's workers may use (also gpus=0-3, gpus=0-1,4)
+    node7 spare                # a spare: not used at first; takes the place of a host left out
+    node8 spare slots=2        # (``--max-restarts``; docs/restarts.md, "Hosts that fail")
 
 A bad line raises :class:`ConfigError` as ``FILE:LINE: what is wrong``.
 
@@ -47,6 +49,8 @@ MAX_USER = 256
 _NAME_RE = r"^[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?$"
 _USER_RE = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$"
 _KNOWN_KEYS = ("slots", "gpus")
+#: the bare word after a host that makes it a spare (:attr:`~launcher.spec.job.Host.spare`)
+SPARE = "spare"
 MAX_GPUS = 1024  # GPU indices of one host: a bound on a typo
 _GPU_ITEM = re.compile(r"(\d{1,4})(?:-(\d{1,4}))?")
 
@@ -114,11 +118,17 @@ def parse_line(line: str, where: str) -> Host | None:
     host = parse_host(tokens[0], where)
     slots = None
     gpus: Optional[tuple[int, ...]] = None
+    spare = False
     for extra in tokens[1:]:
         key, eq, value = extra.partition("=")
+        if extra == SPARE:
+            if spare:
+                raise ConfigError(f"{where}: {SPARE} given twice")
+            spare = True
+            continue
         if not eq:
-            raise ConfigError(f"{where}: unexpected {extra!r} after the host; only key=value settings may follow "
-                              f"({', '.join(_KNOWN_KEYS)})")
+            raise ConfigError(f"{where}: unexpected {extra!r} after the host; only {SPARE} and key=value settings "
+                              f"may follow ({', '.join(_KNOWN_KEYS)})")
         if key not in _KNOWN_KEYS:
             raise ConfigError(f"{where}: unknown setting {key!r}; known: {', '.join(_KNOWN_KEYS)}")
         if key == "gpus":
@@ -132,7 +142,7 @@ def parse_line(line: str, where: str) -> Host | None:
         if slots is not None:
             raise ConfigError(f"{where}: slots given twice")
         slots = int(value)
-    return Host(name=host.name, port=host.port, user=host.user, slots=slots, origin=where, gpus=gpus)
+    return Host(name=host.name, port=host.port, user=host.user, slots=slots, origin=where, gpus=gpus, spare=spare)
 
 
 def parse_gpus(value: str, where: str) -> tuple[int, ...]:

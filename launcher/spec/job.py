@@ -52,11 +52,13 @@ class Role(str, Enum):
 
 @dataclass(frozen=True)
 class Host:
-    """One hostfile line: ``[user@]name[:port] [slots=N] [gpus=0,2]``.
+    """One hostfile line: ``[user@]name[:port] [spare] [slots=N] [gpus=0,2]``.
 
     ``slots`` is ``None`` when the line gives none (no limit, as dmlc). ``gpus`` are the host's
     GPUs that its workers may use (``CUDA_VISIBLE_DEVICES`` indices; None: the line names none,
-    and the host's count is not known). ``origin`` is ``"FILE:LINE"`` for messages.
+    and the host's count is not known). ``origin`` is ``"FILE:LINE"`` for messages. ``spare``:
+    the line is a spare, used only in the place of a host that was left out
+    (:mod:`launcher.run.hosthealth`); the CLI puts spares in :attr:`JobSpec.spares`.
     """
 
     name: str
@@ -65,6 +67,7 @@ class Host:
     slots: Optional[int] = None
     origin: str = ""
     gpus: Optional[tuple[int, ...]] = None
+    spare: bool = False
 
     def __str__(self) -> str:
         return self.display
@@ -157,6 +160,15 @@ class JobSpec:
     ui_linger: float = 0.0
     #: ``--report``: the static HTML file written when the job ends, however it ends
     report: Optional[str] = None
+    #: the hostfile's spares (``h4 spare``): not used at first; each takes the place of a host that
+    #: was left out (:mod:`launcher.run.hosthealth`). ``hosts`` holds the others.
+    spares: tuple[Host, ...] = ()
+    #: ``-n MIN:MAX``'s MIN (a collective job may go on with as few workers after hosts were left
+    #: out; ``num_workers`` is MAX); None: ``-n N``, always N workers
+    min_workers: Optional[int] = None
+    #: ``--host-cooldown LOWER[:UPPER]``: how long a host that was left out stays out, in seconds
+    #: (the first time LOWER, then doubling, at most UPPER, with jitter)
+    host_cooldown: tuple[float, float] = (60.0, 3600.0)
 
     @property
     def wants_usage(self) -> bool:
@@ -239,6 +251,7 @@ class JobSpec:
             raise ConfigError("--restart-window must be longer than 0s (leave it out to never give the budget back)")
         self._check_scope()
         check_only(self.only, self.num_workers, self.num_servers)
+        self._check_elastic()
         self._check_gpus()
         self._check_page()
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -258,6 +271,24 @@ class JobSpec:
         if not self.max_restarts:
             raise ConfigError("--restart-scope process replaces lost workers out of the restart budget; give it "
                               "one: --max-restarts N")
+
+    def _check_elastic(self) -> None:
+        """``-n MIN:MAX`` (collective jobs only), spares and ``--host-cooldown``."""
+        lo = self.min_workers
+        if lo is not None:
+            if isinstance(lo, bool) or not isinstance(lo, int) or not 1 <= lo <= self.num_workers:
+                raise ConfigError(f"-n {_short(lo)}:{self.num_workers}: MIN must be a whole number from 1 to MAX")
+            if self.tracker == "ps":
+                raise ConfigError(f"-n {lo}:{self.num_workers}: a parameter-server job runs a fixed number of "
+                                  f"workers; give -n {self.num_workers}, or run a collective job (--tracker torch, "
+                                  "rabit or xgboost, -s 0)")
+        if self.spares and not self.hosts:
+            raise ConfigError(f"every host is a spare ({self.spares[0].origin}); mark only the extra hosts as spare")
+        cool = self.host_cooldown
+        if len(cool) != 2 or not all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in cool) \
+                or cool[0] > cool[1]:
+            raise ConfigError(f"--host-cooldown {_short(cool)}: give LOWER[:UPPER], durations with LOWER <= UPPER, "
+                              "e.g. 1m:1h")
 
     def _check_page(self) -> None:
         """``--ui``, ``--ui-linger`` and ``--report`` make sense together (the address itself is

@@ -581,3 +581,48 @@ def test_restart_scope_errors_are_one_line(capsys, args: list[str], says: str) -
 def test_a_requeued_slurm_job_goes_on_counting(monkeypatch, value: str, first: int) -> None:
     monkeypatch.setenv("SLURM_RESTART_COUNT", value)
     assert spec_of(["-n", "1", "true"]).first_attempt == first
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-n", "2:4", "true"], "-n 2:4: a parameter-server job runs a fixed number of workers; give -n 4, or run a "
+                            "collective job (--tracker torch, rabit or xgboost, -s 0)"),
+    (["-n", "2:4", "-s", "1", "--tracker", "ps", "true"], "-n 2:4: a parameter-server job runs a fixed number"),
+    (["-n", "4:2", "-s", "0", "true"], "'4:2': MIN:MAX needs 1 <= MIN <= MAX, e.g. -n 2:4"),
+    (["-n", "0:2", "-s", "0", "true"], "'0:2': MIN:MAX needs 1 <= MIN <= MAX"),
+    (["-n", "2:", "-s", "0", "true"], "'2:' is not N or MIN:MAX (whole numbers, e.g. -n 4 or -n 2:4)"),
+    (["-n", "a:b", "-s", "0", "true"], "'a:b' is not N or MIN:MAX"),
+    (["-n", "1:2:3", "-s", "0", "true"], "'1:2:3' is not N or MIN:MAX"),
+    (["-n", "1:1234567890", "-s", "0", "true"], "is not N or MIN:MAX"),
+    (["-n", "2", "--host-cooldown", "soon", "true"], "--host-cooldown 'soon': give LOWER[:UPPER] as durations"),
+    (["-n", "2", "--host-cooldown", "1h:1m", "true"], "--host-cooldown 1h:1m: LOWER is longer than UPPER"),
+    (["-n", "2", "--host-cooldown", "-1", "true"], "--host-cooldown '-1': give LOWER[:UPPER]"),
+])
+def test_elastic_option_errors_are_one_line_exit_2(args, message, capsys) -> None:
+    code, err = run_err(args, capsys)
+    assert code == 2, err
+    assert "\n" not in err and "Traceback" not in err and err.startswith("pslaunch: error: ")
+    assert message in err, err
+
+
+def test_min_max_spares_and_the_cooldown_reach_the_spec(tmp_path, capsys) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("h1\nh2 slots=2\nh3 spare\nh4 slots=2 spare\n")
+    s = spec_of(["-n", "2:4", "--tracker", "torch", "-H", str(hosts), "--host-cooldown", "30s:10m", "python", "t.py"])
+    assert (s.min_workers, s.num_workers, s.num_servers) == (2, 4, 0)
+    assert [h.name for h in s.hosts] == ["h1", "h2"] and [(h.name, h.slots) for h in s.spares] == [("h3", None),
+                                                                                                    ("h4", 2)]
+    assert s.host_cooldown == (30.0, 600.0)
+    plain = spec_of(["-n", "3", "-s", "0", "true"])
+    assert (plain.min_workers, plain.num_workers, plain.spares, plain.host_cooldown) == (None, 3, (), (60.0, 3600.0))
+    assert spec_of(["-n", "1", "--host-cooldown", "2h", "true"]).host_cooldown == (7200.0, 7200.0)
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("num-workers: '2:3'\ntracker: rabit\nhost-cooldown: 1m\n")
+    s = spec_of(["--config", str(cfg), "true"])
+    assert (s.min_workers, s.num_workers, s.host_cooldown) == (2, 3, (60.0, 3600.0))
+    code = cli.main(["-n", "2:4", "--tracker", "torch", "-H", str(hosts), "--max-restarts", "2", "--dry-run",
+                     "python", "t.py"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "spares (2, used only in the place of a host that is left out): h3, h4 slots=2" in out
+    assert "workers: 4 at first; at least 2 when hosts are left out and no spare is left (-n 2:4)" in out
+    assert "is left out for 1.0m doubling up to 1.0h (--host-cooldown)" in out

@@ -21,7 +21,7 @@ from launcher.backends.base import Backend
 from launcher.run.supervisor import Supervisor
 from launcher.runtime.handle import ProcessHandle, ProcGroup
 from launcher.runtime.output import Console
-from launcher.spec.job import JobSpec
+from launcher.spec.job import Host, JobSpec
 from launcher.spec.plan import ProcSpec
 
 
@@ -67,6 +67,8 @@ class Script:
     seen_at: Optional[float] = None
     #: the environment it was started with (filled in by the fake backend)
     env: dict[str, str] = field(default_factory=dict)
+    #: once it has ended: why the launcher lost its host (as the ssh backend's keep-alives say)
+    lost: Optional[str] = None
 
 
 class FakeHandle(ProcessHandle):
@@ -105,6 +107,9 @@ class FakeHandle(ProcessHandle):
 
     def dump_stacks(self) -> None:
         self.script.events.append((self.clock_.now - self.t0, "ABRT"))
+
+    def host_lost(self) -> Optional[str]:
+        return self.script.lost if self._code is not None else None
 
 
 def fake_backend(scripts: dict[str, Script], clock: Clock, groups: list) -> type[Backend]:
@@ -471,3 +476,60 @@ def test_a_ranks_clean_exit_stops_nobody_and_the_store_outlives_the_last_rank(tm
     assert result.exit_code == 0 and result.reason == "success", result
     assert all(s.events == [] for s in scripts.values())  # nothing was signalled
     assert len(closed) == 1 and closed[0] - t0 >= 30.0, closed
+
+
+# --- hosts that fail (launcher/run/hosthealth.py) --------------------------------------------------
+
+
+def lost_at(t: float) -> Script:
+    return Script(exit_at=t, code=255, lost="no reply to keep-alives for 4s")
+
+
+def test_a_lost_host_is_left_out_and_a_spare_takes_its_place(tmp_path, caplog) -> None:
+    caplog.set_level(logging.INFO)
+    h1, h2, h3, spare = Host("127.0.0.1"), Host("127.0.0.2"), Host("127.0.0.3"), Host("127.0.0.4", spare=True)
+    scripts = {"worker-0": [Script(), ok()], "worker-1": [lost_at(1.0), ok()], "worker-2": [Script(), ok()]}
+    result, sup, clock, doc = run(scripts, tmp_path, 3, max_restarts=2, restart_delay=1.0, hosts=(h1, h2, h3),
+                                  spares=(spare,))
+    assert result.exit_code == 0, caplog.text
+    first, second = doc["attempts"]
+    assert first["hosts"] is None and first["cause"]["process"] == "worker-1"
+    assert second["hosts"]["used"] == ["127.0.0.1", "127.0.0.4", "127.0.0.3"] and second["hosts"]["spares"] == [
+        {"spare": "127.0.0.4", "replaces": "127.0.0.2"}]
+    (out,) = second["hosts"]["excluded"]
+    assert out["host"] == "127.0.0.2" and out["reason"] == "lost in attempt 0: no reply to keep-alives for 4s"
+    assert 60.0 <= out["cooldown"] < 120.0
+    # worker 1 of the second attempt ran on the spare, with the same rank
+    assert [p["host"] for p in doc["processes"]] == ["fakehost"] * 3
+    assert sup.spec.hosts == (h1, spare, h3) and sup.job_spec.hosts == (h1, h2, h3)
+    said = caplog.messages
+    left = next(m for m in said if m.startswith("leaving out host 127.0.0.2 for "))
+    assert left.endswith("s more: lost in attempt 0: no reply to keep-alives for 4s")
+    assert "spare 127.0.0.4 takes the place of 127.0.0.2" in said
+    assert said.index(left) > next(i for i, m in enumerate(said) if m.startswith("attempt 1/3 failed"))
+
+
+def test_min_max_goes_on_with_fewer_workers_and_their_count(tmp_path, caplog) -> None:
+    caplog.set_level(logging.INFO)
+    hosts = tuple(Host(f"127.0.0.{i}") for i in range(1, 5))
+    scripts = {"worker-0": [Script(), ok()], "worker-1": [Script(), ok()], "worker-2": [lost_at(1.0), ok()],
+               "worker-3": [Script()]}
+    result, sup, clock, doc = run(scripts, tmp_path, 4, max_restarts=1, hosts=hosts, min_workers=2,
+                                  tracker="rabit")
+    assert result.exit_code == 0, caplog.text
+    assert doc["attempts"][1]["hosts"]["workers"] == 3 and doc["attempts"][1]["hosts"]["dropped"] == ["127.0.0.3"]
+    assert [p["name"] for p in doc["processes"]] == ["worker-0", "worker-1", "worker-2"]
+    env = scripts["worker-2"][1].env
+    assert env["DMLC_NUM_WORKER"] == "3" and env["PSLAUNCH_ATTEMPT"] == "1"
+    assert "the next attempt runs 3 of 4 workers (-n 2:4): 127.0.0.3 is out and no spare is left" in caplog.messages
+
+
+def test_too_few_hosts_left_ends_the_job_with_one_line(tmp_path, caplog) -> None:
+    hosts = tuple(Host(f"127.0.0.{i}") for i in range(1, 5))
+    scripts = {"worker-0": Script(), "worker-1": lost_at(1.0), "worker-2": lost_at(1.0), "worker-3": lost_at(1.0)}
+    result, sup, clock, doc = run(scripts, tmp_path, 4, max_restarts=3, hosts=hosts, min_workers=2,
+                                  tracker="rabit")
+    assert result.exit_code == 255 and len(doc["attempts"]) == 1 and doc["attempts"][0]["delay"] is None
+    assert result.message.startswith("attempt 1 failed and the job cannot go on: the hosts left hold 1 worker, fewer "
+                                     "than -n 2:4's minimum, and the hostfile has no spare; left out: 127.0.0.2 (lost")
+    assert caplog.messages[-1] == result.message and "restarts used" not in caplog.text
