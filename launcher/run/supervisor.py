@@ -46,7 +46,7 @@ import pscontract as pc
 
 from .. import backends, trackers
 from ..backends.base import Backend
-from ..errors import LaunchError
+from ..errors import ConfigError, LaunchError
 from ..node.procgroup import become_subreaper, has_children, kill_children, kill_marked
 from ..node.watchdog import Client as Watchdog
 from ..runtime.handle import ProcessHandle, ProcGroup, describe_exit
@@ -287,22 +287,30 @@ class Supervisor:
         if not self.job_spec.hosts:  # (local, or hosts a batch system chose: nothing to leave out)
             return hosthealth.Layout(self.job_spec.hosts, self.job_spec.num_workers)
         try:
-            return hosthealth.next_layout(self._policy(), self._hosts, now)
+            layout = hosthealth.next_layout(self._policy(), self._hosts, now)
+            self._spec_for(layout)  # (a spec the smaller job cannot have: --only worker:3 of 3 workers)
         except hosthealth.CannotContinue as e:
             self._cannot = str(e)
             return None
+        except ConfigError as e:
+            self._cannot = f"cannot go on with {layout.num_workers} workers: {e}"
+            return None
+        return layout
+
+    def _spec_for(self, layout: hosthealth.Layout) -> JobSpec:
+        """The spec of an attempt on ``layout``: the job's, with its hosts and workers."""
+        job = self.job_spec
+        if layout.hosts == job.hosts and layout.num_workers == job.num_workers:
+            return job
+        return dataclasses.replace(job, hosts=layout.hosts, num_workers=layout.num_workers)
 
     def _use_layout(self, layout: Optional[hosthealth.Layout]) -> None:
         """The next attempt runs on ``layout``'s hosts with its workers: a spec of its own (the
         backends see an ordinary spec). Its lines say who is out, which spare took whose place,
         and the size when it shrank."""
-        job = self.job_spec
-        if layout is None or (layout.hosts == job.hosts and layout.num_workers == job.num_workers):
-            self._layout = layout if layout is not None and (layout.out or layout.back) else None
-            self.spec = job
-        else:
-            self._layout = layout
-            self.spec = dataclasses.replace(job, hosts=layout.hosts, num_workers=layout.num_workers)
+        self.spec = self.job_spec if layout is None else self._spec_for(layout)
+        changed = layout is not None and (self.spec is not self.job_spec or layout.out or layout.back)
+        self._layout = layout if changed else None
         self._expected["worker"] = self.spec.num_workers
 
     def _show_layout(self, layout: Optional[hosthealth.Layout]) -> None:

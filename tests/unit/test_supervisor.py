@@ -533,3 +533,14 @@ def test_too_few_hosts_left_ends_the_job_with_one_line(tmp_path, caplog) -> None
     assert result.message.startswith("attempt 1 failed and the job cannot go on: the hosts left hold 1 worker, fewer "
                                      "than -n 2:4's minimum, and the hostfile has no spare; left out: 127.0.0.2 (lost")
     assert caplog.messages[-1] == result.message and "restarts used" not in caplog.text
+
+
+def test_a_smaller_job_that_its_options_do_not_allow_ends_with_one_line(tmp_path, caplog) -> None:
+    from launcher.spec.only import parse_only
+
+    hosts = tuple(Host(f"127.0.0.{i}") for i in range(1, 4))
+    scripts = {"worker-0": Script(), "worker-1": Script(), "worker-2": lost_at(1.0)}
+    result, sup, clock, doc = run(scripts, tmp_path, 3, max_restarts=1, hosts=hosts, min_workers=1,
+                                  tracker="rabit", only=parse_only(["worker:2"]))
+    assert result.exit_code == 255 and len(doc["attempts"]) == 1
+    assert result.message.startswith("attempt 1 failed and the job cannot go on with 2 workers: --only worker:2")
