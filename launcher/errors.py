@@ -34,6 +34,11 @@ class BackendUnavailableError(LauncherError):
 
 
 class LaunchError(LauncherError):
-    """Starting the job failed (a port, a connection, a remote host)."""
+    """Starting the job failed (a port, a connection, a remote host).
+
+    ``unreachable``: the spec's hosts (``Host`` lines) that did not answer at all (down, no route,
+    connection refused or reset): with ``--max-restarts``, a later attempt leaves them out and
+    tries again (``launcher.run.hosthealth``); empty when the failure was of another kind."""
 
     exit_code = 1
+    unreachable: tuple = ()

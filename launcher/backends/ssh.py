@@ -67,7 +67,7 @@ from ..spec import network
 from ..spec.job import Host, JobSpec
 from ..spec.plan import Plan, ProcSpec, place
 from ..transport.options import SSHOptions
-from ..transport.ssh import HostSession, Target, connect_all, require_paramiko, resolve_targets
+from ..transport.ssh import HostSession, SSHConnectError, Target, connect_all, require_paramiko, resolve_targets
 from ..transport.sync import SyncPlan, plan_sync, size_text
 from ..transport.wiresync import SyncStats, TreeSync
 from .base import Backend, BackendOption
@@ -752,7 +752,11 @@ class SSHBackend(Backend):
         lines = hosts_with_processes(spec)
         targets = resolve_targets(lines, self.opts)
         t0 = time.monotonic()
-        sessions = connect_all(targets, self.opts, on_connect=self._adopt)
+        try:
+            sessions = connect_all(targets, self.opts, on_connect=self._adopt)
+        except SSHConnectError as e:  # (which hostfile lines did not answer: the supervisor may leave them out)
+            e.unreachable = tuple(line for line, t in zip(lines, targets) if t.ident in e.unreachable_targets)
+            raise
         self.timings["connect"] = time.monotonic() - t0
         ordered = {t.ident: self._adopted[t.ident] for t in targets}  # hostfile order, for messages
         self.hosts = ordered

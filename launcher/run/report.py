@@ -155,7 +155,10 @@ def replacement_started(record: dict, new: ProcessHandle) -> None:
 
 
 def describe_cause(cause: dict) -> str:
-    """``worker 2 on h2 (pid 4121) killed by SIGKILL``."""
+    """``worker 2 on h2 (pid 4121) killed by SIGKILL``; for an attempt whose hosts did not answer
+    (role ``host``), the launcher's line about them."""
+    if cause["role"] == "host":
+        return f"its start failed: {cause['error'][0]}"
     who = "scheduler" if cause["role"] == "scheduler" else f"{cause['role']} {cause['rank']}"
     pid = f" (pid {cause['pid']})" if cause.get("pid") else ""
     how = f"killed by {cause['signal']}" if cause.get("signal") else f"exited with code {cause['exit_code']}"

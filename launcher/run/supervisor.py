@@ -181,6 +181,8 @@ class Supervisor:
         self._layout: Optional[hosthealth.Layout] = None  # the attempt's hosts, when they differ
         self._first_counts: dict[Host, int] = {}  # what each host held in the first attempt
         self._cannot: Optional[str] = None  # why the job could not go on (too few hosts left)
+        self._start_failed: Optional[dict] = None  # the cause of an attempt whose hosts did not answer
+        self._unreached: dict[Host, str] = {}  # ... those hosts, and why
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -220,9 +222,15 @@ class Supervisor:
         port = spec.port_range[0] - 1
         while True:
             started = self.clock.time()
-            outcome = self._attempt_on_free_port(port)
+            self._start_failed = None
+            try:
+                outcome = self._attempt_on_free_port(port)
+            except LaunchError as e:
+                if not (e.unreachable and self._hosts and spec.max_restarts):
+                    raise
+                outcome = self._unreachable(e)
             ended = self.clock.time()
-            cause = self._attempt_cause()
+            cause = self._attempt_cause() or self._start_failed
             delay = None
             layout = self._layout
             self._note_hosts(ended)
@@ -239,10 +247,10 @@ class Supervisor:
                 if outcome[0] == "failure" and spec.max_restarts and self._cannot is None:
                     self._restarts = restarts  # (the last line, after the failure report: _finish)
                 return outcome
-            assert self.first is not None
-            head = report.failure_report(self.first, len(self.stopped), self._redactor(),
-                                         report.find_cause(self.first, self.handles), self._hint())
-            self._show_failure(head)
+            if self.first is not None:
+                head = report.failure_report(self.first, len(self.stopped), self._redactor(),
+                                             report.find_cause(self.first, self.handles), self._hint())
+                self._show_failure(head)
             if self.view is not None:
                 self.view.set_state("restarting")
             report.log_attempt_failed(len(self.attempts), self.attempts[-1], restarts, cause)
@@ -257,6 +265,18 @@ class Supervisor:
 
     # -- hosts that fail (hosthealth) ---------------------------------------------------------
 
+    def _unreachable(self, e: LaunchError) -> tuple[str, int]:
+        """A later attempt could not start because hosts did not answer (down, unplugged, no sshd):
+        said in one line, and the attempt counts as failed by those hosts, which the next attempt
+        leaves out (:attr:`_start_failed`, the attempt's cause)."""
+        log.error("%s", e)
+        where = ", ".join(h.display for h in e.unreachable)
+        self._start_failed = {"process": None, "role": "host", "rank": None, "host": where, "pid": None,
+                              "exit_code": e.exit_code, "signal": None, "end_time": self.clock.time(),
+                              "error": [str(e)], "last_lines": [], "unreachable": [h.display for h in e.unreachable]}
+        self._unreached = {h: "it did not answer when the attempt started" for h in e.unreachable}
+        return "failure", e.exit_code
+
     def _note_hosts(self, ended: float) -> None:
         """Keep what the attempt that ended did on its hosts: the host of its first failure (the
         root cause) and the hosts pslaunch lost (:meth:`ProcessHandle.host_lost`)."""
@@ -268,7 +288,8 @@ class Supervisor:
         failed = None
         if first is not None and first is not self.tracker and first.exit_code not in (None, 0):
             failed = first.proc.host
-        lost: dict[Host, str] = {}
+        lost: dict[Host, str] = dict(self._unreached)
+        self._unreached = {}
         for h in self.handles:
             why = h.host_lost() if h is not self.tracker else None
             if why and h.proc.host is not None:
@@ -879,10 +900,11 @@ class Supervisor:
             n = len(self.handles) - len(self.stopped)
             log.info("all %d process%s exited 0 in %.1fs%s%s", n, "" if n == 1 else "es", elapsed, after,
                      "; the scheduler was stopped" if self.stopped else "")
-        elif reason == "failure" and self.first is not None:
-            message = report.failure_report(self.first, len(self.stopped), self._redactor(), cause,
-                                            self._hint())
-            self._show_failure(message)
+        elif reason == "failure" and (self.first is not None or self._start_failed is not None):
+            if self.first is not None:
+                message = report.failure_report(self.first, len(self.stopped), self._redactor(), cause,
+                                                self._hint())
+                self._show_failure(message)
             if self._restarts is not None:
                 message = report.log_attempt_failed(len(self.attempts), self.attempts[-1], self._restarts,
                                                     self.attempts[-1].cause)

@@ -79,7 +79,16 @@ def require_paramiko() -> None:
 
 
 class SSHConnectError(LaunchError):
-    """A host could not be connected to; the message names the host, the problem and the fix."""
+    """A host could not be connected to; the message names the host, the problem and the fix.
+    ``unreachable_targets``: of the hosts that failed (:func:`connect_all`), the idents of those
+    that did not answer at all (:class:`SSHUnreachable`)."""
+
+    unreachable_targets: tuple = ()
+
+
+class SSHUnreachable(SSHConnectError):
+    """The host did not answer, or refused or reset the connection: it is down, unplugged or has
+    no sshd (not a key, user or configuration problem)."""
 
 
 class HostKeyError(SSHConnectError):
@@ -379,7 +388,7 @@ def _open_socket(target: Target, timeout: float) -> socket.socket:
         sock.connect(addr)
     except socket.timeout:
         sock.close()
-        raise SSHConnectError(f"{target.label}: cannot reach {where}: no answer within {timeout:.3g}s "
+        raise SSHUnreachable(f"{target.label}: cannot reach {where}: no answer within {timeout:.3g}s "
                               "(--ssh-connect-timeout); is the host up and the address right?") from None
     except ConnectionRefusedError:
         sock.close()
@@ -389,8 +398,8 @@ def _open_socket(target: Target, timeout: float) -> socket.socket:
         sock.close()
         if e.errno in (errno.ECONNRESET, errno.ECONNABORTED):
             raise _Transient(f"{target.label}: connection to {where} was reset: {e.strerror}") from None
-        raise SSHConnectError(f"{target.label}: cannot reach {where}: {e.strerror or e}; is the host up "
-                              "and the address right?") from None
+        raise SSHUnreachable(f"{target.label}: cannot reach {where}: {e.strerror or e}; is the host up "
+                             "and the address right?") from None
     return sock
 
 
@@ -520,7 +529,7 @@ def connect(target: Target, opts: SSHOptions, timeout: Optional[float] = None) -
             delay = RETRY_DELAYS[min(attempt, len(RETRY_DELAYS) - 1)]
             attempt += 1
             if attempt >= len(RETRY_DELAYS) + 1 or time.monotonic() + delay >= deadline:
-                raise SSHConnectError(e.message) from None
+                raise SSHUnreachable(e.message) from None
             log.debug("%s (retrying in %.1fs)", e.message, delay)
             time.sleep(delay)
 
@@ -729,5 +738,8 @@ def connect_all(targets: Sequence[Target], opts: SSHOptions,
         message = str(first) if isinstance(first, LaunchError) else f"{unique[first_ident].label}: {first}"
         if more:
             message += f" ({len(more)} more host{'s' if len(more) > 1 else ''} failed: {', '.join(more)})"
-        raise SSHConnectError(message)
+        error = SSHConnectError(message)
+        #: the targets (idents) that did not answer at all; the backend names their hostfile lines
+        error.unreachable_targets = tuple(i for i, e in errors.items() if isinstance(e, SSHUnreachable))
+        raise error
     return sessions

@@ -544,3 +544,39 @@ def test_a_smaller_job_that_its_options_do_not_allow_ends_with_one_line(tmp_path
                                   tracker="rabit", only=parse_only(["worker:2"]))
     assert result.exit_code == 255 and len(doc["attempts"]) == 1
     assert result.message.startswith("attempt 1 failed and the job cannot go on with 2 workers: --only worker:2")
+
+
+def test_a_host_that_does_not_answer_when_the_job_starts_again_is_left_out(tmp_path, caplog) -> None:
+    from launcher.errors import LaunchError
+
+    caplog.set_level(logging.INFO)
+    clock = Clock()
+    h1, h2, h3, spare = Host("127.0.0.1"), Host("127.0.0.2"), Host("127.0.0.3"), Host("127.0.0.4", spare=True)
+    scripts = {"worker-0": [Script(), ok()], "worker-1": [Script(exit_at=1.0, code=3), ok()],
+               "worker-2": [Script(), ok()]}
+    tried: list = []
+
+    class Flaky(fake_backend(scripts, clock, [])):  # type: ignore[misc]
+        def prepare(self):
+            tried.append(self.spec.hosts)
+            if len(tried) == 2:  # attempt 1: h3 does not answer
+                e = LaunchError("127.0.0.3: cannot reach 127.0.0.3:22: no answer within 10s (--ssh-connect-timeout)")
+                e.unreachable = (h3,)
+                raise e
+            return {}
+
+    spec = JobSpec(command=("prog",), num_workers=3, num_servers=0, launcher="fake", kill_grace=10.0,
+                   summary_json=str(tmp_path / "summary.json"), max_restarts=3, hosts=(h1, h2, h3), spares=(spare,))
+    sup = Supervisor(spec, Console(stdout=io.BytesIO(), stderr=io.BytesIO(), color=False), backend=Flaky,
+                     clock=clock, watchdog=False)
+    result = sup.run()
+    doc = json.loads((tmp_path / "summary.json").read_text())
+    assert result.exit_code == 0, caplog.text
+    assert tried == [(h1, h2, h3), (h1, h2, h3), (h1, h2, spare)]
+    second = doc["attempts"][1]
+    assert second["cause"]["role"] == "host" and second["cause"]["unreachable"] == ["127.0.0.3"]
+    assert doc["attempts"][2]["hosts"]["excluded"][0]["reason"] == ("lost in attempt 1: it did not answer when the "
+                                                                     "attempt started")
+    assert any(m.startswith("attempt 2/4 failed: its start failed: 127.0.0.3: cannot reach 127.0.0.3:22") and
+               m.endswith("(restart 2/3)") for m in caplog.messages), caplog.text
+    assert "spare 127.0.0.4 takes the place of 127.0.0.3" in caplog.messages
