@@ -4,7 +4,8 @@ It joins with ``init_process_group("gloo")`` (``env://``, from ``pslaunch --trac
 that an all-reduce of ones gives the world size, and writes ``<out>/a<ATTEMPT>-r<RANK>.json``: its
 attempt, rank, world size, ``DMLC_NUM_WORKER``, the network namespace it ran in (which testbed
 host), when it started and when it had joined (``time.time()``). In attempt 0 it then waits
-``--hold`` seconds (the test takes a host's link down meanwhile); in later attempts it leaves at
+``--hold`` seconds (the test takes a host's link down meanwhile), or with ``--fail RANK`` that rank
+exits 3 at once (the job restarts); in later attempts it leaves at
 once, with ``os._exit(0)`` after ``destroy_process_group()`` (torch's gloo exit race, see
 tests/bin/gloo_exit_race.py, never aborts it).
 """
@@ -23,6 +24,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--hold", type=float, default=0.0, help="attempt 0: seconds to wait after joining")
+    ap.add_argument("--fail", type=int, default=None, metavar="RANK", help="attempt 0: this rank exits 3")
     a = ap.parse_args()
     started = time.time()
     attempt = int(os.environ.get("PSLAUNCH_ATTEMPT", "0"))
@@ -45,6 +47,9 @@ def main() -> int:
     tmp.write_text(json.dumps(record))
     tmp.replace(out / f"a{attempt}-r{rank}.json")
     print(f"rank {rank}/{world}: joined in attempt {attempt}", flush=True)
+    if attempt == 0 and a.fail == rank:
+        print(f"rank {rank}: failing with code 3 (--fail)", file=sys.stderr, flush=True)
+        os._exit(3)
     if attempt == 0 and a.hold:
         end = time.monotonic() + a.hold
         while time.monotonic() < end:

@@ -4,7 +4,8 @@
 
 * a spare takes the lost host's place and the job finishes (the summary names both);
 * without a spare, ``-n 2:4`` goes on with 3 workers (``WORLD_SIZE=3``);
-* a job that cannot keep its minimum ends with one line.
+* a job that cannot keep its minimum ends with one line;
+* a host that does not answer when the job starts again is left out, and a spare takes its place.
 
 The worker is tests/bin/elastic_worker.py: each rank writes when it joined, then attempt 0 holds
 until the link goes down. Deadlines are for liveness only.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,12 +44,13 @@ def _clean_hosts(testbed: Testbed):
     wait_for(lambda: not leftovers(testbed), 30, interval=0.2, what="no job process on any host")
 
 
-def start_job(testbed: Testbed, hostfile: Path, n: str, out: Path, summary: Path) -> subprocess.Popen:
+def start_job(testbed: Testbed, hostfile: Path, n: str, out: Path, summary: Path, *args: str,
+              delay: str = "0.5") -> subprocess.Popen:
     argv = pslaunch_argv("--launcher", "ssh", "-H", str(hostfile), "-n", n, "--tracker", "torch",
-                         "--max-restarts", "2", "--restart-delay", "0.5", "--kill-grace", "2",
-                         "--ssh-keepalive", KEEPALIVE, "--timeout", str(DEADLINE), "--summary-json", str(summary),
-                         "--env", "PSLAUNCH_NETGUARD_LOG", sys.executable, WORKER, "--out", str(out),
-                         "--hold", "600")
+                         "--max-restarts", "2", "--restart-delay", delay, "--kill-grace", "2",
+                         "--ssh-keepalive", KEEPALIVE, "--ssh-connect-timeout", "5", "--timeout", str(DEADLINE),
+                         "--summary-json", str(summary), "--env", "PSLAUNCH_NETGUARD_LOG", sys.executable, WORKER,
+                         "--out", str(out), *(args or ("--hold", "600")))
     return subprocess.Popen(argv, cwd=REPO, env=testbed.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
@@ -157,3 +160,43 @@ def test_a_job_that_cannot_keep_its_minimum_ends_with_one_line(testbed: Testbed,
     doc = json.loads(summary.read_text())
     assert len(doc["attempts"]) == 1 and doc["attempts"][0]["delay"] is None
     assert not records(shared_out, 1)
+
+
+@pytest.mark.timeout(300)
+def test_a_host_that_does_not_answer_when_the_job_starts_again_is_left_out(testbed: Testbed, shared_out: Path,
+                                                                          tmp_path: Path) -> None:
+    h = testbed.hosts
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"{h[0].addr_a}\n{h[1].addr_a}\n{h[2].addr_a}\n{h[3].addr_a} spare\n")
+    summary = tmp_path / "summary.json"
+    # rank 0 fails in attempt 0; h2's link goes down while the job waits to restart (after the teardown)
+    p = start_job(testbed, hostfile, "3", shared_out, summary, "--fail", "0", delay="3")
+    lines: list[str] = []
+    readers = [threading.Thread(target=lambda f=f, keep=keep: keep.extend(f), daemon=True)
+               for f, keep in ((p.stdout, []), (p.stderr, lines))]
+    for t in readers:
+        t.start()
+    try:
+        try:
+            wait_for(lambda: any("restarting every process in" in x for x in lines) or p.poll() is not None,
+                     DEADLINE, interval=0.05, what="attempt 0's failure")
+            testbed.link(h[2], up=False)
+            p.wait(timeout=DEADLINE)
+        finally:
+            testbed.link(h[2], up=True)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        for t in readers:
+            t.join(10)
+    err = "".join(lines)
+    assert p.returncode == 0, err
+    assert f"{h[2].addr_a}: cannot reach {h[2].addr_a}:" in err
+    assert f"attempt 2/4 failed: its start failed: {h[2].addr_a}: cannot reach" in err
+    assert f"spare {h[3].addr_a} takes the place of {h[2].addr_a}" in err
+    doc = json.loads(summary.read_text())
+    assert [a["reason"] for a in doc["attempts"]] == ["failure", "failure", "success"]
+    assert doc["attempts"][1]["cause"]["unreachable"] == [h[2].addr_a]
+    assert doc["attempts"][2]["hosts"]["spares"] == [{"spare": h[3].addr_a, "replaces": h[2].addr_a}]
+    assert hosts_of(testbed, records(shared_out, 2)) == [h[0].addr_a, h[1].addr_a, h[3].addr_a]
