@@ -193,7 +193,7 @@ def test_a_host_that_does_not_answer_when_the_job_starts_again_is_left_out(testb
     err = "".join(lines)
     assert p.returncode == 0, err
     assert f"{h[2].addr_a}: cannot reach {h[2].addr_a}:" in err
-    assert f"attempt 2/4 failed: its start failed: {h[2].addr_a}: cannot reach" in err
+    assert f"attempt 2/3 failed: its start failed: {h[2].addr_a}: cannot reach" in err
     assert f"spare {h[3].addr_a} takes the place of {h[2].addr_a}" in err
     doc = json.loads(summary.read_text())
     assert [a["reason"] for a in doc["attempts"]] == ["failure", "failure", "success"]
