@@ -19,6 +19,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import re
 import shlex
 import stat
 from typing import Any
@@ -77,6 +78,10 @@ def read_text(path: str) -> str:
         raise ConfigError(f"--config {path} is not UTF-8 text (byte {e.start}); is it a YAML file?") from None
 
 
+#: what YAML 1.1 reads as a number in base 60 (``2:4`` is 124, ``1:30.5`` is 90.5)
+SEXAGESIMAL = re.compile(r"[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?")
+
+
 def _loader_class() -> type:
     import yaml
 
@@ -106,6 +111,13 @@ def _loader_class() -> type:
                 return super().compose_node(parent, index)
             finally:
                 self.depth -= 1
+
+        def resolve(self, kind: Any, value: Any, implicit: Any) -> Any:
+            """YAML 1.2's plain scalars for YAML 1.1's base 60: ``2:4`` (``-n MIN:MAX``) stays the text
+            the option parses, never the number 124."""
+            if kind is yaml.ScalarNode and implicit[0] and SEXAGESIMAL.fullmatch(value):
+                return "tag:yaml.org,2002:str"
+            return super().resolve(kind, value, implicit)
 
         def construct_mapping(self, node: Any, deep: bool = False) -> Any:
             seen: dict[Any, int] = {}

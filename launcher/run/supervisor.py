@@ -290,7 +290,8 @@ class Supervisor:
             failed = first.proc.host
         lost: dict[Host, str] = dict(self._unreached)
         self._unreached = {}
-        for h in self.handles:
+        lost_here = [h for h in self.replaced if h.proc.env.get(pc.ATTEMPT) == str(self.attempt)]
+        for h in [*self.handles, *lost_here]:  # (a worker replaced elsewhere lost its host too)
             why = h.host_lost() if h is not self.tracker else None
             if why and h.proc.host is not None:
                 lost.setdefault(h.proc.host, why)

@@ -626,3 +626,12 @@ def test_min_max_spares_and_the_cooldown_reach_the_spec(tmp_path, capsys) -> Non
     assert "spares (2, used only in the place of a host that is left out): h3, h4 slots=2" in out
     assert "workers: 4 at first; at least 2 when hosts are left out and no spare is left (-n 2:4)" in out
     assert "is left out for 1.0m doubling up to 1.0h (--host-cooldown)" in out
+
+
+def test_yaml_base_60_stays_text_so_min_max_workers_read_as_written(tmp_path) -> None:
+    """YAML 1.1 reads a plain ``2:4`` as the number 124: the config's loader keeps such values text
+    (YAML 1.2), so ``num-workers: 2:4`` is ``-n 2:4``."""
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("num-workers: 2:4\ntracker: torch\n")
+    s = spec_of(["--config", str(cfg), "python", "t.py"])
+    assert (s.min_workers, s.num_workers) == (2, 4)
