@@ -41,6 +41,9 @@ Task file (JSON)::
      "roles": {"server": {"first_task_id": 2, "count": 1, "env": {...}},
                "worker": {"first_task_id": 0, "count": 2, "env": {...},
                           "local_procs": [2, 1]}},  # optional: PSLAUNCH_LOCAL_PROCS by index
+     # a replacement's role (one task, started while the job runs) also has, by index:
+     #   "idents": [7]      the id its agent connects as (else DMLC_TASK_ID): one the hub admitted for it
+     #   "processes": [...] its PSLAUNCH_PROCESS (else worked out from the job, role, index and attempt)
      "hub": ["10.0.0.1", 9092],                 # optional: where the agent connects
      "placement": {"timeout": 120.0},           # optional: report the host, wait for the rest
      "grace": 10.0,                             # --kill-grace
@@ -231,10 +234,22 @@ def task_environment(doc: Mapping[str, Any], role: str, index: int,
     attempt = env.get(pc.ATTEMPT, "0")
     env[pc.PROCESS] = pc.process_marker(env.get(pc.JOB_ID, "job"), f"{role}-{index}",
                                         int(attempt) if attempt.isdigit() else 0)
+    processes = spec.get("processes")
+    if isinstance(processes, list) and index < len(processes):  # (a replacement's marker of its own)
+        env[pc.PROCESS] = str(processes[index])
     local = spec.get("local_procs")
     if isinstance(local, list) and index < len(local):  # (known where the launcher placed the tasks)
         env[pc.LOCAL_PROCS] = str(int(local[index]))
     return env
+
+
+def agent_ident(doc: Mapping[str, Any], role: str, index: int, env: Mapping[str, str]) -> int:
+    """The id this task's agent connects to the hub as: its task id, or the one the launcher
+    admitted for it (a replacement, the role's ``idents``: the lost task keeps its own)."""
+    idents = (doc.get("roles") or {}).get(role, {}).get("idents")
+    if isinstance(idents, list) and index < len(idents):
+        return int(idents[index])
+    return int(env[pc.TASK_ID])
 
 
 def _report(directory: str, role: str, rank: int, env: Mapping[str, str]) -> None:
@@ -294,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.exit_code
     if a.report_dir:
         _report(a.report_dir, a.role, index, env)
-    ident = int(env[pc.TASK_ID])
+    ident = agent_ident(doc, a.role, index, env)
     agent = Agent(float(doc.get("grace", 10.0)), _connect(doc, ident, env),
                   fallback="in-band" if a.in_band else "plain", tee=not a.no_tee, here=socket.gethostname(),
                   prefix=PREFIX, watchdog=True, pass_notices=a.index != "slurm",

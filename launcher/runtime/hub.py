@@ -31,6 +31,7 @@ import threading
 import time
 from typing import Iterable, Mapping, Optional
 
+from ..errors import LaunchError
 from ..node import protocol
 from .output import PipePump
 from .remote import RemoteProcess
@@ -157,7 +158,7 @@ class Hub:
         sock: a TCP socket bound where the agents connect, an address of this host that every
             node reaches (a port of ``--port-range``: :func:`launcher.runtime.ports.bind_beside`);
             the hub listens on it, and closes it when it stops.
-        idents: the process ids that may connect.
+        idents: the process ids that may connect (:meth:`admit_new` adds one while the job runs).
         procs: the processes by process id, as the backend knows them (it may add to it while the
             agents connect); their frames and their connection's ends go to them.
     """
@@ -166,7 +167,7 @@ class Hub:
                  procs: Mapping[int, RemoteProcess]) -> None:
         self.pump = pump
         self.secret = secret
-        self.idents = frozenset(idents)
+        self.idents = set(idents)  # (read and changed with the lock held)
         self.procs = procs
         self.lock = threading.Lock()
         self.conns: dict[int, _Conn] = {}
@@ -232,6 +233,21 @@ class Hub:
         (log.debug if self._warned else log.warning)(
             "refused a connection to the node agents' port from %s: %s", peer, why)
         self._warned = True
+
+    def admit_new(self) -> int:
+        """A process id that no process of the job has had, admitted from now on: for a process the
+        launcher starts while the job runs (a lost worker's replacement), so that nothing can connect
+        as it before the launcher has started it, and the lost process's id is never taken over.
+
+        Raises:
+            LaunchError: every process id of the frames is taken.
+        """
+        with self.lock:
+            ident = max(self.idents, default=-1) + 1
+            if ident >= protocol.NODE:
+                raise LaunchError(f"no process id is left for one more process (the frames have {protocol.NODE})")
+            self.idents.add(ident)
+        return ident
 
     def send(self, ident: int, signame: str) -> bool:
         """Send process ``ident``'s agent a signal (one of :data:`protocol.SIGNALS`); False if it has no

@@ -299,6 +299,23 @@ def test_the_hub_drops_an_oversized_frame_and_serves_the_connection_on(monkeypat
         pump.stop()
 
 
+def test_the_hub_admits_a_process_started_later_under_an_id_of_its_own() -> None:
+    secret = "ab" * 32
+    pump = PipePump()
+    hub = Hub(pump, secret, socket.create_server(("127.0.0.1", 0)), [0, 1, 2], {})
+    try:
+        with pytest.raises(ConnectionError):  # (not admitted yet: refused after the handshake)
+            connect(hub.address, 3, secret).sock.recv(1)  # type: ignore[union-attr]
+        ident = hub.admit_new()
+        assert ident == 3 and hub.admit_new() == 4  # never an id that a process of the job had
+        ch = connect(hub.address, ident, secret)
+        wait_for(lambda: hub.connected(ident), 10, what="the admitted process's connection")
+        ch.close()
+    finally:
+        hub.stop()
+        pump.stop()
+
+
 # --- no frame kind is spelled outside the protocol module -------------------------------------------------
 
 #: One-letter bytes literals in launcher/ that are not frame kinds, and why (a new one must say why here).

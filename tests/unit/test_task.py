@@ -141,6 +141,20 @@ def test_local_procs_by_index() -> None:
     assert "PSLAUNCH_LOCAL_PROCS" not in task.task_environment(DOC, "worker", 1, {})
 
 
+def test_a_replacement_connects_as_the_id_it_was_given_with_a_marker_of_its_own() -> None:
+    # a lost worker's replacement: one task (index 0) with the lost one's task id, connecting as the
+    # id the launcher admitted for it, with the marker the launcher gave it (not worker-0's)
+    doc = json.loads(json.dumps(DOC))
+    doc["roles"]["worker"] = {"first_task_id": 1, "count": 1, "env": {"DMLC_ROLE": "worker", "A": "w=1"},
+                              "idents": [7], "processes": ["j/worker-1~1"]}
+    env = task.task_environment(doc, "worker", 0, {})
+    assert env["DMLC_TASK_ID"] == "1" and env[pc.PROCESS] == "j/worker-1~1"
+    assert task.agent_ident(doc, "worker", 0, env) == 7
+    # the roles' own steps: the task id, and the marker of the role and index
+    env = task.task_environment(DOC, "worker", 2, {})
+    assert task.agent_ident(DOC, "worker", 2, env) == 2 and env[pc.PROCESS].endswith("/worker-2")
+
+
 def test_take_task_env_removes_the_document() -> None:
     environ = {"PSLAUNCH_TASK": json.dumps(DOC), "HOME": "/root"}
     assert task.take_task_env("PSLAUNCH_TASK", environ) == DOC
