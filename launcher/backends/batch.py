@@ -146,9 +146,10 @@ class BatchTask(RemoteProcess):
         reason: why it ended, when the exit code alone does not say.
     """
 
-    def __init__(self, proc: ProcSpec, output: ProcOutput, backend: BatchBackend, host: str) -> None:
+    def __init__(self, proc: ProcSpec, output: ProcOutput, backend: BatchBackend, host: str,
+                 ident: Optional[int] = None) -> None:
         assert proc.task_id is not None
-        super().__init__(proc, output, host, proc.task_id)
+        super().__init__(proc, output, host, proc.task_id if ident is None else ident)
         self.backend = backend
         self.state = "submitted"
         self.ran = False
@@ -285,6 +286,73 @@ class BatchBackend(Backend):
         self._wait_started()
         order = {(p.role, p.rank): i for i, p in enumerate(procs)}
         return ProcGroup(sorted(self.tasks, key=lambda t: order[(t.proc.role, t.proc.rank)]))
+
+    def replace(self, proc: ProcSpec) -> ProcGroup:
+        """A lost worker's replacement while the job runs (``--restart-scope process``): one task
+        where the lost one ran (:meth:`submit_replacement`), whose agent connects to the job's hub
+        under an id the hub admits for it alone (:meth:`Hub.admit_new`; the lost task keeps its own
+        id and its record). Returns once it runs.
+
+        Raises:
+            LaunchError: the backend cannot, or the task did not start within ``--start-timeout``
+                (it is cancelled first: nothing of it is left).
+        """
+        lost = self._last_task(proc)
+        if self.pump is None or self.hub is None or lost is None:
+            why = "the job has not started" if lost is None else "the tasks have no connection to the launcher"
+            raise LaunchError(f"--launcher {self.name} cannot start {proc.label}'s replacement: {why}")
+        if proc.awaits_placement:
+            raise LaunchError(f"{proc.label}'s replacement would wait for a placement that the job made at its start")
+        t = self.submit_replacement(proc, lost, self.hub.admit_new())
+        self._follow_again()
+        try:
+            self._wait_replacement(t, lost)
+        except BaseException:
+            self.cancel([t])
+            raise
+        return ProcGroup([t])
+
+    def submit_replacement(self, proc: ProcSpec, lost: BatchTask, ident: int) -> BatchTask:
+        """Submit one task that runs ``proc`` where ``lost`` ran, its agent connecting as ``ident``,
+        registered with :meth:`add_task`; the default: this backend cannot (a ``LaunchError``)."""
+        raise LaunchError(f"--launcher {self.name} cannot start a replacement while the job runs; "
+                          "use --restart-scope job")
+
+    def _last_task(self, proc: ProcSpec) -> Optional[BatchTask]:
+        """The latest task that ran ``proc``'s role and rank (the lost one, for a replacement)."""
+        with self.lock:
+            found = [t for t in self.tasks if t.proc.role is proc.role and t.proc.rank == proc.rank]
+        return found[-1] if found else None
+
+    def _follow_again(self) -> None:
+        """The follower stops once every task has ended: a task added later needs it again."""
+        with self.lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._follow, name=f"pslaunch-{self.name}", daemon=True)
+                self._thread.start()
+
+    def _wait_replacement(self, t: BatchTask, lost: BatchTask) -> None:
+        """Block until the replacement ``t`` runs; one that ended first, or still pending after
+        ``--start-timeout``, is a one-line ``LaunchError``."""
+        timeout = max(self.spec.start_timeout, 1.0)
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                ran, code = t.ran, t.code
+            if ran:
+                log.info("%s's replacement runs on %s (pid %s)", lost.label, t.host, t.pid)
+                return
+            if code is not None:
+                why = t.failure or t.reason or f"exit code {code}"
+                raise LaunchError(f"{t.label}'s replacement ({t.where()}) did not start: {why}")
+            if time.monotonic() > deadline:
+                raise LaunchError(f"{t.label}'s replacement ({t.where()}) {self.describe_replacement_pending(t)} "
+                                  f"after --start-timeout {timeout:g}s")
+            time.sleep(0.02)
+
+    def describe_replacement_pending(self, t: BatchTask) -> str:
+        """What a replacement that does not run yet waits for, in the batch system's words."""
+        return f"was not running ({t.state})"
 
     def started(self) -> ProcGroup:
         """The tasks submitted so far: a task whose agent is connected is stopped through it (a

@@ -485,14 +485,15 @@ class SlurmTask(BatchTask):
     backend: SlurmBackend
 
     def __init__(self, proc: ProcSpec, output: ProcOutput, backend: SlurmBackend, step: Step, index: int,
-                 node_name: str) -> None:
-        super().__init__(proc, output, backend, host=node_name)
+                 node_name: str, ident: Optional[int] = None) -> None:
+        super().__init__(proc, output, backend, host=node_name, ident=ident)
         self.step = step
         self.index = index
         self.node = node_name
         self.state = "starting"
         self.signalled = False            # the launcher asked it to stop
         self.wrapper_error = ""           # the wrapper's own one-line error, if it printed one
+        self.local_procs: Optional[int] = None  # PSLAUNCH_LOCAL_PROCS its wrapper was told, if any
 
     def where(self) -> str:
         return f"Slurm step {self.step.step_id or self.step.job_id + '.?'} task {self.index}"
@@ -815,6 +816,7 @@ class SlurmBackend(BatchBackend):
                 for i, (p, n) in enumerate(zip(members, nodes)):
                     out = self.console.proc(p.name, f"{p.label} @ {n}", str(p.role))
                     t = SlurmTask(p, out, self, step, i, n)
+                    t.local_procs = per_node[n]
                     step.tasks.append(t)
                     self.add_task(t)
                 self.steps.append(step)
@@ -822,6 +824,50 @@ class SlurmBackend(BatchBackend):
                 self._spawn(step, step_environment(os.environ, {**doc, "roles": {str(role): roles[str(role)]}}))
             log.debug("%s step: %s", role, shlex.join(argv))
         return self.tasks
+
+    def submit_replacement(self, proc: ProcSpec, lost: BatchTask, ident: int) -> BatchTask:
+        """A step of one task on the lost task's node (``--overlap``, like the roles' steps), whose
+        task document gives the wrapper ``proc``'s variables (its task id, its process marker, the
+        lost task's ``PSLAUNCH_LOCAL_PROCS``) and the id ``ident`` its agent connects as; its output
+        is labelled like the lost task's.
+
+        Raises:
+            LaunchError: srun cannot be started (the task is recorded as failed).
+        """
+        assert self.alloc is not None and isinstance(lost, SlurmTask) and self.hub is not None
+        node_name = lost.node
+        roles = task_roles([proc])
+        part = roles[str(proc.role)]
+        part["idents"] = [ident]
+        if pc.PROCESS in proc.env:
+            part["processes"] = [proc.env[pc.PROCESS]]
+        if lost.local_procs is not None:
+            part["local_procs"] = [lost.local_procs]
+        doc = build_task_file(self.spec, [proc], hub=self.hub.address, roles=roles)
+        argv = build_srun(self.spec, proc.role, [node_name], job_id=self.alloc.job_id, wrapper=node.command("task"),
+                          in_allocation=not self.alloc.made_here, srun=_which("srun") or "srun",
+                          overlap=self.version is None or self.version >= OVERLAP_SINCE)
+        step = Step(role=proc.role, job_id=self.alloc.job_id, argv=argv)
+        with spawn_guard():
+            out = self.console.proc(proc.name, f"{proc.label} @ {node_name}", str(proc.role))
+            t = SlurmTask(proc, out, self, step, 0, node_name, ident=ident)
+            t.local_procs = lost.local_procs
+            step.tasks.append(t)
+            self.add_task(t)
+            self.steps.append(step)
+            try:
+                self._spawn(step, step_environment(os.environ, doc))
+            except OSError as e:
+                t.failure = f"cannot run srun: {e.strerror or e}"
+                self.set_code(t, 127 if isinstance(e, FileNotFoundError) else 126, "")
+                raise LaunchError(f"{proc.label}'s replacement on {node_name}: {t.failure}") from None
+        log.debug("%s's replacement step: %s", proc.label, shlex.join(argv))
+        return t
+
+    def describe_replacement_pending(self, t: BatchTask) -> str:
+        assert isinstance(t, SlurmTask)
+        said = t.step.last_message()
+        return (f"was not running on {t.node} (srun says {said!r})" if said else f"was not running on {t.node}")
 
     def _spawn(self, step: Step, env: Mapping[str, str]) -> None:
         child = spawn(step.argv, env, self.spec.workdir, death_signal=signal.SIGKILL)
