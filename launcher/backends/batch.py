@@ -235,6 +235,7 @@ class BatchBackend(Backend):
         self.pump: Optional[PipePump] = None
         self.task_file: Optional[str] = None
         self._thread: Optional[threading.Thread] = None
+        self._following = False  # the follower runs (set and cleared with the lock held)
         self._stop = threading.Event()
         self._by_ident: dict[int, BatchTask] = {}
         self._procs: Sequence[ProcSpec] = ()
@@ -281,8 +282,7 @@ class BatchBackend(Backend):
                               f"RANK and LOCAL_RANK), but it cannot listen for them on --launcher {self.name}; see the "
                               "warning above")
         self.submit(procs, self.hub.address if self.hub else None)
-        self._thread = threading.Thread(target=self._follow, name=f"pslaunch-{self.name}", daemon=True)
-        self._thread.start()
+        self._follow_again()
         self._wait_started()
         order = {(p.role, p.rank): i for i, p in enumerate(procs)}
         return ProcGroup(sorted(self.tasks, key=lambda t: order[(t.proc.role, t.proc.rank)]))
@@ -325,9 +325,11 @@ class BatchBackend(Backend):
         return found[-1] if found else None
 
     def _follow_again(self) -> None:
-        """The follower stops once every task has ended: a task added later needs it again."""
+        """Start the follower unless it runs: it stops once every task has ended, and a task
+        added later (a replacement, registered before this call) needs it again."""
         with self.lock:
-            if self._thread is None or not self._thread.is_alive():
+            if not self._following:  # (decided with the lock held: see _follow)
+                self._following = True
                 self._thread = threading.Thread(target=self._follow, name=f"pslaunch-{self.name}", daemon=True)
                 self._thread.start()
 
@@ -432,8 +434,10 @@ class BatchBackend(Backend):
                 self._agents_gone()
             except Exception as e:  # noqa: BLE001 - never let the follower die: the job would hang
                 log.error("following the %s tasks: %s", self.name, " ".join(str(e).split()), exc_info=True)
-            if self.settled():
-                return
+            with self.lock:  # (a task added from now on finds the follower gone: _follow_again)
+                if self.settled():
+                    self._following = False
+                    return
             self._stop.wait(self.poll_every)
 
     def _agents_gone(self) -> None:
