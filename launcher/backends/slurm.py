@@ -46,6 +46,9 @@ command line or in a file.
   ends, stop their commands too, and the watchdog runs ``scancel`` on every step (and on the
   allocation pslaunch made). salloc gets SIGTERM when pslaunch dies, which withdraws a
   pending request.
+* A worker lost under ``--restart-scope process`` is replaced by a step of one task on its node
+  (:meth:`SlurmBackend.submit_replacement`), whose agent connects under an id the hub admits for
+  it alone (:meth:`launcher.backends.batch.BatchBackend.replace`).
 * At the end every step still running is cancelled (``scancel J.S``), and an allocation made
   here is cancelled and waited for until ``squeue`` no longer lists it.
 """
