@@ -566,6 +566,7 @@ class SlurmBackend(BatchBackend):
     """Slurm, one job step per role. See the module docstring."""
 
     name = "slurm"
+    can_replace = True
     index_source = "slurm"
     elsewhere = "the Slurm nodes"
     poll_every = 0.1
