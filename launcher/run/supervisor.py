@@ -640,15 +640,10 @@ class Supervisor:
                     failed.append(h)
             if failed and running and all(self._left_after_return(h) for h in failed):
                 failed = []  # (torch's exit race: its work was done; the others finish theirs first)
-            if failed and not starting and self.spec.replaces_workers:
-                failed = self._replace_lost(failed)
-            if self._pending and not failed:
-                failed = self._start_replacements()
-            running += len(self._pending)
             if starting:
                 assert self._watch is not None
-                if self.scheduler in failed:  # the watch's verdict on its death comes at once
-                    self._wait_verdict()
+                if self.scheduler in failed or failed and self.spec.replaces_workers:
+                    self._wait_verdict()  # (on its death: at once; a lost worker is replaced once it listens)
                 verdict = self._watch.verdict
                 if verdict == "lost":
                     return PORT_LOST, 0
@@ -665,6 +660,11 @@ class Supervisor:
                     hint_at, self._hinted = None, True
                     if self.scheduler is not None and self.scheduler.pid and not addr.maps_pslite(self.scheduler.pid):
                         self._hint_not_pslite()
+            if failed and not starting and self.spec.replaces_workers:
+                failed = self._replace_lost(failed)
+            if self._pending and not failed:
+                failed = self._start_replacements()
+            running += len(self._pending)
             if not failed and running and self.tracker is not None and self.tracker.poll() not in (None, 0):
                 failed.append(self.tracker)  # the tracker failed and no worker did (see trackers.FAILURE_GRACE)
             if failed:

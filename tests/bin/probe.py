@@ -124,7 +124,7 @@ def main() -> int:
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--exit", type=int, default=0)
     ap.add_argument("--fail", default=None, help="ROLE-RANK:CODE[:DELAY], e.g. worker-1:3:0.5")
-    ap.add_argument("--kill-self", default=None, metavar="ROLE-RANK:SIGNAL",
+    ap.add_argument("--kill-self", default=None, metavar="ROLE-RANK:SIGNAL[:DELAY]",
                     help="after writing the record, kill this process with SIGNAL, e.g. worker-0:SEGV")
     ap.add_argument("--child", action="store_true", help="spawn a sleeping grandchild")
     ap.add_argument("--escape", action="store_true",
@@ -248,8 +248,9 @@ def main() -> int:
         print(f"pslaunch-cause: {role} {rank}: {reason}", file=sys.stderr, flush=True)
         return 1
     if a.kill_self:
-        target, signame = a.kill_self.split(":")
+        target, signame, *delay = a.kill_self.split(":")
         if target == me:
+            time.sleep(float(delay[0]) if delay else 0.0)
             os.kill(os.getpid(), getattr(signal, f"SIG{signame}"))
             time.sleep(5)  # (a handled signal would return here)
     if a.fail:

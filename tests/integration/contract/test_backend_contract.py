@@ -684,7 +684,7 @@ def test_a_lost_worker_is_replaced_in_place_where_the_backend_can(cluster: Clust
     summary = tmp_path / "summary.json"
     args = ("-n", "2", "-s", "1", "--kill-grace", "1", "--max-restarts", "2", "--restart-scope", "process",
             "--summary-json", str(summary),
-            *cluster.probe("--listen", "--sleep", "6", "--kill-self", "worker-1:KILL", "--on-replacements", "0"))
+            *cluster.probe("--listen", "--sleep", "8", "--kill-self", "worker-1:KILL:2", "--on-replacements", "0"))
     if not backends.get(cluster.launcher).can_replace:
         r = cluster.run(*args, timeout=60)
         assert r.returncode == 2 and "cannot replace a lost worker in place" in r.stderr, r.stderr
