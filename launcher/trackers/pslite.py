@@ -13,16 +13,24 @@ of dmlc ps-lite's ``ZMQVan`` (MXNet 1.9, ps-lite master), through pyzmq (the ``p
   ``DMLC_NUM_SERVER + DMLC_NUM_WORKER`` have, they are sorted as ps-lite sorts them, numbered
   as ps-lite numbers them: server rank r is node 8 + 2r, worker rank r is 9 + 2r, and every
   node gets the whole list), ``BARRIER`` (counted per group, answered to the group when all its
-  members arrived), ``HEARTBEAT`` (answered, as ps-lite's scheduler does);
+  members arrived), ``HEARTBEAT`` (answered, as ps-lite's scheduler does, and the time noted);
+* ps-lite's recovery (``Van::UpdateLocalID``, ``ProcessAddNodeCommandAtScheduler``): with
+  ``PS_HEARTBEAT_TIMEOUT`` set (and the nodes' ``PS_HEARTBEAT_INTERVAL``), a node that registers
+  after the job is ready takes the id of a dead node of its role (one whose last heartbeat, or
+  its registration before any, is older than the timeout: ``Postoffice::GetDeadNodes``), and
+  gets ``is_recovery`` and the whole list; the other live nodes get an ``ADD_NODE`` with it
+  alone, and connect to its new address. MXNet's workers skip the start barrier then
+  (apache/mxnet PR #2671): a lost worker is replaced in place (``--restart-scope process``);
 * the scheduler itself takes part in the two barriers of every node (``ps::Start`` and
   ``ps::Finalize``, group scheduler + servers + workers) and exits with 0 after the second.
 
 BytePS's fork of ps-lite (raw C structs instead of protobuf), ps-lite's other vans (``ibverbs``;
 ``DMLC_LOCAL``'s ipc) and ``PS_RESEND`` (every message acknowledged) keep ``--scheduler command``:
 the spec and this program refuse them (:func:`launcher.spec.job.builtin_scheduler_refusal`).
-A node that dies is not replaced (ps-lite's recovery): pslaunch stops the job. A node that
-registers an address the scheduler cannot connect to ends the job with a one-line error, where
-ps-lite's scheduler retries for ever and the job hangs.
+A late node with no dead node of its role to replace (or heartbeats off) is refused with one
+warning, and hears nothing, as under ps-lite's scheduler. A node that registers an address the
+scheduler cannot connect to at the start ends the job with a one-line error, where ps-lite's
+scheduler retries for ever and the job hangs; a replacement that does so is refused with a warning.
 
 Nothing from the network is unpickled or executed, and nothing from it ends the scheduler but
 the unreachable address above (one line): a message that does not parse is ignored with a
@@ -63,7 +71,7 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, cast
 import pscontract as pc
 
 from ..errors import BackendUnavailableError
-from ..spec.job import SCHEDULER_PEERS, builtin_scheduler_refusal
+from ..spec.job import SCHEDULER_PEERS, _short, builtin_scheduler_refusal
 
 #: ps-lite's ``Meta::kEmpty`` / ``Node::kEmpty`` (``std::numeric_limits<int>::max()``)
 EMPTY = 2 ** 31 - 1
@@ -93,6 +101,8 @@ MAX_REFUSED = 20
 LINGER = 5.0
 #: how long a connection to a node may take to open, in seconds
 CONNECT_TIMEOUT = 30.0
+#: the same for a replacement mid-job (the other nodes' barriers and heartbeats wait meanwhile)
+RECOVERY_CONNECT_TIMEOUT = 5.0
 #: what to install for this program
 INSTALL = "pip install '.[pslite]' in your clone of pslaunch (or pip install pyzmq)"
 
@@ -230,7 +240,8 @@ class Node:
 
     def describe(self) -> str:
         ident = "" if self.id == EMPTY else f", id={self.id}"
-        return f"role={ROLE_NAMES.get(self.role, '?')}{ident}, ip={self.hostname}, port={self.port}"
+        recovery = ", is_recovery=1" if self.is_recovery else ""
+        return f"role={ROLE_NAMES.get(self.role, '?')}{ident}, ip={self.hostname}, port={self.port}{recovery}"
 
 
 @dataclass
@@ -384,10 +395,11 @@ class Scheduler:
     """ps-lite's scheduler van and postoffice, for one job."""
 
     def __init__(self, host: str, port: int, num_servers: int, num_workers: int, verbose: int = 0,
-                 peers: Optional[frozenset[str]] = None) -> None:
+                 peers: Optional[frozenset[str]] = None, heartbeat_timeout: float = 0.0) -> None:
         import zmq
 
         self.host, self.port = host, port
+        self.heartbeat_timeout = heartbeat_timeout  # PS_HEARTBEAT_TIMEOUT; 0: no node is ever dead
         self.num_servers, self.num_workers, self.verbose = num_servers, num_workers, verbose
         _raise_open_files()  # (libzmq holds three files per node: two sockets' and a mailbox)
         self.ctx = zmq.Context()
@@ -407,6 +419,9 @@ class Scheduler:
         self.spare = [self.ctx.socket(zmq.DEALER) for _ in range(num_servers + num_workers)]
         self.registered: list[Node] = []
         self.nodes: dict[int, Node] = {}  # by id, once everyone registered
+        self.order: list[int] = []  # their ids in the order of the list every node got
+        self.last_beat: dict[int, float] = {}  # node id -> when it was last heard of (time.monotonic)
+        self.heard_beats = False  # a node sent a heartbeat: the nodes have PS_HEARTBEAT_INTERVAL set
         self.senders: dict[int, Any] = {}  # node id -> a DEALER connected to that node (ZMQVan::Connect)
         self.arrived: dict[int, set[int]] = {}  # barrier group -> the members that asked for it
         self.timestamp = 0
@@ -515,6 +530,9 @@ class Scheduler:
                                 "no member of the group")
             self._barrier(group, meta.app_id, meta.customer_id, sender)
         elif meta.cmd == HEARTBEAT:
+            if sender in self.nodes:  # (the sender's identity, which one connection holds: not what it names)
+                self.last_beat[sender] = time.monotonic()
+                self.heard_beats = True
             for nid in dict.fromkeys(n.id for n in meta.nodes):  # (once per node, however often named)
                 if nid in self.senders:
                     self._send(nid, Meta(HEARTBEAT, [self.me]))
@@ -536,8 +554,7 @@ class Scheduler:
         if problem:
             raise WireError(f"a {role} registered, but {problem}")
         if self.nodes:
-            self._warn(f"ignored a {role} at {node.address}: all {expected} servers and workers of this job have "
-                       "registered (DMLC_NUM_SERVER, DMLC_NUM_WORKER)")
+            self._recover(node)
             return
         if any(n.address == node.address for n in self.registered):
             self._warn(f"ignored a second registration from {node.address} ({role}): a ps-lite process registers "
@@ -553,15 +570,65 @@ class Scheduler:
             return
         nodes = assign_ids(sort_nodes(self.registered))
         self.nodes = {n.id: n for n in nodes}
+        self.order = [n.id for n in nodes]
+        now = time.monotonic()
         for n in nodes:
             self._vlog(f"assign rank={n.id} to node {n.describe()}")
             self._connect(n)
+            self.last_beat[n.id] = now  # (ps-lite's UpdateHeartbeat at registration)
         for n in nodes:
             self._send(n.id, Meta(ADD_NODE, nodes + [self.me]))
         self._vlog(f"the scheduler is connected to {self.num_workers} workers and {self.num_servers} servers")
         self._barrier(ALL_GROUPS, 0, 0, SCHEDULER_ID)  # the scheduler's own ps::Start barrier
 
-    def _connect(self, node: Node) -> None:
+    def dead(self, role: int) -> list[int]:
+        """The ids of the nodes of ``role`` silent for more than the heartbeat timeout, in the
+        list's order (``Postoffice::GetDeadNodes``): none while heartbeats are off."""
+        if self.heartbeat_timeout <= 0 or not self.heard_beats:
+            return []
+        now = time.monotonic()
+        return [i for i in self.order
+                if self.nodes[i].role == role and now - self.last_beat[i] > self.heartbeat_timeout]
+
+    def _recover(self, node: Node) -> None:
+        """A node registered after the job was ready: it takes the id of the first dead node of its
+        role (``Van::UpdateLocalID``), gets ``is_recovery`` and the whole list, and the other live
+        nodes get it alone, to connect to its address (``ProcessAddNodeCommandAtScheduler``). With
+        no dead node of its role it is refused with one warning and hears nothing (ps-lite's
+        scheduler ignores it too): the job goes on."""
+        role = ROLE_NAMES[node.role]
+        expected = self.num_servers + self.num_workers
+        if self.heartbeat_timeout <= 0:
+            self._warn(f"ignored a {role} at {node.address}: all {expected} servers and workers of this job have "
+                       "registered (DMLC_NUM_SERVER, DMLC_NUM_WORKER)")
+            return
+        dead = self.dead(node.role)
+        if not dead:
+            why = ("none is silent for more than PS_HEARTBEAT_TIMEOUT=" f"{self.heartbeat_timeout:g} s"
+                   if self.heard_beats else "no node has sent a heartbeat (set PS_HEARTBEAT_INTERVAL on the nodes)")
+            self._warn(f"ignored a {role} at {node.address}: all {expected} servers and workers of this job have "
+                       f"registered, and there is no dead {role} for it to replace: {why}")
+            return
+        nid = dead[0]
+        old, old_sender = self.nodes[nid], self.senders.pop(nid)
+        node.id, node.is_recovery = nid, True
+        try:
+            self._connect(node, RECOVERY_CONNECT_TIMEOUT)
+        except Unreachable as e:
+            self.senders[nid] = old_sender
+            self._warn(f"ignored a {role} that came to replace node {nid}: {e}")
+            return
+        old_sender.close(linger=0)
+        self._vlog(f"replace dead node {old.describe()} by node {node.describe()}")
+        self.nodes[nid] = node
+        self.last_beat[nid] = time.monotonic()
+        everyone = [self.nodes[i] for i in self.order] + [self.me]
+        others_dead = set(self.dead(SERVER) + self.dead(WORKER)) - {nid}
+        for i in self.order:
+            if i not in others_dead:  # (nothing is sent to a dead node)
+                self._send(i, Meta(ADD_NODE, everyone if i == nid else [node]))
+
+    def _connect(self, node: Node, timeout: float = CONNECT_TIMEOUT) -> None:
         """A DEALER with identity ``ps1`` connected to the node's ROUTER, as ``ZMQVan::Connect``
         makes one. A node that registered but cannot be reached ends the job
         (:class:`Unreachable`): ps-lite's scheduler (libzmq) would retry for ever, and the job
@@ -571,11 +638,11 @@ class Scheduler:
 
         try:
             try:
-                socket.create_connection((node.hostname, node.port), timeout=CONNECT_TIMEOUT).close()
+                socket.create_connection((node.hostname, node.port), timeout=timeout).close()
             except OSError as e:
                 if e.errno not in (errno.EMFILE, errno.ENFILE):  # (out of files: libzmq retries its own)
                     raise
-            dealer = self.spare.pop()
+            dealer = self.spare.pop() if self.spare else self.ctx.socket(zmq.DEALER)  # (a replacement's)
             dealer.setsockopt(zmq.IDENTITY, b"ps%d" % SCHEDULER_ID)
             dealer.setsockopt(zmq.SNDHWM, SEND_HWM)
             dealer.setsockopt(zmq.SNDBUF, SEND_BUFFER)
@@ -636,6 +703,10 @@ def main(env: Mapping[str, str] = os.environ) -> int:
         return _fail(f"{e.args[0]} is not set: run this under pslaunch --scheduler builtin")
     except ValueError as e:
         return _fail(f"a DMLC_* variable is not a number: {e}")
+    try:  # (ps-lite reads it with atoi: 0, or unset, is off)
+        heartbeat_timeout = float(env.get(pc.HEARTBEAT_TIMEOUT, "0").strip() or 0)
+    except ValueError:
+        return _fail(f"{pc.HEARTBEAT_TIMEOUT}={_short(env[pc.HEARTBEAT_TIMEOUT])!r} is not a number of seconds")
     try:
         import zmq
     except ImportError as e:
@@ -647,7 +718,7 @@ def main(env: Mapping[str, str] = os.environ) -> int:
         for name in unknown:
             sys.stderr.write(f"pslaunch scheduler: warning: {PEERS} names {name[:60]!r}, which does not resolve: "
                              "its processes cannot connect\n")
-    scheduler = Scheduler(host, port, servers, workers, verbose, peers)
+    scheduler = Scheduler(host, port, servers, workers, verbose, peers, heartbeat_timeout)
     try:
         scheduler.bind()
     except (OSError, ValueError, zmq.ZMQError) as e:

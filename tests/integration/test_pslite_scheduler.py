@@ -302,3 +302,69 @@ def test_a_malformed_message_is_one_warning_and_never_ends_the_scheduler() -> No
         rogue.close(linger=0)
         long_id.close(linger=0)
         _tear_down(proc, ctx, nodes)
+
+
+def _beat(nodes: list[FakeNode], seconds: float) -> None:
+    """``nodes`` send heartbeats (ps-lite's Van::Heartbeat) for ``seconds``; the acks are read."""
+    end = time.time() + seconds
+    while time.time() < end:
+        for n in nodes:
+            n.dealer.send(Meta(HEARTBEAT, [Node(n.role, n.id, "127.0.0.1", n.port)], timestamp=9).encode())
+        for n in nodes:
+            assert n.recv()[1].cmd == HEARTBEAT
+        time.sleep(0.25)
+
+
+def test_a_dead_worker_is_replaced_by_a_late_one_as_ps_lite_recovers() -> None:
+    """ps-lite's recovery (Van::UpdateLocalID): with heartbeats on, a worker that registers after
+    the job is ready takes the id of the worker silent for more than PS_HEARTBEAT_TIMEOUT, with
+    is_recovery and the whole list; the live nodes get it alone; a second late worker, with no
+    dead worker left, is one warning and changes nothing."""
+    proc, port = _start(1, 2, PS_VERBOSE="1", PS_HEARTBEAT_TIMEOUT="1")
+    ctx = zmq.Context()
+    nodes = [FakeNode(ctx, role, port) for role in (SERVER, WORKER, WORKER)]
+    extra: list[FakeNode] = []
+    try:
+        for n in nodes:
+            n.register()
+        for n in nodes:
+            n.take_id(n.recv()[1])
+        _pass_barrier(nodes, 7)
+        server, lost, kept = nodes[0], nodes[1], nodes[2]
+        before = {n.id: n.port for n in nodes}
+        lost.close()  # (its heartbeats stop: SIGKILL)
+        _beat([server, kept], 1.8)
+        new = FakeNode(ctx, WORKER, port)
+        extra.append(new)
+        new.register()
+        identity, meta = new.recv()
+        assert identity == b"ps1" and meta.cmd == ADD_NODE
+        # the list in the order of the first one (one host: by port), the lost worker's id in its place
+        assert [(x.role, x.id) for x in meta.nodes] == [*sorted(
+            [(SERVER, server.id), (WORKER, lost.id), (WORKER, kept.id)], key=lambda r: before[r[1]]), (SCHEDULER, 1)]
+        (me,) = [x for x in meta.nodes if x.port == new.port]
+        assert me.id == lost.id and me.is_recovery
+        assert not any(x.is_recovery for x in meta.nodes if x is not me)
+        new.take_id(meta)
+        for n in (server, kept):  # the live nodes learn its address, nothing else
+            _, told = n.recv()
+            assert told.cmd == ADD_NODE and [(x.id, x.port, x.is_recovery) for x in told.nodes] == [
+                (lost.id, new.port, True)]
+        # a second late worker: nobody is dead now; one warning, nobody hears of it
+        late = FakeNode(ctx, WORKER, port)
+        extra.append(late)
+        late.register()
+        assert late.nothing_pending() and server.nothing_pending() and kept.nothing_pending()
+        workers = [kept, new]
+        _pass_barrier(workers, 4)  # the replacement is a member of its rank's barriers
+        _pass_barrier([server, *workers], 7)  # ps::Finalize
+        code, err = _ended(proc)
+        assert code == 0, err
+        assert f"replace dead node role=worker, id={lost.id}, ip=127.0.0.1, port={lost.port} by node role=worker, " \
+               f"id={lost.id}, ip=127.0.0.1, port={new.port}, is_recovery=1" in err
+        warnings = [x for x in err.splitlines() if "warning" in x]
+        assert warnings == [f"pslaunch scheduler: warning: ignored a worker at 127.0.0.1:{late.port}: all 3 servers "
+                            "and workers of this job have registered, and there is no dead worker for it to replace: "
+                            "none is silent for more than PS_HEARTBEAT_TIMEOUT=1 s"], err
+    finally:
+        _tear_down(proc, ctx, [*nodes[:1], *nodes[2:], *extra])
