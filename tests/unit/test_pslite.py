@@ -123,6 +123,15 @@ def test_main_refuses_what_it_cannot_serve(monkeypatch: pytest.MonkeyPatch, caps
     assert "DMLC_PS_ROOT_URI is not set" in capsys.readouterr().err
 
 
+def test_a_heartbeat_timeout_that_is_no_number_is_one_line(capsys: pytest.CaptureFixture) -> None:
+    # (ps-lite's atoi would make it 0, heartbeats off: no worker could ever be replaced)
+    env = {"DMLC_ROLE": "scheduler", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "1",
+           "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1", "PS_HEARTBEAT_TIMEOUT": "2s"}
+    assert pslite.main(env) == 1
+    err = capsys.readouterr().err
+    assert err == "pslaunch scheduler: error: PS_HEARTBEAT_TIMEOUT='2s' is not a number of seconds\n"
+
+
 @pytest.mark.parametrize("hostname, port, why", [
     ("", 1, "its host name '' is no host name or address"),
     ("\u00fc-host", 1, "its host name '\u00fc-host' is no host name or address"),  # (libzmq would not resolve it)
