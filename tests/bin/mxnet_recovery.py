@@ -20,6 +20,7 @@ replacement, "recovery"; timings are time.time() for the test.
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -30,6 +31,9 @@ STEPS = int(os.environ.get("STEPS", "40"))
 PAUSE = float(os.environ.get("STEP_PAUSE", "0.1"))
 WIDTH = 4
 replacement = int(os.environ.get("PSLAUNCH_REPLACEMENT", "0") or 0)
+#: "TASK:STEP": the worker of that DMLC_TASK_ID kills itself (SIGKILL) after that step, unless it
+#: is a replacement (for a job run by pslaunch --restart-scope process)
+LOSE_AT = os.environ.get("LOSE_AT")
 started = time.time()
 
 kv = mx.kv.create(KV)
@@ -66,6 +70,9 @@ for step in range(done + 1, STEPS + 1):
     kv.push(KEY, grad)
     got = pull()  # (waits for the push: under dist_sync, for the round to complete)
     print(f"rank {rank}: step {step} at {time.time():.3f}", flush=True)
+    if LOSE_AT and not replacement and LOSE_AT == f"{os.environ.get('DMLC_TASK_ID')}:{step}":
+        print(f"rank {rank}: lost at step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(PAUSE)
 
 if sync:

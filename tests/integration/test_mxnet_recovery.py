@@ -5,10 +5,12 @@ The processes are started here with the environment pslaunch gives them (launche
 ``pslaunch --dry-run``) plus what ELASTIC-CONTRACT.md adds for ``--restart-scope process``
 (heartbeats on, PSLAUNCH_RESTART_SCOPE); the replacement gets the lost worker's environment and
 PSLAUNCH_REPLACEMENT=1, PS_HEARTBEAT_TIMEOUT + 1 s after the kill, as the launcher starts it.
-The program is tests/bin/mxnet_recovery.py."""
+The program is tests/bin/mxnet_recovery.py. The last test runs the same job through pslaunch
+``--restart-scope process``: the launcher starts the replacement itself."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import IO, Optional
 
 import pytest
-from support.helpers import BIN, free_port
+from support.helpers import BIN, free_port, run_pslaunch
 
 from launcher import node
 
@@ -140,3 +142,32 @@ def test_a_killed_mxnet_worker_is_replaced_in_place(mxnet: str, tmp_path: Path, 
     finally:
         for p in [*started, *([replacement] if replacement else [])]:
             p.stop()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("scheduler, kv_type", [("command", "dist_sync"), ("builtin", "dist_async")])
+def test_pslaunch_replaces_a_lost_mxnet_worker_in_place(mxnet: str, tmp_path: Path, scheduler: str,
+                                                        kv_type: str) -> None:
+    """Through the CLI: worker 1 dies (SIGKILL) after its step 5; pslaunch starts its replacement
+    once ps-lite's scheduler can see it dead (PS_HEARTBEAT_TIMEOUT + 1 s), ps-lite gives it the
+    lost node's id with is_recovery, it resumes where the lost one stopped, and every worker ends
+    with the uninterrupted result; the scheduler and the server run once, to their end."""
+    summary = tmp_path / "summary.json"
+    r = run_pslaunch("-n", "2", "-s", "1", "--kill-grace", "1", "--timeout", "130", "--scheduler", scheduler,
+                     "--max-restarts", "1", "--restart-scope", "process", "--summary-json", str(summary),
+                     "--env", "LOSE_AT=1:5", "--env", f"KV_TYPE={kv_type}", "--env", f"STEPS={STEPS}",
+                     mxnet, PROGRAM, timeout=140)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    assert "replacing it in place in " in r.stderr and "(restart 1/1)" in r.stderr, r.stderr
+    doc = json.loads(summary.read_text())
+    (rep,) = doc["replacements"]
+    assert rep["process"] == "worker-1" and rep["signal"] == "SIGKILL"
+    assert rep["delay"] >= HEARTBEAT_TIMEOUT, rep  # (ps-lite's scheduler had to see it dead first)
+    names = [p["name"] for p in doc["processes"]]
+    assert sorted(names) == ["scheduler", "server-0", "worker-0", "worker-1", "worker-1"], names
+    assert all(p["exit_code"] == 0 for p in doc["processes"] if not p["replaced"]), doc["processes"]
+    worker1 = [x for x in r.stdout.splitlines() if x.startswith("[worker 1]")]
+    assert any("lost at step 5" in x for x in worker1), worker1
+    assert any(re.search(r"recovery \(replacement 1\).*resumes at step [67]\b", x) for x in worker1), worker1
+    pulled = [x for x in r.stdout.splitlines() if "pulled" in x]
+    assert len(pulled) == 2 and all("wrong result" not in x for x in r.stdout.splitlines()), pulled
