@@ -121,6 +121,22 @@ def cut(line: str) -> str:
     return f"{line[:MAX_LINE]}… ({len(line) - MAX_LINE:,} more characters)"
 
 
+def hosts_note(hosts: Any) -> str:
+    """What an attempt did with its hosts (``--summary-json``'s ``attempts[].hosts``), in a line:
+    who was left out and why, which spare took whose place, who came back, and the workers when
+    the job went on smaller; "" when it ran on the job's hosts."""
+    if not isinstance(hosts, dict):
+        return ""
+    parts = [f"{e.get('host')} left out ({e.get('reason')}; {float(e.get('cooldown') or 0):.0f}s)"
+             for e in hosts.get("excluded") or () if isinstance(e, dict)]
+    parts += [f"spare {s.get('spare')} for {s.get('replaces')}" for s in hosts.get("spares") or ()
+              if isinstance(s, dict)]
+    parts += [f"{h} back" for h in hosts.get("back") or ()]
+    if hosts.get("dropped"):
+        parts.append(f"{hosts.get('workers')} workers ({', '.join(map(str, hosts['dropped']))} out, no spare)")
+    return "; ".join(parts)
+
+
 class JobView:
     """The thread-safe model of one running job (see the module docstring).
 
@@ -191,7 +207,8 @@ class JobView:
         with self._lock:
             self.job["attempts"] = [{"attempt": a.get("attempt"), "start": a.get("start_time"),
                                      "end": a.get("end_time"), "reason": a.get("reason"),
-                                     "exit_code": a.get("exit_code"), "cause": a.get("cause")} for a in attempts]
+                                     "exit_code": a.get("exit_code"), "cause": a.get("cause"),
+                                     "hosts": hosts_note(a.get("hosts"))} for a in attempts]
             self._emit_locked("job", self._job_locked())
 
     def set_failure(self, name: Optional[str], headline: str, lines: Sequence[str]) -> None:

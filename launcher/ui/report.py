@@ -168,10 +168,10 @@ def _attempts(job: Mapping[str, Any]) -> str:
             f"<tr><td class=\"num\">{int(a.get('attempt') or 0) + 1}</td><td>{_e(_offset(s, start0))}</td>"
             f"<td>{_e(_duration(e - s) if _num(s) and _num(e) else '-')}</td>"
             f"<td>{_e(_dash(a.get('reason')))}</td><td class=\"num\">{_e(_dash(a.get('exit_code')))}</td>"
-            f"<td>{_e(_cause(a.get('cause')))}</td></tr>")
+            f"<td>{_e(_cause(a.get('cause')))}</td><td>{_e(_dash(a.get('hosts') or None))}</td></tr>")
     return ('<section id="attempts"><h2>Attempts</h2><table><thead><tr><th class="num">#</th><th>began</th>'
-            '<th>lasted</th><th>ended by</th><th class="num">exit</th><th>cause</th></tr></thead><tbody>'
-            + "".join(rows) + "</tbody></table></section>")
+            '<th>lasted</th><th>ended by</th><th class="num">exit</th><th>cause</th><th>hosts</th></tr></thead>'
+            "<tbody>" + "".join(rows) + "</tbody></table></section>")
 
 
 def _process_table(procs: Sequence[Mapping[str, Any]]) -> str:

@@ -227,3 +227,15 @@ def test_memory_stays_bounded_for_256_processes_printing_long_lines(monkeypatch:
     # (and while a batch of lines is encoded, a few copies of it)
     assert peak < bound * 1.25 + 8 * model.BATCH_CHARS, f"{peak / 2**20:.2f} MiB at the peak"
     assert all(len(r.ring) < 40 for r in v.rows.values())  # (the budget, not the line count, held them)
+
+
+def test_an_attempts_hosts_in_one_line() -> None:
+    from launcher.ui.model import hosts_note
+
+    assert hosts_note(None) == "" and hosts_note({"used": ["h1"], "workers": 2}) == ""
+    hosts = {"used": ["h1", "h4"], "workers": 3, "back": ["h5"], "dropped": ["h3"],
+             "excluded": [{"host": "h2", "reason": "its processes failed first in 2 attempts in a row",
+                           "cooldown": 61.7}],
+             "spares": [{"spare": "h4", "replaces": "h2"}]}
+    assert hosts_note(hosts) == ("h2 left out (its processes failed first in 2 attempts in a row; 62s); spare h4 for "
+                                 "h2; h5 back; 3 workers (h3 out, no spare)")

@@ -65,6 +65,7 @@ def test_the_sample_report_golden() -> None:
     assert "First failure: worker 2 on h1 (pid 4112) exited with code 1" in text
     assert "RuntimeError: NaN loss at batch 2300" in text
     assert "worker 3: killed by SIGKILL (out of memory?) (reported by node agent on h2)" in text  # attempts
+    assert "h3 left out (lost: no reply to keep-alives; 62s); spare h2 for h3" in text  # (their hosts)
     assert "2/2" in text and "2026-12-07 09:00:00 UTC" in text and "2m 32s" in text
     # the process table: one row per process, in order, with the live page's classes
     rows = [v for tag, k, v in page.attrs if tag == "tr" and k == "data-name"]

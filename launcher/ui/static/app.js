@@ -236,6 +236,7 @@
       const why = a.reason || (a.cause && (a.cause.headline || a.cause.name)) || '';
       const code = a.exit_code != null ? ` exit ${a.exit_code}` : '';
       if (why || code) li.append(` · ${why}${code}`);
+      if (a.hosts) li.append(` · hosts: ${a.hosts}`);
       if (a.end == null) li.append(' · running');
       ol.append(li);
     }
