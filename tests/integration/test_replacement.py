@@ -62,3 +62,23 @@ def test_a_lost_mxnet_worker_is_replaced_in_place(cluster: Cluster, mxnet: str, 
     pulled = [x for x in r.stdout.splitlines() if "pulled" in x]
     assert len(pulled) == 2 and "wrong result" not in r.stdout + r.stderr, pulled
     _nothing_left(cluster)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("victim", ["server-0", "scheduler"])
+def test_a_lost_server_or_scheduler_still_restarts_the_whole_job(request: pytest.FixtureRequest, tmp_path: Path,
+                                                                 victim: str) -> None:
+    """Only workers are replaced in place: a server holds its share of the parameters and the
+    scheduler the membership, so losing either restarts every role (out of the same budget)."""
+    cluster = make_cluster("local", tmp_path, request)
+    summary = tmp_path / "summary.json"
+    r = cluster.run("-n", "2", "-s", "1", "--kill-grace", "1", "--max-restarts", "1", "--restart-delay", "0",
+                    "--restart-scope", "process", "--summary-json", str(summary),
+                    *cluster.probe("--listen", "--sleep", "3", "--kill-self", f"{victim}:KILL:1", "--on-attempts", "0"),
+                    timeout=100)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(summary.read_text())
+    assert [(a["attempt"], a["reason"]) for a in doc["attempts"]] == [(0, "failure"), (1, "success")]
+    assert doc["attempts"][0]["cause"]["process"] == victim and doc["replacements"] == []
+    assert "replacing it in place" not in r.stderr and "restarting every process" in r.stderr, r.stderr
+    _nothing_left(cluster)
