@@ -41,6 +41,7 @@ from torch import nn
 
 from trainer.data import MNIST, atomic_write, batches_per_epoch, epoch_batches
 from trainer.data import split_batch as data_split_batch
+from trainer.kv.recovery import resume_position
 from trainer.metrics import MetricsFile
 from trainer.models import create_model, num_parameters
 
@@ -648,6 +649,13 @@ def fit(cfg: TrainConfig, kv: Any, data: MNIST, *, plot: str | None = None,
         kv.set_optimizer_states(states)
     if kv_type.startswith("dist"):
         log.info("Resizing training data to %d batches per machine", epoch_size)
+    # A replacement of a lost worker (--restart-scope process) goes on where that one was: the
+    # servers counted its pushes, so the job makes as many updates as an uninterrupted run.
+    resumed_step = getattr(kv, "resume_step", None)
+    if resumed_step is not None:
+        position = resume_position(position, resumed_step, epoch_size)
+        log.info("Replacing a lost worker: going on at epoch %d batch %d (step %d of this attempt, "
+                 "from the servers)", *position, resumed_step)
 
     def save(epoch_done: int, batch: int) -> None:
         """Rank 0 writes the checkpoint of this position; then the older within-epoch ones go."""
@@ -732,6 +740,7 @@ def fit(cfg: TrainConfig, kv: Any, data: MNIST, *, plot: str | None = None,
         "train_accuracy": summary_epochs[-1]["train_accuracy"],
         "validation_accuracy": summary_epochs[-1]["validation_accuracy"],
         "epochs": summary_epochs,
+        **({"resumed_at_step": resumed_step} if resumed_step is not None else {}),
     }
 
 

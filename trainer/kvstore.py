@@ -201,6 +201,12 @@ class _DistStore(KVStore):
     def num_workers(self) -> int:
         return self._client.num_workers
 
+    @property
+    def resume_step(self) -> int | None:
+        """On a replacement of a lost worker (``PSLAUNCH_REPLACEMENT``): the step its
+        predecessor had reached, from the servers, where training goes on; else None."""
+        return self._client.resume_step
+
     def _merged(self, vals: list[torch.Tensor]) -> tuple[np.ndarray, bool]:
         if len(vals) == 1:
             return _flat_numpy(vals[0])

@@ -90,6 +90,7 @@ def _bare_client(rank: int = 1) -> C.KVClient:
     kv = C.KVClient.__new__(C.KVClient)
     kv.closed, kv.aborted, kv.asynchronous, kv.has_optimizer = False, None, False, False
     kv.rank, kv.keys, kv.placement = rank, {}, Placement(2)
+    kv._steps = {}
     return kv
 
 
@@ -118,7 +119,7 @@ def test_a_dist_async_barrier_first_confirms_this_workers_pushes(monkeypatch) ->
                "small": KeyInfo(1, 1, 3, [Part(1, 0, 0, 3)])}
     sent: list[tuple] = []
 
-    def fake_send(link, cmd, kind, batch, targets=None, count=0, flags=0, payload=()):
+    def fake_send(link, cmd, kind, batch, targets=None, count=0, flags=0, payload=(), step=0):
         items = list(P.ITEM.iter_unpack(payload[0]))
         sent.append((link, cmd, items, [len(p) for p in payload[1:]]))
         if batch is not None:

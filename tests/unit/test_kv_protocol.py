@@ -71,6 +71,8 @@ MESSAGES = [
     (P.GET_STATES, dict(req=15), []),
     (P.SET_STATES, dict(req=16), [P.dumps({"slots": []}), TENSOR]),
     (P.STOP, dict(req=17), []),
+    (P.PUSH, dict(key=3, req=18, count=1, flags=P.F_STEP, status=41), [INDEX, TENSOR]),
+    (P.STEPS, dict(req=19), []),
 ]
 
 

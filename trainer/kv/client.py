@@ -18,6 +18,17 @@ Messages: a call sends one tensor batch per server (several for more than
 :data:`~trainer.kv.protocol.BATCH_BYTES` of data), planned once per list of
 keys (:meth:`KVClient._plan`) and reused, so a training step costs a few
 messages whatever the number of parameters.
+
+Steps: the client counts its pushes per key part, and every push carries
+that count (``F_STEP``), so a server ignores a step it already has from this
+rank. A replacement worker (``READY`` with ``recovery``, see
+:mod:`trainer.kv.recovery`) asks the servers where its rank was
+(:attr:`KVClient.resume_step`), counts from there, and until its first push
+skips the start's collectives: ``init`` sends no values and waits at no
+barrier, ``set_optimizer`` and ``set_states`` send nothing (the servers hold
+the job's weights and optimizer; the other workers are training, not waiting
+at a barrier). Under dist_sync the others wait at their next step's pull
+until it pushes.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ import pscontract as pc
 from pscontract import ClusterEnv
 
 from . import protocol as P
+from . import recovery as R
 from .errors import (
     KVAbortedByScheduler,
     KVAbortError,
@@ -272,6 +284,14 @@ class KVClient:
         KVAuthError, KVTimeoutError, KVAbortError: start-up failed.
     """
 
+    #: a replacement of a lost worker (READY said ``recovery``); see the module docstring
+    recovery = False
+    #: on a replacement, the step where its lost predecessor was (from the servers); else None
+    resume_step: int | None = None
+    _rejoining = False
+    _announce = False
+    _step0 = 0
+
     def __init__(self, env: ClusterEnv, secret: bytes, asynchronous: bool = False) -> None:
         if env.num_servers < 1:
             raise KVConfigError(f"a dist kvstore needs at least one server ({pc.NUM_SERVER}=0): "
@@ -328,6 +348,10 @@ class KVClient:
         self.rank = int(ready["rank"])
         self.num_workers = int(ready["num_workers"])
         self.num_servers = int(ready["num_servers"])
+        #: a replacement of a lost worker, joining a job under way
+        self.recovery = ready.get("recovery") is True
+        #: until the first push: skip the start's collectives (see the module docstring)
+        self._rejoining = self.recovery
         self.v.who = f"W[{self.rank}]"
         for r, (host, port) in enumerate(ready["servers"]):
             self.links.append(Link(self.ctx, host, int(port), self.secret,
@@ -360,6 +384,24 @@ class KVClient:
         self.placement = Placement(self.num_servers, env.bigarray_bound)
         self._plans: dict[tuple[Hashable, ...], list[_Out]] = {}
         self._staging: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
+        #: (key id, part) -> the step of our next push there (the pushes made so far)
+        self._steps: dict[tuple[int, int], int] = {}
+        if self.recovery:
+            self.resume_step = self._ask_steps()
+            logger.warning("%s replaces a lost worker: rank %d was at step %d", self.v.who,
+                           self.rank, self.resume_step)
+        self._step0 = self.resume_step or 0
+        #: a replacement says once when the answer to its first push came: training again
+        self._announce = self.recovery
+
+    def _ask_steps(self) -> int:
+        """Where this rank was: every server's STEPS answer, the smallest (:mod:`.recovery`)."""
+        batch = self._all_servers(P.STEPS, kind=_JSON)
+        answers: list[int | None] = []
+        for msg in batch.results:
+            step = msg.json().get("step")
+            answers.append(step if type(step) is int and step >= 0 else None)
+        return R.resume_step(answers)
 
     # --- receiving ------------------------------------------------------------------------
     def _on_pipe(self) -> None:
@@ -476,7 +518,7 @@ class KVClient:
 
     def _send(self, link: Link, cmd: int, kind: int | None, batch: _Batch | None,
               targets: Any = None, count: int = 0, flags: int = 0,
-              payload: Sequence[Any] = ()) -> int:
+              payload: Sequence[Any] = (), step: int = 0) -> int:
         """Send a request; ``kind`` None means no reply is expected (a plain push).
         Returns the request id."""
         self._req = req = (self._req + 1) & 0xFFFFFFFF
@@ -487,7 +529,7 @@ class KVClient:
         key = part = 0
         if cmd in P.BATCH_COMMANDS and count:  # the first item, for PS_VERBOSE=2 lines
             key, part = _FIRST_ITEM.unpack_from(payload[0])
-        link.send(cmd, key, part, req, 0, 0, count, flags, payload, copy=False)
+        link.send(cmd, key, part, req, step, 0, count, flags, payload, copy=False)
         return req
 
     def _stage(self, slot: tuple[int, int], view: np.ndarray) -> np.ndarray:
@@ -570,6 +612,8 @@ class KVClient:
         parts = self.placement.assign([(a.size, a.itemsize) for _, a, _ in new])
         for (key, arr, code), p in zip(new, parts):
             self.keys[key] = KeyInfo(len(self.keys), code, arr.size, p)
+        if self._rejoining:  # the servers hold the job's values; nobody waits at a barrier
+            return
         if self.rank == 0 and new:
             batch = _Batch()
             arrays = [arr for _, arr, _ in new]
@@ -601,6 +645,7 @@ class KVClient:
                                 "kv.set_optimizer(...) on every worker before the first push")
         self._check_arrays(keys, arrays)
         plan = self._plan(keys)
+        self._rejoining = False
         batch = _Batch() if dests is not None else None
         flags = self._flags | (P.F_PULL if dests is not None else 0)
         if dests is not None:
@@ -609,6 +654,7 @@ class KVClient:
             kind = None if self.asynchronous else _STASH
         latest, stash = self._latest, self._stash
         links = self.links
+        steps, step0 = self._steps, self._step0
         # A pushpull waits for its answer, and the server answers once it has all the
         # data: the caller's arrays can go as they are. A plain push returns at once, and
         # the caller may change its arrays then: big ones go through buffers of ours.
@@ -629,8 +675,18 @@ class KVClient:
                     stash.pop(slot, None)
                 elif kind == _STASH:
                     targets.append(slot)
+            # The step of every item of the message, when they agree (a training loop pushes
+            # each key once a step); the server then ignores a step it has from this rank.
+            step = steps.get(out.items[0][4], step0)
+            same = True
+            for item in out.items:
+                slot = item[4]
+                taken = steps.get(slot, step0)
+                same = same and taken == step
+                steps[slot] = taken + 1
             req = self._send(links[out.server], P.PUSH, kind, batch, targets,
-                             count=len(out.items), flags=flags, payload=payload)
+                             count=len(out.items), flags=flags | (P.F_STEP if same else 0),
+                             payload=payload, step=step & 0xFFFFFFFF)
             if kind == _STASH:
                 for slot in targets:
                     latest[slot] = req
@@ -643,8 +699,16 @@ class KVClient:
                         self._unconfirmed[out.server] = mark
         if batch is not None:
             self._wait(batch)
+            if self._announce:
+                self._training_again()
         else:
             self._raise_errors()
+
+    def _training_again(self) -> None:
+        """A replacement's first push was answered (its step counted): one line, once."""
+        self._announce = False
+        logger.warning("%s is training again: the answer to its first push came %.2f s after "
+                       "it started", self.v.who, time.monotonic() - self.started)
 
     def pull(self, keys: Sequence[Hashable], dests: Sequence[np.ndarray]) -> None:
         """Copy the current values into flat ``dests`` (after this worker's own pushes).
@@ -688,6 +752,8 @@ class KVClient:
             else:
                 np.copyto(view, np.frombuffer(value.buffer, view.dtype))
         self._wait(batch)
+        if self._announce and self._steps:
+            self._training_again()
 
     def barrier(self, group: int = P.GROUP_WORKERS) -> None:
         """Block until every member of ``group`` has reached its barrier.
@@ -733,6 +799,9 @@ class KVClient:
         """Rank 0 installs the optimizer (a JSON spec) on every server; all workers sync."""
         self._check()
         body = P.dumps(wd_mult_to_ids(spec, self.keys))  # on every rank: the same error
+        if self._rejoining:  # the servers have the job's optimizer (and its states)
+            self.has_optimizer = True
+            return
         if self.rank == 0:
             self._all_servers(P.SET_OPTIMIZER, [[body]] * len(self.links))
         self.barrier()
@@ -776,6 +845,9 @@ class KVClient:
         self._check()
         if spec is not None:
             spec = wd_mult_to_ids(spec, self.keys)
+        if self._rejoining:  # the servers hold the job's states: restoring them would go back
+            self.has_optimizer = self.has_optimizer or spec is not None
+            return
         if self.rank == 0:
             metas: list[dict[str, Any]] = [{"optimizer": spec, "slots": []} for _ in self.links]
             frames: list[list[Any]] = [[] for _ in self.links]

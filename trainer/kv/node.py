@@ -1,4 +1,12 @@
-"""A worker's or server's connection to the scheduler: register, heartbeat, notice loss."""
+"""A worker's or server's connection to the scheduler: register, heartbeat, notice loss.
+
+A replacement worker (``PSLAUNCH_REPLACEMENT=k``) says so in its ``REGISTER``
+(``replacement``: k), which makes the scheduler give it the lost worker's rank
+(:mod:`trainer.kv.recovery`). Under ``PSLAUNCH_RESTART_SCOPE=process`` the
+scheduler's heartbeat silence counts only after
+:func:`~trainer.kv.recovery.silence_limit`: its closed connection is the
+signal that acts at once.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +22,7 @@ import pscontract as pc
 from pscontract import ClusterEnv
 
 from . import protocol as P
+from . import recovery as R
 from .errors import KVAuthError, KVTimeoutError, own_rank, report_cause
 from .transport import Link, Verbose, probe_tcp, scheduler_address
 
@@ -53,6 +62,9 @@ class SchedulerSession:
         self.connected = False
         self.role = env.role
         self.rank = own_rank(env.role, env.task_id, env.num_workers)
+        #: k for the k-th replacement of this worker; 0 for an original process
+        self.replacement = R.replacement_number(os.environ) if env.role == "worker" else 0
+        self.silence = R.silence_limit(env.heartbeat_timeout, R.replaces_workers(os.environ))
 
     def connect(self, deadline: float, role: str, host: str, port: int = 0,
                 service: Callable[[], None] | None = None,
@@ -139,9 +151,11 @@ class SchedulerSession:
     def _register(self, role: str, host: str, port: int, started: float) -> None:
         self.connected = True
         self.v("is connected to %s after %.2f s", self.name, time.monotonic() - started)
-        self.link.send_json(P.REGISTER, {
-            "role": role, "task_id": self.env.task_id, "host": host, "port": port,
-            "pid": os.getpid(), "hostname": socket.gethostname()})
+        info = {"role": role, "task_id": self.env.task_id, "host": host, "port": port,
+                "pid": os.getpid(), "hostname": socket.gethostname()}
+        if self.replacement:
+            info["replacement"] = self.replacement
+        self.link.send_json(P.REGISTER, info)
         self.last_rx = time.monotonic()
 
     def receive(self) -> list[P.Message]:
@@ -171,8 +185,8 @@ class SchedulerSession:
             if now >= self.next_heartbeat:
                 self.link.send(P.HEARTBEAT)
                 self.next_heartbeat = now + env.heartbeat_interval
-            if env.heartbeat_timeout > 0 and now - self.last_rx > env.heartbeat_timeout:
-                return (f"{self.name} has not answered for {env.heartbeat_timeout:g} s "
+            if self.silence > 0 and now - self.last_rx > self.silence:
+                return (f"{self.name} has not answered for {self.silence:g} s "
                         f"({pc.HEARTBEAT_TIMEOUT}): it hangs, or its host is unreachable")
         return None
 

@@ -7,12 +7,13 @@ socket sees the peer's routing id in front). The header frame is a fixed
     offset size field
     0      1    version   (VERSION; anything else is dropped)
     1      1    cmd       (one of the command constants below)
-    2      1    flags     (F_MAC, F_PULL, F_ASYNC)
+    2      1    flags     (F_MAC, F_PULL, F_ASYNC, F_STEP)
     3      1    dtype     (unused by tensor batches, whose items carry their own; else 0)
     4      4    key       (first item's key id for a batch; the barrier group for BARRIER/RELEASE)
     8      4    part      (first item's part for a batch)
     12     4    req       (request id, echoed in the reply)
-    16     4    status    (0, or ST_ERROR in a reply whose payload is the message)
+    16     4    status    (0, or ST_ERROR in a reply whose payload is the message;
+                           a PUSH with F_STEP: the worker's step of its items)
     20     8    seq       (per-session, per-direction sequence number, strictly increasing)
     28     8    count     (number of items of a tensor batch)
     36     32   mac       HMAC-SHA256(direction key, header[0:36] + T(covered frames))
@@ -128,6 +129,8 @@ GET_STATES = 35
 SET_STATES = 36
 STOP = 37
 VALUES = 38
+#: a replacement worker asks where its rank was (:mod:`trainer.kv.recovery`); REPLY: JSON
+STEPS = 39
 
 COMMAND_NAMES = {
     HELLO: "HELLO", CHALLENGE: "CHALLENGE", AUTH: "AUTH", AUTH_FAIL: "AUTH_FAIL",
@@ -135,7 +138,7 @@ COMMAND_NAMES = {
     BARRIER: "BARRIER", RELEASE: "RELEASE", FAIL: "FAIL", ABORT: "ABORT",
     FINALIZE: "FINALIZE", DONE: "DONE", INIT: "INIT", PUSH: "PUSH", PULL: "PULL",
     REPLY: "REPLY", SET_OPTIMIZER: "SET_OPTIMIZER", GET_STATES: "GET_STATES",
-    SET_STATES: "SET_STATES", STOP: "STOP", VALUES: "VALUES",
+    SET_STATES: "SET_STATES", STOP: "STOP", VALUES: "VALUES", STEPS: "STEPS",
 }
 _HANDSHAKE = frozenset({HELLO, CHALLENGE, AUTH, AUTH_FAIL})
 #: Tensor batches: an index frame, then (except PULL) one data frame per item.
@@ -146,7 +149,8 @@ SEALED_COMMANDS = frozenset(COMMAND_NAMES) - _HANDSHAKE
 F_MAC = 1      # the MAC covers every payload frame (a batch without it: the index only)
 F_PULL = 2     # PUSH: answer with the updated values (pushpull)
 F_ASYNC = 4    # PUSH/PULL: dist_async (apply at once instead of summing a round)
-_KNOWN_FLAGS = F_MAC | F_PULL | F_ASYNC
+F_STEP = 8     # PUSH: ``status`` holds the worker's step of every item (repeats are ignored)
+_KNOWN_FLAGS = F_MAC | F_PULL | F_ASYNC | F_STEP
 
 # --- reply status --------------------------------------------------------------
 ST_OK = 0
@@ -351,7 +355,7 @@ def check_structure(cmd: int, flags: int, count: int,
             if _nbytes(frame) != elements * spec[1]:
                 raise ProtocolError("malformed", "payload size does not match count and dtype")
         return items
-    if cmd in (STOP, HEARTBEAT, BARRIER, RELEASE, FINALIZE, DONE, AUTH_OK, GET_STATES):
+    if cmd in (STOP, HEARTBEAT, BARRIER, RELEASE, FINALIZE, DONE, AUTH_OK, GET_STATES, STEPS):
         if n:
             raise ProtocolError("malformed", "unexpected payload")
     elif cmd in (REGISTER, READY, FAIL, ABORT, SET_OPTIMIZER):

@@ -17,6 +17,21 @@ Unlike ps-lite, a node that dies (its connection closes, or it sends no
 heartbeat for ``PS_HEARTBEAT_TIMEOUT`` seconds), reports a failure, or has
 not registered in time makes the scheduler send ``ABORT`` with a reason
 naming that node to everyone, and exit non-zero. Nothing waits forever.
+
+**A lost worker replaced in place** (``PSLAUNCH_RESTART_SCOPE=process``, see
+:mod:`trainer.kv.recovery`). A worker whose connection closes, or that reports
+a failure, is taken out of the job instead: one line names it and says that
+the scheduler waits for its replacement, at most ``PS_START_TIMEOUT``; then
+the scheduler aborts the job as above, naming the worker. Barriers and the
+final handshake wait for the replacement meanwhile. A ``REGISTER`` with
+``replacement`` >= 1 and the worker's task id takes that rank at once, also
+while the old worker still looks connected (the launcher starts a replacement
+only once the old process ended), and gets ``READY`` with ``recovery``. A
+worker that sends no heartbeat for ``PS_HEARTBEAT_TIMEOUT`` is named once and
+keeps its place; it is aborted only after ``PS_HEARTBEAT_TIMEOUT +
+PS_START_TIMEOUT`` of silence. A lost server still ends the job. A
+``REGISTER`` that does not fit (not a replacement, no such worker, a
+malformed one) is turned away or dropped; it never ends the scheduler.
 """
 
 from __future__ import annotations
@@ -25,6 +40,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
@@ -32,10 +48,20 @@ import pscontract as pc
 from pscontract import ClusterEnv
 
 from . import protocol as P
+from . import recovery as R
 from .errors import KVAbortError, own_rank, report_cause
 from .transport import CLEAN_LINGER_MS, Hub, Verbose, scheduler_address
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Lost:
+    """A worker taken out of the job, waiting for its replacement (scope process)."""
+
+    node: NodeInfo
+    since: float
+    why: str
 
 
 @dataclass
@@ -52,6 +78,8 @@ class NodeInfo:
     rank: int = -1
     last_seen: float = field(default_factory=time.monotonic)
     finalized: bool = False
+    #: its heartbeat silence was reported (scope process: it keeps its place)
+    silent: bool = False
 
     @property
     def name(self) -> str:
@@ -92,8 +120,14 @@ class Scheduler:
         secret: the job's HMAC key.
     """
 
-    def __init__(self, env: ClusterEnv, secret: bytes) -> None:
+    def __init__(self, env: ClusterEnv, secret: bytes, replace_workers: bool | None = None) -> None:
         self.env = env
+        #: a lost worker will be replaced (PSLAUNCH_RESTART_SCOPE=process): wait for it
+        self.replacing = (R.replaces_workers(os.environ) if replace_workers is None
+                          else replace_workers)
+        #: worker rank -> the lost worker whose replacement is awaited
+        self.lost: dict[int, Lost] = {}
+        self.book: list[list[Any]] = []
         self.v = Verbose(env.verbose, "H")
         self.ctx = zmq.Context()
         self.hub = Hub(self.ctx, secret, env.mac_payload, self.v, watch=True)
@@ -153,6 +187,10 @@ class Scheduler:
         if role not in ("worker", "server"):
             self.hub.drops.drop("malformed", peer.label)
             return
+        number = info.get("replacement")
+        if (role == "worker" and self.replacing and type(number) is int and number >= 1
+                and self._take_over(peer, info, number)):
+            return
         if self.ready or sum(1 for n in self.nodes.values() if n.role == role) >= self.expected[role]:
             count_var = pc.NUM_WORKER if role == "worker" else pc.NUM_SERVER
             reason = (f"one {role} more than {count_var}={self.expected[role]} "
@@ -176,11 +214,73 @@ class Scheduler:
         if len(self.nodes) == sum(self.expected.values()):
             self._start()
 
+    # --- a lost worker and its replacement (scope process) ---------------------------------
+    def _replaceable(self, node: NodeInfo) -> bool:
+        """A worker whose loss the job waits out (its replacement will take its rank)."""
+        return (self.replacing and node.role == "worker" and not node.finalized
+                and node.culprit(self.env.num_workers)[1] is not None)
+
+    def _remove(self, node: NodeInfo) -> None:
+        """Take ``node`` out of the job's tables (its connection may linger: it is a stranger now)."""
+        self.nodes.pop(node.peer.rid, None)
+        for waiting in self.barriers.values():
+            waiting.discard(node.peer.rid)
+
+    def _lose(self, node: NodeInfo, why: str, now: float) -> None:
+        """Wait for ``node``'s replacement, saying so in one line."""
+        self._remove(node)
+        rank = node.culprit(self.env.num_workers)[1]
+        assert rank is not None
+        self.lost[rank] = Lost(node, now, why)
+        logger.warning("%s %s %s: waiting up to %g s (%s) for its replacement", self.v.who,
+                       node.name, why, self.env.start_timeout, pc.START_TIMEOUT)
+
+    def _take_over(self, peer: P.Peer, info: dict[str, Any], number: int) -> bool:
+        """A replacement's REGISTER: give it its predecessor's rank. False when it replaces
+        nobody (before the start: then it registers as any worker does)."""
+        task = info.get("task_id")
+        if type(task) is not int or not 0 <= task < self.env.num_workers:
+            self.hub.drops.drop("malformed", peer.label)
+            return True
+        old = next((n for n in self.nodes.values() if n.role == "worker" and n.task_id == task),
+                   None)
+        lost = next((r for r, x in self.lost.items() if x.node.task_id == task), None)
+        if old is None and lost is None:
+            if self.ready:  # every worker is in place: it replaces nobody
+                logger.warning("%s turned away a replacement for worker task %d (pid %s on %s): "
+                               "that worker is neither lost nor registered", self.v.who, task,
+                               info.get("pid"), info.get("host"))
+                self.hub.drops.drop("malformed", peer.label)
+                return True
+            return False
+        if old is not None:  # its REGISTER proves the old process gone: no need to wait for it
+            self._remove(old)
+            prev = old
+        else:
+            prev = self.lost[lost].node  # type: ignore[index]
+        if lost is not None:
+            del self.lost[lost]
+        node = NodeInfo(peer=peer, role="worker", task_id=task,
+                        host=str(info.get("host", peer.address)), port=int(info.get("port") or 0),
+                        pid=int(info.get("pid") or 0), order=prev.order, rank=prev.rank)
+        self.nodes[peer.rid] = node
+        peer.label = node.name
+        peer.info = node
+        logger.warning("%s %s (replacement %d) takes the place of %s", self.v.who, node.name,
+                       number, prev.name)
+        if self.ready:
+            self.hub.send_json(peer, P.READY, {
+                "rank": node.rank, "num_workers": self.env.num_workers,
+                "num_servers": self.env.num_servers, "servers": self.book, "recovery": True})
+        elif len(self.nodes) == sum(self.expected.values()):
+            self._start()
+        return True
+
     def _start(self) -> None:
         nodes = sorted(self.nodes.values(), key=lambda n: n.order)
         assign_ranks(nodes, self.env.num_workers)
         servers = sorted((n for n in nodes if n.role == "server"), key=lambda n: n.rank)
-        book = [[n.host, n.port] for n in servers]
+        self.book = book = [[n.host, n.port] for n in servers]
         for n in nodes:
             n.peer.label = n.name
             self.v("assign rank=%d to node role=%s, ip=%s, port=%d, task=%s, pid=%d",
@@ -236,13 +336,16 @@ class Scheduler:
         elif cmd == P.FAIL:
             info = msg.json()
             reason = info.get("reason") if isinstance(info, dict) else None
+            if self._replaceable(node):
+                self._lose(node, f"failed ({reason or 'no reason given'})", now)
+                return False
             self.abort(f"{node.name} failed: {reason or 'no reason given'}",
                        node.culprit(self.env.num_workers))
         elif cmd == P.FINALIZE:
             node.finalized = True
             done = sum(1 for n in self.nodes.values() if n.finalized)
             self.v("Barrier count for finalize : %d", done)
-            if self.ready and done == len(self.nodes):
+            if self.ready and done == len(self.nodes) and not self.lost:
                 for n in self.nodes.values():
                     self.hub.send(n.peer, P.DONE)
                 return True
@@ -260,13 +363,36 @@ class Scheduler:
                        f"{missing} to register with the scheduler at "
                        f"{self.host}:{env.root_port}: check that they started and can reach it",
                        first)
+        for rank, lost in list(self.lost.items()):
+            if now - lost.since > env.start_timeout:
+                self.abort(f"{lost.node.name} {lost.why}, and no replacement registered within "
+                           f"{env.start_timeout:g} s ({pc.START_TIMEOUT})", ("worker", rank))
         timeout = env.heartbeat_timeout
         if timeout > 0 and env.heartbeat_interval > 0:
-            for n in self.nodes.values():
-                if not n.finalized and now - n.last_seen > timeout:
-                    self.abort(f"{n.name} sent no heartbeat for {timeout:g} s "
-                               f"({pc.HEARTBEAT_TIMEOUT}): it hangs, or its host is unreachable",
-                               n.culprit(self.env.num_workers))
+            for n in list(self.nodes.values()):
+                if not n.finalized:
+                    self._check_silence(n, now - n.last_seen, timeout)
+
+    def _check_silence(self, n: NodeInfo, silent: float, timeout: float) -> None:
+        """Abort for a node silent too long; under scope process a silent worker keeps its
+        place (a busy one on a loaded host) and only a long silence ends the job."""
+        limit = timeout
+        if self._replaceable(n):
+            if silent <= timeout:
+                n.silent = False
+                return
+            if not n.silent:
+                n.silent = True
+                logger.warning("%s %s sent no heartbeat for %g s (%s); it keeps its place until "
+                               "its connection closes or a replacement registers", self.v.who,
+                               n.name, timeout, pc.HEARTBEAT_TIMEOUT)
+            limit = timeout + self.env.start_timeout
+        elif self.replacing:
+            limit = R.silence_limit(timeout, True)
+        if silent > limit:
+            self.abort(f"{n.name} sent no heartbeat for {limit:g} s "
+                       f"({pc.HEARTBEAT_TIMEOUT}): it hangs, or its host is unreachable",
+                       n.culprit(self.env.num_workers))
 
     # --- main loop ----------------------------------------------------------------------
     def run(self) -> None:
@@ -307,7 +433,9 @@ class Scheduler:
                 for peer in gone:
                     self.hub.forget(peer)
                     node = self.nodes.get(peer.rid)
-                    if node is not None and not node.finalized:
+                    if node is not None and self._replaceable(node):
+                        self._lose(node, "disconnected (it exited or was killed)", now)
+                    elif node is not None and not node.finalized:
                         self.abort(f"{node.name} disconnected before the end of the job: it "
                                    "exited or was killed (see its output)",
                                    node.culprit(self.env.num_workers))

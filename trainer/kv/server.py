@@ -18,6 +18,17 @@ as below, and the request gets one answer when all its items are done: a
 * ``PULL``: answered at once from the value, or held until the round
   completes when the same worker has pushed into the current round.
 * ``SET_OPTIMIZER`` (JSON spec), ``GET_STATES``/``SET_STATES``, ``STOP``.
+* ``STEPS``: where this worker's rank is (a replacement asks, see below).
+
+**Repeated pushes** (:mod:`trainer.kv.recovery`). A worker's ``REGISTER`` to
+the server names its rank, and rounds count ranks, not connections. Each
+slot counts the pushes it took per rank; a push with ``F_STEP`` whose step
+the slot already has from that rank is a repeat: never summed or applied
+again, only answered with the value of its round (held until that round
+completes, when it is the current one). A replacement worker pushes again the
+step its lost predecessor had half pushed, and the job still makes exactly one
+update per round. Answers to a lost worker's connection go nowhere (the send
+fails, quietly); a round it had joined completes with the others' pushes.
 
 Values are sent without a copy: a value is always a received ZeroMQ frame
 (rank 0's init, or the first push of a round that the others were added to),
@@ -42,6 +53,7 @@ import pscontract as pc
 from pscontract import ClusterEnv
 
 from . import protocol as P
+from . import recovery as R
 from .errors import KVAbortedByScheduler, KVAbortError, KVTimeoutError
 from .node import SchedulerSession
 from .optim import OptimizerError, Updater, create_optimizer
@@ -53,11 +65,17 @@ _NP_DTYPES = {code: np.dtype(name) for code, (name, _) in P.DTYPES.items()}
 _PUSH, _PULL = 0, 1
 
 
+def who(peer: P.Peer) -> Any:
+    """Whom a push counts for: the worker rank its ``REGISTER`` named, else the connection."""
+    info = peer.info
+    return info if type(info) is int else peer.rid
+
+
 class Slot:
     """One stored array (a key, or one part of a split key) and its sync round."""
 
     __slots__ = ("value", "frame", "code", "count", "merged", "merged_frame", "pushed", "pending",
-                 "backlog")
+                 "backlog", "taken")
 
     def __init__(self, frame: zmq.Frame, code: int) -> None:
         self.frame = frame
@@ -66,15 +84,18 @@ class Slot:
         self.count = self.value.size
         self.merged: np.ndarray | None = None
         self.merged_frame: zmq.Frame | None = None
-        self.pushed: set[bytes] = set()
+        #: who (:func:`who`) has pushed into the current round
+        self.pushed: set[Any] = set()
+        #: who -> pushes taken from it (the step its next push has)
+        self.taken: dict[Any, int] = {}
         #: (answer, item) of every push and pull that gets this round's value
         self.pending: list[tuple[Answer, int]] = []
         #: requests of the next round: (kind, answer, item, data frame)
         self.backlog: list[tuple[int, Answer, int, Any]] = []
 
-    def queued(self, rid: bytes) -> bool:
-        """True when a request of this peer waits for the slot's next round."""
-        return any(a.peer.rid == rid for _, a, _, _ in self.backlog)
+    def queued(self, whom: Any) -> bool:
+        """True when a request of this worker waits for the slot's next round."""
+        return any(who(a.peer) == whom for _, a, _, _ in self.backlog)
 
 
 class Answer:
@@ -137,6 +158,10 @@ class Shard:
         self.who = who
         self.slots: dict[tuple[int, int], Slot] = {}
         self.updater: Updater | None = None
+        #: updates made (a sync round completed, an async push applied), per slot summed
+        self.updates = 0
+        #: pushes ignored as repeats of a step already taken (:mod:`trainer.kv.recovery`)
+        self.repeats = 0
 
     def handle(self, peer: P.Peer, msg: P.Message) -> bool:
         """Serve one data-plane request; False when ``msg`` is not one."""
@@ -153,6 +178,8 @@ class Shard:
             self._get_states(peer, msg)
         elif cmd == P.SET_STATES:
             self._set_states(peer, msg)
+        elif cmd == P.STEPS:
+            self._steps(peer, msg)
         else:
             return False
         return True
@@ -223,12 +250,30 @@ class Shard:
             else:
                 self._push_sync(a, i, key, part, slot, frame)
 
+    def _repeat(self, a: Answer, slot: Slot, whom: Any) -> int:
+        """:func:`trainer.kv.recovery.push_kind` of a push (NEW without ``F_STEP``)."""
+        msg = a.msg
+        if not msg.flags & P.F_STEP:
+            return R.NEW
+        kind = R.push_kind(msg.status, slot.taken.get(whom, 0), whom in slot.pushed)
+        if kind != R.NEW:
+            self.repeats += 1
+        return kind
+
     def _push_sync(self, a: Answer, i: int, key: int, part: int, slot: Slot, frame: Any) -> None:
-        rid = a.peer.rid
-        if rid in slot.pushed or slot.queued(rid):  # its next round (keep its order)
+        whom = who(a.peer)
+        kind = self._repeat(a, slot, whom)
+        if kind == R.REPEAT_IN_ROUND:
+            slot.pending.append((a, i))  # already summed: the round's value is its answer
+            return
+        if kind == R.REPEAT_DONE:
+            a.set(i, slot.frame)
+            return
+        if whom in slot.pushed or slot.queued(whom):  # its next round (keep its order)
             slot.backlog.append((_PUSH, a, i, frame))
             return
-        slot.pushed.add(rid)
+        slot.pushed.add(whom)
+        slot.taken[whom] = slot.taken.get(whom, 0) + 1
         grad = np.frombuffer(frame.buffer, _NP_DTYPES[slot.code])
         if slot.merged is None:
             slot.merged = grad
@@ -246,12 +291,18 @@ class Shard:
             a.fail(i, "a dist_async push arrived during a dist_sync round: every worker must "
                    "create the same kvstore type")
             return
+        whom = who(a.peer)
+        if self._repeat(a, slot, whom) != R.NEW:  # applied already: only answered
+            a.set(i, slot.value)
+            return
         grad = np.frombuffer(frame.buffer, _NP_DTYPES[slot.code])
         try:
             self.updater((key, part), slot.value, grad)  # type: ignore[misc]
         except (TypeError, ValueError) as e:
             a.fail(i, f"the optimizer failed on key {key}: {e}")
             return
+        slot.taken[whom] = slot.taken.get(whom, 0) + 1
+        self.updates += 1
         a.set(i, slot.value)
 
     def _complete(self, key: int, part: int, slot: Slot) -> None:
@@ -267,6 +318,8 @@ class Shard:
                 failed = f"the optimizer failed on key {key}: {e}"
         else:
             slot.value, slot.frame = merged, frame
+        if failed is None:
+            self.updates += 1
         pending = slot.pending
         slot.pending = []
         if failed is not None:
@@ -299,13 +352,24 @@ class Shard:
                     self._pull_item(a, i, slot)
 
     def _pull_item(self, a: Answer, i: int, slot: Slot) -> None:
-        rid = a.peer.rid
-        if slot.queued(rid):  # after this worker's queued push
+        whom = who(a.peer)
+        if slot.queued(whom):  # after this worker's queued push
             slot.backlog.append((_PULL, a, i, None))
-        elif rid in slot.pushed:
+        elif whom in slot.pushed:
             slot.pending.append((a, i))
         else:
             a.set(i, slot.frame)
+
+    def _steps(self, peer: P.Peer, msg: P.Message) -> None:
+        """Where the asking worker's rank is: the fewest pushes taken from it on any slot that
+        was pushed at all (``null`` when none was); see :mod:`trainer.kv.recovery`."""
+        whom = who(peer)
+        if type(whom) is not int:
+            self._error(peer, msg, "STEPS from a worker that has not registered its rank")
+            return
+        steps = [slot.taken.get(whom, 0) for slot in self.slots.values() if slot.taken]
+        self.send(peer, P.REPLY, msg.key, msg.part, msg.req,
+                  payload=[P.dumps({"step": min(steps) if steps else None})])
 
     # --- control ------------------------------------------------------------------------------
     def _set_optimizer(self, peer: P.Peer, msg: P.Message) -> None:
@@ -393,17 +457,25 @@ class Server:
         self.stopping = False
 
     def _hello(self, peer: P.Peer, msg: P.Message) -> None:
+        """A worker's ``REGISTER``: its name for log lines, and its rank, which its pushes
+        count for (a replacement takes its predecessor's place in every round)."""
         try:
             info = msg.json()
-            peer.label = f"worker {int(info['rank'])} (pid {int(info['pid'])} on {info['host']})"
+            rank = int(info["rank"])
+            if not 0 <= rank < self.env.num_workers:
+                raise ValueError(rank)
+            peer.label = f"worker {rank} (pid {int(info['pid'])} on {info['host']})"
         except (P.ProtocolError, KeyError, TypeError, ValueError, OverflowError):
             self.hub.drops.drop("malformed", peer.label)
+            return
+        peer.info = rank
 
     def _stop(self, peer: P.Peer, msg: P.Message) -> None:
         self.hub.send(peer, P.REPLY, msg.key, msg.part, msg.req)
         if not self.stopping:
             self.stopping = True
-            self.v("is stopping")
+            self.v("is stopping after %d updates (%d repeated pushes ignored)",
+                   self.shard.updates, self.shard.repeats)
             self.sched.link.send(P.FINALIZE)
 
     def _dispatch(self, peer: P.Peer, msg: P.Message) -> None:
