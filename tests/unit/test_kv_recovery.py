@@ -5,7 +5,10 @@ scheduler's rank takeover on loopback with hand-driven nodes."""
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,9 +20,10 @@ from test_kv_server import Recorder, tensor_msg, values
 from pscontract import ClusterEnv
 from trainer.kv import protocol as P
 from trainer.kv import recovery as R
+from trainer.kv.client import KVClient
 from trainer.kv.errors import KVAbortError, KVStoreError
 from trainer.kv.scheduler import Scheduler
-from trainer.kv.server import Shard
+from trainer.kv.server import Server, Shard
 from trainer.kv.transport import Link, Verbose
 
 # --- the rules --------------------------------------------------------------------------------
@@ -293,3 +297,113 @@ def test_a_stranger_without_the_secret_cannot_register_a_replacement(ctx: zmq.Co
     stranger.close(0)
     assert sorted(n.pid for n in sched.nodes.values()) == [1000, 1001]
     finish([a, b], run)
+
+
+# --- the whole protocol in this process: a scheduler, a server and three workers' clients ----------
+
+
+def node_env(role: str, port: int, task: int | None) -> ClusterEnv:
+    return ClusterEnv(role=role, root_uri="127.0.0.1", root_port=port, num_workers=2, num_servers=1,
+                      task_id=task, node_host="127.0.0.1", start_timeout=30,
+                      heartbeat_interval=0.5, heartbeat_timeout=0)
+
+
+class Thread:
+    """Run ``fn`` in a thread; ``join`` re-raises what it raised."""
+
+    def __init__(self, fn: Any) -> None:
+        self.error: BaseException | None = None
+        self.result: Any = None
+
+        def run() -> None:
+            try:
+                self.result = fn()
+            except BaseException as e:  # noqa: BLE001 - reported by join
+                self.error = e
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def join(self, timeout: float) -> Any:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "still running"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_replacement_goes_on_at_its_step_and_no_step_counts_twice(asynchronous: bool) -> None:
+    """Worker 1 makes 3 steps and half of the 4th (key 0 pushed, key 1 not), then its
+    connections close as a killed process's do; its replacement learns step 3 from the server,
+    pushes both keys of step 3 (key 0's is a repeat) and the rest. Every step is one update of
+    each key: with SGD at rate 1, w = -(1 + 2) per step, whatever the timing."""
+    steps = 6
+    port = free_port()
+    sched = Scheduler(node_env("scheduler", port, None), SECRET, replace_workers=True)
+    server = Server(node_env("server", port, 2), SECRET)
+    threads = [Thread(sched.run), Thread(server.run)]
+    keys = ["k0", "k1"]
+
+    def start(task: int, replacement: int = 0) -> KVClient:
+        if replacement:
+            os.environ[R.REPLACEMENT] = str(replacement)
+        try:
+            kv = KVClient(node_env("worker", port, task), SECRET, asynchronous=asynchronous)
+        finally:
+            os.environ.pop(R.REPLACEMENT, None)
+        kv.init(keys, [np.zeros(3, np.float32)] * 2)
+        kv.set_optimizer({"name": "sgd", "learning_rate": 1.0})
+        return kv
+
+    def step(kv: KVClient, grad: float, only_first: bool = False) -> np.ndarray:
+        for key in keys[:1] if only_first else keys:  # two messages, as two buckets go
+            kv.push([key], [np.full(3, grad, np.float32)])
+        if only_first:
+            return np.zeros(0)
+        out = [np.empty(3, np.float32), np.empty(3, np.float32)]
+        kv.pull(keys, out)
+        return out[1]
+
+    def worker0() -> np.ndarray:
+        kv = start(0)
+        for _ in range(steps):
+            step(kv, 1.0)
+        if asynchronous:
+            kv.barrier()  # every push of both workers applied
+        out = [np.empty(3, np.float32), np.empty(3, np.float32)]
+        kv.pull(keys, out)
+        kv.close()
+        return np.concatenate(out)
+
+    def worker1() -> None:
+        kv = start(1)
+        for _ in range(3):
+            step(kv, 2.0)
+        step(kv, 2.0, only_first=True)
+        end = time.monotonic() + 20  # the half step reached the server (linger 0 would drop it)
+        while server.shard.slots[(0, 0)].taken.get(1) != 4:
+            assert time.monotonic() < end, "worker 1's push of step 3 never arrived"
+            time.sleep(0.01)
+        kv._shutdown(0)  # its connections close, as a killed process's do
+
+    def replacement() -> int | None:
+        kv = start(1, replacement=1)
+        first = kv.resume_step
+        for _ in range(first or 0, steps):
+            step(kv, 2.0)
+        if asynchronous:
+            kv.barrier()
+        kv.close()
+        return first
+
+    w0 = Thread(worker0)
+    Thread(worker1).join(30)
+    resumed = Thread(replacement).join(60)
+    final = w0.join(60)
+    for t in threads:
+        t.join(30)
+    assert resumed == 3
+    assert final.tolist() == [-3.0 * steps] * 6
+    assert server.shard.updates == (2 * steps * 2 if asynchronous else 2 * steps)
+    assert server.shard.repeats == 1  # key 0 of step 3, pushed again by the replacement
