@@ -22,15 +22,17 @@ from trainer.kv import recovery as R
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
-#: 2 workers x 64 x 100 batches per epoch, 2 epochs: 200 steps per worker
-ARGS = ("--network", "mlp", "--num-epochs", "2", "--num-examples", "12800", "--batch-size", "64",
+#: 2 workers x 64 x 200 batches per epoch, 3 epochs: 600 steps per worker (dist_async's accuracy
+#: varies from run to run by 0.02 after 200 steps, less once it levels off)
+ARGS = ("--network", "mlp", "--num-epochs", "3", "--num-examples", "25600", "--batch-size", "64",
         "--disp-batches", "10", "--seed", "1")
+BATCHES = 200
 #: what pslaunch sets with --restart-scope process
 SCOPE = {R.RESTART_SCOPE: "process", pc.HEARTBEAT_INTERVAL: "1", pc.HEARTBEAT_TIMEOUT: "2",
          "OMP_NUM_THREADS": "1"}
-#: worker 1 is killed once it has logged this batch of epoch 0
-KILL_AFTER = 60
-STEPS = 200
+#: worker 1 is killed once it has logged this batch of epoch 1
+KILL_AFTER = 50
+STEPS = 3 * BATCHES
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -94,11 +96,12 @@ def test_a_killed_worker_is_replaced_in_place(tmp_path: Path, kv: str) -> None:
     base_updates, base_accuracy = uninterrupted(tmp_path / "uninterrupted", kv)
     job = start_job(tmp_path / "replaced", kv)
     try:
-        wait_for(job, "worker-1", rf"Epoch\[0\] Batch \[\d+-{KILL_AFTER}\]", 300)
+        wait_for(job, "worker-1", rf"Epoch\[1\] Batch \[\d+-{KILL_AFTER}\]", 300)
         pids = {n: job.procs[n].pid for n in ("scheduler", "server-0", "worker-0")}
         killed = job.signal("worker-1", signal.SIGKILL)
         job.procs["worker-1"].wait(10)
-        logged = [int(b) for b in re.findall(r"Epoch\[0\] Batch \[\d+-(\d+)\]", job.output("worker-1"))]
+        logged = [int(e) * BATCHES + int(b) for e, b in
+                  re.findall(r"Epoch\[(\d+)\] Batch \[\d+-(\d+)\]", job.output("worker-1"))]
         replacement = start_replacement(job)
         wait_for(job, replacement, r"is training again", 120)
         back = time.monotonic() - killed
@@ -119,14 +122,16 @@ def test_a_killed_worker_is_replaced_in_place(tmp_path: Path, kv: str) -> None:
         got = summary(job, replacement)
         step = got["resumed_at_step"]
         assert logged and max(logged) + 1 <= step < STEPS, (logged, step)
-        assert f"going on at epoch {step // 100} batch {step % 100} (step {step} of this attempt" in \
+        assert f"going on at epoch {step // BATCHES} batch {step % BATCHES} (step {step} of this attempt" in \
             job.output(replacement)
-        # as many updates as the uninterrupted run, and its accuracy within 0.01
+        # as many updates as the uninterrupted run, and its accuracy (rank 0's, as the trainer
+        # reports it) within 0.01
         assert updates(job) == base_updates
         accuracy = summary(job, "worker-0")["validation_accuracy"]
         print(f"{kv}: validation accuracy {accuracy:.4f} (uninterrupted {base_accuracy:.4f}), "
               f"{updates(job)} updates in both, resumed at step {step}")
         assert abs(accuracy - base_accuracy) <= 0.01
-        assert abs(got["validation_accuracy"] - base_accuracy) <= 0.01
+        if kv == "dist_sync":  # the same weights on every worker (under dist_async each has its own)
+            assert got["validation_accuracy"] == accuracy
     finally:
         job.cleanup()
