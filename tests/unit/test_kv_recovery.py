@@ -266,7 +266,8 @@ def test_without_the_scope_a_replacement_is_turned_away_and_a_loss_aborts(ctx: z
 
 
 @pytest.mark.parametrize("bad", [{"task_id": 7}, {"task_id": "1"}, {"task_id": None},
-                                 {"replacement": 1.5}, {"replacement": True}])
+                                 {"replacement": 1.5}, {"replacement": True},
+                                 {"pid": float("inf")}, {"port": "x"}])
 def test_a_malformed_replacement_gets_nowhere(ctx: zmq.Context, bad: dict) -> None:
     port = free_port()
     sched = Scheduler(env(port, 2), SECRET, replace_workers=True)

@@ -253,16 +253,15 @@ class Scheduler:
                 self.hub.drops.drop("malformed", peer.label)
                 return True
             return False
-        if old is not None:  # its REGISTER proves the old process gone: no need to wait for it
-            self._remove(old)
-            prev = old
-        else:
-            prev = self.lost[lost].node  # type: ignore[index]
-        if lost is not None:
-            del self.lost[lost]
+        prev = old if old is not None else self.lost[lost].node  # type: ignore[index]
+        # every field read (a malformed one raises here) before anything changes
         node = NodeInfo(peer=peer, role="worker", task_id=task,
                         host=str(info.get("host", peer.address)), port=int(info.get("port") or 0),
                         pid=int(info.get("pid") or 0), order=prev.order, rank=prev.rank)
+        if old is not None:  # its REGISTER proves the old process gone: no need to wait for it
+            self._remove(old)
+        if lost is not None:
+            del self.lost[lost]
         self.nodes[peer.rid] = node
         peer.label = node.name
         peer.info = node
