@@ -60,10 +60,8 @@ from collections.abc import Mapping
 
 import pscontract as pc
 
-#: ``process``: a lost worker is replaced in place (pscontract's name for it).
-RESTART_SCOPE: str = getattr(pc, "RESTART_SCOPE", "PSLAUNCH_RESTART_SCOPE")
-#: ``k`` on the k-th replacement of a worker (pscontract's name for it).
-REPLACEMENT: str = getattr(pc, "REPLACEMENT", "PSLAUNCH_REPLACEMENT")
+RESTART_SCOPE = pc.RESTART_SCOPE  # ``process``: a lost worker is replaced in place
+REPLACEMENT = pc.REPLACEMENT  # ``k`` on the k-th replacement of a worker
 #: Under scope process, a server or the scheduler counts as lost through heartbeat silence only
 #: after this many seconds at least (a closed connection counts at once).
 HEARTBEAT_FLOOR = 10.0
