@@ -9,8 +9,8 @@ side, the two policies of ``--restart-scope``:
   ``... is training again`` (the answer to its first push), and the scheduler's and the server's
   pids must not change;
 * ``job`` (torchrun's and launch.py's way): every role starts again; "training again" is the
-  first ``Batch [`` line of worker 1 in the next attempt (from the start of the data: no
-  checkpoint).
+  first ``Batch [`` line of worker 1 in the next attempt (its 10th batch: ``--disp-batches 10``),
+  from step 0 (no checkpoint: the work since the start is lost too, which this does not count).
 
 Usage::
 
@@ -108,6 +108,7 @@ def bench(scope: str, launcher_args: list[str], env: dict[str, str], rounds: int
     mark = uuid.uuid4().hex
     argv = [sys.executable, "-m", "launcher", *launcher_args, "-n", "2", "-s", "1", "--kill-grace", "1",
             "--max-restarts", str(rounds), "--restart-scope", scope, "--restart-delay", "0", "--no-progress",
+            "--host-cooldown", "0",  # (the same host fails every round: never leave it out here)
             "--env", f"{MARK}={mark}", "--env", "OMP_NUM_THREADS=1",
             *T.train_argv(*TRAIN, data_dir=T.mnist_dir())]
     job = Job(argv, env)
@@ -162,8 +163,8 @@ def main() -> int:
     print(f"\nfrom the kill of worker 1 to training again, {args.rounds} kills, --launcher {args.launcher} "
           f"({os.cpu_count()} cores); MLP dist_sync, 2 workers, 1 server")
     print(f"{'--restart-scope':<18}{'median':>9}{'min':>9}{'max':>9}  what starts again")
-    what = {"process": "worker 1 alone (scheduler and server pids unchanged)",
-            "job": "every role (as torchrun and launch.py do)"}
+    what = {"process": "worker 1 alone, at its step (scheduler and server pids unchanged)",
+            "job": "every role, from step 0 without a checkpoint (as torchrun and launch.py do)"}
     for scope, times in results.items():
         print(f"{scope:<18}{statistics.median(times):>8.2f}s{min(times):>8.2f}s{max(times):>8.2f}s  {what[scope]}")
     return 0
