@@ -129,8 +129,9 @@ def bench(scope: str, launcher_args: list[str], env: dict[str, str], rounds: int
             times.append(back - killed)
             print(f"  {scope}: round {k}: training again {back - killed:.2f} s after the kill", flush=True)
             time.sleep(between)
+        now = {role: pids(mark, DMLC_ROLE=role) for role in ("scheduler", "server")}
+        print(f"  {scope}: pids before the first kill {stay}, after the last return {now}", flush=True)
         if scope == "process":
-            now = {role: pids(mark, DMLC_ROLE=role) for role in ("scheduler", "server")}
             assert now == stay, f"the scheduler or the server changed: {stay} -> {now}"
     finally:
         job.stop()
