@@ -71,7 +71,7 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, cast
 import pscontract as pc
 
 from ..errors import BackendUnavailableError
-from ..spec.job import SCHEDULER_PEERS, _short, builtin_scheduler_refusal
+from ..spec.job import SCHEDULER_PEERS, builtin_scheduler_refusal
 
 #: ps-lite's ``Meta::kEmpty`` / ``Node::kEmpty`` (``std::numeric_limits<int>::max()``)
 EMPTY = 2 ** 31 - 1
@@ -706,7 +706,7 @@ def main(env: Mapping[str, str] = os.environ) -> int:
     try:  # (ps-lite reads it with atoi: 0, or unset, is off)
         heartbeat_timeout = float(env.get(pc.HEARTBEAT_TIMEOUT, "0").strip() or 0)
     except ValueError:
-        return _fail(f"{pc.HEARTBEAT_TIMEOUT}={_short(env[pc.HEARTBEAT_TIMEOUT])!r} is not a number of seconds")
+        return _fail(f"{pc.HEARTBEAT_TIMEOUT}={env[pc.HEARTBEAT_TIMEOUT][:30]!r} is not a number of seconds")
     try:
         import zmq
     except ImportError as e:
