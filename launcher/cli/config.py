@@ -27,7 +27,7 @@ from typing import Any
 import click
 
 from ..errors import ConfigError
-from .clickutil import Duration, FiniteFloat
+from .clickutil import Duration, FiniteFloat, WorkerCount
 
 MAX_BYTES = 1024 * 1024
 MAX_DEPTH = 50
@@ -80,6 +80,8 @@ def read_text(path: str) -> str:
 
 #: what YAML 1.1 reads as a number in base 60 (``2:4`` is 124, ``1:30.5`` is 90.5)
 SEXAGESIMAL = re.compile(r"[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?")
+#: ``num-workers: MIN:MAX`` (the option itself checks the numbers)
+WORKER_SPAN = re.compile(r"\s*\d+\s*:\s*\d+\s*")
 
 
 def _loader_class() -> type:
@@ -264,11 +266,14 @@ def convert(key: str, value: Any, param: click.Parameter, path: str) -> Any:
     if isinstance(value, bool):
         raise ConfigError(f"{path}: {key} takes a value, not true/false")
     ptype = getattr(param, "type", None)
-    if isinstance(ptype, click.types.IntParamType):
+    if isinstance(ptype, (click.types.IntParamType, WorkerCount)):
         if isinstance(value, int) and value.bit_length() > 63:
             raise ConfigError(f"{where} is a number of {int(value.bit_length() * 0.30103) + 1} digits, far too large")
-        if isinstance(value, float) or (isinstance(value, str) and not value.strip().lstrip("+-").isdigit()):
-            raise ConfigError(f"{where} is {str(value)[:40]!r}; expected a whole number")
+        span = isinstance(ptype, WorkerCount) and isinstance(value, str) and WORKER_SPAN.fullmatch(value)
+        if isinstance(value, float) or (isinstance(value, str) and not value.strip().lstrip("+-").isdigit()
+                                        and not span):
+            also = " (or MIN:MAX, e.g. 2:4)" if isinstance(ptype, WorkerCount) else ""
+            raise ConfigError(f"{where} is {str(value)[:40]!r}; expected a whole number{also}")
         return value
     if isinstance(ptype, Duration):  # (seconds, or a number with a unit: 30m, 1h)
         try:

@@ -104,8 +104,14 @@ def store_check(a: argparse.Namespace, record: dict, task: str, dist) -> int:  #
     store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                      timeout=timedelta(seconds=60))
     store.set(f"ddp-worker/attempt-{attempt}/rank-{rank}", str(os.getpid()))
-    dist.barrier()
     keys = {i: [f"ddp-worker/attempt-{i}/rank-{r}" for r in range(world)] for i in range(attempt + 1)}
+    # (a TCPStore client's set is not answered: after a barrier, another rank's key may still be on
+    # its way to the store; wait for every rank's, at most 30 s, so that "this" counts what arrived)
+    try:
+        store.wait(keys[attempt], timedelta(seconds=30))
+    except RuntimeError:
+        pass
+    dist.barrier()
     record["earlier"] = [k for i in range(attempt) for k in keys[i] if store.check([k])]
     record["this"] = sum(store.check([k]) for k in keys[attempt])
     record["attempt"] = attempt
