@@ -82,23 +82,20 @@ class Job:
 
 def pids(mark: str, **want: str) -> list[int]:
     """The trainer processes of this run (its mark) whose environment has ``want``."""
-    needle = f"{MARK}={mark}".encode()
+    from support.helpers import pids_with_env
+
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid in pids_with_env(MARK, mark):
         try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
+            with open(f"/proc/{pid}/environ", "rb") as f:
                 raw = f.read()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read()
         except OSError:
             continue
-        if needle not in raw.split(b"\0") or b"train_mnist" not in cmd:
-            continue
         env = dict(x.split(b"=", 1) for x in raw.split(b"\0") if b"=" in x)
-        if all(env.get(k.encode()) == v.encode() for k, v in want.items()):
-            found.append(int(entry))
+        if b"train_mnist" in cmd and all(env.get(k.encode()) == v.encode() for k, v in want.items()):
+            found.append(pid)
     return found
 
 
