@@ -67,7 +67,15 @@ from ..spec import network
 from ..spec.job import Host, JobSpec
 from ..spec.plan import Plan, ProcSpec, place
 from ..transport.options import SSHOptions
-from ..transport.ssh import HostSession, SSHConnectError, Target, connect_all, require_paramiko, resolve_targets
+from ..transport.ssh import (
+    HostSession,
+    SSHConnectError,
+    Target,
+    connect_all,
+    require_paramiko,
+    resolve_targets,
+    send_patiently,
+)
 from ..transport.sync import SyncPlan, plan_sync, size_text
 from ..transport.wiresync import SyncStats, TreeSync
 from .base import Backend, BackendOption
@@ -202,6 +210,7 @@ class RemoteHost:
         self.lost_reason = ""
         self.interval = max(0.1, spec.options.keepalive)
         self.lost_after = LOST_FACTOR * self.interval
+        self._stall_limit = max(self.lost_after, 30.0)  # a frame the host takes none of for this long fails
         self._stop = threading.Event()
         self._signals: queue.Queue[Optional[tuple[str, list[SSHProcess]]]] = queue.Queue()
         self._threads: list[threading.Thread] = []
@@ -232,7 +241,7 @@ class RemoteHost:
         try:
             chan.settimeout(0.5)
             chan.exec_command(wrapper_command())
-            chan.sendall(wrapper_preamble())
+            send_patiently(chan, wrapper_preamble(), self._stall_limit, lambda: self.closed)
         except (paramiko.SSHException, EOFError, OSError) as e:
             self.closed = True
             chan.close()
@@ -253,11 +262,11 @@ class RemoteHost:
             raise LaunchError(self._gone_text())
         try:
             with self._send_lock:
-                chan.sendall(data)
+                send_patiently(chan, data, self._stall_limit, lambda: self.closed)
         except (paramiko.SSHException, EOFError, OSError) as e:
             # (a host dropped for what it sent may close the channel under this write: say why)
             raise LaunchError(self.refused or f"{self.label}: the connection to pslaunch's remote wrapper "
-                              f"failed: {e}") from None
+                              f"failed: {e or type(e).__name__}") from None
 
     def request(self, kind: bytes, payload: bytes, reply: bytes, timeout: float = 600.0) -> dict:
         """Send a frame and wait for the wrapper's JSON answer of kind ``reply`` (at most twice the
@@ -432,7 +441,7 @@ class RemoteHost:
                 return
             try:
                 with self._send_lock:
-                    chan.sendall(_PING)
+                    chan.sendall(_PING)  # (one try: a ping that waits would hold back the check below)
             except Exception:  # noqa: BLE001 - a closed channel: the reader notices
                 pass
             silent = time.monotonic() - self.last_heard

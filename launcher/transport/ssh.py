@@ -553,6 +553,27 @@ class ExecResult:
         return f"exit code {self.code}"
 
 
+def send_patiently(chan: paramiko.Channel, data: bytes, stall_limit: float,
+                   closed: Callable[[], bool] = lambda: False) -> None:
+    """``chan.sendall(data)`` through a channel whose timeout is short (a reader's poll): a host that
+    takes a large frame slowly (a busy machine, a long file list, a window that paramiko only
+    reopens when the host has read) is waited for while it takes some of it every ``stall_limit``
+    seconds. Paramiko's ``sendall`` gives up at the first timeout, with an empty message."""
+    sent, stalled = 0, time.monotonic()
+    while sent < len(data):
+        try:
+            n = chan.send(data[sent:sent + 65536])
+        except socket.timeout:
+            waited = time.monotonic() - stalled
+            if closed() or waited > stall_limit:
+                raise EOFError(f"the host took no data for {waited:.0f}s") from None
+            continue
+        if n == 0:
+            raise EOFError("the channel is closed")
+        sent += n
+        stalled = time.monotonic()
+
+
 class HostSession:
     """The connection(s) to one host, shared by everything the launcher does there."""
 

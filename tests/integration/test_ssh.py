@@ -646,6 +646,49 @@ def test_sync_of_a_tree_whose_file_list_is_longer_than_an_output_frame(testbed: 
     assert testbed.run(host, ["sh", "-c", f"find {dst} -type f | wc -l"]).stdout.strip() == "30000"
 
 
+@pytest.mark.timeout(120)
+def test_a_frame_a_busy_host_takes_slowly_is_sent_whole(testbed: Testbed, monkeypatch) -> None:
+    """The wrapper channel polls with a 0.5 s timeout; a frame larger than ssh's window, sent while
+    the host reads nothing for 2 s (a busy machine), is waited for (paramiko's ``sendall`` gave up
+    there with an empty message: "the connection to pslaunch's remote wrapper failed: ")."""
+    import socket as socketmod
+
+    from launcher.spec.job import Host
+    from launcher.transport.options import SSHOptions
+    from launcher.transport.ssh import connect_all, resolve_targets, send_patiently
+
+    monkeypatch.setenv("HOME", str(testbed.home))
+    opts = SSHOptions()
+    target = resolve_targets([Host(testbed.hosts[0].addr_a)], opts)[0]
+    session = next(iter(connect_all([target], opts).values()))
+    data = os.urandom(8 << 20)  # (4 ssh windows of paramiko's 2 MiB)
+    try:
+        def slow_reader():
+            chan = session.open_channel()
+            chan.settimeout(0.5)
+            chan.exec_command("sleep 2; wc -c")
+            return chan
+
+        chan = slow_reader()
+        with pytest.raises(socketmod.timeout):  # what the backend did: the test can fail
+            chan.sendall(data)
+        chan.close()
+        chan = slow_reader()
+        started = time.monotonic()
+        send_patiently(chan, data, stall_limit=30.0)
+        chan.shutdown_write()
+        chan.settimeout(30)
+        assert chan.makefile("rb").read().strip() == str(len(data)).encode()
+        assert time.monotonic() - started > 1.5  # (it did wait for the host)
+        chan.close()
+        stalled = slow_reader()  # a host that takes nothing: the stall limit ends the wait
+        with pytest.raises(EOFError, match=r"took no data for \d+s"):
+            send_patiently(stalled, data, stall_limit=1.0)
+        stalled.close()
+    finally:
+        session.close()
+
+
 def _git_project(tmp_path: Path) -> Path:
     """A git work tree with what a job must not ship: a virtual environment, ignored build output."""
     src = tmp_path / "gitproj"

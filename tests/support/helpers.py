@@ -264,6 +264,10 @@ class PipeChannel:
         self.p.stdin.write(data)
         self.p.stdin.flush()
 
+    def send(self, data: bytes) -> int:
+        self.sendall(data)
+        return len(data)
+
     def recv(self, n: int) -> bytes:
         assert self.p is not None and self.p.stdout is not None
         if not select.select([self.p.stdout], [], [], self.timeout)[0]:
