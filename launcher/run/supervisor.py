@@ -79,6 +79,8 @@ EXIT_ABORT = 134  # SIGABRT (128 + 6)
 #: how long a process that aborted after its program returned (torch's gloo exit race) leaves the
 #: others running to finish their work (rank 0's checkpoint) before the job is stopped as failed
 EXIT_RACE_GRACE = 60.0
+#: how long the last lines of processes that failed in one look are waited for (their cause lines)
+CAUSE_WAIT = 1.0
 #: what a command that is not a ps-lite program wants instead of the parameter-server default
 NOT_PSLITE = ("run it with -s 0 (workers only: no scheduler, no servers) or, for torch.distributed, "
               "--tracker torch")
@@ -494,7 +496,24 @@ class Supervisor:
                   and h.end_time < stop_at]
         for h in failed:
             self.stopped.discard(h.name)
-        return min([self.first, *failed], key=lambda h: h.end_time or 0.0)
+        return self._first_failure([self.first, *(h for h in failed if h is not self.first)])
+
+    def _first_failure(self, failed: list[ProcessHandle]) -> ProcessHandle:
+        """The first of ``failed`` to fail: the one that ended first, unless a ``pslaunch-cause:``
+        line of it names another of them (the scheduler: ``worker 1 disconnected``), which then
+        failed before it whatever the times say: one look of the launcher may see both ended, and a
+        local process's end is the time it was seen. The failed processes' last lines are waited
+        for (at most :data:`CAUSE_WAIT` seconds): the cause line may still be on its way."""
+        if len(failed) > 1:
+            until = time.monotonic() + CAUSE_WAIT
+            for h in failed:
+                for stream in (h.output.stdout, h.output.stderr):
+                    stream.done.wait(max(0.0, until - time.monotonic()))
+        first = min(failed, key=lambda h: h.end_time or 0.0)
+        cause = report.find_cause(first, failed) if len(failed) > 1 else None
+        if cause is not None and cause.reporter is first and cause.culprit is not None:
+            return cause.culprit
+        return first
 
     def _forget_attempt(self, shown: int) -> None:
         """After a lost port race: what the attempt started is stopped; keep it only to sweep.
@@ -668,7 +687,7 @@ class Supervisor:
             if not failed and running and self.tracker is not None and self.tracker.poll() not in (None, 0):
                 failed.append(self.tracker)  # the tracker failed and no worker did (see trackers.FAILURE_GRACE)
             if failed:
-                self.first = min(failed, key=lambda h: h.end_time or 0.0)
+                self.first = self._first_failure(failed)
                 self._show(force=True)  # (the page: at once, not after the teardown)
                 self._show_failure(f"{self.first.describe()} {describe_exit(self.first.exit_code or 1)}")
                 return "failure", self.first.exit_code or 1

@@ -69,6 +69,8 @@ class Script:
     env: dict[str, str] = field(default_factory=dict)
     #: once it has ended: why the launcher lost its host (as the ssh backend's keep-alives say)
     lost: Optional[str] = None
+    #: the lines it writes to stderr as it ends
+    says: list[str] = field(default_factory=list)
 
 
 class FakeHandle(ProcessHandle):
@@ -93,6 +95,8 @@ class FakeHandle(ProcessHandle):
 
     def _end(self, code: int, at: float) -> None:
         self._code, self.ended_at = code, at
+        for line in self.script.says:
+            self.output.stderr.feed(line.encode() + b"\n")
         self.output.close()
 
     def terminate(self) -> None:
@@ -167,6 +171,21 @@ def test_the_root_cause_is_the_first_failure_even_when_its_news_comes_later(tmp_
     procs = {p["name"]: p for p in doc["processes"]}
     assert not procs["worker-0"]["stopped_by_launcher"] and not procs["worker-1"]["stopped_by_launcher"]
     assert procs["worker-2"]["stopped_by_launcher"]
+
+
+def test_a_process_another_blames_in_the_same_look_is_the_first_failure(tmp_path) -> None:
+    # worker-1 is killed and worker-0 (as a ps-lite scheduler would) says so and exits 1; one look sees
+    # both ended, worker-0 first (a local process's end is when it is seen): worker-1 is the first failure
+    blame = "pslaunch-cause: worker 1: worker 1 disconnected before the end of the job"
+    scripts = {"worker-0": Script(exit_at=5.0, code=1, says=[blame]), "worker-1": Script(exit_at=5.0, code=137),
+               "worker-2": Script()}
+    result, sup, clock, doc = run(scripts, tmp_path, 3)
+    assert result.exit_code == 137 and doc["first_failure"] == "worker-1"
+    # the same without the line: the order seen stands (the test can fail)
+    scripts["worker-0"] = Script(exit_at=5.0, code=1)
+    scripts["worker-1"] = Script(exit_at=5.0, code=137)
+    result, sup, clock, doc = run(scripts, tmp_path, 3)
+    assert result.exit_code == 1 and doc["first_failure"] == "worker-0"
 
 
 def test_staged_shutdown_term_then_kill_after_the_grace(tmp_path) -> None:
