@@ -994,7 +994,7 @@ class SlurmBackend(BatchBackend):
             with self.lock:
                 for n, at in failures.items():
                     self._node_failures.setdefault(n, at)
-        first = min((at for _, at in held.values()), default=time.time())
+        first = min((self._ended(ident, at) for ident, (_, at) in held.items()), default=time.time())
         for t in self.tasks:
             if not isinstance(t, SlurmTask) or t.code is not None or t.node not in failures:
                 continue
@@ -1005,6 +1005,13 @@ class SlurmBackend(BatchBackend):
             self.set_code(t, 1, f"node {t.node} failed", ended_at=min(first, failures[t.node]) - 0.001)
             if self.hub is not None:
                 self.hub.send(t.ident, "TERM")  # it may still run there: nothing of Slurm's can stop it now
+
+    def _ended(self, ident: int, held_at: float) -> float:
+        """When the held task ``ident`` ended: by its node's clock where its agent said (its exit
+        frame's time, which counts before the launcher's: ProcessHandle.poll), else when held."""
+        t = self._by_ident.get(ident)
+        node_ended = t.node_ended_at if t is not None else None
+        return held_at if node_ended is None else min(held_at, node_ended)
 
     def _lost_nodes(self) -> list[str]:
         if self.alloc is None:
