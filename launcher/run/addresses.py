@@ -63,9 +63,7 @@ def scheduler_address(spec: JobSpec, addresses: Mapping[Host, str], backend: typ
         if spec.host_ip in ("ip", "dns"):
             return netif.resolve_ipv4(netif.guess_host_ip(spec.host_ip))
         if backend.needs_scheduler_address:
-            raise ConfigError(
-                f"--launcher {spec.launcher} cannot tell which address of this host its nodes reach: "
-                "set DMLC_INTERFACE (a name or a CIDR such as 10.1.0.0/16) or --host-ip ADDRESS")
+            raise ConfigError(_no_address(spec))
         if backend.all_here(spec) or not spec.hosts:
             return "127.0.0.1"
         # toward the first host that is not this machine's loopback (a hostfile may start with localhost)
@@ -113,12 +111,20 @@ def other_machines(names: Sequence[str], local: Optional[set[str]] = None) -> li
     return list(dict.fromkeys(found))
 
 
+def _no_address(spec: JobSpec) -> str:
+    return (f"--launcher {spec.launcher} cannot tell which address of this host its nodes reach: "
+            "set DMLC_INTERFACE (a name or a CIDR such as 10.1.0.0/16) or --host-ip ADDRESS")
+
+
 def check_loopback(spec: JobSpec, backend: type[Backend]) -> None:
-    """Refuse at once (``ConfigError``, exit 2), before any connection, a service address on
+    """Refuse at once (``ConfigError``, exit 2), before any connection, no way to tell the service's
+    address where the backend cannot (a batch system's nodes), and a service address on
     loopback while processes run on other machines (:func:`launcher.spec.network.loopback_refusal`):
     from ``DMLC_INTERFACE`` or ``--host-ip`` with a hostfile's hosts that are not this machine,
     from ``DMLC_INTERFACE`` on Slurm's nodes. Without either, the address is the route to the
     first host that is not on loopback (:func:`scheduler_address`)."""
+    if backend.needs_scheduler_address and not spec.interface and not spec.host_ip:
+        raise ConfigError(_no_address(spec))  # (before an allocation is asked for, not after it is granted)
     address, source = early_address(spec)
     if not network.is_loopback(address):
         return
