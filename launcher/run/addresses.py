@@ -116,15 +116,20 @@ def _no_address(spec: JobSpec) -> str:
             "set DMLC_INTERFACE (a name or a CIDR such as 10.1.0.0/16) or --host-ip ADDRESS")
 
 
+def check_address_given(spec: JobSpec, backend: type[Backend]) -> None:
+    """Refuse at once (``ConfigError``, exit 2) a job on a backend whose nodes' route to this host
+    cannot be known (a batch system's) without ``DMLC_INTERFACE`` or ``--host-ip``: before an
+    allocation is asked for, not after it is granted (:func:`scheduler_address`)."""
+    if backend.needs_scheduler_address and not spec.interface and not spec.host_ip:
+        raise ConfigError(_no_address(spec))
+
+
 def check_loopback(spec: JobSpec, backend: type[Backend]) -> None:
-    """Refuse at once (``ConfigError``, exit 2), before any connection, no way to tell the service's
-    address where the backend cannot (a batch system's nodes), and a service address on
+    """Refuse at once (``ConfigError``, exit 2), before any connection, a service address on
     loopback while processes run on other machines (:func:`launcher.spec.network.loopback_refusal`):
     from ``DMLC_INTERFACE`` or ``--host-ip`` with a hostfile's hosts that are not this machine,
     from ``DMLC_INTERFACE`` on Slurm's nodes. Without either, the address is the route to the
     first host that is not on loopback (:func:`scheduler_address`)."""
-    if backend.needs_scheduler_address and not spec.interface and not spec.host_ip:
-        raise ConfigError(_no_address(spec))  # (before an allocation is asked for, not after it is granted)
     address, source = early_address(spec)
     if not network.is_loopback(address):
         return

@@ -430,7 +430,8 @@ class Supervisor:
                 backend.check()
                 if spec.has_scheduler and spec.scheduler == "builtin":
                     require_pyzmq()
-                addr.check_loopback(spec, self.backend_cls)  # (before any connection: at once)
+                addr.check_address_given(spec, self.backend_cls)  # (before any connection: at once)
+                addr.check_loopback(spec, self.backend_cls)
                 addresses = dict(backend.prepare())
                 root_uri = addr.scheduler_address(spec, addresses, self.backend_cls)
                 self._timing("backend ready")

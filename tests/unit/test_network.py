@@ -155,6 +155,15 @@ def test_other_machines_are_the_hosts_that_are_not_this_one() -> None:
     assert addresses.other_machines(["no-such-host.invalid"], local=set()) == ["no-such-host.invalid"]
 
 
+def test_a_batch_systems_job_needs_the_address_its_nodes_reach_before_any_connection() -> None:
+    slurm, ssh = backends.get("slurm"), backends.get("ssh")
+    with pytest.raises(ConfigError, match="^--launcher slurm cannot tell which address of this host its nodes reach"):
+        addresses.check_address_given(torch_spec(launcher="slurm", hosts=()), slurm)
+    addresses.check_address_given(torch_spec(launcher="slurm", hosts=(), host_ip="10.77.0.9"), slurm)
+    addresses.check_address_given(torch_spec(launcher="slurm", hosts=(), environ=(("DMLC_INTERFACE", "lo"),)), slurm)
+    addresses.check_address_given(torch_spec(hosts=(Host("10.77.0.1"),)), ssh)  # the route to the hosts tells
+
+
 def test_check_loopback_before_any_connection() -> None:
     ssh, slurm, local = backends.get("ssh"), backends.get("slurm"), backends.get("local")
     lo = (("DMLC_INTERFACE", "lo"),)
