@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -136,10 +137,12 @@ def test_port_lost_between_probe_and_bind_is_retried(probe, free_port, tmp_path)
                                                             "--take-port-once", str(flag)))
     assert r.returncode == 0, r.stderr
     assert flag.exists()
-    assert f"port {free_port} was taken before the scheduler could bind it" in r.stderr
+    # (the first attempt's port is free_port unless a test beside this one held it at that moment)
+    lost = re.search(r"port (\d+) was taken before the scheduler could bind it", r.stderr)
+    assert lost and free_port <= int(lost.group(1)) <= free_port + 20, r.stderr
     probes = read_probes(probe.dir)
     ports = {rec["env"]["DMLC_PS_ROOT_PORT"] for rec in probes.values()}
-    assert len(probes) == 4 and len(ports) == 1 and int(ports.pop()) > free_port
+    assert len(probes) == 4 and len(ports) == 1 and int(ports.pop()) > int(lost.group(1))
     doc = json.loads(summary.read_text())
     assert doc["reason"] == "success" and len(doc["processes"]) == 4
     assert all(p["exit_code"] == 0 for p in doc["processes"])
