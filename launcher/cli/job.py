@@ -24,8 +24,6 @@ from ..run.supervisor import dry_run_plan, run_job
 from ..spec.job import JobSpec, parse_memory_mb
 from ..spec.only import parse_only
 from ..spec.plan import worker_gpus
-from ..ui.page import dry_run_lines, open_page
-from ..ui.server import parse_address
 from .clickutil import DURATION
 from .common import (
     check_variable_sizes,
@@ -95,7 +93,7 @@ def build_spec(kw: Mapping[str, Any], environ: Mapping[str, str]) -> JobSpec:
         restart_window=kw.get("restart_window"), restart_scope=kw.get("restart_scope") or "job",
         only=parse_only(kw.get("only") or ()),
         gpus_per_process=kw.get("gpus_per_process"),
-        ui=None if kw.get("ui") is None else parse_address(ui_value(kw["ui"])),
+        ui=None if kw.get("ui") is None else _ui_address(ui_value(kw["ui"])),
         ui_linger=kw.get("ui_linger") or 0.0, report=kw.get("report"),
         spares=spares, min_workers=least, host_cooldown=parse_cooldown(kw.get("host_cooldown")),
     )
@@ -224,10 +222,19 @@ def check_output_file(option: str, path: str, create: bool) -> None:
         raise ConfigError(f"{option} {path}: cannot write there: {why}")
 
 
+def _ui_address(text: str) -> tuple[str, int]:
+    from ..ui.server import parse_address  # (imported on use: see execute)
+    return parse_address(text)
+
+
 def execute(spec: JobSpec) -> int:
     """Run (or dry-run) the job; return the exit code."""
+    # launcher.ui (its HTTP server, the report renderer and their standard modules: http.server,
+    # email, ssl, statistics) is imported only by a job that asks for its page or report: it is
+    # about a fifth of the CLI's import time, paid before the first process starts
     check_outputs(spec, create=not spec.dry_run)
     if spec.dry_run:
+        from ..ui.page import dry_run_lines
         backend = backends.get(spec.launcher)
         plan = dry_run_plan(spec, backend)
         extra = [f"warning: {note}" for note in backend.notes(spec)] + backend.dry_run(spec, plan) + \
@@ -235,9 +242,11 @@ def execute(spec: JobSpec) -> int:
         sys.stdout.write(format_dry_run(spec, plan, extra, inherits=not backend.remote,
                                         tracker=trackers.describe(spec, plan)) + "\n")
         return 0
-    page = open_page(spec, spec.launcher)
-    if page is None:
+    if spec.ui is None and spec.report is None:
         return run_job(spec, adopt_orphans=True).exit_code
+    from ..ui.page import open_page
+    page = open_page(spec, spec.launcher)
+    assert page is not None
     try:
         return run_job(spec, adopt_orphans=True, view=page.view).exit_code
     except BaseException as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import click
 import pytest
@@ -309,6 +310,17 @@ def test_a_local_job_imports_no_other_backend() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          cwd=REPO).stdout.strip().splitlines()[-1]
     assert out == "0 ['launcher.backends.base', 'launcher.backends.local']", out
+
+
+@pytest.mark.parametrize("extra, page", [((), False), (("--report", "{tmp}/r.html"), True)], ids=["plain", "report"])
+def test_the_job_page_is_imported_only_by_a_job_that_asks_for_it(tmp_path: Path, extra: tuple, page: bool) -> None:
+    # its HTTP server and renderer are a fifth of the CLI's import time, before the first process
+    args = ["-n", "1", "-s", "0", *(a.format(tmp=tmp_path) for a in extra), "true"]
+    code = (f"import sys; from launcher.cli import main; rc = main({args!r}); "
+            "print(rc, 'launcher.ui.page' in sys.modules, 'http.server' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=REPO).stdout.strip().splitlines()[-1]
+    assert out == f"0 {page} {page}", out
 
 
 def test_a_backend_option_after_the_shortcut_is_still_an_option_not_a_command() -> None:
