@@ -6,6 +6,7 @@ sockets on loopback."""
 from __future__ import annotations
 
 import errno
+import random
 import socket
 import subprocess
 import sys
@@ -23,12 +24,15 @@ NOT_HERE = "10.200.255.254"  # an address of the test networks that no interface
 
 
 def _free_run(n: int) -> int:
-    """The first of ``n`` consecutive ports that are free on loopback now."""
+    """The first of ``n`` consecutive ports that are free on loopback now, below the ephemeral
+    range: no connection that another test makes meanwhile can take one as its local port (a CI
+    run met that once: a port of the ephemeral range, free a moment before, held by a client)."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    rng = random.Random()
     for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n <= 65535 and all(ports.port_is_free(p) for p in range(base, base + n)):
+        base = rng.randrange(20000, ephemeral - n)  # (Ray's workers take 10002-19999 by default)
+        if all(ports.port_is_free(p, reuse=False) for p in range(base, base + n)):
             return base
     pytest.skip(f"no {n} consecutive free ports here")
 
@@ -258,7 +262,7 @@ def time_wait_port(port: int = 0) -> int:
 def test_the_schedulers_port_is_free_again_right_after_a_job() -> None:
     """Before: a probe without SO_REUSEADDR met the last job's TIME_WAIT, and a --port-range of
     one port was refused for a minute after each job ("no free port")."""
-    port = time_wait_port()
+    port = time_wait_port(_free_run(1))
     assert ports.port_is_free(port)
     got, claim = ports.claim_free_port(port, port)
     claim.release()
