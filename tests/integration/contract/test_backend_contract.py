@@ -531,7 +531,9 @@ def test_a_worker_that_exits_before_joining_fails_the_job_fast(cluster: Cluster,
     procs = {p["name"]: p for p in doc["processes"]}
     assert doc["first_failure"] == "worker-1" and procs["worker-1"]["exit_code"] == 3
     took = doc["end_time"] - procs["worker-1"]["end_time"]
-    assert took < 5, f"the job ended {took:.1f}s after worker 1 exited"  # the others waited to join: stopped
+    # the others wait to join for ever: without fail-fast the job would end only at the test's timeout
+    # (a liveness bound, generous for a loaded 2-core CI: a Ray job took 5.8 s there once)
+    assert took < 30, f"the job ended {took:.1f}s after worker 1 exited"
     assert all(procs[w]["stopped_by_launcher"] for w in ("worker-0", "worker-2")), procs
     assert_nothing_left(cluster)
 
