@@ -59,9 +59,10 @@ def test_a_step_reuses_freed_pages() -> None:
     assert kept["kept"] is True
     # glibc's defaults map and fault in every multi-megabyte block anew: 600 to 3,000 faults
     # per LeNet step; with the thresholds raised the last step's pages serve (0 per step, up to
-    # 18 where the heap still grew once after the warm-up).
+    # 18 where the heap still grew once after the warm-up; 50 once on a loaded CI machine, when the
+    # default's took 486: a bound of a tenth of those failed there).
     assert default["faults_per_step"] > 300, (default, kept)
-    assert kept["faults_per_step"] < min(60, default["faults_per_step"] / 10), (default, kept)
+    assert kept["faults_per_step"] < min(60, default["faults_per_step"] / 4), (default, kept)
 
 
 def test_the_users_own_malloc_settings_are_kept() -> None:
