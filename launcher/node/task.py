@@ -84,7 +84,12 @@ SKEIN_CONTAINER_ID = "SKEIN_CONTAINER_ID"
 SLURM_PROCID = "SLURM_PROCID"
 SLURM_JOB_ID = "SLURM_JOB_ID"
 SLURM_STEP_ID = "SLURM_STEP_ID"
-INDEX_SOURCES = ("sge", "skein", "slurm")
+# Ray: the index the launcher's actor gives its wrapper (0-based within the role), and the actor's
+# node address (Ray's own, ``ray.util.get_node_ip_address()``): DMLC_NODE_HOST where DMLC_INTERFACE
+# does not choose one. Both are set by the actor and removed before the command starts.
+RAY_INDEX = "PSLAUNCH_RAY_INDEX"
+RAY_NODE_IP = "PSLAUNCH_RAY_NODE_IP"
+INDEX_SOURCES = ("sge", "skein", "slurm", "ray")
 PREFIX = "pslaunch task"
 
 
@@ -101,8 +106,9 @@ def task_index(source: str, environ: Mapping[str, str]) -> int:
 
     Args:
         source: ``sge`` (``SGE_TASK_ID``, 1-based), ``skein``
-            (``SKEIN_CONTAINER_ID`` = ``<service>_<instance>``, 0-based) or ``slurm``
-            (``SLURM_PROCID``, 0-based: one job step per role).
+            (``SKEIN_CONTAINER_ID`` = ``<service>_<instance>``, 0-based), ``slurm``
+            (``SLURM_PROCID``, 0-based: one job step per role) or ``ray`` (``PSLAUNCH_RAY_INDEX``,
+            0-based, set by the launcher's actor).
         environ: the task's environment.
 
     Raises:
@@ -126,6 +132,11 @@ def task_index(source: str, environ: Mapping[str, str]) -> int:
         if not raw.isdigit():
             raise TaskError(f"{SLURM_PROCID}={raw!r}: not a task of a Slurm job step "
                             "(is this running outside srun?)")
+        return int(raw)
+    if source == "ray":
+        raw = environ.get(RAY_INDEX, "")
+        if not raw.isdigit():
+            raise TaskError(f"{RAY_INDEX}={raw!r}: not a task of a pslaunch Ray actor")
         return int(raw)
     raise TaskError(f"unknown index source {source!r} (expected one of {', '.join(INDEX_SOURCES)})")
 
@@ -299,7 +310,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc = load_task_file(a.task_file) if a.task_file else take_task_env(a.task_env, os.environ)
         index = task_index(a.index, os.environ)
         env = task_environment(doc, a.role, index, os.environ)
-        env[pc.NODE_HOST] = node_address(env)
+        ray_ip = env.pop(RAY_NODE_IP, "")
+        env.pop(RAY_INDEX, None)
+        # on Ray, the actor's node address, as Ray knows the node (DMLC_INTERFACE still chooses where set)
+        env[pc.NODE_HOST] = ray_ip if ray_ip and not env.get(pc.INTERFACE, "").strip() else node_address(env)
         env.update(torch_sockets(env))
         command = list(a.command[1:] if a.command[:1] == ["--"] else a.command) or list(doc.get("argv") or [])
         if not command:
