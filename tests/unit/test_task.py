@@ -35,6 +35,8 @@ DOC = {
     ("skein", {"SKEIN_CONTAINER_ID": "my_server_7"}, 7),
     ("slurm", {"SLURM_PROCID": "0"}, 0),
     ("slurm", {"SLURM_PROCID": "5"}, 5),
+    ("ray", {"PSLAUNCH_RAY_INDEX": "0"}, 0),
+    ("ray", {"PSLAUNCH_RAY_INDEX": "3"}, 3),
 ])
 def test_task_index(source, environ, index) -> None:
     assert task.task_index(source, environ) == index
@@ -47,6 +49,7 @@ def test_task_index(source, environ, index) -> None:
     ("sge", {"SGE_TASK_ID": "0"}, "SGE_TASK_ID='0'"),
     ("skein", {"SKEIN_CONTAINER_ID": "worker"}, "expected <service>_<instance>"),
     ("slurm", {}, "SLURM_PROCID='': not a task of a Slurm job step"),
+    ("ray", {}, "PSLAUNCH_RAY_INDEX='': not a task of a pslaunch Ray actor"),
     ("lsf", {}, "unknown index source 'lsf'"),
 ])
 def test_task_index_errors(source, environ, message) -> None:
@@ -179,6 +182,22 @@ def test_wrapper_under_srun_takes_the_document_from_its_environment() -> None:
     assert r.returncode == 0, r.stderr
     env = json.loads(r.stdout)
     assert env["DMLC_TASK_ID"] == "1" and env["A"] == "w=1" and "PSLAUNCH_TASK" not in env
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("interface, node_host", [("", "10.9.8.7"), ("lo", "127.0.0.1")])
+def test_wrapper_in_a_ray_actor_takes_the_actors_node_address(interface: str, node_host: str) -> None:
+    # as the ray backend's actor runs it: its index and its node's address (Ray's) in variables that
+    # the command does not see; DMLC_INTERFACE, where set, still chooses the address
+    doc = json.loads(json.dumps(DOC))
+    if interface:
+        doc["env"]["DMLC_INTERFACE"] = interface
+    r = _run_env(doc, ["--role", "server", "--index", "ray", "--no-tee"],
+                 {"PSLAUNCH_RAY_INDEX": "1", "PSLAUNCH_RAY_NODE_IP": "10.9.8.7", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    env = json.loads(r.stdout)
+    assert env["DMLC_TASK_ID"] == "4" and env["DMLC_ROLE"] == "server" and env["DMLC_NODE_HOST"] == node_host
+    assert not {"PSLAUNCH_TASK", "PSLAUNCH_RAY_INDEX", "PSLAUNCH_RAY_NODE_IP"} & set(env)
 
 
 @pytest.mark.timeout(60)
