@@ -31,10 +31,13 @@ from typing import Optional
 import pytest
 
 from support.helpers import (
+    REPO,
     describe_pids,
     mpirun_path,
+    pid_alive,
     pids_with_env,
     probe_argv,
+    pslaunch_argv,
     run_pslaunch,
     start_pslaunch,
 )
@@ -368,6 +371,99 @@ class SlurmAllocationCluster(SlurmCluster):
             self.tb.scancel(self.job)
 
 
+class RayCluster(Cluster):
+    """``--launcher ray`` on the Ray test cluster (scripts/setup-ray.sh; the ``ray_cluster`` fixture):
+    a head and two workers, each in its own network namespace. The launcher is a driver on the head
+    (it runs in the head's namespace); its hub and scheduler listen on the head's address
+    (``--host-ip``), and each process's ``DMLC_NODE_HOST`` is its actor's node address, as Ray
+    knows it (no ``DMLC_INTERFACE``)."""
+
+    launcher = "ray"
+    start_timeout = 90.0
+    timeout = 12.0
+
+    def __init__(self, out: Path, tb: object) -> None:
+        super().__init__(out)
+        self.tb = tb
+
+    def options(self) -> list[str]:
+        return [*super().options(), "--ray-address", self.tb.address,  # type: ignore[attr-defined]
+                "--host-ip", self.tb.head.addr]  # type: ignore[attr-defined]
+
+    def _argv(self, *args: str) -> list[str]:
+        return [*self.tb.launcher_prefix(), *pslaunch_argv(*self.argv(*args))]  # type: ignore[attr-defined]
+
+    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run(self._argv(*args), capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+    def start(self, *args: str) -> subprocess.Popen:
+        # (ip netns exec execs the launcher: the Popen's pid is the launcher's, for the signal tests)
+        return subprocess.Popen(self._argv(*args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+
+    def node_of(self, rec: dict) -> object:
+        node = self.tb.node_of(rec["netns"])  # type: ignore[attr-defined]
+        assert node is not None, f"{rec.get('name')} ran in the launcher's namespace, not on a Ray node"
+        return node
+
+    def node_host(self, name: str, rec: dict) -> str:
+        return self.node_of(rec).addr  # type: ignore[attr-defined]
+
+    def check_record(self, name: str, rec: dict) -> None:
+        self.node_of(rec)
+        env = rec["env"]
+        # the wrapper took the task document and its own variables out
+        assert "PSLAUNCH_TASK" not in env and "PSLAUNCH_RAY_INDEX" not in env and "PSLAUNCH_RAY_NODE_IP" not in env
+
+    def marked_pids(self) -> list[int]:
+        """Processes on the nodes whose environment holds the mark anywhere (the wrappers too)."""
+        needle = self.mark.encode()
+        found = []
+        for n in self.tb.nodes:  # type: ignore[attr-defined]
+            for pid in self.tb.pids(n):  # type: ignore[attr-defined]
+                try:
+                    env = Path(f"/proc/{pid}/environ").read_bytes()
+                except OSError:
+                    continue
+                if needle in env:
+                    found.append(pid)
+        return [p for p in found if p in set(pids_alive(found))]
+
+    def actor_pids(self) -> list[int]:
+        """pslaunch's actors still alive on the nodes (Ray names their workers ``ray::PslaunchTask``)."""
+        found = []
+        for n in self.tb.nodes:  # type: ignore[attr-defined]
+            for pid in self.tb.pids(n):  # type: ignore[attr-defined]
+                try:
+                    if Path(f"/proc/{pid}/comm").read_text().startswith("ray::PslaunchT"):
+                        found.append(pid)
+                except OSError:
+                    continue
+        return pids_alive(found)
+
+    def backend_leftovers(self) -> list[str]:
+        left = []
+        pids = self.marked_pids()
+        if pids:
+            left.append(f"on the Ray nodes: {describe_pids(pids)}")
+        actors = self.actor_pids()
+        if actors:
+            left.append(f"pslaunch's Ray actors: {describe_pids(actors)}")
+        return left
+
+    def close(self) -> None:
+        super().close()
+        for pid in self.marked_pids() + self.actor_pids():
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+
+
+def pids_alive(pids: list[int]) -> list[int]:
+    return [p for p in pids if pid_alive(p)]
+
+
 def sge_problem() -> Optional[str]:
     """Why no Grid Engine job can run here, or None."""
     for name in ("SGE_ROOT", "DRMAA_LIBRARY_PATH", "GLIBC_TUNABLES"):
@@ -399,6 +495,7 @@ CLUSTERS = {
     "yarn": (pytest.mark.yarn,),
     "slurm": (pytest.mark.slurm,),
     "slurm-alloc": (pytest.mark.slurm,),
+    "ray": (pytest.mark.ray,),
 }
 
 
@@ -431,8 +528,12 @@ def make_cluster(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> C
         out = tmp_path / "probes"
         out.mkdir()
         return SlurmCluster(out) if kind == "slurm" else SlurmAllocationCluster(out)
+    if kind == "ray":
+        out = tmp_path / "probes"
+        out.mkdir()
+        return RayCluster(out, request.getfixturevalue("ray_cluster"))
     raise ValueError(f"unknown cluster {kind!r}")
 
 
-__all__ = ["CLUSTERS", "Cluster", "MARK", "SlurmAllocationCluster", "SlurmCluster", "make_cluster", "sge_jobs",
-           "sge_problem"]
+__all__ = ["CLUSTERS", "Cluster", "MARK", "RayCluster", "SlurmAllocationCluster", "SlurmCluster", "make_cluster",
+           "sge_jobs", "sge_problem"]

@@ -503,7 +503,7 @@ def test_tracker_variables_per_worker(cluster: Cluster, tracker: str) -> None:
         for e in envs.values():
             assert e["WORLD_SIZE"] == e["ROLE_WORLD_SIZE"] == "3" and e["ROLE_RANK"] == e["RANK"]
             assert e["TORCHELASTIC_USE_AGENT_STORE"] == "True" and e["TORCHELASTIC_RUN_ID"]
-            if cluster.launcher not in ("sge", "yarn", "slurm"):  # (placed by the launcher: RANK = its number)
+            if cluster.launcher not in ("sge", "yarn", "slurm", "ray"):  # (placed by the launcher: RANK = its number)
                 assert e["RANK"] == e["DMLC_TASK_ID"]
     assert "all 3 processes exited 0" in r.stderr
     assert_nothing_left(cluster)  # the tracker included (its child process carries the job's mark)
