@@ -205,10 +205,12 @@ class Backend:
 
     @classmethod
     def doctor(cls, environ: Mapping[str, str], *, queue: Optional[str] = None,
-               options: Any = None) -> Optional[list[tuple[str, bool, str]]]:
+               options: Any = None, job: Optional[Mapping[str, Any]] = None) -> Optional[list[tuple[str, bool, str]]]:
         """``pslaunch doctor --launcher NAME``: what this host lacks for the backend, as
         ``(check, passed, detail)`` rows; ``None`` when the backend has no checks of its own
-        (the hostfile backends are checked host by host: ``pslaunch doctor -H``)."""
+        (the hostfile backends are checked host by host: ``pslaunch doctor -H``). ``job``: the
+        values of the job's own command line (``num_workers``, ``worker_cores``, ...), for a
+        backend that can hold them against the cluster's free resources (ray)."""
         return None
 
     # -- the lifecycle -------------------------------------------------------------------------

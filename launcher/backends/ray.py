@@ -149,6 +149,41 @@ def describe_unplaced(wanted: Sequence[Mapping[str, float]], strategy: str, free
     return f"Ray could not place the job within --start-timeout {timeout:g}s: it needs {need}; {have}"
 
 
+def asked_bundles(job: Mapping[str, Any], opts: RayOptions) -> list[dict[str, float]]:
+    """The bundles of the job whose command line ``pslaunch doctor`` was given (its values by
+    parameter name: ``num_workers``, ``worker_cores``, ...); [] when it names no process."""
+    def whole(name: str, default: int) -> int:
+        value = job.get(name)
+        if value is None:
+            return default
+        try:
+            return int(str(value).split(":")[-1])  # (-n MIN:MAX: the most it may ask for)
+        except ValueError:
+            return default
+    workers, servers = whole("num_workers", 0), whole("num_servers", 0)
+    worker = {"CPU": float(whole("worker_cores", 1)), **({"GPU": float(opts.gpus)} if opts.gpus else {})}
+    return [dict(worker) for _ in range(workers)] + [{"CPU": float(whole("server_cores", 1))} for _ in range(servers)]
+
+
+def fits(wanted: Sequence[Mapping[str, float]], strategy: str, free: Sequence[Mapping[str, float]]) -> bool:
+    """Whether ``wanted`` fits the nodes' ``free`` resources now (first fit, largest first; for
+    ``STRICT_SPREAD`` each bundle on a node of its own). A check for the doctor: Ray decides."""
+    spare = [dict(f) for f in free]
+    used: set[int] = set()
+    for b in sorted(wanted, key=lambda b: -sum(b.values())):
+        for i, node_free in enumerate(spare):
+            if strategy == "STRICT_SPREAD" and i in used:
+                continue
+            if all(node_free.get(k, 0.0) >= v for k, v in b.items()):
+                for k, v in b.items():
+                    node_free[k] = node_free.get(k, 0.0) - v
+                used.add(i)
+                break
+        else:
+            return False
+    return True
+
+
 def actor_class() -> type:
     """The actor that runs one task wrapper; defined in a function so that Ray ships it by value
     (a node needs no pslaunch installation: the wrapper comes as the node bundle)."""
@@ -283,9 +318,10 @@ class RayBackend(BatchBackend):
 
     @classmethod
     def doctor(cls, environ: Mapping[str, str], *, queue: Optional[str] = None,
-               options: Optional[RayOptions] = None) -> list[tuple[str, bool, str]]:
+               options: Optional[RayOptions] = None, job: Optional[Mapping[str, Any]] = None,
+               ) -> list[tuple[str, bool, str]]:
         """``pslaunch doctor --launcher ray``: ray importable, the cluster reachable, its nodes and
-        free resources."""
+        free resources, and whether the job's bundles fit them now (:func:`fits`)."""
         opts = options or RayOptions()
         rows: list[tuple[str, bool, str]] = []
         try:
@@ -308,6 +344,14 @@ class RayBackend(BatchBackend):
                 rows.append((f"node {n.get('NodeManagerAddress')}", True,
                              f"CPU {_number(avail.get('CPU', 0))}/{_number(total.get('CPU', 0))} free, "
                              f"GPU {_number(avail.get('GPU', 0))}/{_number(total.get('GPU', 0))} free"))
+            wanted = asked_bundles(job or {}, opts)
+            if wanted:
+                strategy = STRATEGIES[opts.spread]
+                spare = [free.get(n["NodeID"], {}) for n in nodes]
+                ok = fits(wanted, strategy, spare)
+                rows.append(("job fits", ok, f"{len(wanted)} bundles ({', '.join(sorted({_shape(b) for b in wanted}))},"
+                             f" {strategy}) fit the free resources now" if ok else
+                             describe_unplaced(wanted, strategy, spare, 0).split(": ", 1)[1]))
         finally:
             ray.shutdown()
         return rows

@@ -655,7 +655,8 @@ class SlurmBackend(BatchBackend):
 
     @classmethod
     def doctor(cls, environ: Mapping[str, str], *, queue: Optional[str] = None,
-               options: Optional[SlurmOptions] = None) -> list[tuple[str, bool, str]]:
+               options: Optional[SlurmOptions] = None, job: Optional[Mapping[str, Any]] = None,
+               ) -> list[tuple[str, bool, str]]:
         """``pslaunch doctor --launcher slurm``: ``(check, passed, detail)`` rows (see :func:`doctor_rows`)."""
         return doctor_rows(environ, queue=queue, options=options)
 

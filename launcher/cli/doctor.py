@@ -61,6 +61,7 @@ Examples (the job's options and command, as pslaunch would get them):
         --env DMLC_INTERFACE=10.1.0.0/16 /opt/venv/bin/python train.py
     pslaunch doctor -n 8 -H hosts --tracker torch --sync-dst-dir /tmp/job python ddp.py
     pslaunch doctor --launcher slurm --queue gpu --env DMLC_INTERFACE=10.1.0.0/16
+    pslaunch doctor --launcher ray -n 8 -s 2 --worker-cores 2 --host-ip 10.1.0.5
 """
 
 
@@ -91,7 +92,7 @@ def doctor_command(**kw: Any) -> None:
     checked = next((c for c in CHECKED if c.name == kw.get("launcher")), None)
     if checked is not None:
         code, report = run_preflight(checked, environ, env=env, host_ip=kw.get("host_ip"), queue=kw.get("queue"),
-                                     options=checked.make_options(kw))
+                                     options=checked.make_options(kw), job=kw)
     elif not kw.get("hostfile"):
         raise click.UsageError("give the job's hosts: -H FILE or -H h1,h2 (or --launcher "
                                f"{'|'.join(c.name for c in CHECKED)} for a batch system's checks)")

@@ -62,9 +62,11 @@ def format_rows(title: str, rows: Sequence[Row]) -> str:
 
 
 def run_preflight(backend: type[Backend], environ: Mapping[str, str], *, env: Mapping[str, str],
-                  host_ip: Optional[str], queue: Optional[str], options: Any) -> tuple[int, str]:
-    """``(exit code, report)``: 0 when every check passes, 1 otherwise."""
-    rows = list(backend.doctor(environ, queue=queue, options=options) or [])
+                  host_ip: Optional[str], queue: Optional[str], options: Any,
+                  job: Optional[Mapping[str, Any]] = None) -> tuple[int, str]:
+    """``(exit code, report)``: 0 when every check passes, 1 otherwise. ``job``: the job's own
+    command line's values (:meth:`Backend.doctor`)."""
+    rows = list(backend.doctor(environ, queue=queue, options=options, job=job) or [])
     row = address_row(backend, environ, env, host_ip)
     if row is not None:
         rows.append(row)

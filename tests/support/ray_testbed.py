@@ -85,6 +85,18 @@ class RayCluster:
         r = subprocess.run(["ip", "netns", "pids", node.netns], capture_output=True, text=True, timeout=20)
         return [int(p) for p in r.stdout.split() if p.isdigit()]
 
+    def live_placement_groups(self) -> list[str]:
+        """The names of pslaunch's placement groups that Ray has not removed (asked by a driver
+        on the head, as Ray's own ``placement_group_table()`` shows them)."""
+        code = ("import json, sys, ray; ray.init(address=sys.argv[1], log_to_driver=False, logging_level='error');"
+                "print(json.dumps([v['name'] for v in ray.util.placement_group_table().values() "
+                "if v['state'] != 'REMOVED' and v['name'].startswith('pslaunch-')]))")
+        r = subprocess.run([*self.launcher_prefix(), self.python, "-c", code, self.address], capture_output=True,
+                           text=True, timeout=60)
+        if r.returncode != 0:
+            raise RayTestbedError(f"placement_group_table() failed: {r.stderr.strip()[-1000:]}")
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
     def job_pids(self, node: RayNode) -> list[int]:
         """The processes on ``node`` that are not Ray's own (a job's actors, agents, commands) and
         not the launcher (a driver in the head's namespace is a ``python`` running ``launcher``)."""

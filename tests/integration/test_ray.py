@@ -1,0 +1,92 @@
+"""--launcher ray beyond the conformance suite (which runs every scenario on the Ray test cluster,
+tests/integration/contract): a placement Ray cannot make is one line and leaves nothing, ``--ray-spread``
+puts each process on a node of its own, every job's placement group is removed, and ``pslaunch doctor
+--launcher ray`` holds the job against the cluster's free resources."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from support.clusters import RayCluster
+from support.helpers import REPO, pslaunch_argv, read_probes, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.ray]
+
+
+@pytest.fixture
+def cluster(ray_cluster, tmp_path: Path):
+    out = tmp_path / "probes"
+    out.mkdir()
+    c = RayCluster(out, ray_cluster)
+    yield c
+    c.close()
+
+
+def nothing_left(c: RayCluster) -> None:
+    wait_for(lambda: not c.leftovers() and not c.tb.live_placement_groups(), 30, interval=0.5,  # type: ignore[attr-defined]
+             what="no process, actor or placement group of the job")
+
+
+@pytest.mark.timeout(120)
+def test_a_placement_ray_cannot_make_is_one_line_and_leaves_nothing(cluster: RayCluster) -> None:
+    # 4 workers of 2 CPUs and a server of 1: 9 CPUs on a cluster of 3 nodes with 2 each
+    t0 = time.monotonic()
+    r = cluster.run("-n", "4", "-s", "1", "--worker-cores", "2", "--start-timeout", "5",
+                    *cluster.probe("--sleep", "60"))
+    took = time.monotonic() - t0
+    assert r.returncode == 1, r.stderr
+    errors = [x for x in r.stderr.splitlines() if x.startswith("pslaunch: error:")]
+    assert errors == ["pslaunch: error: Ray could not place the job within --start-timeout 5s: it needs 1 bundle of "
+                      "{CPU: 1} + 4 bundles of {CPU: 2}; the cluster has 3 nodes with 2 CPUs free each (6 in all)"], \
+        r.stderr
+    assert "Traceback" not in r.stderr and took < 60
+    assert not list(cluster.out.glob("*.json")) or sorted(read_probes(cluster.out)) == ["scheduler"]
+    nothing_left(cluster)
+
+
+@pytest.mark.timeout(120)
+def test_ray_spread_puts_each_process_on_its_own_node_and_a_fourth_cannot_be_placed(cluster: RayCluster) -> None:
+    r = cluster.run("-n", "3", "-s", "0", "--tracker", "torch", "--ray-spread", *cluster.probe())
+    assert r.returncode == 0, r.stderr
+    probes = read_probes(cluster.out)
+    nodes = {cluster.node_of(probes[f"worker-{i}"]).name for i in range(3)}  # type: ignore[attr-defined]
+    assert nodes == {"r0", "r1", "r2"}, probes
+    for i in range(3):
+        rec = probes[f"worker-{i}"]
+        assert rec["env"]["DMLC_NODE_HOST"] == cluster.node_host(f"worker-{i}", rec)
+    nothing_left(cluster)
+    r = cluster.run("-n", "4", "-s", "0", "--ray-spread", "--start-timeout", "3", *cluster.probe())
+    assert r.returncode == 1 and "4 bundles of {CPU: 1}, each on its own node (--ray-spread)" in r.stderr, r.stderr
+    nothing_left(cluster)
+
+
+@pytest.mark.timeout(120)
+def test_after_a_failed_job_no_actor_and_no_placement_group_is_left(cluster: RayCluster) -> None:
+    # a job whose processes leave setsid'd grandchildren, and whose worker 1 fails
+    r = cluster.run("-n", "3", "-s", "1", "--kill-grace", "1",
+                    *cluster.probe("--listen", "--sleep", "60", "--child", "--escape", "--fail", "worker-1:5:2"))
+    assert r.returncode == 5, r.stderr
+    assert "worker 1" in next(x for x in r.stderr.splitlines() if " first" in x)
+    nothing_left(cluster)
+
+
+def doctor(c: RayCluster, *args: str) -> subprocess.CompletedProcess:
+    argv = [*c.tb.launcher_prefix(), *pslaunch_argv("doctor", "--launcher", "ray", "--ray-address",  # type: ignore
+                                                     c.tb.address, "--host-ip", c.tb.head.addr, *args)]  # type: ignore
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+@pytest.mark.timeout(120)
+def test_doctor_lists_the_nodes_and_holds_the_job_against_their_free_resources(cluster: RayCluster) -> None:
+    r = doctor(cluster, "-n", "4", "-s", "2", "python", "train.py")
+    assert r.returncode == 0, r.stdout + r.stderr
+    for n in cluster.tb.nodes:  # type: ignore[attr-defined]
+        assert f"node {n.addr}" in r.stdout and "CPU 2/2 free" in r.stdout
+    assert "6 bundles ({CPU: 1}, PACK) fit the free resources now" in r.stdout
+    r = doctor(cluster, "-n", "4", "--worker-cores", "2", "python", "train.py")
+    assert r.returncode == 1
+    assert "job fits: it needs 4 bundles of {CPU: 2}; the cluster has 3 nodes with 2 CPUs free each (6 in all)" \
+        in r.stdout, r.stdout
