@@ -33,8 +33,8 @@ actor and the removal of the placement group. The wrapper gets SIGTERM when its 
 (parent-death signal), and the actors die with the driver, so a launcher killed with SIGKILL
 leaves nothing either.
 
-``ray`` is imported only here, inside the methods (it takes about a second): pip install
-'pslaunch[ray]'.
+``ray`` is imported only here, inside the methods (it takes about a second): the ``ray`` extra
+(``pip install '.[ray]'`` in a clone of pslaunch).
 """
 
 from __future__ import annotations
@@ -241,8 +241,8 @@ def actor_class() -> type:
 def load_ray() -> Any:
     """Import ``ray``, or raise a one-line :class:`BackendUnavailableError`."""
     if importlib.util.find_spec("ray") is None:
-        raise BackendUnavailableError("--launcher ray needs the ray package in pslaunch's Python: "
-                                      "pip install 'pslaunch[ray]' (or '.[ray]' in your clone)")
+        raise BackendUnavailableError("--launcher ray needs the ray package in pslaunch's Python: pip install "
+                                      "'.[ray]' in your clone of pslaunch (ray==2.60.0, the cluster's release)")
     import ray
 
     return ray

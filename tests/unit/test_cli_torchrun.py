@@ -194,7 +194,7 @@ def test_doctor_help_lists_the_launcher_and_the_backend_options(capsys) -> None:
 
 def test_doctor_without_hosts_or_a_batch_system_is_a_usage_error(capsys) -> None:
     code, err = run_err(["doctor", "-n", "2", "python", "x.py"], capsys)
-    assert code == 2 and "give the job's hosts: -H FILE or -H h1,h2 (or --launcher slurm" in one_line(err), err
+    assert code == 2 and "give the job's hosts: -H FILE or -H h1,h2 (or --launcher ray|slurm" in one_line(err), err
 
 
 def test_doctor_launcher_slurm_takes_the_jobs_options_too(tmp_path: Path) -> None:

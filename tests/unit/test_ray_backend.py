@@ -65,5 +65,5 @@ def test_without_ray_the_backend_is_one_line(monkeypatch) -> None:
     from launcher.errors import BackendUnavailableError
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
-    with pytest.raises(BackendUnavailableError, match=r"pip install 'pslaunch\[ray\]'"):
+    with pytest.raises(BackendUnavailableError, match=r"pip install '\.\[ray\]' in your clone"):
         rb.load_ray()
