@@ -30,8 +30,10 @@
 # prestarted idle workers.
 #
 # Settings (environment): PSLAUNCH_RAY_PYTHON (this checkout's .venv/bin/python,
-# which must have ray installed: pip install '.[ray]'), PSLAUNCH_RAY_CPUS (2),
-# PSLAUNCH_RAY_WAIT (120 s per node).
+# which must have ray installed: pip install '.[ray]'), PSLAUNCH_RAY_CPUS (2 logical
+# CPUs per node; `start` restarts a running cluster that has another number: the
+# tests expect 2, scripts/bench_launch_ray.py asks for more), PSLAUNCH_RAY_WAIT
+# (120 s per node).
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -151,6 +153,9 @@ from ray.scripts.scripts import main; sys.argv[1:2] = []; main()' "r$i" start "$
     echo "r$i $(elapsed "$t")" >>"$TIMES"
     note "node r$i is up ($(elapsed "$t") s)"
 }
+running_cpus() {  # the logical CPUs per node of the running cluster, as its last start wrote them
+    sed -n 's/^  "cpus": \([0-9]*\),$/\1/p' "$TESTBED_JSON" 2>/dev/null || true
+}
 write_json() {
     local i sep=""
     mkdir -p "$STATE"
@@ -175,6 +180,10 @@ do_start() {
     mkdir -p "$LOGS" "$STATE"
     network
     for ((i = 0; i < NODES; i++)); do node_runs "$i" || all=0; done
+    if [ $all = 1 ] && [ "$(running_cpus)" != "$CPUS" ]; then
+        note "the cluster runs with $(running_cpus) CPUs per node, not $CPUS (PSLAUNCH_RAY_CPUS): restarting it"
+        all=0
+    fi
     if [ $all = 1 ] && [ "$(alive_nodes)" -ge "$NODES" ]; then
         note "the cluster runs ($NODES nodes)"
     else

@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""Enter-to-all-running on the Ray test cluster: ``--launcher ray`` beside ``--launcher ssh`` on the same nodes.
+
+The Ray nodes (``scripts/setup-ray.sh``: network namespaces ``psray-rN``, 3 nodes) have no sshd;
+this script starts one per node for the run (port 22 on the node's address, a throw-away host
+key in a known_hosts file that the ssh client verifies, a throw-away client key; the same
+``sshd_config`` as ``tests/support/testbed.py``) and stops them at the end. Both launchers run
+as a driver on the head does: in the head's namespace. For P processes (``-n P -s 0``), every
+process runs a tiny shell script that writes the time it started and waits until all P have;
+the time of a run is the last stamp minus the moment the launcher was started (Enter), its
+median over ``-r`` runs; ray and ssh runs alternate, so that load changes hit both alike.
+
+The Ray cluster runs with ceil(P/3) logical CPUs per node for P processes (Ray's ``PACK``
+fills the nodes; the ssh backend places P processes round-robin over the 3 hosts): the script
+restarts it with ``PSLAUNCH_RAY_CPUS`` for each P, and afterwards with the 2 CPUs per node the
+tests expect (or stops it, if it did not run before). Each running actor is about 80 MiB: 64
+processes take about 6 GiB.
+
+    .venv/bin/python scripts/bench_launch_ray.py             # P = 4, 16, 64; 5 runs each
+    .venv/bin/python scripts/bench_launch_ray.py -P 4 -r 3
+
+Needs root and ray in this interpreter (scripts/deps/65-ray.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+from support import ray_testbed  # noqa: E402
+from support.testbed import _SSHD_CONFIG, SSHD, _keygen, _wait_port  # noqa: E402
+
+JOB_SH = """#!/bin/sh
+me="$DMLC_ROLE-$DMLC_TASK_ID"
+date +%s.%N > "$BENCH_OUT/.$me" && mv "$BENCH_OUT/.$me" "$BENCH_OUT/$me"
+end=$(( $(date +%s) + 120 ))
+while [ "$(ls "$BENCH_OUT" | wc -l)" -lt "$BENCH_EXPECTED" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 0.05; done
+"""
+
+MODES = ("ray", "ssh")
+
+
+class SSHNodes:
+    """An sshd in each Ray node's network namespace, and a client HOME whose known_hosts has their keys."""
+
+    def __init__(self, cluster: ray_testbed.RayCluster, root: Path) -> None:
+        self.home = root / "home"
+        (self.home / ".ssh").mkdir(parents=True)
+        client = _keygen(self.home / ".ssh" / "id_ed25519", "bench-client")
+        (root / "authorized_keys").write_text(client + "\n")
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+        self.procs: list[subprocess.Popen] = []
+        known = []
+        for n in cluster.nodes:
+            d = root / n.name
+            d.mkdir()
+            pub = _keygen(d / "hostkey", f"bench-{n.name}")
+            known.append(f"{n.addr} {' '.join(pub.split()[:2])}")
+            cfg = d / "sshd_config"
+            cfg.write_text(_SSHD_CONFIG.format(hostkey=d / "hostkey", authorized_keys=root / "authorized_keys")
+                           + f"ListenAddress {n.addr}\n")
+            with open(d / "sshd.log", "wb") as log:
+                self.procs.append(subprocess.Popen(["ip", "netns", "exec", n.netns, SSHD, "-D", "-e", "-f", str(cfg)],
+                                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+                                                   start_new_session=True))
+        (self.home / ".ssh" / "known_hosts").write_text("\n".join(known) + "\n")
+        (self.home / ".ssh" / "config").write_text("Host 10.202.5.*\n    User root\n    StrictHostKeyChecking yes\n")
+        for n in cluster.nodes:
+            _wait_port(n.addr, 22, 15)
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def setup_ray(*args: str, cpus: int) -> None:
+    r = subprocess.run([str(ray_testbed.SCRIPT), *args], env=dict(os.environ, PSLAUNCH_RAY_CPUS=str(cpus)),
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"scripts/setup-ray.sh {' '.join(args)} failed: {r.stderr[-2000:]}")
+
+
+def one_run(argv: list[str], env: dict[str, str], root: Path, expected: int) -> float:
+    """Seconds from the launcher's start until the last of ``expected`` processes wrote its stamp."""
+    out = Path(tempfile.mkdtemp(dir=root))
+    out.chmod(0o777)
+    env = dict(env, BENCH_OUT=str(out), BENCH_EXPECTED=str(expected))
+    t0 = time.time()
+    r = subprocess.run(argv, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                       timeout=300)
+    stamps = {p.name: float(p.read_text()) for p in out.iterdir() if not p.name.startswith(".")}
+    if r.returncode != 0 or len(stamps) != expected:
+        raise RuntimeError(f"{' '.join(argv[:8])}... exited {r.returncode}, {len(stamps)} of {expected} "
+                           f"processes ran: {r.stderr[-2000:]}")
+    shutil.rmtree(out, ignore_errors=True)
+    return max(stamps.values()) - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-P", "--processes", type=int, nargs="+", default=[4, 16, 64])
+    ap.add_argument("-r", "--repeats", type=int, default=5)
+    a = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (the finally blocks stop the sshds)
+    why = ray_testbed.problem()
+    if why:
+        print(f"no Ray test cluster: {why}", file=sys.stderr)
+        return 1
+    ran_before = ray_testbed._running()
+    root = Path(tempfile.mkdtemp(prefix="pslaunch-bench-ray-"))
+    root.chmod(0o755)
+    job = root / "job.sh"
+    job.write_text(JOB_SH)
+    job.chmod(0o755)
+    setup_ray("start", cpus=2)
+    cluster = ray_testbed.load()
+    ssh = SSHNodes(cluster, root)
+    hostfile = root / "hosts"
+    hostfile.write_text("".join(f"{n.addr}\n" for n in cluster.nodes))
+    load = os.getloadavg()
+    rows = []
+    try:
+        for p in a.processes:
+            cpus = max(2, math.ceil(p / len(cluster.nodes)))
+            setup_ray("start", cpus=cpus)  # (restarts it when the CPUs differ)
+            common = ["-n", str(p), "-s", "0", "--kill-grace", "1", "--start-timeout", "240",
+                      "--env", "BENCH_OUT", "--env", "BENCH_EXPECTED"]
+            prefix = [*cluster.launcher_prefix(), sys.executable, "-m", "launcher"]
+            runs = {
+                "ray": [*prefix, "--launcher", "ray", "--ray-address", cluster.address, "--host-ip",
+                        cluster.head.addr, *common, str(job)],
+                "ssh": [*prefix, "--launcher", "ssh", "-H", str(hostfile), "--env",
+                        f"DMLC_INTERFACE={cluster.subnet}", *common, str(job)],
+            }
+            env = {m: dict(os.environ, PYTHONPATH=str(REPO)) for m in MODES}
+            env["ssh"]["HOME"] = str(ssh.home)
+            times: dict[str, list[float]] = {m: [] for m in MODES}
+            for _ in range(a.repeats):  # interleaved
+                for mode in MODES:
+                    times[mode].append(one_run(runs[mode], env[mode], root, p))
+            rows.append((p, cpus, {m: statistics.median(times[m]) for m in MODES}, times))
+            print(json.dumps({"processes": p, "cpus_per_node": cpus, "runs": times}), file=sys.stderr, flush=True)
+    finally:
+        ssh.close()
+        shutil.rmtree(root, ignore_errors=True)
+        if ran_before:
+            setup_ray("start", cpus=2)
+        else:
+            setup_ray("stop", cpus=2)
+    print(f"Enter-to-all-running on the 3-node Ray test cluster, seconds, median of {a.repeats} (range); "
+          f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print()
+    print("| processes | ray | ssh |")
+    print("| ---: | --- | --- |")
+    for p, _, med, times in rows:
+        cell = {m: f"{med[m]:.2f} ({min(times[m]):.2f}-{max(times[m]):.2f})" for m in MODES}
+        print(f"| {p} | {cell['ray']} | {cell['ssh']} |")
+    print()
+    print("Ray's logical CPUs per node: " + ", ".join(f"{cpus} for {p}" for p, cpus, _, _ in rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
