@@ -47,8 +47,10 @@ JOB_SH = """#!/bin/sh
 me="$DMLC_ROLE-$DMLC_TASK_ID"
 date +%s.%N > "$BENCH_OUT/.$me" && mv "$BENCH_OUT/.$me" "$BENCH_OUT/$me"
 end=$(( $(date +%s) + 120 ))
-while [ "$(ls "$BENCH_OUT" | wc -l)" -lt "$BENCH_EXPECTED" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 0.05; done
+while [ "$(ls "$BENCH_OUT" | wc -l)" -lt "$BENCH_EXPECTED" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 1; done
 """
+# (a slow poll: 64 processes polling every 50 ms fork thousands of times a second and slow the
+# start of the rest; the stamps, not the poll, give the time)
 
 MODES = ("ray", "ssh")
 
@@ -57,6 +59,7 @@ class SSHNodes:
     """An sshd in each Ray node's network namespace, and a client HOME whose known_hosts has their keys."""
 
     def __init__(self, cluster: ray_testbed.RayCluster, root: Path) -> None:
+        root.mkdir()
         self.home = root / "home"
         (self.home / ".ssh").mkdir(parents=True)
         client = _keygen(self.home / ".ssh" / "id_ed25519", "bench-client")
@@ -132,15 +135,18 @@ def main() -> int:
     job.chmod(0o755)
     setup_ray("start", cpus=2)
     cluster = ray_testbed.load()
-    ssh = SSHNodes(cluster, root)
     hostfile = root / "hosts"
     hostfile.write_text("".join(f"{n.addr}\n" for n in cluster.nodes))
     load = os.getloadavg()
     rows = []
+    ssh: SSHNodes | None = None
     try:
         for p in a.processes:
             cpus = max(2, math.ceil(p / len(cluster.nodes)))
-            setup_ray("start", cpus=cpus)  # (restarts it when the CPUs differ)
+            if ssh is not None:
+                ssh.close()
+            setup_ray("start", cpus=cpus)  # (restarts it when the CPUs differ, and kills all in the namespaces)
+            ssh = SSHNodes(cluster, root / f"ssh-{p}")
             common = ["-n", str(p), "-s", "0", "--kill-grace", "1", "--start-timeout", "240",
                       "--env", "BENCH_OUT", "--env", "BENCH_EXPECTED"]
             prefix = [*cluster.launcher_prefix(), sys.executable, "-m", "launcher"]
@@ -159,7 +165,8 @@ def main() -> int:
             rows.append((p, cpus, {m: statistics.median(times[m]) for m in MODES}, times))
             print(json.dumps({"processes": p, "cpus_per_node": cpus, "runs": times}), file=sys.stderr, flush=True)
     finally:
-        ssh.close()
+        if ssh is not None:
+            ssh.close()
         shutil.rmtree(root, ignore_errors=True)
         if ran_before:
             setup_ray("start", cpus=2)
