@@ -107,8 +107,10 @@ network() {
         ip link set "psray-$i" master "$BR" up
         ip -n "$ns" addr add "$(addr "$i")/24" dev eth0
         ip -n "$ns" link set eth0 up
-        ip -n "$ns" route add default via "$NET.1"
     done
+    # No default route (as on the ssh testbed's hosts): a node reaches the bridge's subnet and
+    # nothing else, so what Ray itself tries beyond it (see guard_env) fails at once, unsent.
+    for ((i = 0; i < NODES; i++)); do ip -n "$(node_ns "$i")" route del default 2>/dev/null || true; done
     note "network: bridge $BR $NET.1/24, nodes $(addr 0) (head), $(addr 1), $(addr 2)"
 }
 
@@ -130,6 +132,15 @@ node_runs() {  # node_runs N: a raylet runs in node N's namespace
     done
     return 1
 }
+# guard_env: under the tests (PSLAUNCH_NETGUARD_LOG set: the cluster's Python processes inherit the
+# tests' network guard, tests/netguard), the one address outside the test networks that Ray's head
+# tries by itself: its dashboard process asks the cloud metadata address 169.254.169.254 which
+# cloud it runs on (ray._common.usage.usage_lib, even with usage stats off), once, at start. With
+# no route it fails at once and nothing leaves; without this the guard fails the session for it.
+guard_env() {
+    [ -n "${PSLAUNCH_NETGUARD_LOG:-}" ] || return 0
+    echo "PSLAUNCH_NETGUARD_NETS=${PSLAUNCH_NETGUARD_NETS:-127.0.0.0/8,::1/128,10.200.0.0/16,10.201.0.0/16,10.202.0.0/16},169.254.169.254/32"
+}
 start_node() {  # start_node N: ray start in node N's namespace; wait until the head lists N+1 nodes
     local i=$1 t args
     t=$(date +%s.%N)
@@ -142,8 +153,9 @@ start_node() {  # start_node N: ray start in node N's namespace; wait until the 
     fi
     note "starting node r$i ($(addr "$i")$([ "$i" = 0 ] && echo ", head"))"
     # its own UTS namespace too: hostname rN, as on a real cluster (the processes' labels say where they run)
+    # shellcheck disable=SC2046 # (guard_env: one word or none)
     (cd / && exec ip netns exec "$(node_ns "$i")" unshare --uts -- env RAY_USAGE_STATS_ENABLED=0 \
-        RAY_prestart_worker_first_driver=0 "$PY" -c 'import socket, sys; socket.sethostname(sys.argv[1]);
+        RAY_prestart_worker_first_driver=0 $(guard_env) "$PY" -c 'import socket, sys; socket.sethostname(sys.argv[1]);
 from ray.scripts.scripts import main; sys.argv[1:2] = []; main()' "r$i" start "${args[@]}" \
         </dev/null >>"$LOGS/start-r$i.log" 2>&1) \
         || { tail -n 20 "$LOGS/start-r$i.log" >&2; fail "ray start failed on r$i (log: $LOGS/start-r$i.log)"; }
