@@ -1,7 +1,8 @@
 """--launcher ray beyond the conformance suite (which runs every scenario on the Ray test cluster,
 tests/integration/contract): a placement Ray cannot make is one line and leaves nothing, ``--ray-spread``
-puts each process on a node of its own, every job's placement group is removed, and ``pslaunch doctor
---launcher ray`` holds the job against the cluster's free resources."""
+puts each process on a node of its own, every job's placement group is removed, ``pslaunch doctor
+--launcher ray`` holds the job against the cluster's free resources, and the trainer (dist_sync) runs on
+it as on sge and yarn. (DDP and XGBoost on Ray: tests/integration/test_collective_jobs.py.)"""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support import trainer as H
 from support.clusters import RayCluster
 from support.helpers import REPO, pslaunch_argv, read_probes, wait_for
 
@@ -90,3 +92,24 @@ def test_doctor_lists_the_nodes_and_holds_the_job_against_their_free_resources(c
     assert r.returncode == 1
     assert "job fits: it needs 4 bundles of {CPU: 2}; the cluster has 3 nodes with 2 CPUs free each (6 in all)" \
         in r.stdout, r.stdout
+
+
+# --- the trainer --------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_trainer_dist_sync_on_ray(cluster: RayCluster) -> None:
+    data = H.mnist_dir()
+    t0 = time.monotonic()
+    r = cluster.run("-n", "2", "-s", "1", "--kill-grace", "1", "--env", "OMP_NUM_THREADS=1", *H.train_argv(
+        "--network", "lenet", "--kv-store", "dist_sync", "--num-epochs", "1", "--num-examples", "640",
+        "--batch-size", "64", "--disp-batches", "0", "--seed", "3", data_dir=data), timeout=280)
+    took = time.monotonic() - t0
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "all 4 processes exited 0" in r.stderr
+    s0, s1 = H.summaries(r.stdout)
+    assert s0["batches_per_epoch"] == s1["batches_per_epoch"] == 5
+    assert s0["validation_accuracy"] == s1["validation_accuracy"]  # one set of weights on the servers
+    nothing_left(cluster)
+    print(f"\nray timing: train_mnist dist_sync -n 2 -s 1, 1 epoch of 640 examples: {took:.1f}s")
