@@ -1,16 +1,20 @@
 """--launcher ray beyond the conformance suite (which runs every scenario on the Ray test cluster,
 tests/integration/contract): a placement Ray cannot make is one line and leaves nothing, ``--ray-spread``
 puts each process on a node of its own, every job's placement group is removed, ``pslaunch doctor
---launcher ray`` holds the job against the cluster's free resources, and the trainer (dist_sync) runs on
+--launcher ray`` holds the job against the cluster's free resources, a node lost mid-job (its raylet
+killed) ends the job naming that node and leaving nothing, and the trainer (dist_sync) runs on
 it as on sge and yarn. (DDP and XGBoost on Ray: tests/integration/test_collective_jobs.py.)"""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+from support import ray_testbed
 from support import trainer as H
 from support.clusters import RayCluster
 from support.helpers import REPO, pslaunch_argv, read_probes, wait_for
@@ -73,6 +77,34 @@ def test_after_a_failed_job_no_actor_and_no_placement_group_is_left(cluster: Ray
     assert r.returncode == 5, r.stderr
     assert "worker 1" in next(x for x in r.stderr.splitlines() if " first" in x)
     nothing_left(cluster)
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_node_ends_the_job_naming_the_node_and_leaves_nothing(cluster: RayCluster) -> None:
+    # one worker per node; then r2's raylet is killed (the node is lost: Ray's workers there end with it)
+    tb = cluster.tb
+    lost = tb.nodes[2]  # type: ignore[attr-defined]
+    proc = cluster.start("-n", "3", "-s", "0", "--ray-spread", "--kill-grace", "1", *cluster.probe("--sleep", "240"))
+    try:
+        wait_for(lambda: len(list(cluster.out.glob("worker-*.json"))) == 3, 120, interval=0.5,
+                 what="3 workers running")
+        probes = read_probes(cluster.out)
+        (victim,) = [n for n, rec in probes.items() if cluster.node_of(rec).name == lost.name]  # type: ignore
+        raylets = [p for p in tb.pids(lost) if Path(f"/proc/{p}/comm").read_text().strip() == "raylet"]  # type: ignore
+        assert len(raylets) == 1, raylets
+        os.kill(raylets[0], signal.SIGKILL)
+        out, err = proc.communicate(timeout=180)  # (liveness only: about 5 s here)
+        assert proc.returncode not in (0, None), err
+        first = next(x for x in err.splitlines() if " first" in x)
+        assert first.startswith(f"pslaunch: error: worker {victim.split('-')[1]} ") and f" on {lost.name}" in first \
+            and "its Ray actor died" in first, err
+        assert "Traceback" not in err
+        wait_for(lambda: not cluster.leftovers(), 30, interval=0.5, what="no process of the job on any node")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        ray_testbed.start()  # the lost node back (the whole cluster restarts: about 20 s)
 
 
 def doctor(c: RayCluster, *args: str) -> subprocess.CompletedProcess:
