@@ -85,6 +85,10 @@ class RayOptions:
             raise ConfigError(f"--ray-gpus must be a whole number from 0 to 1024, got {self.gpus!r}")
         if self.address is not None and not str(self.address).strip():
             raise ConfigError("--ray-address needs an address: HOST:PORT of the head's GCS, or auto")
+        if self.address is not None and str(self.address).strip().lower().startswith("ray://"):
+            raise ConfigError(f"--ray-address {self.address.strip()}: Ray Client (ray://) is not supported; run "
+                              f"pslaunch on a node of the cluster (the head) with --ray-address HOST:PORT of the "
+                              f"head's GCS, or auto")
 
 
 def cluster_address(opts: RayOptions, environ: Mapping[str, str]) -> str:
@@ -197,11 +201,8 @@ def actor_class() -> type:
         def run(self, bundle: bytes, args: list, env: dict, cwd: str) -> int:
             """Start the wrapper (``python BUNDLE ARGS``, ``env`` over the actor's own environment),
             wait for it, return its exit code (128+N for signal N)."""
-            import ctypes
             import os
             import shutil
-            import signal
-            import subprocess
             import sys
             import tempfile
 
@@ -215,18 +216,56 @@ def actor_class() -> type:
                 child_env = dict(os.environ)
                 child_env.update(env)
                 child_env["PSLAUNCH_RAY_NODE_IP"] = ray.util.get_node_ip_address()
-                libc = ctypes.CDLL(None, use_errno=True)
-
-                def die_with_actor() -> None:  # the wrapper stops its command when the actor is killed
-                    libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-
-                self.child = subprocess.Popen([sys.executable, path, *args], env=child_env, cwd=cwd if
-                                              os.path.isdir(cwd) else None, stdin=subprocess.DEVNULL,
-                                              preexec_fn=die_with_actor)
+                self.child = self.spawn([sys.executable, path, *args], child_env, cwd)
                 code = self.child.wait()
                 return 128 - code if code < 0 else code
             finally:
                 shutil.rmtree(where, ignore_errors=True)
+
+        def spawn(self, argv: list, env: dict, cwd: str) -> Any:
+            """Start ``argv`` from a thread of its own that lives exactly as long as the child.
+
+            The child asks for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``: the wrapper
+            then stops its command when the actor is killed). Linux sends that signal when the
+            *thread* that forked the child ends, not the process; this actor is threaded
+            (``max_concurrency=2``: methods run on Ray's pool threads, whose lifetime is Ray's
+            business), so forking on the caller's thread would let Ray end the wrapper by retiring a
+            thread. The thread here only forks and waits: it ends after the child has, or with the
+            actor's process. The child also checks, after asking, that its parent is still the
+            actor (it may have died between the fork and the ``prctl``)."""
+            import ctypes
+            import os
+            import signal
+            import subprocess
+            import threading
+
+            actor_pid = os.getpid()
+            libc = ctypes.CDLL(None, use_errno=True)
+
+            def die_with_actor() -> None:
+                libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+                if os.getppid() != actor_pid:
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+            started: dict = {}
+            ready = threading.Event()
+
+            def fork_and_wait() -> None:
+                try:
+                    started["child"] = subprocess.Popen(argv, env=env, cwd=cwd if os.path.isdir(cwd) else None,
+                                                        stdin=subprocess.DEVNULL, preexec_fn=die_with_actor)
+                except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+                    started["error"] = e
+                    return
+                finally:
+                    ready.set()
+                started["child"].wait()
+
+            threading.Thread(target=fork_and_wait, name="pslaunch-wrapper", daemon=True).start()
+            ready.wait()
+            if "error" in started:
+                raise started["error"]
+            return started["child"]
 
         def node(self) -> dict:
             import os
@@ -262,6 +301,9 @@ class RayTask(BatchTask):
         self.ref = ref
         self.resolved = False         # the actor's call returned or failed: Ray holds nothing of it running
         self.state = "pending"
+        self.node_id = ""             # the Ray node its bundle is on, and that node's raylet (address, port)
+        self.node_addr = ""
+        self.raylet_port = 0
 
     def where(self) -> str:
         return f"Ray actor of bundle {self.index}"
@@ -279,7 +321,9 @@ class RayBackend(BatchBackend):
     Options = RayOptions
     options = (
         BackendOption(("--ray-address",), "address", "the Ray cluster's address, HOST:PORT of its GCS "
-                      "(default: RAY_ADDRESS, else auto: the cluster of this node).", metavar="ADDR"),
+                      "(default: RAY_ADDRESS, else auto: the cluster of this node). pslaunch is a Ray driver: "
+                      "it must run on a node of the cluster (the head, usually); Ray Client (ray://) is not "
+                      "supported.", metavar="ADDR"),
         BackendOption(("--ray-spread",), "spread", "put every process on its own node (STRICT_SPREAD; "
                       "default PACK).", kind="flag", default=False),
         BackendOption(("--ray-gpus",), "gpus", "GPUs each worker's actor reserves (Ray sets its "
@@ -387,6 +431,7 @@ class RayBackend(BatchBackend):
                 self._pg = None
             raise LaunchError(describe_unplaced(wanted, strategy, free, timeout))
         log.info("Ray placed %d bundles (%s)", len(wanted), strategy)
+        placed = _bundle_nodes(ray, pg)
 
         doc = build_task_file(self.spec, procs, hub=hub)
         env_doc = task_wrapper.task_env_chunks(TASK_ENV, json.dumps(doc, separators=(",", ":")))
@@ -403,7 +448,9 @@ class RayBackend(BatchBackend):
                     *(("--no-tee",) if hub else ())]
             env = {**env_doc, task_wrapper.RAY_INDEX: str(index)}
             ref = actor.run.remote(bundle_ref, args, env, cwd)
-            self.add_task(RayTask(p, self.console.proc(p.name, p.label, str(p.role)), self, i, actor, ref))
+            t = RayTask(p, self.console.proc(p.name, p.label, str(p.role)), self, i, actor, ref)
+            t.node_id, t.node_addr, t.raylet_port = placed.get(i, ("", "", 0))
+            self.add_task(t)
         log.info("started %d Ray actors", len(procs))
         return self.tasks
 
@@ -431,6 +478,15 @@ class RayBackend(BatchBackend):
                 code = 128 + int(signal.SIGKILL)
                 reason = ("its Ray actor was killed by the launcher" if t.terminated else
                           f"its Ray actor died ({type(e).__name__})")
+                if not t.terminated and t.node_addr and node_lost(ray, t.node_id, t.node_addr, t.raylet_port):
+                    # as slurm does for a node it lost: exit code 1, the node named (its processes
+                    # never said anything: the node is gone), before those stopped because of it
+                    log.error("Ray lost node %s (its raylet at %s:%d stopped answering)", t.node_addr,
+                              t.node_addr, t.raylet_port)
+                    t.failure = (f"Ray lost its node {t.node_addr} (its raylet at {t.node_addr}:{t.raylet_port} "
+                                 f"stopped answering) and the actor with it; see ray status and the raylet's log on "
+                                 f"that node")
+                    code, reason = 1, f"node {t.node_addr} failed"
             self.set_code(t, code, reason)
 
     def settled(self) -> bool:
@@ -482,13 +538,75 @@ def _connect(ray: Any, address: str) -> None:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING,
                  configure_logging=False, include_dashboard=False)
     except Exception as e:  # noqa: BLE001 - ConnectionError, RuntimeError, ValueError: one line
-        text = " ".join(str(e).split())[:400] or type(e).__name__
-        raise LaunchError(f"cannot connect to the Ray cluster at {address}: {text} (pslaunch must run on a node of "
-                          "the cluster; --ray-address or RAY_ADDRESS names the head's HOST:PORT)") from None
+        text = " ".join(str(e).split())
+        text = (text[:300] + "...") if len(text) > 300 else (text or type(e).__name__)
+        raise LaunchError(f"cannot connect to the Ray cluster at {address}: {text} (a Ray driver needs a raylet on "
+                          "its own machine: run pslaunch on a node of the cluster, the head usually, with "
+                          "--ray-address HOST:PORT of the head's GCS or auto; Ray Client, ray://, is not supported)"
+                          ) from None
     finally:
         for s, h in saved.items():
             if h is not None:
                 signal.signal(s, h)
+    ip = ray.util.get_node_ip_address()
+    if not owns_address(ip):
+        ray.shutdown()
+        raise LaunchError(f"this machine is not a node of the Ray cluster at {address}: Ray takes it for node {ip}, "
+                          "an address it does not have, and actors could not reach the driver (a Ray driver needs a "
+                          "raylet on its own machine: run pslaunch on a node of the cluster, the head usually; Ray "
+                          "Client, ray://, is not supported)")
+
+
+def owns_address(ip: str) -> bool:
+    """Whether this machine (its network namespace) has address ``ip``: a socket binds to it.
+    Only a clear "not here" (EADDRNOTAVAIL) says no."""
+    import errno
+    import socket
+
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((ip, 0))
+    except OSError as e:
+        return e.errno != errno.EADDRNOTAVAIL
+    return True
+
+
+def _bundle_nodes(ray: Any, pg: Any) -> dict[int, tuple[str, str, int]]:
+    """Each bundle's node: ``{index: (node id, node address, raylet port)}`` (Ray's view once the
+    group is placed; {} where Ray does not say: a lost node is then not told apart)."""
+    try:
+        by_bundle = ray.util.placement_group_table(pg).get("bundles_to_node_id") or {}
+        nodes = {n["NodeID"]: n for n in ray.nodes()}
+    except Exception as e:  # noqa: BLE001 - only the wording of a lost node depends on it
+        log.debug("placement_group_table: %s", e)
+        return {}
+    out = {}
+    for index, node_id in by_bundle.items():
+        n = nodes.get(node_id) or {}
+        out[int(index)] = (node_id, str(n.get("NodeManagerAddress") or ""), int(n.get("NodeManagerPort") or 0))
+    return out
+
+
+def node_lost(ray: Any, node_id: str, addr: str, port: int, timeout: float = 3.0) -> bool:
+    """Whether the node of a dead actor is lost: Ray has marked it dead, or its raylet takes no
+    connection. Ray marks a node dead only after its health checks fail for a while (tens of
+    seconds), while the actors on it fail at once: the raylet's port says it sooner."""
+    import socket
+
+    try:
+        for n in ray.nodes():
+            if n.get("NodeID") == node_id and not n.get("Alive"):
+                return True
+    except Exception as e:  # noqa: BLE001 - the GCS may be what is lost: ask the raylet
+        log.debug("ray.nodes(): %s", e)
+    if not port:
+        return False
+    try:
+        with socket.create_connection((addr, port), timeout=timeout):
+            return False
+    except OSError:
+        return True
 
 
 def _free_per_node(ray: Any, nodes: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:

@@ -7,7 +7,9 @@ it as on sge and yarn. (DDP and XGBoost on Ray: tests/integration/test_collectiv
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -96,8 +98,12 @@ def test_a_lost_node_ends_the_job_naming_the_node_and_leaves_nothing(cluster: Ra
         out, err = proc.communicate(timeout=180)  # (liveness only: about 5 s here)
         assert proc.returncode not in (0, None), err
         first = next(x for x in err.splitlines() if " first" in x)
+        # as slurm says of a node it lost: exit code 1, the node named (not "its Ray actor died")
+        assert proc.returncode == 1, err
         assert first.startswith(f"pslaunch: error: worker {victim.split('-')[1]} ") and f" on {lost.name}" in first \
-            and "its Ray actor died" in first, err
+            and f"Ray lost its node {lost.addr} (its raylet at {lost.addr}:" in first \
+            and "ActorUnavailableError" not in first and "actor died" not in first, err
+        assert f"pslaunch: error: Ray lost node {lost.addr} " in err, err
         assert "Traceback" not in err
         wait_for(lambda: not cluster.leftovers(), 30, interval=0.5, what="no process of the job on any node")
     finally:
@@ -105,6 +111,85 @@ def test_a_lost_node_ends_the_job_naming_the_node_and_leaves_nothing(cluster: Ra
             proc.kill()
             proc.communicate()
         ray_testbed.start()  # the lost node back (the whole cluster restarts: about 20 s)
+
+
+def _kill_raylet(cluster: RayCluster, node: object) -> None:
+    raylets = [p for p in cluster.tb.pids(node) if Path(f"/proc/{p}/comm").read_text().strip() == "raylet"]  # type: ignore
+    assert len(raylets) == 1, raylets
+    os.kill(raylets[0], signal.SIGKILL)
+
+
+@pytest.mark.timeout(400)
+def test_a_job_restarts_on_the_nodes_left_after_a_node_is_lost(cluster: RayCluster) -> None:
+    # 2 workers on 2 nodes (--ray-spread); the raylet of a worker node that is not the head is killed:
+    # attempt 1 gets a new placement group on the 2 nodes left and ends 0
+    tb = cluster.tb
+    proc = cluster.start("-n", "2", "-s", "0", "--ray-spread", "--kill-grace", "1", "--max-restarts", "1",
+                         "--restart-delay", "0", "--start-timeout", "180",
+                         *cluster.probe("--sleep", "240", "--sleep-on-attempts", "0"))
+    try:
+        wait_for(lambda: len(list((cluster.out / "history").glob("worker-*.0.json"))) == 2, 120, interval=0.5,
+                 what="2 workers running")
+        probes = read_probes(cluster.out)
+        used = [cluster.node_of(probes[f"worker-{i}"]) for i in range(2)]
+        lost = next(n for n in used if not n.head)  # type: ignore[attr-defined]
+        _kill_raylet(cluster, lost)
+        out, err = proc.communicate(timeout=300)  # (liveness only)
+        assert proc.returncode == 0, err
+        assert re.search(rf"attempt 1/2 failed: worker \d on {lost.name} .*Ray lost its node {lost.addr}", err), err  # type: ignore
+        assert "(after 1 restart)" in err and "Traceback" not in err, err
+        again = {f.stem.split(".")[0]: json.loads(f.read_text()) for f in (cluster.out / "history").glob("*.1.json")}
+        assert sorted(again) == ["worker-0", "worker-1"], sorted(again)
+        assert all(cluster.node_of(rec).name != lost.name for rec in again.values()), again  # type: ignore
+        wait_for(lambda: not cluster.leftovers(), 30, interval=0.5, what="no process of the job on any node")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        ray_testbed.start()  # the lost node back (the whole cluster restarts: about 20 s)
+    _ = tb
+
+
+@pytest.mark.timeout(180)
+def test_the_job_secret_is_in_no_ray_log_and_no_ray_state(cluster: RayCluster) -> None:
+    # the task document (the secret inside) goes to each actor as an argument of its method call:
+    # Ray must neither log nor keep it (its session directories, its GCS tables)
+    r = cluster.run("-n", "2", "-s", "1", *cluster.probe("--sleep", "1"))
+    assert r.returncode == 0, r.stderr
+    secrets = {rec["env"]["PSLAUNCH_SECRET"] for rec in read_probes(cluster.out).values()}
+    (secret,) = secrets
+    assert len(secret) >= 32
+    needles = [secret.encode(), secret[:16].encode(), secret[-16:].encode()]  # (and halves: the document is chunked)
+    found = []
+    for path in Path(ray_testbed.TEMP).rglob("*"):
+        try:
+            if path.is_file() and not path.is_symlink():
+                data = path.read_bytes()
+                found += [str(path) for n in needles if n in data]
+        except OSError:
+            continue
+    assert not found, found
+    state = cluster.tb.state_dump()  # type: ignore[attr-defined]
+    assert "pslaunch-" in state and not any(n.decode() in state for n in needles)
+    assert not any(n.decode() in r.stdout + r.stderr for n in needles)
+
+
+@pytest.mark.timeout(120)
+def test_a_launcher_that_is_not_on_a_node_of_the_cluster_is_one_line(cluster: RayCluster) -> None:
+    # the launcher in this machine's own namespace, not a node's: Ray would place the actors, which
+    # could never reach the driver (they waited out --start-timeout)
+    t0 = time.monotonic()
+    r = subprocess.run(pslaunch_argv("--launcher", "ray", "--ray-address", cluster.tb.address,  # type: ignore
+                                     "--host-ip", cluster.tb.bridge, "-n", "1", "-s", "0",  # type: ignore
+                                     "--env", f"PSLAUNCH_TEST_MARK={cluster.mark}", "true"),
+                       capture_output=True, text=True, timeout=100, cwd=REPO)
+    errors = [x for x in r.stderr.splitlines() if x.startswith("pslaunch: error:")]
+    assert r.returncode == 1 and len(errors) == 1, r.stderr
+    assert errors[0].startswith(f"pslaunch: error: this machine is not a node of the Ray cluster at "
+                                f"{cluster.tb.address}: ") and "run pslaunch on a node of the cluster" in errors[0] \
+        and "ray://" in errors[0], errors  # type: ignore[attr-defined]
+    assert time.monotonic() - t0 < 60 and "Traceback" not in r.stderr
+    nothing_left(cluster)
 
 
 def doctor(c: RayCluster, *args: str) -> subprocess.CompletedProcess:

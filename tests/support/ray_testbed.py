@@ -33,6 +33,8 @@ import pytest
 
 DEFAULT_JSON = Path("/var/lib/pslaunch-ray/testbed.json")
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "setup-ray.sh"
+#: every node's Ray temp dir (sessions, logs, spilled objects): setup-ray.sh's --temp-dir
+TEMP = Path("/tmp/ray-pslaunch")
 #: Ray's own processes on a node; anything else in a node's namespace belongs to a job
 #: (a job's actors are ray::<class> workers; the idle pool is ray::IDLE)
 DAEMONS = ("gcs_server", "raylet", "ray::DashboardA", "ray::RuntimeEnv", "ray::IDLE")
@@ -96,6 +98,20 @@ class RayCluster:
         if r.returncode != 0:
             raise RayTestbedError(f"placement_group_table() failed: {r.stderr.strip()[-1000:]}")
         return json.loads(r.stdout.strip().splitlines()[-1])
+
+    def state_dump(self) -> str:
+        """What the cluster's GCS keeps of jobs, actors, placement groups and nodes, as text (asked
+        by a driver on the head; the state API's task events need the dashboard, which the test
+        cluster does not run)."""
+        code = ("import sys, ray; from ray._private import state as s;"
+                "ray.init(address=sys.argv[1], log_to_driver=False, logging_level='error');"
+                "print(repr(s.jobs())); print(repr(s.actors())); print(repr(s.state.placement_group_table()));"
+                "print(repr(ray.nodes()))")
+        r = subprocess.run([*self.launcher_prefix(), self.python, "-c", code, self.address], capture_output=True,
+                           text=True, timeout=60)
+        if r.returncode != 0:
+            raise RayTestbedError(f"the GCS's tables: {r.stderr.strip()[-1000:]}")
+        return r.stdout
 
     def job_pids(self, node: RayNode) -> list[int]:
         """The processes on ``node`` that are not Ray's own (a job's actors, agents, commands) and

@@ -67,3 +67,85 @@ def test_without_ray_the_backend_is_one_line(monkeypatch) -> None:
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(BackendUnavailableError, match=r"pip install '\.\[ray\]' in your clone"):
         rb.load_ray()
+
+
+def test_ray_client_addresses_are_refused_in_one_line_that_names_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"^--ray-address ray://head:10001: Ray Client \(ray://\) is not supported; "
+                                          r"run pslaunch on a node of the cluster"):
+        rb.RayOptions(address="ray://head:10001")
+    helps = {o.flags[0]: o.help for o in rb.RayBackend.options}
+    assert "must run on a node of the cluster" in helps["--ray-address"] and "ray://" in helps["--ray-address"]
+
+
+def test_an_address_is_owned_only_where_a_socket_binds_to_it() -> None:
+    assert rb.owns_address("127.0.0.1")
+    assert not rb.owns_address("10.202.250.99")  # (in the test nets the network guard allows; nobody has it)
+
+
+class _Nodes:
+    """Ray's ``nodes()`` as a dead actor's node answers it: still alive in the GCS's view."""
+
+    def __init__(self, alive: bool) -> None:
+        self.alive = alive
+
+    def nodes(self) -> list[dict]:
+        return [{"NodeID": "n1", "Alive": self.alive}]
+
+
+def test_a_node_is_lost_when_ray_marks_it_dead_or_its_raylet_takes_no_connection() -> None:
+    import socket
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        assert not rb.node_lost(_Nodes(True), "n1", "127.0.0.1", port)
+        assert rb.node_lost(_Nodes(False), "n1", "127.0.0.1", port)
+    assert rb.node_lost(_Nodes(True), "n1", "127.0.0.1", port)  # (closed now)
+    assert not rb.node_lost(_Nodes(True), "n1", "127.0.0.1", 0)  # no raylet known: not said lost
+
+
+def test_the_wrapper_outlives_the_pool_thread_that_started_it() -> None:
+    """PR_SET_PDEATHSIG fires when the forking *thread* ends: the actor forks from a thread of its own."""
+    import os
+    import threading
+    import time
+
+    actor = rb.actor_class()()
+    got: dict = {}
+    caller = threading.Thread(target=lambda: got.update(child=actor.spawn(["sleep", "30"], dict(os.environ), "/")))
+    caller.start()
+    caller.join()
+    child = got["child"]
+    try:
+        time.sleep(1.0)
+        assert child.poll() is None, f"the wrapper ended with its caller's thread: {child.returncode}"
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_wrapper_gets_sigterm_when_the_actor_process_dies(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from support.helpers import REPO, wait_for
+
+    code = ("import os, sys; from launcher.backends import ray as rb\n"
+            "c = rb.actor_class()().spawn(['sleep', '30'], dict(os.environ), '/')\n"
+            "print(c.pid, flush=True); os._exit(0)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    pid = int(r.stdout.split()[0])
+
+    def gone() -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split(") ")[1].startswith("Z")
+        except OSError:
+            return True
+    try:
+        wait_for(gone, 10, interval=0.1, what="the wrapper to end with the actor")
+    finally:
+        if not gone():
+            os.kill(pid, 9)
