@@ -143,7 +143,7 @@ class Backend:
         if spec.replaces_workers and not cls.can_replace:
             raise ConfigError(f"--launcher {cls.name} cannot start one process into a running job, so it cannot "
                               "replace a lost worker in place: drop --restart-scope process (lost workers then "
-                              "restart the whole job), or use --launcher local, ssh or slurm")
+                              "restart the whole job), or use --launcher local, ssh, slurm or ray")
         if spec.sync_dst_dir and not cls.supports_sync:
             raise ConfigError(f"--sync-dst-dir copies the working directory to remote hosts over ssh; "
                               f"--launcher {cls.name} has none (drop --sync-dst-dir)")

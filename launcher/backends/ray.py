@@ -56,7 +56,7 @@ from ..runtime.output import ProcOutput
 from ..spec.job import JobSpec, Role
 from ..spec.plan import Plan, ProcSpec
 from .base import BackendOption
-from .batch import BatchBackend, BatchTask, build_task_file
+from .batch import BatchBackend, BatchTask, build_task_file, task_roles
 
 log = logging.getLogger(__name__)
 
@@ -294,8 +294,8 @@ class RayTask(BatchTask):
     """One process of the job: its actor, and the reference of the actor's one call."""
 
     def __init__(self, proc: ProcSpec, output: ProcOutput, backend: RayBackend, index: int, actor: Any,
-                 ref: Any) -> None:
-        super().__init__(proc, output, backend, host="(ray)")
+                 ref: Any, ident: Optional[int] = None) -> None:
+        super().__init__(proc, output, backend, host="(ray)", ident=ident)
         self.index = index            # its bundle
         self.actor = actor
         self.ref = ref
@@ -304,6 +304,7 @@ class RayTask(BatchTask):
         self.node_id = ""             # the Ray node its bundle is on, and that node's raylet (address, port)
         self.node_addr = ""
         self.raylet_port = 0
+        self.node_gone = False        # Ray lost its node (a replacement needs a bundle elsewhere)
 
     def where(self) -> str:
         return f"Ray actor of bundle {self.index}"
@@ -316,6 +317,7 @@ class RayBackend(BatchBackend):
     """An existing Ray cluster. See the module docstring."""
 
     name = "ray"
+    can_replace = True
     poll_every = 0.2
     close_wait = 20.0
     Options = RayOptions
@@ -335,6 +337,8 @@ class RayBackend(BatchBackend):
         self._ray: Any = None
         self._pg: Any = None
         self._connected = False
+        self._bundle_ref: Any = None
+        self._groups: list[Any] = []  # the replacements' own placement groups (a lost node's)
 
     # -- what the rest of the launcher asks of the class ------------------------------------------
 
@@ -435,7 +439,7 @@ class RayBackend(BatchBackend):
 
         doc = build_task_file(self.spec, procs, hub=hub)
         env_doc = task_wrapper.task_env_chunks(TASK_ENV, json.dumps(doc, separators=(",", ":")))
-        bundle_ref = ray.put(node.bundle("task"))
+        bundle_ref = self._bundle_ref = ray.put(node.bundle("task"))
         cls = ray.remote(actor_class())
         cwd = self.spec.workdir or os.getcwd()
         first = {str(r): min((p.rank for p in procs if p.role is r), default=0) for r in (Role.SERVER, Role.WORKER)}
@@ -453,6 +457,48 @@ class RayBackend(BatchBackend):
             self.add_task(t)
         log.info("started %d Ray actors", len(procs))
         return self.tasks
+
+    def submit_replacement(self, proc: ProcSpec, lost: BatchTask, ident: int) -> BatchTask:
+        """``--restart-scope process``: the lost worker's replacement, its agent connecting as
+        ``ident``. Where the lost process's actor lives (its process died, not its node), the
+        actor runs the wrapper again: the same bundle, the same node, its resources still held.
+        Where Ray lost the node, a new actor in a placement group of one bundle of its own, on a
+        node that has room (the group is removed at the end like the job's)."""
+        ray = self._ray
+        assert isinstance(lost, RayTask) and self.hub is not None and ray is not None
+        roles = task_roles([proc])
+        part = roles[str(proc.role)]
+        part["idents"] = [ident]
+        if pc.PROCESS in proc.env:
+            part["processes"] = [proc.env[pc.PROCESS]]
+        doc = build_task_file(self.spec, [proc], hub=self.hub.address, roles=roles)
+        env = {**task_wrapper.task_env_chunks(TASK_ENV, json.dumps(doc, separators=(",", ":"))),
+               task_wrapper.RAY_INDEX: "0"}
+        args = ["--task-env", TASK_ENV, "--role", str(proc.role), "--index", "ray", "--no-tee"]
+        cwd = self.spec.workdir or os.getcwd()
+        actor, index, where = lost.actor, lost.index, (lost.node_id, lost.node_addr, lost.raylet_port)
+        if lost.node_gone:
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            (wanted,) = bundles(self.spec, [proc])
+            pg = placement_group([wanted], strategy="PACK", name=f"pslaunch-{proc.env.get(pc.JOB_ID, 'job')}-"
+                                 f"{proc.name}-{ident}")
+            self._groups.append(pg)
+            ready, _ = ray.wait([pg.ready()], timeout=max(self.spec.start_timeout, 1.0))
+            if not ready:
+                raise LaunchError(f"{proc.label}'s replacement: Ray could not place a bundle of {_shape(wanted)} on "
+                                  f"the nodes left within --start-timeout {self.spec.start_timeout:g}s")
+            actor = ray.remote(actor_class()).options(
+                num_cpus=wanted["CPU"], num_gpus=wanted.get("GPU", 0), max_concurrency=2, namespace=NAMESPACE,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote()
+            index, where = 0, _bundle_nodes(ray, pg).get(0, ("", "", 0))
+        ref = actor.run.remote(self._bundle_ref, args, env, cwd)
+        t = RayTask(proc, self.console.proc(proc.name, proc.label, str(proc.role)), self, index, actor, ref,
+                    ident=ident)
+        t.node_id, t.node_addr, t.raylet_port = where
+        self.add_task(t)
+        return t
 
     def describe_pending(self, pending: Sequence[BatchTask], timeout: float) -> str:
         names = ", ".join(t.label for t in pending)
@@ -487,6 +533,7 @@ class RayBackend(BatchBackend):
                                  f"stopped answering) and the actor with it; see ray status and the raylet's log on "
                                  f"that node")
                     code, reason = 1, f"node {t.node_addr} failed"
+                    t.node_gone = True
             self.set_code(t, code, reason)
 
     def settled(self) -> bool:
@@ -502,6 +549,9 @@ class RayBackend(BatchBackend):
             if t.terminated or ray is None:
                 continue
             t.terminated = True
+            if any(o is not t and o.actor is t.actor and not o.resolved for o in self.tasks
+                   if isinstance(o, RayTask) and o not in tasks):
+                continue  # (a replacement runs in the lost task's actor: it is stopped through its agent)
             try:
                 ray.kill(t.actor, no_restart=True)
             except Exception as e:  # noqa: BLE001 - already gone
@@ -526,6 +576,12 @@ class RayBackend(BatchBackend):
             except Exception as e:  # noqa: BLE001 - the driver's end removes it too
                 log.debug("remove_placement_group: %s", e)
             self._pg = None
+        for pg in self._groups:
+            try:
+                remove_placement_group(pg)
+            except Exception as e:  # noqa: BLE001 - the driver's end removes it too
+                log.debug("remove_placement_group: %s", e)
+        self._groups = []
         ray.shutdown()
         self._connected = False
 
