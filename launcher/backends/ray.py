@@ -529,10 +529,9 @@ class RayBackend(BatchBackend):
                     # never said anything: the node is gone), before those stopped because of it
                     log.error("Ray lost node %s (its raylet at %s:%d stopped answering)", t.node_addr,
                               t.node_addr, t.raylet_port)
-                    t.failure = (f"Ray lost its node {t.node_addr} (its raylet at {t.node_addr}:{t.raylet_port} "
-                                 f"stopped answering) and the actor with it; see ray status and the raylet's log on "
-                                 f"that node")
-                    code, reason = 1, f"node {t.node_addr} failed"
+                    # (a reason, not a failure: a failure means "could not start", which no restart helps)
+                    code, reason = 1, (f"Ray lost its node {t.node_addr}: its raylet at {t.node_addr}:{t.raylet_port} "
+                                       "stopped answering, and the actor with it (ray status; the raylet's log there)")
                     t.node_gone = True
             self.set_code(t, code, reason)
 
@@ -591,6 +590,14 @@ def _connect(ray: Any, address: str) -> None:
     keeping pslaunch's own signal handlers (ray.init sets one for SIGTERM)."""
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
+        from ray._private import worker as ray_worker
+
+        # Ray prints the errors it publishes to every driver (a raylet's death: its last 20 log
+        # lines) on the launcher's own stdout; one line of it in pslaunch's log instead
+        ray_worker.print_to_stdstream = _ray_said
+    except Exception as e:  # noqa: BLE001 - a private API: Ray then prints them itself
+        log.debug("Ray's error printer: %s", e)
+    try:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING,
                  configure_logging=False, include_dashboard=False)
     except Exception as e:  # noqa: BLE001 - ConnectionError, RuntimeError, ValueError: one line
@@ -611,6 +618,14 @@ def _connect(ray: Any, address: str) -> None:
                           "an address it does not have, and actors could not reach the driver (a Ray driver needs a "
                           "raylet on its own machine: run pslaunch on a node of the cluster, the head usually; Ray "
                           "Client, ray://, is not supported)")
+
+
+def _ray_said(data: Mapping[str, Any], ignore_prefix: bool = False) -> None:
+    """An error Ray published to the drivers: its first line as a warning, the rest in the debug log."""
+    lines = [ln for item in data.get("lines") or [] for ln in str(item).splitlines() if ln.strip()]
+    if lines:
+        log.warning("Ray says: %s", " ".join(lines[0].split())[:300])
+        log.debug("Ray says:\n%s", "\n".join(lines[1:]))
 
 
 def owns_address(ip: str) -> bool:

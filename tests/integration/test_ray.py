@@ -101,10 +101,10 @@ def test_a_lost_node_ends_the_job_naming_the_node_and_leaves_nothing(cluster: Ra
         # as slurm says of a node it lost: exit code 1, the node named (not "its Ray actor died")
         assert proc.returncode == 1, err
         assert first.startswith(f"pslaunch: error: worker {victim.split('-')[1]} ") and f" on {lost.name}" in first \
-            and f"Ray lost its node {lost.addr} (its raylet at {lost.addr}:" in first \
+            and f"Ray lost its node {lost.addr}: its raylet at {lost.addr}:" in first \
             and "ActorUnavailableError" not in first and "actor died" not in first, err
         assert f"pslaunch: error: Ray lost node {lost.addr} " in err, err
-        assert "Traceback" not in err
+        assert "Traceback" not in err and "Last 20 lines of the Raylet logs" not in out + err, out + err
         wait_for(lambda: not cluster.leftovers(), 30, interval=0.5, what="no process of the job on any node")
     finally:
         if proc.poll() is None:
@@ -136,7 +136,10 @@ def test_a_job_restarts_on_the_nodes_left_after_a_node_is_lost(cluster: RayClust
         _kill_raylet(cluster, lost)
         out, err = proc.communicate(timeout=300)  # (liveness only)
         assert proc.returncode == 0, err
-        assert re.search(rf"attempt 1/2 failed: worker \d on {lost.name} .*Ray lost its node {lost.addr}", err), err  # type: ignore
+        assert re.search(rf"error: worker \d \(Ray actor of bundle \d on {lost.name}, pid \d+; Ray lost its node "
+                         rf"{re.escape(lost.addr)}: its raylet", err), err  # type: ignore[attr-defined]
+        assert re.search(rf"attempt 1/2 failed: worker \d on {lost.name} \(pid \d+\) exited with code 1; restarting "
+                         r"every process", err), err  # type: ignore[attr-defined]
         assert "(after 1 restart)" in err and "Traceback" not in err, err
         again = {f.stem.split(".")[0]: json.loads(f.read_text()) for f in (cluster.out / "history").glob("*.1.json")}
         assert sorted(again) == ["worker-0", "worker-1"], sorted(again)

@@ -149,3 +149,14 @@ def test_the_wrapper_gets_sigterm_when_the_actor_process_dies(tmp_path) -> None:
     finally:
         if not gone():
             os.kill(pid, 9)
+
+
+def test_an_error_ray_publishes_is_one_warning_line(caplog) -> None:
+    import logging
+
+    with caplog.at_level(logging.DEBUG, logger="launcher.backends.ray"):
+        rb._ray_said({"lines": ["Raylet is terminated. Termination is unexpected.\n    [log line 1]\n    [log line 2]"],
+                      "pid": "raylet"})
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["Ray says: Raylet is terminated. Termination is unexpected."]
+    assert "[log line 2]" in caplog.text
