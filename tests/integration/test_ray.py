@@ -123,7 +123,6 @@ def _kill_raylet(cluster: RayCluster, node: object) -> None:
 def test_a_job_restarts_on_the_nodes_left_after_a_node_is_lost(cluster: RayCluster) -> None:
     # 2 workers on 2 nodes (--ray-spread); the raylet of a worker node that is not the head is killed:
     # attempt 1 gets a new placement group on the 2 nodes left and ends 0
-    tb = cluster.tb
     proc = cluster.start("-n", "2", "-s", "0", "--ray-spread", "--kill-grace", "1", "--max-restarts", "1",
                          "--restart-delay", "0", "--start-timeout", "180",
                          *cluster.probe("--sleep", "240", "--sleep-on-attempts", "0"))
@@ -150,7 +149,42 @@ def test_a_job_restarts_on_the_nodes_left_after_a_node_is_lost(cluster: RayClust
             proc.kill()
             proc.communicate()
         ray_testbed.start()  # the lost node back (the whole cluster restarts: about 20 s)
-    _ = tb
+
+
+@pytest.mark.timeout(400)
+def test_a_worker_on_a_lost_node_is_replaced_in_place_on_a_node_left(cluster: RayCluster, tmp_path: Path) -> None:
+    # --restart-scope process, each process on its own node; a worker node's raylet is killed: the
+    # worker there is replaced by a new actor in a one-bundle placement group on a node left, while
+    # the scheduler, the server and the other worker run on; the job ends 0 in its first attempt
+    summary = tmp_path / "summary.json"
+    proc = cluster.start("-n", "2", "-s", "1", "--ray-spread", "--kill-grace", "1", "--max-restarts", "1",
+                         "--restart-scope", "process", "--start-timeout", "180", "--summary-json", str(summary),
+                         *cluster.probe("--listen", "--sleep", "30"))
+    try:
+        wait_for(lambda: len(list((cluster.out / "history").glob("*.0.json"))) == 4, 120, interval=0.5,
+                 what="the scheduler, the server and 2 workers running")
+        probes = read_probes(cluster.out)
+        victim = next(f"worker-{i}" for i in range(2) if not cluster.node_of(probes[f"worker-{i}"]).head)  # type: ignore
+        lost = cluster.node_of(probes[victim])
+        _kill_raylet(cluster, lost)
+        out, err = proc.communicate(timeout=300)  # (liveness only: about 45 s here)
+        assert proc.returncode == 0, err
+        assert f"pslaunch: error: Ray lost node {lost.addr} " in err, err  # type: ignore[attr-defined]
+        assert re.search(rf"{victim.replace('-', ' ')} on {lost.name} \(pid \d+\) exited with code 1; replacing it in "  # type: ignore
+                         r"place \(restart 1/1\)", err), err
+        doc = json.loads(summary.read_text())
+        assert [(a["attempt"], a["reason"]) for a in doc["attempts"]] == [(0, "success")], doc["attempts"]
+        (rep,) = doc["replacements"]
+        new = json.loads((cluster.out / "history" / f"{victim}~1.0.json").read_text())
+        assert rep["process"] == victim and cluster.node_of(new).name != lost.name, (rep, new)  # type: ignore
+        assert "Traceback" not in err
+        wait_for(lambda: not cluster.leftovers() and not cluster.tb.live_placement_groups(), 60,  # type: ignore
+                 interval=0.5, what="no process or placement group of the job")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        ray_testbed.start()  # the lost node back (the whole cluster restarts: about 20 s)
 
 
 @pytest.mark.timeout(180)
