@@ -21,7 +21,8 @@ N processes it makes:
   chooses one.
 
 The task document (the job's variables, its secret among them) goes to each actor as an argument
-of its one method call, and from the actor to the wrapper in its environment
+of its one method call (inside the cluster's trust boundary, as Ray's own traffic: Ray neither logs
+nor keeps a method call's arguments; docs/ray.md, "Security"), and from the actor to the wrapper in its environment
 (``PSLAUNCH_TASK``, which the wrapper removes): never on a command line, never printed. A
 cluster with token authentication is reached with the token Ray itself reads (``RAY_AUTH_TOKEN``
 or Ray's token file); pslaunch neither reads nor shows it.
@@ -32,6 +33,11 @@ command's process group and every process that carries the job's marker (childre
 actor and the removal of the placement group. The wrapper gets SIGTERM when its actor dies
 (parent-death signal), and the actors die with the driver, so a launcher killed with SIGKILL
 leaves nothing either.
+
+A node lost mid-job (the actor's call fails and its raylet takes no connection, or Ray marked
+the node dead: :func:`node_lost`) is said as slurm says it: the process's exit code is 1, its
+reason names the node. ``--max-restarts`` places every attempt anew (a backend per attempt);
+``--restart-scope process`` replaces a lost worker in place (:meth:`RayBackend.submit_replacement`).
 
 ``ray`` is imported only here, inside the methods (it takes about a second): the ``ray`` extra
 (``pip install '.[ray]'`` in a clone of pslaunch).
