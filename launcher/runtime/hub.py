@@ -14,7 +14,17 @@ it takes the slot of the oldest unauthenticated connection from its own address 
 :data:`PENDING_PER_SOURCE` of them), or the oldest of all (beyond :data:`PENDING_MAX`). A rank
 proves the secret within milliseconds of its greeting; a stranger's idle connections are always
 older, and go first. (Another address's connections are evicted only once the whole hub is
-full: a stranger needs several addresses for that.)
+full: a stranger needs several addresses for that.) The whole hub holds :data:`PENDING_MAX`
+more than the job has processes: every agent of a job may connect at the same moment (1,000
+batch tasks started at once: ``scripts/sim_scale.py``), and a fixed 256 evicted some of the
+job's own agents, which then ran without a connection to the launcher (docs/scale.md).
+
+The listen backlog is as long as the job (at least 128, the kernel caps it at
+``net.core.somaxconn``): a connection the backlog had no room for is dropped by the kernel and
+its agent's SYN is sent again only 1 s later (then 3 s, 7 s). Each connection holds two
+descriptors (its socket and the pump's copy), and a log file one more: the hub raises the soft
+open-file limit for them (a cluster's usual 1,024 ran out at about 500 tasks), and an
+``accept`` that still runs out waits a moment instead of spinning.
 
 Frames are read on the backend's pump thread (:class:`~launcher.runtime.output.PipePump`) and
 handed to the process they are about (:class:`~launcher.runtime.remote.RemoteProcess`); signals
@@ -23,9 +33,11 @@ and placements go back on the same connection.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import logging
 import os
+import resource
 import socket
 import threading
 import time
@@ -33,6 +45,7 @@ from typing import Iterable, Mapping, Optional
 
 from ..errors import LaunchError
 from ..node import protocol
+from . import limits
 from .output import PipePump
 from .remote import RemoteProcess
 
@@ -41,8 +54,10 @@ log = logging.getLogger(__name__)
 # Connections that have not proven the job secret: how many may wait, from one source address and
 # in all (beyond that the oldest is dropped), and how long.
 PENDING_PER_SOURCE = 64  # (as many as the whole hub took before: a local job of 64 ranks connecting at once)
-PENDING_MAX = 256
+PENDING_MAX = 256  # (beyond the job's own processes: Hub.pending_max)
 HANDSHAKE_WAIT = 15.0
+#: descriptors the launcher holds per process of a hub: the connection, the pump's copy, a log file
+FDS_PER_CONNECTION = 3
 
 
 class _Conn:
@@ -175,7 +190,11 @@ class Hub:
         self._warned = False
         self.sock = sock
         self.address: tuple[str, int] = sock.getsockname()[:2]
-        self.sock.listen(128)
+        #: unauthenticated connections held at most: every process of the job, and strangers
+        self.pending_max = PENDING_MAX + len(self.idents)
+        limits.raise_open_files(len(self.idents), per_process=FDS_PER_CONNECTION)
+        self.sock.listen(max(128, len(self.idents)))  # (the kernel caps it at net.core.somaxconn)
+        self._out_of_fds = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="pslaunch-hub", daemon=True)
         self._thread.start()
@@ -186,7 +205,9 @@ class Hub:
             self._sweep()
             try:
                 sock, peer = self.sock.accept()
-            except OSError:
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE):
+                    self._no_descriptor(e)
                 continue
             conn = _Conn(self, sock, peer)
             with self.lock:
@@ -194,7 +215,7 @@ class Hub:
                 self.pending.add(conn)
             if evicted is not None:
                 evicted.reject(f"it was the oldest of {PENDING_PER_SOURCE} connections from its address (or "
-                               f"{PENDING_MAX} in all) that had not proven the job's secret, and a new one came")
+                               f"{self.pending_max} in all) that had not proven the job's secret, and a new one came")
             try:
                 sock.settimeout(5.0)
                 sock.sendall(protocol.HELLO + conn.nonce.hex().encode() + b"\n")
@@ -206,6 +227,16 @@ class Hub:
                 continue
             self.pump.add(fd, conn.feed, conn.closed)
 
+    def _no_descriptor(self, e: OSError) -> None:
+        """``accept`` ran out of descriptors: said once, and the next try a moment later (the
+        connection waits in the backlog; a retry at once would spin)."""
+        if not self._out_of_fds:
+            self._out_of_fds = True
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            log.warning("the node agents' port cannot take more connections: %s (open-file limit %d, hard %d; "
+                        "raise it with ulimit -n)", e.strerror or e, soft, hard)
+        self._stop.wait(0.1)
+
     def _make_room(self, source: str) -> Optional[_Conn]:
         """With the lock held: the oldest unauthenticated connection from ``source`` when that
         address has its share, else the oldest of all when the hub is full, taken out of the
@@ -213,7 +244,7 @@ class Hub:
         same = [c for c in self.pending if c.source == source]
         if len(same) >= PENDING_PER_SOURCE:
             crowd = same
-        elif len(self.pending) >= PENDING_MAX:
+        elif len(self.pending) >= self.pending_max:
             crowd = list(self.pending)
         else:
             return None

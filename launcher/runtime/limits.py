@@ -77,10 +77,11 @@ def local_capacity() -> Capacity:
     return min(found, key=lambda c: c.processes)
 
 
-def raise_open_files(processes: int) -> None:
-    """Raise the soft open-file limit towards the hard one when ``processes`` need more."""
+def raise_open_files(processes: int, per_process: int = FDS_PER_PROCESS) -> None:
+    """Raise the soft open-file limit towards the hard one when ``processes`` need more
+    (``per_process`` descriptors each: a local child's pipes, a node agent's connection)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = _open_fds() + RESERVED_FDS + FDS_PER_PROCESS * processes
+    want = _open_fds() + RESERVED_FDS + per_process * processes
     if soft != resource.RLIM_INFINITY and soft < want:
         target = want if hard == resource.RLIM_INFINITY else min(hard, want)
         try:
