@@ -89,7 +89,7 @@ class Sink:
 
 
 class Sampler:
-    """Samples the launcher process's threads, descriptors and RSS every 20 ms (their peaks)."""
+    """Samples the launcher process's threads, descriptors and RSS every 50 ms (their peaks)."""
 
     def __init__(self) -> None:
         self.peak: dict[str, float] = {"threads": 0, "fds": 0, "rss_mb": 0.0}
@@ -98,8 +98,10 @@ class Sampler:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(0.02):
+        while not self._stop.wait(0.05):
+            before = time.thread_time()
             self.sample()
+            _not_the_launcher(time.thread_time() - before)
 
     def sample(self) -> None:
         status: dict[str, list[str]] = {}
@@ -172,14 +174,18 @@ class SimBackend(BatchBackend):
         (or 120 s passed), the failing host fails."""
         cfg, sink = self.cfg, self.cfg["sink"]
         want = cfg["hosts"] * cfg["lines"]
-        cfg["t_lines"] = time.monotonic()
+        cfg["t_lines"], cfg["cpu_lines"] = time.monotonic(), _cpu()
         self._tell("lines")
         deadline = time.monotonic() + 120
         while sink.lines < want and time.monotonic() < deadline:
             time.sleep(0.002)
-        cfg["t_merged"] = time.monotonic()
+        cfg["t_merged"], cfg["cpu_merged"] = time.monotonic(), _cpu()
         cfg["merged_by_then"] = sink.lines
+        if cfg["hold"]:  # (every agent connected and quiet: what the launcher costs while a job runs)
+            time.sleep(cfg["hold"])
+            cfg["cpu_held"] = _cpu()
         self._tell("fail")
+        cfg["failing"].set()
 
     def cancel(self, tasks: Sequence[BatchTask]) -> None:
         for t in tasks:  # (qdel's part: the task is gone from the batch system)
@@ -197,29 +203,51 @@ class SimBackend(BatchBackend):
         self.cfg["helper_reports"] = reports
 
 
+#: CPU seconds the simulation's own threads in the launcher's process used (the sampler, the
+#: watcher of the exits): taken out of the launcher's figures
+_SIM_CPU = [0.0]
+_SIM_LOCK = threading.Lock()
+
+
+def _not_the_launcher(seconds: float) -> None:
+    with _SIM_LOCK:
+        _SIM_CPU[0] += seconds
+
+
+def _cpu() -> float:
+    """The launcher's CPU seconds so far: its process's, every thread, less the simulation's own."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    with _SIM_LOCK:
+        return r.ru_utime + r.ru_stime - _SIM_CPU[0]
+
+
 def simulate(hosts: int, lines: int = 20, line_bytes: int = 60, helpers: int = 4, fail: Optional[int] = None,
              kill_grace: float = 30.0, broken: str = "", keep: bool = False,
-             start_timeout: float = 120.0) -> dict[str, Any]:
+             start_timeout: float = 120.0, hold: float = 0.0) -> dict[str, Any]:
     """Run one job of ``hosts`` simulated hosts through the real supervisor; its figures."""
     fail = hosts // 2 if fail is None else fail
     sink, err = Sink(keep), Sink(keep)
     cfg: dict[str, Any] = {"hosts": hosts, "lines": lines, "line_bytes": line_bytes, "helpers": helpers,
-                           "fail": fail, "sink": sink, "broken": broken}
+                           "fail": fail, "sink": sink, "broken": broken, "hold": hold,
+                           "failing": threading.Event()}
     SimBackend.cfg = cfg
     spec = JobSpec(command=("sim-agent",), num_workers=hosts, num_servers=0, launcher="sim", kill_grace=kill_grace,
                    start_timeout=start_timeout, progress=False, host_ip="127.0.0.1")
     console = Console(stdout=sink, stderr=err, color=False)  # type: ignore[arg-type]
     sampler = Sampler()
-    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+    cpu0, t0 = _cpu(), time.monotonic()
     cfg["wall_t0"] = time.time()
     ended: dict[str, float] = {}
 
-    def watch_exits() -> None:  # (when the launcher knows every exit code)
+    def watch_exits() -> None:  # (when the launcher knows every exit code; from the failure on)
+        cfg["failing"].wait()
+        start = time.thread_time()
         while "all" not in ended:
             b = SimBackend.me
             if b is not None and b.tasks and len(b.tasks) == hosts and all(t.code is not None for t in b.tasks):
                 ended["all"] = time.monotonic()
-            time.sleep(0.002)
+            time.sleep(0.001)
+        _not_the_launcher(time.thread_time() - start)
 
     watcher = threading.Thread(target=watch_exits, daemon=True)
     watcher.start()
@@ -230,7 +258,9 @@ def simulate(hosts: int, lines: int = 20, line_bytes: int = 60, helpers: int = 4
     except LaunchError as e:  # (the command line's guard makes it one line and exit 1)
         launch_error, result = str(e), None
     t_end = time.monotonic()
-    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    cfg["failing"].set()  # (a launch that failed: the watcher ends)
+    watcher.join(5)
+    cpu1, r1 = _cpu(), resource.getrusage(resource.RUSAGE_SELF)
     sampler.sample()
     sampler.stop()
     ended.setdefault("all", float("nan"))
@@ -260,7 +290,11 @@ def simulate(hosts: int, lines: int = 20, line_bytes: int = 60, helpers: int = 4
         "agents_reported": len(agents), "agents_not_told": not_told[:20], "agents_not_told_count": len(not_told),
         "agents_not_acked_count": len(not_acked),
         "agent_errors": errors[:20], "agent_error_count": len(errors),
-        "launcher_cpu_s": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime),
+        "launcher_cpu_s": cpu1 - cpu0,
+        "merge_cpu_s": cfg.get("cpu_merged", 0.0) - cfg.get("cpu_lines", 0.0),
+        "lines_per_launcher_cpu_s": ((hosts * lines) / (cfg["cpu_merged"] - cfg["cpu_lines"])
+                                     if cfg.get("cpu_merged", 0.0) > cfg.get("cpu_lines", 0.0) else None),
+        "idle_cpu_per_s": ((cfg["cpu_held"] - cfg["cpu_merged"]) / hold) if "cpu_held" in cfg else None,
         "launcher_peak_rss_mb": round(max(sampler.peak["rss_mb"], r1.ru_maxrss / 1024), 1),
         "launcher_peak_threads": int(sampler.peak["threads"]), "launcher_peak_fds": int(sampler.peak["fds"]),
         "job_s": t_end - t0,
@@ -406,6 +440,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--kill-grace", type=float, default=30.0, help="--kill-grace of the job (default 30)")
     ap.add_argument("--broken", default="", choices=("", "mislabel", "deaf"),
                     help="break the simulated agents on purpose (the integration test's own check)")
+    ap.add_argument("--hold", type=float, default=0.0,
+                    help="seconds every agent stays connected and quiet before the failure (idle cost)")
     ap.add_argument("--json", default=None, help="also write the figures to this file")
     args = ap.parse_args(argv)
     if args.nofile:
@@ -413,7 +449,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         resource.setrlimit(resource.RLIMIT_NOFILE, (args.nofile, hard))
     figures = simulate(args.hosts, args.lines, args.line_bytes, args.helpers, args.fail_host,
                        kill_grace=args.kill_grace, broken=args.broken, keep=args.check_lines,
-                       start_timeout=args.start_timeout)
+                       start_timeout=args.start_timeout, hold=args.hold)
     text = json.dumps(figures, indent=1, default=str)
     print(text)
     if args.json:
