@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+import textwrap
+
+from support.helpers import REPO
 
 from launcher.node import protocol
 from launcher.runtime import hub as hub_module
@@ -46,3 +51,23 @@ def test_a_job_larger_than_the_pending_limit_connecting_at_once_loses_no_agent()
             s.close()
         hub.stop()
         pump.stop()
+
+
+def test_the_hub_raises_the_open_file_limit_for_its_connections() -> None:
+    """Each agent's connection holds two descriptors in the launcher and a log file a third: a hub
+    for 1,000 tasks under the soft limit most logins get (1,024) ran out at about 500 of them."""
+    code = textwrap.dedent("""
+        import resource, socket
+        from launcher.runtime.hub import Hub
+        from launcher.runtime.output import PipePump
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+        pump = PipePump()
+        hub = Hub(pump, "5e" * 32, socket.create_server(("127.0.0.1", 0)), range(1000), {})
+        print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)
+        hub.stop(); pump.stop()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
+                         cwd=REPO).stdout.split()
+    soft, hard = int(out[0]), int(out[1])
+    assert soft >= min(hard, 3000)
