@@ -93,6 +93,7 @@ class Sampler:
 
     def __init__(self) -> None:
         self.peak: dict[str, float] = {"threads": 0, "fds": 0, "rss_mb": 0.0}
+        self.out_of_fds = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sim-sampler", daemon=True)
         self._thread.start()
@@ -100,7 +101,10 @@ class Sampler:
     def _run(self) -> None:
         while not self._stop.wait(0.05):
             before = time.thread_time()
-            self.sample()
+            try:
+                self.sample()
+            except OSError:  # (the launcher has run out of descriptors: the figures say so elsewhere)
+                self.out_of_fds = True
             _not_the_launcher(time.thread_time() - before)
 
     def sample(self) -> None:
@@ -261,8 +265,11 @@ def simulate(hosts: int, lines: int = 20, line_bytes: int = 60, helpers: int = 4
     cfg["failing"].set()  # (a launch that failed: the watcher ends)
     watcher.join(5)
     cpu1, r1 = _cpu(), resource.getrusage(resource.RUSAGE_SELF)
-    sampler.sample()
     sampler.stop()
+    try:
+        sampler.sample()
+    except OSError:
+        sampler.out_of_fds = True
     ended.setdefault("all", float("nan"))
     reports = cfg.get("helper_reports", [])
     agents = {int(k): v for r in reports for k, v in r["agents"].items()}
@@ -297,6 +304,7 @@ def simulate(hosts: int, lines: int = 20, line_bytes: int = 60, helpers: int = 4
         "idle_cpu_per_s": ((cfg["cpu_held"] - cfg["cpu_merged"]) / hold) if "cpu_held" in cfg else None,
         "launcher_peak_rss_mb": round(max(sampler.peak["rss_mb"], r1.ru_maxrss / 1024), 1),
         "launcher_peak_threads": int(sampler.peak["threads"]), "launcher_peak_fds": int(sampler.peak["fds"]),
+        "sampler_ran_out_of_fds": sampler.out_of_fds,
         "job_s": t_end - t0,
     }
     if labels is not None:

@@ -23,8 +23,8 @@ The listen backlog is as long as the job (at least 128, the kernel caps it at
 ``net.core.somaxconn``): a connection the backlog had no room for is dropped by the kernel and
 its agent's SYN is sent again only 1 s later (then 3 s, 7 s). Each connection holds two
 descriptors (its socket and the pump's copy), and a log file one more: the hub raises the soft
-open-file limit for them (a cluster's usual 1,024 ran out at about 500 tasks), and an
-``accept`` that still runs out waits a moment instead of spinning.
+open-file limit for them (a login's usual 1,024 ran out at about 500 tasks, silently), and an
+``accept`` that still runs out says so once and tries again a moment later.
 
 Frames are read on the backend's pump thread (:class:`~launcher.runtime.output.PipePump`) and
 handed to the process they are about (:class:`~launcher.runtime.remote.RemoteProcess`); signals
