@@ -228,8 +228,8 @@ class Hub:
             self.pump.add(fd, conn.feed, conn.closed)
 
     def _no_descriptor(self, e: OSError) -> None:
-        """``accept`` ran out of descriptors: said once, and the next try a moment later (the
-        connection waits in the backlog; a retry at once would spin)."""
+        """``accept`` ran out of descriptors: said once (it was silent), and the next try a moment
+        later rather than at once (the connection waits in the backlog meanwhile)."""
         if not self._out_of_fds:
             self._out_of_fds = True
             soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
