@@ -11,8 +11,8 @@ What :func:`build` makes, for testbed number ``X`` (the first free one)::
       psbXa  bridge 10.200.X.1/24   ("subnet A": ssh and the hostfile)
       psbXb  bridge 10.201.X.1/24   ("subnet B": a second, data network)
     host i = namespace psbX-hi, sshd on port 22 of both addresses
-      A side: 10.200.X.(10+i)/24 on an interface named IFACES[i][0] (eth0, ens1, ...)
-      B side: 10.201.X.(10+i)/24 on an interface named IFACES[i][1] (data0, ib0, ...)
+      A side: 10.200.X.(10+i)/24 on an interface named iface_names(i)[0] (eth0, ens1, ...)
+      B side: 10.201.X.(10+i)/24 on an interface named iface_names(i)[1] (data0, ib0, ...)
 
 Host 3's sshd allows one session per connection (``MaxSessions 1``), to
 exercise clients that need several. Interface names differ between hosts on purpose (only the CIDR form of
@@ -61,7 +61,13 @@ STATE_ROOT = Path("/var/tmp")
 PREFIX = "pslaunch-testbed-"
 IFACES = (("eth0", "data0"), ("ens1", "ib0"), ("enp2s0", "bond0"), ("eno1", "ib1"),
           ("eth1", "data1"), ("ens5", "ib5"), ("enp7s0", "bond7"), ("eno8", "ib8"))
-MAX_HOSTS = len(IFACES)
+MAX_HOSTS = 64  # (host i's addresses are .10+i of the /24s; the scale benchmarks use 64)
+
+
+def iface_names(index: int) -> tuple[str, str]:
+    """Host ``index``'s A and B interface names: :data:`IFACES` for the first eight (names that
+    differ between hosts on purpose), then ``ethI``/``dataI`` for the hosts of the scale benchmarks."""
+    return IFACES[index] if index < len(IFACES) else (f"eth{index}", f"data{index}")
 SSHD = "/usr/sbin/sshd"
 PASSPHRASE = "pslaunch-test-passphrase"
 LIMITED_HOST = 3  # this host's sshd allows one session per connection (MaxSessions 1)
@@ -429,7 +435,8 @@ def build(num_hosts: int = 3, owner: Optional[int] = None) -> Testbed:
     state = STATE_ROOT / f"{PREFIX}{n}"
     owner = os.getpid() if owner is None else owner
     hosts = [TestHost(index=i, netns=f"psb{n}-h{i}", addr_a=f"10.200.{n}.{10 + i}", addr_b=f"10.201.{n}.{10 + i}",
-                      iface_a=IFACES[i][0], iface_b=IFACES[i][1], alias=f"pstb-h{i}") for i in range(num_hosts)]
+                      iface_a=iface_names(i)[0], iface_b=iface_names(i)[1], alias=f"pstb-h{i}")
+             for i in range(num_hosts)]
     tb = Testbed(number=n, state=state, hosts=hosts, owner=owner)
     try:
         shutil.rmtree(state, ignore_errors=True)
