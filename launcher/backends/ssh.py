@@ -192,6 +192,72 @@ def _local_user() -> str:
 # --- one host at run time --------------------------------------------------------------------
 
 
+class KeepaliveTicker:
+    """One thread that pings every connected host's wrapper at the host's interval and checks that
+    it answers, instead of a thread per host (a job on 64 hosts held 64 such threads, asleep).
+
+    A host takes part from :meth:`add` until its :meth:`RemoteHost.keepalive_tick` returns False
+    (its channel ended or the host closed); the thread ends when no host is left and starts again
+    with the next :meth:`add`. A tick never waits for a host (see :meth:`RemoteHost.keepalive_tick`),
+    so one stalled host does not delay the others' pings or checks.
+    """
+
+    def __init__(self, name: str = "pslaunch-keepalive") -> None:
+        self.name = name
+        self._due: dict[int, tuple[float, Any]] = {}  # id(host) -> (next tick, host)
+        self._cond = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+
+    def add(self, host: Any) -> None:
+        """Tick ``host`` (anything with ``interval`` and ``keepalive_tick()``) from one interval on."""
+        with self._cond:
+            self._due[id(host)] = (time.monotonic() + host.interval, host)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def remove(self, host: Any) -> None:
+        with self._cond:
+            self._due.pop(id(host), None)
+            self._cond.notify()
+
+    @property
+    def hosts(self) -> int:
+        """How many hosts are ticked now."""
+        with self._cond:
+            return len(self._due)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if not self._due:
+                        self._thread = None
+                        return
+                    now = time.monotonic()
+                    due = [(key, host) for key, (at, host) in self._due.items() if at <= now]
+                    if due:
+                        break
+                    self._cond.wait(min(at for at, _ in self._due.values()) - now)
+            for key, host in due:
+                try:
+                    keep = host.keepalive_tick()
+                except Exception:  # noqa: BLE001 - one host's failure must not stop the others' keep-alives
+                    log.debug("keep-alive of %s failed", getattr(host, "label", host), exc_info=True)
+                    keep = True
+                with self._cond:
+                    if key in self._due:
+                        if keep:
+                            self._due[key] = (time.monotonic() + host.interval, host)
+                        else:
+                            del self._due[key]
+
+
+#: the keep-alives of every host of every ssh job of this process
+KEEPALIVES = KeepaliveTicker()
+
+
 class RemoteHost:
     """A connected host: its session, its wrapper channel, keep-alives and the signal queue."""
 
@@ -214,6 +280,7 @@ class RemoteHost:
         self._stop = threading.Event()
         self._signals: queue.Queue[Optional[tuple[str, list[SSHProcess]]]] = queue.Queue()
         self._threads: list[threading.Thread] = []
+        self._signaled = False  # the signal thread runs
         self._lock = threading.Lock()
         self._cleaned: set[int] = set()
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=5)
@@ -310,8 +377,7 @@ class RemoteHost:
         except LaunchError as e:
             raise LaunchError(f"{self.label}: cannot start pslaunch's remote wrapper: {e}") from None
         self.last_heard = time.monotonic()
-        self._start_thread(self._keepalive_loop, "keepalive")
-        self._start_thread(self._signal_loop, "signals")
+        KEEPALIVES.add(self)  # (one thread for every host; the signal thread starts with the first signal)
 
     def _start_thread(self, target: Callable[[], object], name: str) -> None:
         t = threading.Thread(target=target, name=f"pslaunch-{name}-{self.label}", daemon=True)
@@ -434,19 +500,27 @@ class RemoteHost:
             self._stderr_tail.extend(x[:SHOWN_WIDTH] for x in text.splitlines()[-5:] if x.strip())
             self._show(data, "")
 
-    def _keepalive_loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            chan = self.chan
-            if chan is None or self.closed:
-                return
+    def keepalive_tick(self) -> bool:
+        """Ping the wrapper and check that the host answered lately (from :data:`KEEPALIVES`'s thread).
+
+        Never waits: while another thread sends to the host (a sync's file, signals) the ping is left
+        out (the wrapper takes any input as a sign of life), and so it is while the channel's window
+        is full. Returns False once the host needs no more ticks."""
+        chan = self.chan
+        if chan is None or self.closed or self._stop.is_set():
+            return False
+        if self._send_lock.acquire(blocking=False):
             try:
-                with self._send_lock:
-                    chan.sendall(_PING)  # (one try: a ping that waits would hold back the check below)
+                if chan.send_ready():
+                    chan.sendall(_PING)
             except Exception:  # noqa: BLE001 - a closed channel: the reader notices
                 pass
-            silent = time.monotonic() - self.last_heard
-            if any(p.running for p in self.procs) and silent > self.lost_after and not self.lost:
-                self.mark_lost(f"no reply to keep-alives for {silent:.0f}s")
+            finally:
+                self._send_lock.release()
+        silent = time.monotonic() - self.last_heard
+        if any(p.running for p in self.procs) and silent > self.lost_after and not self.lost:
+            self.mark_lost(f"no reply to keep-alives for {silent:.0f}s")
+        return True
 
     def mark_lost(self, why: str) -> None:
         with self._lock:
@@ -466,7 +540,12 @@ class RemoteHost:
     # -- signals --------------------------------------------------------------------
 
     def signal(self, signame: str, procs: Sequence[SSHProcess]) -> None:
-        """Send ``signame`` to the groups of ``procs`` (``X`` frames to the wrapper, from the host's signal thread)."""
+        """Send ``signame`` to the groups of ``procs`` (``X`` frames to the wrapper, from the host's signal
+        thread: started by the first signal, as most hosts get none until the job ends)."""
+        with self._lock:
+            if not self._signaled:
+                self._signaled = True
+                self._start_thread(self._signal_loop, "signals")
         self._signals.put((signame, list(procs)))
 
     def _signal_loop(self) -> None:
@@ -511,6 +590,7 @@ class RemoteHost:
         A kill command still in flight is waited for (briefly): its login shell is left to finish.
         """
         self._stop.set()
+        KEEPALIVES.remove(self)
         self._signals.put(None)
         for t in self._threads:
             if t.name.startswith("pslaunch-signals") and not self.lost:

@@ -268,6 +268,11 @@ class PipeChannel:
         self.sendall(data)
         return len(data)
 
+    def send_ready(self) -> bool:
+        """True when a write would not block (the pipe has room), as paramiko's."""
+        assert self.p is not None and self.p.stdin is not None
+        return bool(select.select([], [self.p.stdin], [], 0)[1])
+
     def recv(self, n: int) -> bytes:
         assert self.p is not None and self.p.stdout is not None
         if not select.select([self.p.stdout], [], [], self.timeout)[0]:

@@ -583,3 +583,68 @@ def test_a_host_that_never_answers_fails_the_start_once_it_is_lost() -> None:
     finally:
         host.closed = True
         host.session.chan.close()
+
+
+# --- keep-alives: one thread for every host (issue 36) ----------------------------------------------
+
+
+class TickedHost:
+    """What the keep-alive ticker needs of a host: an interval and a tick that says whether to go on."""
+
+    def __init__(self, interval: float, ticks: int) -> None:
+        self.interval = interval
+        self.left = ticks
+        self.ticked: list[float] = []
+
+    def keepalive_tick(self) -> bool:
+        self.ticked.append(time.monotonic())
+        self.left -= 1
+        return self.left > 0
+
+
+def _keepalive_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "test-keepalive"]
+
+
+@pytest.mark.timeout(60)
+def test_one_keepalive_thread_ticks_every_host_at_its_interval() -> None:
+    """A job on 64 hosts held 64 keep-alive threads, each asleep most of the time; now one thread ticks
+    them all, each at its own interval, and ends once no host is left."""
+    from launcher.backends.ssh import KeepaliveTicker
+
+    ticker = KeepaliveTicker("test-keepalive")
+    hosts = [TickedHost(0.2, 5) for _ in range(64)] + [TickedHost(0.05, 20)]
+    t0 = time.monotonic()
+    for h in hosts:
+        ticker.add(h)
+    assert len(_keepalive_threads()) == 1
+    wait_for(lambda: ticker.hosts == 0, timeout=30, what="every host to finish its ticks")
+    assert all(len(h.ticked) == 5 for h in hosts[:64]) and len(hosts[64].ticked) == 20
+    first_gap = min(h.ticked[0] for h in hosts[:64]) - t0
+    assert first_gap >= 0.19, f"a 0.2 s host was ticked after {first_gap:.3f}s"  # (not before its interval)
+    wait_for(lambda: not _keepalive_threads(), timeout=10, what="the keep-alive thread to end")
+    ticker.add(TickedHost(0.05, 1))  # ... and it starts again with the next host
+    wait_for(lambda: ticker.hosts == 0, timeout=10, what="the new host's tick")
+
+
+@pytest.mark.timeout(60)
+def test_a_tick_does_not_wait_for_a_host_another_thread_is_sending_to() -> None:
+    """The ticker serves every host from one thread, so a tick must not wait for a host: while another
+    thread holds the host's send lock (a long frame to a slow host), the tick leaves the ping out and
+    returns at once; the host is still checked and still ticked."""
+    from launcher.backends.ssh import RemoteHost
+
+    session = PipeSession()
+    host = RemoteHost(session, _ssh_spec())  # type: ignore[arg-type]
+    try:
+        host.open()
+        with host._send_lock:
+            t0 = time.monotonic()
+            assert host.keepalive_tick() is True
+            assert time.monotonic() - t0 < 0.5
+        assert host.keepalive_tick() is True  # (and with the lock free, the ping goes out)
+        host.closed = True
+        assert host.keepalive_tick() is False  # a closed host needs no more ticks
+    finally:
+        host.closed = True
+        session.chan.close()
