@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -101,7 +102,7 @@ class Launchers:
         dst = f"{self.tb.sync_root}/bench-{self.runs}-{time.monotonic_ns()}"  # type: ignore[attr-defined]
         n = PER_HOST * h
         return ([sys.executable, "-m", "launcher", "--launcher", "ssh", "-H", str(hostfile), "-n", str(n),
-                 "-s", "0", "--tracker", "torch", "--sync-dst-dir", dst, "--kill-grace", "2",
+                 "-s", "0", "--tracker", "torch", "--log-level", "debug", "--sync-dst-dir", dst, "--kill-grace", "2",
                  "sh", "job.sh", str(out), str(n), "fail"],
                 str(self.tree))
 
@@ -254,6 +255,7 @@ def one_run(argv: list[str], cwd: str, env: dict[str, str], out: Path, n: int, h
                 pass
         if proc.returncode is not None:
             row["exit"] = float(proc.returncode)
+        row.update(pslaunch_phases((out / "launcher.err").read_bytes()))
     finally:
         done.set()
         if proc.poll() is None:
@@ -284,6 +286,22 @@ def one_run(argv: list[str], cwd: str, env: dict[str, str], out: Path, n: int, h
         cleanup()
     row["rss"], row["threads"], row["fds"] = peak[0] / 1024 / hosts, peak[1] / hosts, peak[2] / hosts
     return row
+
+
+PHASES = (("connect", re.compile(rb"connected to \d+ hosts? in ([\d.]+)s")),
+          ("ready", re.compile(rb"backend ready after (\d+) ms")),
+          ("spawn", re.compile(rb"started \d+ process(?:es)? in ([\d.]+)s")))
+
+
+def pslaunch_phases(err: bytes) -> dict[str, float]:
+    """pslaunch's own timings from its debug log: connect (every host), ready (connected, wrappers
+    started, synced: from the launcher's start), spawn (every process started and its pid back)."""
+    got = {}
+    for name, rx in PHASES:
+        m = rx.search(err)
+        if m:
+            got[name] = float(m.group(1)) / (1000 if name == "ready" else 1)
+    return got
 
 
 def _children_cpu() -> float:
@@ -333,8 +351,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--launchers", nargs="+", default=["pslaunch", "mpirun", "pdsh", "torchrun/pdsh"])
     ap.add_argument("--start-cap", type=float, default=180.0)
     ap.add_argument("--stop-cap", type=float, default=10.0)
+    ap.add_argument("--base", help="another checkout of pslaunch (the code before a change): adds the launcher "
+                    "pslaunch@base, the same job run with that checkout's code")
     ap.add_argument("--torchrun", default=str(REPO / ".venv" / "bin" / "torchrun"))
     a = ap.parse_args(argv)
+    if a.base and "pslaunch@base" not in a.launchers:
+        a.launchers.insert(1, "pslaunch@base")
     from support import testbed as testbed_mod
 
     if os.geteuid() != 0:
@@ -350,6 +372,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         launchers = Launchers(tb, root, tree, a.torchrun)
         env = launchers.env()
         makers = {"pslaunch": (launchers.pslaunch, {}), "mpirun": (launchers.mpirun, {}),
+                  "pslaunch@base": (launchers.pslaunch, {"PYTHONPATH": a.base or ""}),  # (the same job, that code)
                   "pdsh": (launchers.pdsh, launchers.pdsh_env()),
                   "torchrun/pdsh": (launchers.torchrun_pdsh, launchers.pdsh_env())}
         rss_mean, rss_sum = host_cost(tb)
@@ -368,7 +391,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     except OSError:
                         pass
 
-        head = (f"{'hosts':>5} {'procs':>5} {'launcher':>13} | {'all running':>11} {'stopped':>9} | "
+        head = (f"{'hosts':>5} {'procs':>5} {'launcher':>14} | {'all running':>11} {'stopped':>9} | "
                 f"{'CPU-s':>6} {'CPU-s/host':>10} {'RSS MB/host':>11} {'threads/host':>12} {'files/host':>10} | runs")
         for h in a.hosts:
             reps = a.repeats_at_64 if (h >= 64 and a.repeats_at_64) else a.repeats
@@ -396,13 +419,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             print("-" * len(head))
             for name, runs in rows.items():
                 if not runs:
-                    print(f"{h:>5} {PER_HOST * h:>5} {name:>13} | failed")
+                    print(f"{h:>5} {PER_HOST * h:>5} {name:>14} | failed")
                     continue
                 med = {k: statistics.median(r[k] for r in runs) for k in ("cpu", "rss", "threads", "fds")}
-                print(f"{h:>5} {PER_HOST * h:>5} {name:>13} | {_fmt([r['running'] for r in runs], a.start_cap):>11} "
+                print(f"{h:>5} {PER_HOST * h:>5} {name:>14} | {_fmt([r['running'] for r in runs], a.start_cap):>11} "
                       f"{_fmt([r['stopped'] for r in runs], a.stop_cap):>9} | {med['cpu']:>6.2f} "
                       f"{med['cpu'] / h:>10.3f} {med['rss']:>11.1f} {med['threads']:>12.2f} {med['fds']:>10.2f} | "
                       f"{len(runs)}", flush=True)
+                if all("ready" in r for r in runs):
+                    print(f"{'':>27}(its phases: connect {statistics.median(r['connect'] for r in runs):.2f}s, "
+                          f"connected to ready (wrappers, sync) "
+                          f"{statistics.median(r['ready'] - r['connect'] for r in runs):.2f}s, "
+                          f"spawn {statistics.median(r['spawn'] for r in runs):.2f}s)", flush=True)
             print()
     finally:
         tb.close()
