@@ -238,9 +238,14 @@ def one_run(argv: list[str], cwd: str, env: dict[str, str], out: Path, n: int, h
                                f"(exit {proc.poll()}): {err}")
         row["running"] = max(running.values()) - t0
         end = time.time() + 30
-        while not (out / "failed").exists() and time.time() < end:
-            time.sleep(0.05)
-        failed_at = float((out / "failed").read_text())
+        failed_at = None
+        while failed_at is None and time.time() < end:
+            try:
+                failed_at = float((out / "failed").read_text())  # (empty while it is being written)
+            except (OSError, ValueError):
+                time.sleep(0.02)
+        if failed_at is None:
+            raise RuntimeError(f"{argv[0]}: no process failed within 30s of all running")
         pids = list(running) + list(_stamps(out, "s"))
         end = failed_at + stop_cap
         while time.time() < end:
