@@ -503,20 +503,22 @@ class RemoteHost:
     def keepalive_tick(self) -> bool:
         """Ping the wrapper and check that the host answered lately (from :data:`KEEPALIVES`'s thread).
 
-        Never waits: while another thread sends to the host (a sync's file, signals) the ping is left
-        out (the wrapper takes any input as a sign of life), and so it is while the channel's window
-        is full. Returns False once the host needs no more ticks."""
+        Never waits: while another thread sends to the host (a sync's file, signals) this tick is
+        left out, ping and check (the wrapper takes any input as a sign of life, and a send that
+        stalls ends at its own limit: :func:`send_patiently`); the ping alone is left out while the
+        channel's window is full. Returns False once the host needs no more ticks."""
         chan = self.chan
         if chan is None or self.closed or self._stop.is_set():
             return False
-        if self._send_lock.acquire(blocking=False):
-            try:
-                if chan.send_ready():
-                    chan.sendall(_PING)
-            except Exception:  # noqa: BLE001 - a closed channel: the reader notices
-                pass
-            finally:
-                self._send_lock.release()
+        if not self._send_lock.acquire(blocking=False):
+            return True
+        try:
+            if chan.send_ready():
+                chan.sendall(_PING)
+        except Exception:  # noqa: BLE001 - a closed channel: the reader notices
+            pass
+        finally:
+            self._send_lock.release()
         silent = time.monotonic() - self.last_heard
         if any(p.running for p in self.procs) and silent > self.lost_after and not self.lost:
             self.mark_lost(f"no reply to keep-alives for {silent:.0f}s")

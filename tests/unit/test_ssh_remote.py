@@ -630,8 +630,9 @@ def test_one_keepalive_thread_ticks_every_host_at_its_interval() -> None:
 @pytest.mark.timeout(60)
 def test_a_tick_does_not_wait_for_a_host_another_thread_is_sending_to() -> None:
     """The ticker serves every host from one thread, so a tick must not wait for a host: while another
-    thread holds the host's send lock (a long frame to a slow host), the tick leaves the ping out and
-    returns at once; the host is still checked and still ticked."""
+    thread holds the host's send lock (a long frame to a slow host), the tick leaves the ping and the
+    silence check out (the send's own stall limit judges the host) and returns at once; the host is
+    still ticked."""
     from launcher.backends.ssh import RemoteHost
 
     session = PipeSession()
