@@ -1001,9 +1001,11 @@ class SlurmBackend(BatchBackend):
                 continue
             with self.lock:
                 self._held.pop(t.ident, None)
-            t.failure = (f"Slurm lost its node {t.node} (NODE_FAIL: the node's slurmd stopped answering) and ended "
-                         f"allocation {t.step.job_id}; see sinfo -R and slurmctld's log")
-            self.set_code(t, 1, f"node {t.node} failed", ended_at=min(first, failures[t.node]) - 0.001)
+            # (the process's reason, not its `failure`: that one means it could not start at all,
+            # which no restart helps; --max-restarts places the next attempt on the nodes left)
+            self.set_code(t, 1, f"Slurm lost its node {t.node} (NODE_FAIL: the node's slurmd stopped answering) and "
+                          f"ended allocation {t.step.job_id}; see sinfo -R and slurmctld's log",
+                          ended_at=min(first, failures[t.node]) - 0.001)
             if self.hub is not None:
                 self.hub.send(t.ident, "TERM")  # it may still run there: nothing of Slurm's can stop it now
 

@@ -13,6 +13,7 @@ started and checks with ``squeue`` that its jobs are gone.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -203,12 +204,39 @@ def test_a_node_whose_slurmd_stops_fails_the_job_naming_it(job: Probes, slurm: S
     assert p.returncode == 1, err
     errors = [x for x in err.splitlines() if x.startswith("pslaunch: error:")]
     assert f"Slurm declared node {victim.name} failed" in errors[0], err  # type: ignore[attr-defined]
-    assert re.search(rf"error: worker 1 \(Slurm step \S+ task 1 on {victim.name}\b.*\): Slurm lost its node "  # type: ignore
-                     rf"{victim.name} \(NODE_FAIL", err), err  # type: ignore[attr-defined]
+    assert re.search(rf"error: worker 1 \(Slurm step \S+ task 1 on {victim.name}\b[^;]*; Slurm lost its node "  # type: ignore
+                     rf"{victim.name} \(NODE_FAIL.*\) exited with code 1 first", err), err  # type: ignore[attr-defined]
     print(f"\nslurm: slurmd of {victim.name} stopped -> launcher exited after {took:.1f}s "  # type: ignore
           "(Slurm needs ~15 s to declare a node down here)")
     wait_gone(slurm, job.name)
     # the process on the lost node ran on after Slurm gave up on it; its agent stopped it
+    wait_for(lambda: not job.marked_pids(), 20, interval=0.2, what="the processes on the lost node to stop")
+
+
+@pytest.mark.timeout(300)
+def test_a_job_restarts_on_the_nodes_left_after_slurm_loses_one(job: Probes, slurm: SlurmCluster) -> None:  # noqa: F811
+    # a lost node is its processes' reason to fail, not a start failure (which no restart helps):
+    # with --max-restarts the next attempt is a new allocation, on the nodes Slurm still has
+    p = job.start("-n", "2", "-s", "1", "--kill-grace", "1", "--max-restarts", "1", "--restart-delay", "0",
+                  *job.probe("--listen", "--sleep", "120", "--sleep-on-attempts", "0"))
+    probes = wait_probes(job.out, 4, timeout=60, alive=True)
+    victim = job.node_of(probes["worker-1"])
+    slurm.stop_slurmd(victim)  # type: ignore[arg-type]
+    try:
+        _, err = p.communicate(timeout=180)  # (liveness only: Slurm takes about 15 s to declare it down)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+        bring_back(slurm, victim.name)  # type: ignore[attr-defined]
+    assert p.returncode == 0, err
+    assert re.search(rf"attempt 1/2 failed: worker 1 on {victim.name} \(pid \d+\) exited with code 1; restarting "  # type: ignore
+                     r"every process", err), err
+    assert "(after 1 restart)" in err and "Traceback" not in err, err
+    again = {f.stem.split(".")[0]: json.loads(f.read_text()) for f in (job.out / "history").glob("*.1.json")}
+    assert sorted(again) == ["scheduler", "server-0", "worker-0", "worker-1"], sorted(again)
+    assert all(job.node_of(rec).name != victim.name for n, rec in again.items() if n != "scheduler"), again  # type: ignore
+    wait_gone(slurm, job.name)
     wait_for(lambda: not job.marked_pids(), 20, interval=0.2, what="the processes on the lost node to stop")
 
 
