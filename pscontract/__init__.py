@@ -493,6 +493,30 @@ def cause_line(reason: str, role: str | None = None, rank: int | None = None) ->
     return CAUSE_PREFIX + who + ": " + " ".join(reason.split())
 
 
+#: what a process that was told to stop writes before it says so (:func:`relayed_cause_line`)
+_RELAYED = "relayed: "
+
+
+def relayed_cause_line(reason: str) -> str:
+    """``pslaunch-cause: relayed: no heartbeat for 10.0s``: the line a process writes when another
+    (the scheduler) told it to stop for ``reason``, before it prints that in its own words.
+
+    It names nobody (:func:`parse_cause` gives None: the process that found the cause blames), and it
+    lets the launcher's console know the reason before this process's own line that repeats it,
+    whichever process's output it reads first: the reason is shown in full once.
+    """
+    return CAUSE_PREFIX + _RELAYED + " ".join(reason.split())
+
+
+def cause_reason(line: str) -> str | None:
+    """The reason of a :func:`cause_line` or a :func:`relayed_cause_line`; None for any other line."""
+    line = line.strip()
+    if line.startswith(CAUSE_PREFIX + _RELAYED):
+        return line[len(CAUSE_PREFIX + _RELAYED):] or None
+    parsed = parse_cause(line)
+    return parsed[2] if parsed is not None else None
+
+
 def parse_cause(line: str) -> tuple[str | None, int | None, str] | None:
     """``(role, rank, reason)`` of a :func:`cause_line` (``(None, None, reason)`` for ``-``); None for
     any other line."""

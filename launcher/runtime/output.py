@@ -43,7 +43,9 @@ a Python traceback that another process printed already, line for line, is one l
 left out; the reason of a ``pslaunch-cause:`` line (the launcher's own protocol, for the failure
 report, never shown) is shown in full the first time a process prints it, and as ``(the cause
 above)`` after that (a hung worker's heartbeat sentence, which the scheduler, every server and
-every worker print).
+every worker print). A process the scheduler told to stop writes the reason in a line of its own
+first (:func:`pscontract.relayed_cause_line`): the pipes of two processes are read in no set order,
+so the scheduler's cause line may come after a worker's words that repeat it.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ import sys
 import threading
 from typing import BinaryIO, Callable, Optional
 
-from pscontract import CAUSE_PREFIX, parse_cause
+from pscontract import CAUSE_PREFIX, cause_reason, parse_cause
 
 from .. import logs
 from ..errors import ConfigError
@@ -380,8 +382,9 @@ class ProcOutput:
         bytes), and log it (``logged``); a ``pslaunch-cause:`` line is not shown, and a traceback
         is held until it ends (:meth:`_hold_traceback`)."""
         if line.startswith(CAUSE_PREFIX):
-            if self.cause is not None:
-                self.console._causes.setdefault(self.cause[2], False)
+            reason = cause_reason(line)
+            if reason is not None:
+                self.console._causes.setdefault(reason, False)
             self._log(line, logged)
             return
         if self._block is not None and self._block[0][1] == err or line == TRACEBACK:

@@ -9,6 +9,7 @@ from typing import Optional
 
 import pytest
 
+import pscontract
 from launcher.run import report
 from launcher.runtime.handle import ProcessHandle
 from launcher.runtime.output import Console
@@ -218,6 +219,24 @@ def test_marker_lines_are_logged_not_shown_and_a_cause_is_shown_once(tmp_path) -
                                       "[server 1] server: error: the scheduler aborted the job: (the cause above)"]
     assert (tmp_path / "scheduler.log").read_text().startswith(f"pslaunch-cause: worker 1: {HEARTBEAT}\n")
     assert HEARTBEAT in (tmp_path / "server-1.log").read_text()
+
+
+def test_a_cause_is_shown_once_when_a_told_process_is_read_before_the_scheduler(tmp_path) -> None:
+    """The pipes are read in no set order: a server's relayed cause line (written before its own
+    words) lets the console know the reason before the scheduler's cause line comes."""
+    c, err = console(tmp_path)
+    server = c.proc("server-0", "server 0", "server")
+    server.stderr.feed(f"{pscontract.relayed_cause_line(HEARTBEAT)}\n"
+                       f"server: error: the scheduler aborted the job: {HEARTBEAT}\n".encode())
+    c.proc("scheduler", "scheduler", "scheduler").stderr.feed(
+        f"{pscontract.cause_line(HEARTBEAT, 'worker', 1)}\nscheduler: error: {HEARTBEAT}\n".encode())
+    shown = err.getvalue().decode()
+    assert "pslaunch-cause" not in shown and shown.count(HEARTBEAT) == 1, shown
+    assert shown.splitlines() == [f"[server 0] server: error: the scheduler aborted the job: {HEARTBEAT}",
+                                  "[scheduler] scheduler: error: (the cause above)"]
+    assert server.cause is None  # (a relayed line blames nobody: the scheduler's names the culprit)
+    assert pscontract.cause_reason(pscontract.relayed_cause_line(HEARTBEAT)) == HEARTBEAT
+    assert pscontract.parse_cause(pscontract.relayed_cause_line(HEARTBEAT)) is None
 
 
 def test_cpp_stack_frames_are_logged_not_shown(tmp_path) -> None:

@@ -58,6 +58,7 @@ from .errors import (
     KVConfigError,
     KVStoreError,
     KVTimeoutError,
+    relay_cause,
 )
 from .node import SchedulerSession
 from .placement import Part, Placement
@@ -250,8 +251,9 @@ class _Control(threading.Thread):
                     reason = msg.json().get("reason")
                 except P.ProtocolError:
                     reason = None
-                raise KVAbortedByScheduler("the scheduler aborted the job: "
-                                           f"{reason or 'no reason given'}")
+                reason = reason or "no reason given"
+                relay_cause(reason)
+                raise KVAbortedByScheduler(f"the scheduler aborted the job: {reason}")
 
     def _abort(self, reason: str, kind: str = "KVAbortError") -> None:
         self._to_main(b"abort", f"{kind}:{reason}".encode())

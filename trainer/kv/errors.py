@@ -58,6 +58,22 @@ def report_cause(reason: str, role: str | None, rank: int | None) -> None:
         pass
 
 
+def relay_cause(reason: str) -> None:
+    """Write :func:`pscontract.relayed_cause_line` to stderr (unless this process wrote a cause
+    already): the scheduler told this process to stop for ``reason``, and the launcher's console
+    learns it before this process's own error line repeats it."""
+    line = pc.relayed_cause_line(reason)
+    with _cause_lock:
+        if _cause_written:
+            return
+        _cause_written.append(line)
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
 def own_rank(role: str, task_id: int | None, num_workers: int) -> int | None:
     """A node's rank as its task id implies (the scheduler confirms it later): worker
     rank = task id, server rank = task id - number of workers."""

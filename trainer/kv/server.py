@@ -54,7 +54,7 @@ from pscontract import ClusterEnv
 
 from . import protocol as P
 from . import recovery as R
-from .errors import KVAbortedByScheduler, KVAbortError, KVTimeoutError
+from .errors import KVAbortedByScheduler, KVAbortError, KVTimeoutError, relay_cause
 from .node import SchedulerSession
 from .optim import OptimizerError, Updater, create_optimizer
 from .transport import CLEAN_LINGER_MS, Hub, Verbose, bulk_context, node_address
@@ -497,8 +497,9 @@ class Server:
             self.v.who = self.shard.who = f"S[{self.rank}]"
             self.v("is connected to others")
         elif msg.cmd == P.ABORT:
-            info = msg.json()
-            raise KVAbortedByScheduler(f"the scheduler aborted the job: {info.get('reason')}")
+            reason = str(msg.json().get("reason") or "no reason given")
+            relay_cause(reason)
+            raise KVAbortedByScheduler(f"the scheduler aborted the job: {reason}")
         elif msg.cmd == P.DONE:
             return True
         return False
