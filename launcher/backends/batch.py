@@ -57,6 +57,12 @@ _PER_TASK = (pc.TASK_ID, pc.NODE_HOST, pc.LOCAL_PROCS, pc.PROCESS)
 # --- pure builders --------------------------------------------------------------------------
 
 
+def agent_line(what: str = "task") -> str:
+    """The dry run's line on what each ``what``'s node agent does once it runs."""
+    return (f"each {what}'s agent connects back to the scheduler's address on a free port of --port-range "
+            "(authenticated with the job secret): output as it is printed, graceful stops, stack dumps")
+
+
 def role_procs(procs: Sequence[ProcSpec], role: Role) -> list[ProcSpec]:
     return sorted((p for p in procs if p.role is role), key=lambda p: p.rank)
 

@@ -62,7 +62,7 @@ from ..runtime.output import ProcOutput
 from ..spec.job import JobSpec, Role
 from ..spec.plan import Plan, ProcSpec
 from .base import BackendOption
-from .batch import BatchBackend, BatchTask, build_task_file, task_roles
+from .batch import BatchBackend, BatchTask, agent_line, build_task_file, task_roles
 
 log = logging.getLogger(__name__)
 
@@ -366,8 +366,7 @@ class RayBackend(BatchBackend):
             out.append(f"  {role}: DMLC_TASK_ID = {r['first_task_id']} + the actor's index, {len(r['env'])} variables")
         out.append(f"the task document (with the job secret) goes to each actor as an argument and to the wrapper in "
                    f"{TASK_ENV}: never on a command line")
-        out.append("each task's agent connects back to the scheduler's address on a free port of --port-range "
-                   "(authenticated with the job secret): output as it is printed, graceful stops, stack dumps")
+        out.append(agent_line())
         return out
 
     @classmethod

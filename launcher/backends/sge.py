@@ -64,7 +64,7 @@ from ..runtime.spawn import spawn_guard
 from ..spec.job import JobSpec, Role
 from ..spec.plan import Plan, ProcSpec
 from .base import BackendOption
-from .batch import BatchBackend, BatchTask, build_task_file, role_procs, write_private_json
+from .batch import BatchBackend, BatchTask, agent_line, build_task_file, role_procs, write_private_json
 
 log = logging.getLogger(__name__)
 
@@ -398,8 +398,7 @@ class SGEBackend(BatchBackend):
         if doc["env"]:
             out.append(f"  every task: PATH={doc['env'][pc.PATH]}")
         out.append(f"  argv: {json.dumps(doc['argv'])}")
-        out.append("each task's agent connects back to the scheduler's address on a free port of --port-range "
-                   "(authenticated with the job secret): output as it is printed, graceful stops, stack dumps")
+        out.append(agent_line())
         return out
 
     # -- set-up ---------------------------------------------------------------------------

@@ -81,7 +81,7 @@ from ..runtime.spawn import spawn, spawn_guard
 from ..spec.job import Host, JobSpec, Role
 from ..spec.plan import Plan, ProcSpec, place
 from .base import BackendOption
-from .batch import BatchBackend, BatchTask, build_task_file, role_procs, task_roles
+from .batch import BatchBackend, BatchTask, agent_line, build_task_file, role_procs, task_roles
 
 log = logging.getLogger(__name__)
 
@@ -649,8 +649,7 @@ class SlurmBackend(BatchBackend):
                    "never on a command line, never in scontrol show job):")
         for role, r in doc["roles"].items():
             out.append(f"  {role}: DMLC_TASK_ID = {r['first_task_id']} + SLURM_PROCID, {len(r['env'])} variables")
-        out.append("each task's agent connects back to the scheduler's address on a free port of --port-range "
-                   "(authenticated with the job secret): output as it is printed, graceful stops, stack dumps")
+        out.append(agent_line())
         return out
 
     @classmethod

@@ -72,7 +72,7 @@ from ..spec import env as jobenv
 from ..spec.job import JobSpec, Role
 from ..spec.plan import Plan, ProcSpec
 from .base import BackendOption
-from .batch import BatchBackend, BatchTask, build_task_file, task_roles, write_private_json
+from .batch import BatchBackend, BatchTask, agent_line, build_task_file, task_roles, write_private_json
 
 log = logging.getLogger(__name__)
 
@@ -390,8 +390,7 @@ class YarnBackend(BatchBackend):
         for role, r in yp.task_file["roles"].items():
             names = ", ".join(sorted(r["env"])) or "nothing"
             out.append(f"  {role}: DMLC_TASK_ID = {r['first_task_id']} + the container's instance; {names}")
-        out.append("each container's agent connects back to the scheduler's address on a free port of --port-range "
-                   "(authenticated with the job secret): output as it is printed, graceful stops, stack dumps")
+        out.append(agent_line("container"))
         out.append("on failure, Ctrl-C or exit: skein kill_application; if pslaunch is killed: "
                    + shlex.join(kill_command("<application id>")))
         return out
