@@ -24,6 +24,7 @@ from support.browser import Browser, artifacts_dir
 from support.browser import missing as browser_missing
 from support.helpers import MPIRUNS, REPO, mpirun_path, mxnet_python, probe_argv
 from support.helpers import free_port as _free_port
+from support.k8s_testbed import k8s_cluster  # noqa: F401 - the running Kubernetes test cluster (a fixture)
 from support.ray_testbed import ray_cluster  # noqa: F401 - the session's Ray test cluster (a fixture)
 from support.testbed import shared_out, testbed  # noqa: F401 - the session's namespace hosts, a folder all share (fixtures)
 from support.yarn_testbed import skein_driver  # noqa: F401 - the session's global skein driver (a fixture)

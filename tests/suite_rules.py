@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 #: markers of tests that need a backend or a real client; CI must not skip them
-STRICT_MARKERS = ("mxnet", "xgboost", "torchlibs", "ssh", "mpi", "sge", "slurm", "yarn", "ray", "browser")
+STRICT_MARKERS = ("mxnet", "xgboost", "torchlibs", "ssh", "mpi", "sge", "slurm", "yarn", "ray", "k8s", "browser")
 
 
 def fail_skips_under_ci(item: pytest.Item, report: pytest.TestReport, environ: dict) -> None:
@@ -24,7 +24,7 @@ def fail_skips_under_ci(item: pytest.Item, report: pytest.TestReport, environ: d
 #: markers of tests that share one service of this machine (a cluster that a test may stop a node of,
 #: a queue whose jobs another test counts): under pytest-xdist each service's tests run in one worker,
 #: one after the other (``--dist loadgroup``); tests of different services, and all others, run side by side
-SERVICE_GROUPS = ("slurm", "sge", "yarn", "ray")
+SERVICE_GROUPS = ("slurm", "sge", "yarn", "ray", "k8s")
 
 
 def group_by_service(items: list[pytest.Item]) -> None:
