@@ -252,16 +252,23 @@ launch() {
         stop_one "$name"
     fi
     mkdir -p "$RUN" "$LOGS"
-    setsid "$@" >>"$LOGS/$name.log" 2>&1 </dev/null &
+    setsid "$@" >>"$LOGS/$name.log" 2>&1 </dev/null 8>&- &  # 8: serialise's lock stays with this script
     echo $! >"$RUN/$name.pid"
+}
+
+# alive PID: it runs (an exited process waiting for init to reap it, state Z, does not)
+alive() {
+    local state
+    state=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1) || return 1
+    [ -n "$state" ] && [ "$state" != Z ]
 }
 
 stop_one() {
     local pid i
     pid=$(pid_of "$1") || { rm -f "$RUN/$1.pid"; return 0; }
     kill -TERM "$pid" 2>/dev/null || true
-    for i in $(seq 100); do [ -d "/proc/$pid" ] || break; sleep 0.1; done
-    if [ -d "/proc/$pid" ]; then
+    for i in $(seq 100); do alive "$pid" || break; sleep 0.1; done
+    if alive "$pid"; then
         note "$1 ($pid) ignored SIGTERM for 10 s: SIGKILL"
         kill -KILL "$pid" 2>/dev/null || true
     fi
@@ -424,13 +431,16 @@ start() {
     kubeconfig "$TB/controller-manager.kubeconfig" controller-manager
     kubeconfig "$TB/scheduler.kubeconfig" scheduler
     start_etcd
+    note "etcd answers"
     start_apiserver
+    note "kube-apiserver answers"
     start_component kube-controller-manager "$CM_PORT" "$TB/controller-manager.kubeconfig" controller-manager-serving \
         --use-service-account-credentials --service-account-private-key-file "$PKI/sa.key" \
         --root-ca-file "$PKI/ca.crt" --cluster-signing-cert-file "$PKI/ca.crt" --cluster-signing-key-file "$PKI/ca.key"
     start_component kube-scheduler "$SCHED_PORT" "$TB/scheduler.kubeconfig" scheduler-serving
     wait_healthy kube-controller-manager
     wait_healthy kube-scheduler
+    note "kube-controller-manager and kube-scheduler answer"
     apply_rbac
     service_account_kubeconfig
     local open
@@ -464,13 +474,16 @@ stop() {
 # where the binaries of this source, patch and recipe live (set here: build_key reads the functions)
 BIN=$KCACHE/bin-1.20.2-$(build_key)
 
+# start, stop and reset one at a time (two test sessions may start the cluster at once)
+serialise() { mkdir -p "$(dirname "$TB")"; exec 8>"$TB.lock"; flock 8; }
+
 case "${1:-start}" in
-    start) start ;;
+    start) serialise; start ;;
     build) build ;;
     built) have_binaries ;;
     env) print_env ;;
     status) status ;;
-    stop) stop ;;
-    reset) stop; note "wiping $TB"; rm -rf "$TB" ;;
+    stop) serialise; stop ;;
+    reset) serialise; stop; note "wiping $TB"; rm -rf "$TB" ;;
     *) fail "usage: $0 [start|build|built|env|status|stop|reset]" ;;
 esac
