@@ -2,7 +2,7 @@
 # Kubernetes for the k8s tests: the kubernetes client (the [k8s] extra; 35.x: 37 pulls aiohttp and
 # pydantic for its asyncio client) in the project's venv, and the loopback control plane
 # (scripts/setup-k8s.sh: Debian's Go 1.19 and etcd, kube-apiserver, kube-controller-manager and
-# kube-scheduler built from Debian's kubernetes source package once per machine, about 10 min on
+# kube-scheduler built from Debian's kubernetes source package once per machine, 15 min measured on
 # 2 busy cores, then cached in /var/cache/pslaunch/k8s; it starts the cluster: about 10 s, 1 s when
 # it runs already). stdout: PSLAUNCH_K8S_KUBECONFIG, PSLAUNCH_K8S_ADMIN_KUBECONFIG and
 # PSLAUNCH_K8S_NAMESPACE for the tests.

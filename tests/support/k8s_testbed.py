@@ -53,13 +53,13 @@ def setup_k8s(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[s
 @functools.cache
 def k8s_problem() -> str | None:
     """Why the test cluster cannot run here (one line), or None. Building it is not a test's job:
-    about 10 minutes once per machine (scripts/deps/80-k8s.sh does it in CI)."""
+    10 to 15 minutes once per machine (scripts/deps/80-k8s.sh does it in CI)."""
     if importlib.util.find_spec("kubernetes") is None:
         return "the kubernetes client is not installed (pip install -e '.[k8s]', or scripts/deps/80-k8s.sh)"
     if os.geteuid() != 0:
         return "scripts/setup-k8s.sh runs as root"
     if setup_k8s("built", timeout=30).returncode != 0:
-        return "the control plane is not built (scripts/setup-k8s.sh build: about 10 min, once per machine)"
+        return "the control plane is not built (scripts/setup-k8s.sh build: 10 to 15 min, once per machine)"
     return None
 
 
