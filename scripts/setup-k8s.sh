@@ -21,13 +21,17 @@
 # checks and clean-up) and PSLAUNCH_K8S_NAMESPACE.
 #
 # Everything listens on 127.0.0.1 only, every connection is TLS with certificates from a CA this
-# script makes, and RBAC is on. There are no nodes here (item 1 of issue 37 adds the node program).
+# script makes, and RBAC is on. The 3 nodes (kn0, kn1, kn2) are scripts/k8s_node.py, the project's
+# stand-in for a kubelet, each with its own client certificate (system:node:knN): each Pod runs in
+# a network namespace of its own with an address on the bridge psk8s (10.202.8.0/24, nothing but
+# the Pods and this machine on it; node N hands out 10.202.8.(32*(N+1))/27).
 #
 # Settings (environment): K8S_TESTBED_HOME (/var/lib/pslaunch-k8s: PKI, etcd data, logs, pid
 # files), PSLAUNCH_CACHE (/var/cache/pslaunch: the built binaries, kept across runs, keyed by the
 # source version and the patch), K8S_ETCD_PORT (23790; peer port +10), K8S_APISERVER_PORT (16443),
 # K8S_CM_PORT (20257), K8S_SCHED_PORT (20259), K8S_NAMESPACE (pslaunch), K8S_WAIT_TIMEOUT (90 s),
-# K8S_BUILD_NICE (10: the Go build shares a 2-core machine).
+# K8S_BUILD_NICE (10: the Go build shares a 2-core machine), K8S_NODES (3), PSLAUNCH_PYTHON (the
+# repository's .venv/bin/python: the node program needs the kubernetes client).
 set -euo pipefail
 
 # The source: Debian bookworm's `kubernetes` (upstream v1.20.2; bookworm builds only kubectl from
@@ -58,6 +62,10 @@ SCHED_PORT=${K8S_SCHED_PORT:-20259}
 NS=${K8S_NAMESPACE:-pslaunch}
 WAIT=${K8S_WAIT_TIMEOUT:-90}
 NICE=${K8S_BUILD_NICE:-10}
+NODES=${K8S_NODES:-3}
+PY=${PSLAUNCH_PYTHON:-$(cd "$HERE/.." && pwd)/.venv/bin/python}
+NODE_PROGRAM=$HERE/k8s_node.py
+readonly BRIDGE=psk8s NET=10.202.8    # inside tests/netguard's allowed 10.202.0.0/16
 KCACHE=$CACHE/k8s
 PKI=$TB/pki
 RUN=$TB/run
@@ -211,6 +219,15 @@ make_pki() {
         openssl rsa -in "$PKI/sa.key" -pubout -out "$PKI/sa.pub" 2>/dev/null
     fi
     cert scheduler "/CN=system:kube-scheduler"   # last: make_pki's "done" mark
+}
+
+# node_certs: each node's client certificate, as a kubelet's (group system:nodes)
+node_certs() {
+    local i
+    for ((i = 0; i < NODES; i++)); do
+        cert "node-kn$i" "/O=system:nodes/CN=system:node:kn$i"
+        kubeconfig "$TB/node-kn$i.kubeconfig" "node-kn$i"
+    done
 }
 
 # kubeconfig FILE USER: with the client certificate PKI/USER.{crt,key};
@@ -379,6 +396,12 @@ apply_rbac() {
     ensure "$rbac/namespaces/$NS/rolebindings" pslaunch-launcher '{'"$v1"',"kind":"RoleBinding",
       "metadata":{"name":"pslaunch-launcher"},
       "roleRef":{"apiGroup":"rbac.authorization.k8s.io","kind":"Role","name":"pslaunch-launcher"},'"$subject"'}'
+    # the nodes: the built-in system:node role (1.20 binds it to nobody), for the group of the
+    # nodes' certificates
+    ensure "$rbac/clusterrolebindings" pslaunch-test-nodes '{'"$v1"',"kind":"ClusterRoleBinding",
+      "metadata":{"name":"pslaunch-test-nodes"},
+      "roleRef":{"apiGroup":"rbac.authorization.k8s.io","kind":"ClusterRole","name":"system:node"},
+      "subjects":[{"apiGroup":"rbac.authorization.k8s.io","kind":"Group","name":"system:nodes"}]}'
     ensure "$rbac/clusterroles" pslaunch-node-reader '{'"$v1"',"kind":"ClusterRole",
       "metadata":{"name":"pslaunch-node-reader"},
       "rules":[{"apiGroups":[""],"resources":["nodes"],"verbs":["get","list","watch"]}]}'
@@ -424,6 +447,67 @@ not_loopback() {
     done
 }
 
+# --- the nodes ----------------------------------------------------------------------
+
+# network: the bridge the Pods' namespaces hang on (the node program makes those)
+network() {
+    if ! ip -o -4 addr show dev "$BRIDGE" 2>/dev/null | grep -q " $NET.1/24 "; then
+        ip link show dev "$BRIDGE" >/dev/null 2>&1 || ip link add name "$BRIDGE" type bridge
+        ip addr add "$NET.1/24" dev "$BRIDGE"
+    fi
+    ip link set "$BRIDGE" up
+}
+
+node_cmd() {  # node_cmd N: the node program's command line
+    echo "$PY" "$NODE_PROGRAM" --kubeconfig "$TB/node-kn$1.kubeconfig" --name "kn$1" \
+        --pod-cidr "$NET.$((32 * ($1 + 1)))/27" --prefix 24 --bridge "$BRIDGE" --gateway "$NET.1" --log-dir "$TB/pods"
+}
+
+# node_pid N: the pid of node N's program if it runs with today's command line
+node_pid() {
+    local pid
+    pid=$(cat "$RUN/node-kn$1.pid" 2>/dev/null) || return 1
+    [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] || return 1
+    [ "$NODE_PROGRAM" -nt "$RUN/node-kn$1.pid" ] && return 1  # the program changed since: restart it
+    [ "$(tr '\0' ' ' <"/proc/$pid/cmdline")" = "$(node_cmd "$1") " ] && echo "$pid"
+}
+
+stop_node() {  # stop_node N (or any node program of that pid file: an older command line too)
+    local pid i f=$RUN/node-kn$1.pid
+    pid=$(cat "$f" 2>/dev/null) || return 0
+    if [ -n "$pid" ] && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q "k8s_node.py .*--name kn$1 "; then
+        kill -TERM "$pid" 2>/dev/null || true
+        for i in $(seq 150); do alive "$pid" || break; sleep 0.1; done
+        alive "$pid" && { note "node kn$1 ($pid) ignored SIGTERM for 15 s: SIGKILL"; kill -KILL "$pid" 2>/dev/null || true; }
+    fi
+    rm -f "$f"
+}
+
+# start_nodes: the node programs (one per node), then wait until every Node is Ready
+start_nodes() {
+    local i deadline=$((SECONDS + WAIT)) ready
+    "$PY" -c 'import kubernetes' 2>/dev/null \
+        || fail "$PY has no kubernetes client: pip install -e '.[k8s]' (or set PSLAUNCH_PYTHON)"
+    network
+    node_certs
+    for ((i = 0; i < NODES; i++)); do
+        node_pid "$i" >/dev/null && continue
+        stop_node "$i"
+        mkdir -p "$RUN" "$LOGS" "$TB/pods"
+        # shellcheck disable=SC2046
+        setsid $(node_cmd "$i") >>"$LOGS/node-kn$i.log" 2>&1 </dev/null 8>&- &
+        echo $! >"$RUN/node-kn$i.pid"
+    done
+    for ((i = 0; i < NODES; i++)); do
+        until ready=$(api GET "/api/v1/nodes/kn$i" | json_get "[c['status'] for c in d['status']['conditions'] if c['type'] == 'Ready'][0]") \
+                && [ "$ready" = True ]; do
+            node_pid "$i" >/dev/null || fail "node kn$i exited: $(tail -n 5 "$LOGS/node-kn$i.log" | tr '\n' ' ')"
+            [ $SECONDS -lt $deadline ] || fail "node kn$i not Ready after ${WAIT}s: see $LOGS/node-kn$i.log"
+            sleep 0.2
+        done
+    done
+}
+
 start() {
     build
     make_pki
@@ -443,6 +527,9 @@ start() {
     note "kube-controller-manager and kube-scheduler answer"
     apply_rbac
     service_account_kubeconfig
+    note "RBAC applied, pslaunch's token written"
+    start_nodes
+    note "$NODES nodes Ready (kn0..kn$((NODES - 1)); Pods on $BRIDGE $NET.0/24)"
     local open
     open=$(not_loopback)
     [ -z "$open" ] || fail "listening beyond loopback: $open"
@@ -451,7 +538,7 @@ start() {
 }
 
 status() {
-    local name pid bad=0 open
+    local name pid bad=0 open i
     for name in etcd kube-apiserver kube-controller-manager kube-scheduler; do
         if ! pid=$(pid_of "$name"); then
             echo "$name: not running"; bad=1
@@ -461,13 +548,21 @@ status() {
             echo "$name: running (pid $pid), NOT healthy"; bad=1
         fi
     done
+    for ((i = 0; i < NODES; i++)); do
+        if pid=$(node_pid "$i"); then
+            echo "node kn$i: running (pid $pid, $(awk '/VmRSS/{print "rss", $2, $3}' "/proc/$pid/status"))"
+        else
+            echo "node kn$i: not running"; bad=1
+        fi
+    done
     open=$(not_loopback)
     [ -z "$open" ] || { echo "listening beyond loopback: $open"; bad=1; }
     return $bad
 }
 
 stop() {
-    local name
+    local name i
+    for ((i = 0; i < NODES; i++)); do stop_node "$i"; done
     for name in kube-scheduler kube-controller-manager kube-apiserver etcd; do stop_one "$name"; done
 }
 
@@ -484,6 +579,6 @@ case "${1:-start}" in
     env) print_env ;;
     status) status ;;
     stop) serialise; stop ;;
-    reset) serialise; stop; note "wiping $TB"; rm -rf "$TB" ;;
+    reset) serialise; stop; note "wiping $TB"; rm -rf "$TB"; ip link del "$BRIDGE" 2>/dev/null || true ;;
     *) fail "usage: $0 [start|build|built|env|status|stop|reset]" ;;
 esac

@@ -20,7 +20,7 @@ COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-schedul
 
 
 def pod_body(name: str) -> dict:
-    """A Pod as the launcher makes them (no node runs it here: it stays Pending)."""
+    """A Pod as the launcher makes them, for a node that does not exist: it stays Pending."""
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -28,6 +28,7 @@ def pod_body(name: str) -> dict:
         "spec": {
             "restartPolicy": "Never",
             "automountServiceAccountToken": False,
+            "nodeSelector": {"kubernetes.io/hostname": "no-such-node"},
             "containers": [{"name": "main", "image": "localhost/pslaunch:none", "command": ["true"]}],
         },
     }
@@ -53,7 +54,7 @@ def test_the_launcher_account_creates_pods_services_and_configmaps_in_its_namesp
     created = core.create_namespaced_pod(ns, pod_body(name))
     try:
         assert created.metadata.uid
-        assert core.read_namespaced_pod(name, ns).status.phase == "Pending"  # no nodes yet
+        assert core.read_namespaced_pod(name, ns).status.phase == "Pending"  # no node for it
         listed = core.list_namespaced_pod(ns, label_selector=f"pslaunch.io/job={name}")
         assert [p.metadata.name for p in listed.items] == [name]
         core.create_namespaced_service(ns, {"metadata": {"name": name}, "spec": {

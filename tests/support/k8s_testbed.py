@@ -1,8 +1,9 @@
 """The loopback Kubernetes control plane from the tests' side (scripts/setup-k8s.sh builds and starts it).
 
 It is etcd, kube-apiserver, kube-controller-manager and kube-scheduler v1.20.2, built from Debian's
-``kubernetes`` source package, on 127.0.0.1 with TLS and RBAC. The :func:`k8s_cluster` session
-fixture starts it (idempotent: about a second when it runs already) and hands out two identities:
+``kubernetes`` source package, on 127.0.0.1 with TLS and RBAC, and 3 nodes (scripts/k8s_node.py).
+The :func:`k8s_cluster` session fixture starts it (idempotent: about a second when it runs
+already) and hands out two identities:
 pslaunch's service account (only a launcher's rights, in one namespace) and an admin
 (``system:masters``) for the tests' own checks and clean-up.
 """
@@ -43,6 +44,13 @@ class K8sCluster:
         from kubernetes import client
 
         return client.CoreV1Api(self.client(admin))
+
+    def pod_log(self, pod: Any, container: str = "main") -> str:
+        """What a container wrote (the node program's log file: the API's log endpoint needs a
+        real kubelet)."""
+        meta = pod.metadata
+        path = self.admin_kubeconfig.parent / "pods" / f"{meta.namespace}_{meta.name}_{meta.uid}" / f"{container}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
 
 
 def setup_k8s(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
