@@ -51,7 +51,7 @@ def wait_phase(cluster: K8sCluster, name: str, phases: tuple[str, ...]) -> Any:
 
     try:
         return wait_for(phase, DEADLINE, interval=0.2, what=f"pod {name} in {phases}")
-    except BaseException:
+    except AssertionError:
         pod = core.read_namespaced_pod(name, cluster.namespace)
         raise AssertionError(f"pod {name}: {pod.status}\nlog: {cluster.pod_log(pod)!r}") from None
 
