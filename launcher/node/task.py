@@ -89,7 +89,9 @@ SLURM_STEP_ID = "SLURM_STEP_ID"
 # does not choose one. Both are set by the actor and removed before the command starts.
 RAY_INDEX = "PSLAUNCH_RAY_INDEX"
 RAY_NODE_IP = "PSLAUNCH_RAY_NODE_IP"
-INDEX_SOURCES = ("sge", "skein", "slurm", "ray")
+# Kubernetes: the Pod's rank label, which its spec gives the wrapper through the downward API.
+K8S_INDEX = "PSLAUNCH_K8S_INDEX"
+INDEX_SOURCES = ("sge", "skein", "slurm", "ray", "k8s")
 PREFIX = "pslaunch task"
 
 
@@ -107,8 +109,9 @@ def task_index(source: str, environ: Mapping[str, str]) -> int:
     Args:
         source: ``sge`` (``SGE_TASK_ID``, 1-based), ``skein``
             (``SKEIN_CONTAINER_ID`` = ``<service>_<instance>``, 0-based), ``slurm``
-            (``SLURM_PROCID``, 0-based: one job step per role) or ``ray`` (``PSLAUNCH_RAY_INDEX``,
-            0-based, set by the launcher's actor).
+            (``SLURM_PROCID``, 0-based: one job step per role), ``ray`` (``PSLAUNCH_RAY_INDEX``,
+            0-based, set by the launcher's actor) or ``k8s`` (``PSLAUNCH_K8S_INDEX``: the Pod's
+            ``pslaunch.io/rank`` label).
         environ: the task's environment.
 
     Raises:
@@ -137,6 +140,11 @@ def task_index(source: str, environ: Mapping[str, str]) -> int:
         raw = environ.get(RAY_INDEX, "")
         if not raw.isdigit():
             raise TaskError(f"{RAY_INDEX}={raw!r}: not a task of a pslaunch Ray actor")
+        return int(raw)
+    if source == "k8s":
+        raw = environ.get(K8S_INDEX, "")
+        if not raw.isdigit():
+            raise TaskError(f"{K8S_INDEX}={raw!r}: not a pslaunch Pod (its spec sets it from the rank label)")
         return int(raw)
     raise TaskError(f"unknown index source {source!r} (expected one of {', '.join(INDEX_SOURCES)})")
 

@@ -37,6 +37,8 @@ DOC = {
     ("slurm", {"SLURM_PROCID": "5"}, 5),
     ("ray", {"PSLAUNCH_RAY_INDEX": "0"}, 0),
     ("ray", {"PSLAUNCH_RAY_INDEX": "3"}, 3),
+    ("k8s", {"PSLAUNCH_K8S_INDEX": "0"}, 0),
+    ("k8s", {"PSLAUNCH_K8S_INDEX": "3"}, 3),
 ])
 def test_task_index(source, environ, index) -> None:
     assert task.task_index(source, environ) == index
@@ -50,6 +52,8 @@ def test_task_index(source, environ, index) -> None:
     ("skein", {"SKEIN_CONTAINER_ID": "worker"}, "expected <service>_<instance>"),
     ("slurm", {}, "SLURM_PROCID='': not a task of a Slurm job step"),
     ("ray", {}, "PSLAUNCH_RAY_INDEX='': not a task of a pslaunch Ray actor"),
+    ("k8s", {}, "PSLAUNCH_K8S_INDEX='': not a pslaunch Pod"),
+    ("k8s", {"PSLAUNCH_K8S_INDEX": "-1"}, "PSLAUNCH_K8S_INDEX='-1'"),
     ("lsf", {}, "unknown index source 'lsf'"),
 ])
 def test_task_index_errors(source, environ, message) -> None:
