@@ -237,7 +237,7 @@ class Node:
     # registration and heartbeats
 
     def node_body(self) -> dict[str, Any]:
-        cap = {"cpu": str(self.args.cpus), "memory": self.args.memory, "pods": str(self.net.num_addresses - 3)}
+        cap = {"cpu": str(self.args.cpus), "memory": self.args.memory, "pods": str(len(self.addresses.free))}
         t = now().isoformat()
         return {
             "apiVersion": "v1",
@@ -391,6 +391,8 @@ class Node:
         logs = self.log_dir / f"{run.namespace}_{run.name}_{run.uid}"
         logs.mkdir(parents=True, exist_ok=True)
         for c, argv, env in plans:
+            if run.stopping:  # deleted while its network was made: start nothing more
+                break
             out = open(logs / f"{c['name']}.log", "ab")  # noqa: SIM115 - the child holds it
             try:
                 # its own session: SIGTERM goes to the container's process group, as to its pid 1
