@@ -552,6 +552,8 @@ status() {
     for ((i = 0; i < NODES; i++)); do
         if pid=$(node_pid "$i"); then
             echo "node kn$i: running (pid $pid, $(awk '/VmRSS/{print "rss", $2, $3}' "/proc/$pid/status"))"
+        elif pid=$(cat "$RUN/node-kn$i.pid" 2>/dev/null) && alive "$pid"; then
+            echo "node kn$i: running (pid $pid) an older program or command line: start replaces it"; bad=1
         else
             echo "node kn$i: not running"; bad=1
         fi
