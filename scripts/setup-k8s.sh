@@ -486,13 +486,14 @@ stop_node() {  # stop_node N (or any node program of that pid file: an older com
 # start_nodes: the node programs (one per node), then wait until every Node is Ready with a
 # heartbeat from this start (a Node object outlives its program: Ready alone may be the last run's)
 start_nodes() {
-    local i deadline=$((SECONDS + WAIT)) ready since=$(($(date +%s) - 1))
+    local i deadline=$((SECONDS + WAIT)) ready since=$(($(date +%s) - 1)) launched=()
     "$PY" -c 'import kubernetes' 2>/dev/null \
         || fail "$PY has no kubernetes client: pip install -e '.[k8s]' (or set PSLAUNCH_PYTHON)"
     network
     node_certs
     for ((i = 0; i < NODES; i++)); do
-        node_pid "$i" >/dev/null && continue
+        node_pid "$i" >/dev/null && { launched[i]=0; continue; }  # kept: Ready is enough
+        launched[i]=$since
         stop_node "$i"
         mkdir -p "$RUN" "$LOGS" "$TB/pods"
         # shellcheck disable=SC2046
@@ -500,7 +501,7 @@ start_nodes() {
         echo $! >"$RUN/node-kn$i.pid"
     done
     for ((i = 0; i < NODES; i++)); do
-        until ready=$(api GET "/api/v1/nodes/kn$i" | json_get "[c['status'] == 'True' and __import__('datetime').datetime.fromisoformat(c['lastHeartbeatTime'].replace('Z', '+00:00')).timestamp() >= $since for c in d['status']['conditions'] if c['type'] == 'Ready'][0]") \
+        until ready=$(api GET "/api/v1/nodes/kn$i" | json_get "[c['status'] == 'True' and __import__('datetime').datetime.fromisoformat(c['lastHeartbeatTime'].replace('Z', '+00:00')).timestamp() >= ${launched[i]} for c in d['status']['conditions'] if c['type'] == 'Ready'][0]") \
                 && [ "$ready" = True ]; do
             node_pid "$i" >/dev/null || fail "node kn$i exited: $(tail -n 5 "$LOGS/node-kn$i.log" | tr '\n' ' ')"
             [ $SECONDS -lt $deadline ] || fail "node kn$i not Ready after ${WAIT}s: see $LOGS/node-kn$i.log"

@@ -26,7 +26,7 @@ DEADLINE = 90.0
 # each worker prints its variables, waits for the file GO (the Pods run meanwhile: a headless
 # Service lists no ended Pod), and exits with its task id (worker 1 fails: 1)
 PROGRAM = ("import json, os, sys, time; print('VARS ' + json.dumps({k: os.environ.get(k) for k in "
-           "('DMLC_TASK_ID', 'DMLC_ROLE', 'A', 'PSLAUNCH_TASK')}), flush=True)\n"
+           "('DMLC_TASK_ID', 'DMLC_ROLE', 'DMLC_NODE_HOST', 'A', 'PSLAUNCH_TASK')}), flush=True)\n"
            "end = time.time() + 300\nwhile not os.path.exists(GO) and time.time() < end: time.sleep(0.1)\n"
            "sys.exit(int(os.environ['DMLC_TASK_ID']))")
 
@@ -39,7 +39,9 @@ def test_the_jobs_objects_run_on_the_cluster_and_go_with_their_parent(k8s_cluste
     job = k8s.job_object_name(f"manifests-{uuid.uuid4().hex[:8]}")
     go = tmp_path / "go"
     doc = {"version": 2, "argv": [sys.executable, "-S", "-c", f"GO = {str(go)!r}\n" + PROGRAM], "env": {},
-           "roles": {"worker": {"first_task_id": 0, "count": 2, "env": {"DMLC_ROLE": "worker", "A": "$(HOME) $$"}}},
+           "roles": {"worker": {"first_task_id": 0, "count": 2, "env": {
+               "DMLC_ROLE": "worker", "DMLC_PS_ROOT_URI": "10.202.8.1", "DMLC_PS_ROOT_PORT": "9000",
+               "A": "$(HOME) $$"}}},
            "grace": 2.0}
     parent = core.create_namespaced_config_map(ns, k8s.parent_manifest(job, job))
     owner = k8s.owner_reference(core.api_client.sanitize_for_serialization(parent))
@@ -73,9 +75,9 @@ def test_the_jobs_objects_run_on_the_cluster_and_go_with_their_parent(k8s_cluste
             assert line, out
             got = json.loads(line[5:])
             # the wrapper's index from the rank label; the document as written (no $ expanded);
-            # the document itself not passed on to the command
-            assert got == {"DMLC_TASK_ID": str(rank), "DMLC_ROLE": "worker", "A": "$(HOME) $$",
-                           "PSLAUNCH_TASK": None}, out
+            # the document itself not passed on to the command; the node's address: the Pod's own
+            assert got == {"DMLC_TASK_ID": str(rank), "DMLC_ROLE": "worker", "DMLC_NODE_HOST": pod.status.pod_ip,
+                           "A": "$(HOME) $$", "PSLAUNCH_TASK": None}, out
             assert pod.status.container_statuses[0].state.terminated.exit_code == rank
             assert pod.status.phase == ("Succeeded" if rank == 0 else "Failed")
             assert pod.spec.node_name == f"kn{rank}"

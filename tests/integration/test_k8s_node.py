@@ -156,7 +156,8 @@ def test_deleting_a_running_pod_stops_its_whole_process_tree(k8s_cluster: K8sClu
     name = unique("del")
     pods.append(name)
     pids = tmp_path / "pids"
-    script = f'setsid sleep 1000 & echo $! >{pids}; echo $$ >>{pids}; trap "" TERM; while :; do sleep 0.2; done'
+    # ($$$$: Kubernetes turns $$ in args into $, as the node program does)
+    script = f'setsid sleep 1000 & echo $! >{pids}; echo $$$$ >>{pids}; trap "" TERM; while :; do sleep 0.2; done'
     k8s_cluster.core().create_namespaced_pod(k8s_cluster.namespace, pod_body(
         name, ["sh", "-c", script], terminationGracePeriodSeconds=2))
     pod = wait_phase(k8s_cluster, name, ("Running",))
