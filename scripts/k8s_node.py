@@ -21,6 +21,7 @@ filesystem, as root. Runs as root (it makes network namespaces).
 from __future__ import annotations
 
 import argparse
+import base64
 import datetime as dt
 import ipaddress
 import logging
@@ -32,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 NS_PREFIX = "psk8s-"  # the Pods' network namespaces: psk8s-<address with dashes>
 LEASE_SECONDS = 40
@@ -81,17 +82,26 @@ def field_ref(path: str, pod: dict[str, Any]) -> str:
     raise ValueError(f"fieldRef {path!r} is not supported by the test node")
 
 
-def container_env(container: dict[str, Any], pod: dict[str, Any], base: dict[str, str]) -> dict[str, str]:
+def container_env(container: dict[str, Any], pod: dict[str, Any], base: dict[str, str],
+                  secret: Optional[Callable[[str], dict[str, str]]] = None) -> dict[str, str]:
     """The process environment of a container: BASE (what an image would give), then the
-    container's ``env`` in order, each value ``$(VAR)``-expanded against what came before."""
+    container's ``env`` in order, each value ``$(VAR)``-expanded against what came before
+    (a ``secretKeyRef``'s value is not expanded, as a kubelet does not: ``secret(name)`` gives
+    the Secret's decoded data)."""
     env = dict(base)
     for item in container.get("env") or []:
+        ref = (item.get("valueFrom") or {}).get("secretKeyRef")
         if "value" in item:
             env[item["name"]] = expand(item.get("value") or "", env)
         elif (item.get("valueFrom") or {}).get("fieldRef"):
             env[item["name"]] = field_ref(item["valueFrom"]["fieldRef"]["fieldPath"], pod)
+        elif ref and secret is not None:
+            data = secret(ref["name"])
+            if ref["key"] not in data:
+                raise ValueError(f"env {item['name']}: Secret {ref['name']} has no key {ref['key']}")
+            env[item["name"]] = data[ref["key"]]
         elif item.get("valueFrom"):
-            raise ValueError(f"env {item['name']}: only value and fieldRef are supported by the test node")
+            raise ValueError(f"env {item['name']}: only value, fieldRef and secretKeyRef are supported here")
         else:
             env[item["name"]] = ""
     return env
@@ -380,7 +390,7 @@ class Node:
                     "HOME": "/root", "HOSTNAME": pod["spec"].get("hostname") or run.name}
             plans = []
             for c in pod["spec"]["containers"]:
-                env = container_env(c, pod, base)
+                env = container_env(c, pod, base, secret=lambda name: self.read_secret(run.namespace, name))
                 plans.append((c, container_argv(c, env), env))
         except Exception as e:  # noqa: BLE001 - any reason is the Pod's failure, reported on it
             log.warning("pod %s/%s cannot start: %s", run.namespace, run.name, e)
@@ -415,6 +425,12 @@ class Node:
             run.finished[name] = now().isoformat()
         kill_netns(ns)  # what is left of the Pod's processes dies with it (a pid namespace's end)
         self.finish(run, pod)
+
+    def read_secret(self, namespace: str, name: str) -> dict[str, str]:
+        """A Secret's data, decoded, as a kubelet reads it for ``secretKeyRef`` (the Node
+        authorizer lets a node read the Secrets its Pods name, and no others)."""
+        secret = self.core.read_namespaced_secret(name, namespace)
+        return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
 
     def lost(self, run: PodRun, pod: dict[str, Any]) -> None:
         for c in pod["spec"]["containers"]:

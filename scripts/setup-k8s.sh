@@ -380,7 +380,8 @@ ensure() {
 
 # The rights of pslaunch's service account: those of a launcher that creates one Pod per process,
 # one headless Service and a ConfigMap (the parent of the job's objects), watches them, and reads
-# the scheduler's Events and the Nodes. Nothing else: no Secrets, nothing outside its namespace.
+# the scheduler's Events and the Nodes, and creates and deletes each job's Secret (the task document).
+# Nothing else: no reading of Secrets, nothing outside its namespace.
 apply_rbac() {
     local rbac=/apis/rbac.authorization.k8s.io/v1 v1='"apiVersion":"rbac.authorization.k8s.io/v1"'
     local subject='"subjects":[{"kind":"ServiceAccount","name":"pslaunch","namespace":"'"$NS"'"}]'
@@ -392,7 +393,8 @@ apply_rbac() {
       {"apiGroups":[""],"resources":["pods"],"verbs":["create","get","list","watch","delete","deletecollection","patch"]},
       {"apiGroups":[""],"resources":["services"],"verbs":["create","get","list","watch","delete"]},
       {"apiGroups":[""],"resources":["configmaps"],"verbs":["create","get","list","watch","delete","update","patch"]},
-      {"apiGroups":[""],"resources":["events"],"verbs":["get","list","watch"]}]}'
+      {"apiGroups":[""],"resources":["events"],"verbs":["get","list","watch"]},
+      {"apiGroups":[""],"resources":["secrets"],"verbs":["create","delete"]}]}'
     ensure "$rbac/namespaces/$NS/rolebindings" pslaunch-launcher '{'"$v1"',"kind":"RoleBinding",
       "metadata":{"name":"pslaunch-launcher"},
       "roleRef":{"apiGroup":"rbac.authorization.k8s.io","kind":"Role","name":"pslaunch-launcher"},'"$subject"'}'

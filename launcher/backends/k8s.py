@@ -27,13 +27,27 @@ reachable from it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import math
+import os
 import re
+import signal
+import time
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
+import pscontract as pc
+
+from .. import node
+from ..errors import BackendUnavailableError, ConfigError, LaunchError
 from ..node import task as task_wrapper
-from ..spec.plan import ProcSpec
+from ..runtime.output import ProcOutput
+from ..spec.job import JobSpec, Role
+from ..spec.plan import Plan, ProcSpec
+from .base import BackendOption
+from .batch import BatchBackend, BatchTask, build_task_file
 
 GROUP = "pslaunch.io"
 LABEL_JOB, LABEL_ROLE, LABEL_RANK, LABEL_ATTEMPT = (f"{GROUP}/{k}" for k in ("job", "role", "rank", "attempt"))
@@ -105,9 +119,30 @@ def wrapper_args(proc: ProcSpec) -> list[str]:
     return ["--task-env", TASK_ENV, "--role", str(proc.role), "--index", "k8s"]
 
 
+def task_doc_chunks(task_doc: Mapping[str, Any]) -> dict[str, str]:
+    """The task document as the wrapper's variables ``PSLAUNCH_TASK``, ``PSLAUNCH_TASK_1``, ...
+    (:func:`launcher.node.task.task_env_chunks`): the keys of the job's Secret, or env values."""
+    return task_wrapper.task_env_chunks(TASK_ENV, json.dumps(task_doc, separators=(",", ":")))
+
+
+def secret_name(job: str) -> str:
+    """The job's Secret: ``<job>-task`` (the task document, which holds the job's secret)."""
+    return f"{job}-task"
+
+
+def secret_manifest(job: str, owner: Mapping[str, Any], task_doc: Mapping[str, Any]) -> dict[str, Any]:
+    """The job's Secret: the task document in the keys :func:`task_doc_chunks` names, read by the
+    Pods through ``secretKeyRef`` (never in a Pod's spec, which whoever may read Pods can read).
+    ``stringData`` as written: a kubelet expands ``$(VAR)`` in ``value`` fields, not in a Secret's."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": secret_name(job), "labels": labels(job), "ownerReferences": [dict(owner)]},
+            "stringData": task_doc_chunks(task_doc)}
+
+
 def pod_manifest(job: str, proc: ProcSpec, *, attempt: int, owner: Mapping[str, Any], image: str,
                  wrapper: Sequence[str], task_doc: Mapping[str, Any], kill_grace: float,
-                 workdir: Optional[str] = None, node_selector: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+                 workdir: Optional[str] = None, node_selector: Optional[Mapping[str, str]] = None,
+                 secret: Optional[str] = None, cpus: Optional[float] = None) -> dict[str, Any]:
     """One process's Pod.
 
     Args:
@@ -115,18 +150,27 @@ def pod_manifest(job: str, proc: ProcSpec, *, attempt: int, owner: Mapping[str, 
             launcher.node.task``, or the node bundle).
         task_doc: the role's task document (:func:`launcher.backends.batch.build_task_file`).
         kill_grace: ``--kill-grace``; the Pod's grace period is :data:`GRACE_MARGIN` s longer.
+        secret: the job's Secret (:func:`secret_manifest`): the Pod reads the document from it
+            (``secretKeyRef``); None: the document is in the Pod's spec (the builders' first form).
+        cpus: the CPUs the container requests (``--worker-cores``/``--server-cores``): the
+            scheduler places the Pod only where they are free.
     """
-    # every "$" doubled: the kubelet expands $(VAR) and turns $$ into $ in env values, and the
-    # document must arrive as written (a user's variable may hold either)
-    doc = json.dumps(task_doc, separators=(",", ":"))
-    env: list[dict[str, Any]] = [{"name": k, "value": v.replace("$", "$$")}
-                                 for k, v in task_wrapper.task_env_chunks(TASK_ENV, doc).items()]
+    chunks = task_doc_chunks(task_doc)
+    if secret:
+        env: list[dict[str, Any]] = [{"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": k}}}
+                                     for k in chunks]
+    else:
+        # every "$" doubled: the kubelet expands $(VAR) and turns $$ into $ in env values, and the
+        # document must arrive as written (a user's variable may hold either)
+        env = [{"name": k, "value": v.replace("$", "$$")} for k, v in chunks.items()]
     env.append({"name": task_wrapper.K8S_INDEX,
                 "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{LABEL_RANK}']"}}})
     container: dict[str, Any] = {"name": CONTAINER, "image": image, "command": [*wrapper, *wrapper_args(proc)],
                                  "env": env}
     if workdir:
         container["workingDir"] = workdir
+    if cpus:
+        container["resources"] = {"requests": {"cpu": f"{cpus:g}"}}
     spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "hostname": process_host(proc),
@@ -142,3 +186,358 @@ def pod_manifest(job: str, proc: ProcSpec, *, attempt: int, owner: Mapping[str, 
             "metadata": {"name": pod_name(job, proc, attempt), "labels": labels(job, proc, attempt),
                          "ownerReferences": [dict(owner)]},
             "spec": spec}
+
+
+# --- the backend ---------------------------------------------------------------------------------
+
+log = logging.getLogger(__name__)
+
+#: where a Pod's own service account puts the namespace it runs in (in-cluster configuration)
+INCLUSTER_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+#: seconds :meth:`K8sBackend.release` waits, beyond the Pods' grace period, for them to be gone
+GONE_WAIT = 30.0
+
+
+@dataclass(frozen=True)
+class K8sOptions:
+    """``--k8s-*``: the ``namespace`` (None: the kubeconfig context's, else ``default``) and the
+    ``image`` the Pods run (required: a Pod must name one)."""
+
+    namespace: Optional[str] = None
+    image: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.namespace is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", self.namespace):
+            raise ConfigError(f"--k8s-namespace {self.namespace!r} is not a Kubernetes namespace name "
+                              "(lowercase letters, digits and '-', at most 63)")
+        if self.image is not None and not self.image.strip():
+            raise ConfigError("--k8s-image needs an image: the one the Pods run (with this pslaunch and Python)")
+
+
+def load_kubernetes() -> Any:
+    """Import the ``kubernetes`` client, or raise a one-line :class:`BackendUnavailableError`."""
+    if importlib.util.find_spec("kubernetes") is None:
+        raise BackendUnavailableError("--launcher k8s needs the kubernetes package in pslaunch's Python: pip install "
+                                      "'.[k8s]' in your clone of pslaunch")
+    import kubernetes
+
+    return kubernetes
+
+
+def kubeconfig_path(environ: Mapping[str, str]) -> Optional[str]:
+    """``KUBECONFIG`` (a list of files, as kubectl reads it), else ``~/.kube/config`` where it
+    exists; None: none (in-cluster, where the Pod's service account is)."""
+    if environ.get("KUBECONFIG"):
+        return environ["KUBECONFIG"]
+    home = os.path.expanduser("~/.kube/config")
+    return home if os.path.exists(home) else None
+
+
+def connect(environ: Mapping[str, str]) -> tuple[Any, str]:
+    """``(ApiClient, the configuration's namespace)``: from the kubeconfig (:func:`kubeconfig_path`;
+    its current context's namespace, else ``default``), else in-cluster (the Pod's namespace)."""
+    k = load_kubernetes()
+    from kubernetes import client, config
+
+    path = kubeconfig_path(environ)
+    try:
+        if path is not None:
+            api = config.new_client_from_config(config_file=path)
+            _, active = config.list_kube_config_contexts(config_file=path)
+            return api, str(((active or {}).get("context") or {}).get("namespace") or "default")
+        if environ.get("KUBERNETES_SERVICE_HOST"):
+            cfg = client.Configuration()
+            config.load_incluster_config(client_configuration=cfg)
+            with open(INCLUSTER_NAMESPACE, encoding="utf-8") as f:
+                return client.ApiClient(cfg), f.read().strip() or "default"
+    except (OSError, k.config.ConfigException) as e:
+        raise LaunchError(f"cannot read the Kubernetes configuration {path or '(in-cluster)'}: "
+                          f"{' '.join(str(e).split())}") from None
+    raise LaunchError("--launcher k8s finds no cluster: set KUBECONFIG (or write ~/.kube/config), or run pslaunch in "
+                      "a Pod of the cluster")
+
+
+def api_error(e: Any) -> str:
+    """An ``ApiException`` in one line: its status and the apiserver's message."""
+    try:
+        message = json.loads(e.body).get("message") or e.reason
+    except (TypeError, ValueError, AttributeError):
+        message = getattr(e, "reason", "") or str(e)
+    return f"{getattr(e, 'status', '')} {' '.join(str(message).split())}".strip()
+
+
+def scheduler_reason(pod: Mapping[str, Any], events: Sequence[Mapping[str, Any]]) -> str:
+    """Why a Pending Pod does not run, in the scheduler's words: its ``PodScheduled`` condition's
+    message, else its latest ``FailedScheduling`` event; else its node (placed, not started yet).
+    ``pod`` and ``events`` as the API returns them (camelCase dicts)."""
+    status = pod.get("status") or {}
+    for c in status.get("conditions") or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("message"):
+            return f"{c.get('reason') or 'Unschedulable'}: {c['message']}"
+    failed = [e for e in events if e.get("reason") == "FailedScheduling"]
+    if failed:
+        last = max(failed, key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or ""))
+        return f"FailedScheduling: {' '.join(str(last.get('message') or '').split())}"
+    node_name = (pod.get("spec") or {}).get("nodeName")
+    if node_name:
+        return f"placed on node {node_name}, not started by it yet"
+    return "not placed yet (no word from the scheduler)"
+
+
+def pod_end(pod: Mapping[str, Any]) -> Optional[tuple[int, str]]:
+    """``(exit code, reason)`` of a Pod that ended (Succeeded or Failed); None while it has not.
+    The container's exit code (128+N for signal N); a Pod that failed without one (it never
+    started) is 1 with the Pod's reason and message."""
+    status = pod.get("status") or {}
+    if status.get("phase") not in ("Succeeded", "Failed"):
+        return None
+    for cs in status.get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated")
+        if cs.get("name") == CONTAINER and term and term.get("exitCode") is not None:
+            code = int(term["exitCode"])
+            why = "" if code == 0 else " ".join(f"{term.get('reason') or ''} {term.get('message') or ''}".split())
+            return code, why
+    why = " ".join(f"{status.get('reason') or ''} {status.get('message') or ''}".split())
+    return (0, "") if status["phase"] == "Succeeded" else (1, why or "its Pod failed")
+
+
+class K8sTask(BatchTask):
+    """One process of the job: its Pod."""
+
+    def __init__(self, proc: ProcSpec, output: ProcOutput, backend: K8sBackend, pod: str) -> None:
+        super().__init__(proc, output, backend, host="(k8s)")
+        self.pod = pod
+        self.state = "Pending"
+        self.seen = False  # the Pod was listed once (a Pod missing after that was deleted)
+        self.gone = False  # no Pod of this name exists any more
+
+    def where(self) -> str:
+        return f"Pod {self.pod}"
+
+
+class K8sBackend(BatchBackend):
+    """Kubernetes Pods, one per process, with no operator (see docs/k8s.md)."""
+
+    name = "k8s"
+    elsewhere = "the Kubernetes Pods"
+    poll_every = 0.3
+    close_wait = 20.0
+    Options = K8sOptions
+    options = (
+        BackendOption(("--k8s-namespace",), "namespace", "the namespace of the job's Pods, Service, ConfigMap and "
+                      "Secret (default: the kubeconfig context's, else default).", metavar="NS"),
+        BackendOption(("--k8s-image",), "image", "the image the Pods run (required): it must hold this pslaunch at "
+                      "the same path and the job's Python and program.", metavar="IMAGE"),
+    )
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._api: Any = None
+        self._core: Any = None
+        self.namespace = ""
+        self.job = ""
+        self._parent = False  # the parent was created (release deletes it)
+
+    # -- what the rest of the launcher asks of the class ------------------------------------------
+
+    @classmethod
+    def check_spec(cls, spec: JobSpec) -> None:
+        super().check_spec(spec)
+        opts: K8sOptions = spec.options or K8sOptions()
+        if not opts.image:
+            raise ConfigError("--launcher k8s needs --k8s-image IMAGE: the image the Pods run (it must hold this "
+                              "pslaunch at the same path, and the job's Python and program)")
+
+    @classmethod
+    def where(cls, spec: JobSpec, plan: Plan) -> str:
+        opts: K8sOptions = spec.options or K8sOptions()
+        return f"Kubernetes Pods (namespace {opts.namespace or 'of the kubeconfig'})"
+
+    @classmethod
+    def dry_run(cls, spec: JobSpec, plan: Plan) -> list[str]:
+        opts: K8sOptions = spec.options or K8sOptions()
+        return [f"Kubernetes: in namespace {opts.namespace or '(the kubeconfig context`s, else default)'}, a parent "
+                "ConfigMap named after the job, a Secret with the task document (the job secret), a headless Service, "
+                f"and one Pod per process ({len(plan.procs)}; image {opts.image}, restartPolicy Never, labels "
+                f"{LABEL_JOB}, {LABEL_ROLE}, {LABEL_RANK}, {LABEL_ATTEMPT}), each running the task wrapper, which "
+                "connects back to the scheduler's address; everything is deleted at the end"]
+
+    # -- set-up ------------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        load_kubernetes()
+
+    def _connect(self) -> None:
+        if self._core is not None:
+            return
+        from kubernetes import client
+
+        self._api, default_ns = connect(os.environ)
+        self._core = client.CoreV1Api(self._api)
+        opts: K8sOptions = self.spec.options or K8sOptions()
+        self.namespace = opts.namespace or default_ns
+
+    def _create(self, what: str, fn: Any, body: Mapping[str, Any]) -> Any:
+        """Create one object; an API error is one line naming it, the namespace and the reason."""
+        from kubernetes.client.rest import ApiException
+
+        try:
+            return fn(self.namespace, body)
+        except ApiException as e:
+            hint = ""
+            if e.status == 403:
+                hint = (" (pslaunch's account lacks that right in this namespace: see the RBAC rules in "
+                        "docs/k8s.md)")
+            raise LaunchError(f"Kubernetes refused to create the job's {what} in namespace {self.namespace}: "
+                              f"{api_error(e)}{hint}") from None
+        except OSError as e:  # urllib3's errors are OSErrors: the apiserver cannot be reached
+            raise LaunchError(f"cannot reach the Kubernetes apiserver to create the job's {what}: {e}") from None
+
+    def submit(self, procs: Sequence[ProcSpec], hub: Optional[tuple[str, int]]) -> list[BatchTask]:
+        self._connect()
+        core = self._core
+        opts: K8sOptions = self.spec.options or K8sOptions()
+        assert opts.image
+        env = procs[0].env
+        self.job = job_object_name(env.get(pc.JOB_ID, "job"))
+        attempt = int(env.get(pc.ATTEMPT, "0") or 0)
+        doc = build_task_file(self.spec, procs, hub=hub)
+        parent = self._create("parent ConfigMap", core.create_namespaced_config_map,
+                              parent_manifest(self.job, env.get(pc.JOB_ID, self.job)))
+        self._parent = True
+        owner = owner_reference(self._api.sanitize_for_serialization(parent))
+        self._create("Secret", core.create_namespaced_secret, secret_manifest(self.job, owner, doc))
+        self._create("Service", core.create_namespaced_service, service_manifest(self.job, owner))
+        wrapper = node.command("task")
+        workdir = self.spec.workdir or os.getcwd()
+        for p in procs:
+            cpus = self.spec.server_cores if p.role is Role.SERVER else self.spec.worker_cores
+            body = pod_manifest(self.job, p, attempt=attempt, owner=owner, image=opts.image, wrapper=wrapper,
+                                task_doc=doc, kill_grace=self.spec.kill_grace, workdir=workdir,
+                                secret=secret_name(self.job), cpus=cpus)
+            t = K8sTask(p, self.console.proc(p.name, p.label, str(p.role)), self, body["metadata"]["name"])
+            self.add_task(t)
+            self._create(f"Pod {t.pod}", core.create_namespaced_pod, body)
+        log.info("created %d Pods in namespace %s (job %s)", len(procs), self.namespace, self.job)
+        return self.tasks
+
+    def describe_pending(self, pending: Sequence[BatchTask], timeout: float) -> str:
+        """One line: how many Pods do not run, and why in the scheduler's words (grouped)."""
+        whys: dict[str, list[str]] = {}
+        for t in pending:
+            assert isinstance(t, K8sTask)
+            whys.setdefault(self._pending_reason(t), []).append(t.label)
+        parts = "; ".join(f"{', '.join(labels_)}: {why}" for why, labels_ in whys.items())
+        return (f"{len(pending)} of {len(self.tasks)} Pods not running after --start-timeout {timeout:g}s in "
+                f"namespace {self.namespace} ({parts})")
+
+    def _pending_reason(self, t: K8sTask) -> str:
+        """Why ``t``'s Pod does not run yet (:func:`scheduler_reason`), or why its agent is not heard."""
+        from kubernetes.client.rest import ApiException
+
+        try:
+            pod = self._api.sanitize_for_serialization(self._core.read_namespaced_pod(t.pod, self.namespace))
+            events = self._api.sanitize_for_serialization(self._core.list_namespaced_event(
+                self.namespace, field_selector=f"involvedObject.name={t.pod}").items)
+        except (ApiException, OSError) as e:
+            return f"cannot read its Pod: {api_error(e)}"
+        if (pod.get("status") or {}).get("phase") == "Running":
+            return (f"its Pod runs on node {pod['spec'].get('nodeName')}, but its task wrapper has not connected to "
+                    f"the launcher at {self.hub.address[0] if self.hub else '?'} (can the Pods reach it? "
+                    "DMLC_INTERFACE or --host-ip choose the address)")
+        return scheduler_reason(pod, events)
+
+    # -- following the Pods ------------------------------------------------------------------------
+
+    def poll_once(self) -> None:
+        if self._core is None or not self.job:
+            return
+        items = self._core.list_namespaced_pod(self.namespace, label_selector=f"{LABEL_JOB}={self.job}").items
+        pods = {p.metadata.name: self._api.sanitize_for_serialization(p) for p in items}
+        for t in list(self.tasks):
+            assert isinstance(t, K8sTask)
+            pod = pods.get(t.pod)
+            if pod is None:
+                t.gone = t.seen or t.terminated
+                if t.seen and t.code is None:
+                    self.set_code(t, 128 + signal.SIGKILL, "its Pod was deleted", ended_at=time.time())
+                continue
+            t.seen, t.gone = True, False
+            status = pod.get("status") or {}
+            phase = status.get("phase") or "Pending"
+            with self.lock:
+                t.state = phase
+                if phase == "Running" and not t.ran and self.hub is None:
+                    t.ran = True  # (no agent will say it)
+                if t.host == "(k8s)" and status.get("podIP"):
+                    t.host = f"{pod['spec'].get('nodeName')}/{status['podIP']}"
+            end = pod_end(pod)
+            if end is not None and t.code is None:
+                code, why = end
+                if code != 0 and not (status.get("containerStatuses") or []):
+                    t.failure = f"its Pod could not start: {why}"
+                self.set_code(t, code, "" if code == 0 else why, ended_at=time.time())
+
+    def settled(self) -> bool:
+        return all(t.code is not None for t in self.tasks)
+
+    # -- stopping ----------------------------------------------------------------------------------
+
+    def cancel(self, tasks: Sequence[BatchTask]) -> None:
+        """Delete the Pods of ``tasks`` (the node stops their processes: SIGTERM, then SIGKILL after
+        the Pods' grace period)."""
+        from kubernetes.client.rest import ApiException
+
+        for t in tasks:
+            assert isinstance(t, K8sTask)
+            if t.terminated or self._core is None:
+                continue
+            t.terminated = True
+            try:
+                self._core.delete_namespaced_pod(t.pod, self.namespace)
+            except ApiException as e:
+                if e.status != 404:
+                    log.warning("cannot delete Pod %s: %s", t.pod, api_error(e))
+            except OSError as e:
+                log.warning("cannot delete Pod %s: %s", t.pod, e)
+
+    def release(self) -> None:
+        """Delete the parent (the garbage collector removes what it owns), the Secret, the Service
+        and every Pod of the job (not left to the collector: its pace is its own), and wait until
+        no Pod of the job is left."""
+        from kubernetes import client
+        from kubernetes.client.rest import ApiException
+
+        if self._core is None or not self.job:
+            return
+        core, ns, job = self._core, self.namespace, self.job
+        selector = f"{LABEL_JOB}={job}"
+        steps = [("Pods", lambda: core.delete_collection_namespaced_pod(ns, label_selector=selector)),
+                 ("Secret", lambda: core.delete_namespaced_secret(secret_name(job), ns)),
+                 ("Service", lambda: core.delete_namespaced_service(job, ns))]
+        if self._parent:
+            steps.append(("parent ConfigMap", lambda: core.delete_namespaced_config_map(
+                job, ns, body=client.V1DeleteOptions(propagation_policy="Background"))))
+        for what, step in steps:
+            try:
+                step()
+            except ApiException as e:
+                if e.status != 404:
+                    log.warning("cannot delete the job's %s in namespace %s: %s", what, ns, api_error(e))
+            except OSError as e:
+                log.warning("cannot delete the job's %s in namespace %s: %s", what, ns, e)
+        deadline = time.monotonic() + self.spec.kill_grace + GRACE_MARGIN + GONE_WAIT
+        left: list[str] = []
+        while time.monotonic() < deadline:
+            try:
+                left = [p.metadata.name for p in core.list_namespaced_pod(ns, label_selector=selector).items]
+            except (ApiException, OSError) as e:
+                log.debug("listing the job's Pods: %s", e)
+            if not left:
+                break
+            time.sleep(0.2)
+        if left:
+            log.warning("Kubernetes has not removed the job's Pods %s in namespace %s yet; check with kubectl get pods "
+                        "-n %s -l %s", ", ".join(left), ns, ns, selector)
+        self._api.close()
+        self._core = None

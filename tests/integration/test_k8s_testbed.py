@@ -75,6 +75,10 @@ def test_the_launcher_account_reads_no_secrets_and_stays_in_its_namespace(k8s_cl
     core = k8s_cluster.core()
     assert forbidden(core.list_namespaced_secret, "kube-system") == 403
     assert forbidden(core.list_namespaced_secret, k8s_cluster.namespace) == 403
+    # it creates and deletes its jobs' Secrets, but reads none, not even its own token's
+    admin = k8s_cluster.core(admin=True)
+    token = admin.read_namespaced_service_account("pslaunch", k8s_cluster.namespace).secrets[0].name
+    assert forbidden(core.read_namespaced_secret, token, k8s_cluster.namespace) == 403
     assert forbidden(core.list_namespaced_pod, "kube-system") == 403
     assert forbidden(core.create_namespaced_pod, "default", pod_body(f"out-{uuid.uuid4().hex[:8]}")) == 403
     assert forbidden(core.delete_node, "any-node") == 403
