@@ -47,7 +47,7 @@ from ..runtime.output import ProcOutput
 from ..spec.job import JobSpec, Role
 from ..spec.plan import Plan, ProcSpec
 from .base import BackendOption
-from .batch import BatchBackend, BatchTask, build_task_file
+from .batch import AGENT_GONE_WAIT, BatchBackend, BatchTask, build_task_file
 
 GROUP = "pslaunch.io"
 LABEL_JOB, LABEL_ROLE, LABEL_RANK, LABEL_ATTEMPT = (f"{GROUP}/{k}" for k in ("job", "role", "rank", "attempt"))
@@ -310,6 +310,7 @@ class K8sTask(BatchTask):
         self.state = "Pending"
         self.seen = False  # the Pod was listed once (a Pod missing after that was deleted)
         self.gone = False  # no Pod of this name exists any more
+        self.ended_seen: Optional[float] = None  # when the follower first saw the Pod ended (monotonic)
 
     def where(self) -> str:
         return f"Pod {self.pod}"
@@ -473,6 +474,11 @@ class K8sBackend(BatchBackend):
                     t.host = f"{pod['spec'].get('nodeName')}/{status['podIP']}"
             end = pod_end(pod)
             if end is not None and t.code is None:
+                # its agent's last output and exit frame may still be on their way (the Pod ends
+                # once the wrapper has sent them): its word first, the Pod's after AGENT_GONE_WAIT
+                t.ended_seen = t.ended_seen or time.monotonic()
+                if t.channel == "open" and time.monotonic() - t.ended_seen < AGENT_GONE_WAIT:
+                    continue
                 code, why = end
                 if code != 0 and not (status.get("containerStatuses") or []):
                     t.failure = f"its Pod could not start: {why}"
