@@ -75,3 +75,70 @@ def test_a_long_task_document_is_split_like_slurms() -> None:
     assert names == ["PSLAUNCH_TASK", "PSLAUNCH_TASK_1", "PSLAUNCH_TASK_2", "PSLAUNCH_K8S_INDEX"]
     assert pod["spec"]["terminationGracePeriodSeconds"] == 3 + k8s.GRACE_MARGIN
     assert "workingDir" not in pod["spec"]["containers"][0] and "nodeSelector" not in pod["spec"]
+
+
+def test_golden_secret_and_a_pod_that_reads_it() -> None:
+    secret = k8s.secret_manifest("job-1", OWNER, DOC)
+    pod = k8s.pod_manifest("job-1", proc(), attempt=0, owner=OWNER, image="localhost/pslaunch:test",
+                           wrapper=["python3", "-m", "launcher.node.task"], task_doc=DOC, kill_grace=10.0,
+                           secret=k8s.secret_name("job-1"), cpus=2)
+    check_golden("k8s_secret_pod.json", dump([secret, pod]))
+    # the document as written in the Secret (no kubelet expands a Secret's value), nowhere in the Pod
+    assert json.loads(secret["stringData"]["PSLAUNCH_TASK"]) == DOC
+    assert "hub" not in json.dumps(pod) and "$(HOME)" not in json.dumps(pod)
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    assert env["PSLAUNCH_TASK"] == {"name": "PSLAUNCH_TASK", "valueFrom": {"secretKeyRef": {
+        "name": "job-1-task", "key": "PSLAUNCH_TASK"}}}
+    assert pod["spec"]["containers"][0]["resources"] == {"requests": {"cpu": "2"}}
+
+
+def test_scheduler_reason_from_the_condition_else_the_event() -> None:
+    pending = {"status": {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+         "message": "0/3 nodes are available: 3 Insufficient cpu."}]}, "spec": {}}
+    assert k8s.scheduler_reason(pending, []) == "Unschedulable: 0/3 nodes are available: 3 Insufficient cpu."
+    events = [{"reason": "FailedScheduling", "message": "old", "lastTimestamp": "2026-12-07T20:00:00Z"},
+              {"reason": "FailedScheduling", "message": "0/3 nodes:\n  no", "lastTimestamp": "2026-12-07T20:01:00Z"},
+              {"reason": "Scheduled", "message": "x", "lastTimestamp": "2026-12-07T20:02:00Z"}]
+    assert k8s.scheduler_reason({"status": {}, "spec": {}}, events) == "FailedScheduling: 0/3 nodes: no"
+    assert "node kn1" in k8s.scheduler_reason({"status": {}, "spec": {"nodeName": "kn1"}}, [])
+    assert "not placed yet" in k8s.scheduler_reason({"status": {}, "spec": {}}, [])
+
+
+@pytest.mark.parametrize("status, end", [
+    ({"phase": "Running"}, None),
+    ({"phase": "Succeeded", "containerStatuses": [{"name": "main", "state": {"terminated": {"exitCode": 0}}}]},
+     (0, "")),
+    ({"phase": "Failed", "containerStatuses": [{"name": "main", "state": {"terminated": {
+        "exitCode": 137, "reason": "Error"}}}]}, (137, "Error")),
+    ({"phase": "Failed", "reason": "StartError", "message": "no such file"}, (1, "StartError no such file")),
+])
+def test_pod_end(status: dict, end: object) -> None:
+    assert k8s.pod_end({"status": status}) == end
+
+
+def test_options_and_the_kubeconfig_path(tmp_path, monkeypatch) -> None:
+    from launcher.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not a Kubernetes namespace"):
+        k8s.K8sOptions(namespace="Bad_NS")
+    with pytest.raises(ConfigError, match="--k8s-image needs an image"):
+        k8s.K8sOptions(image=" ")
+    assert k8s.kubeconfig_path({"KUBECONFIG": "/a:/b"}) == "/a:/b"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert k8s.kubeconfig_path({}) is None
+    (tmp_path / ".kube").mkdir()
+    (tmp_path / ".kube" / "config").write_text("")
+    assert k8s.kubeconfig_path({}) == str(tmp_path / ".kube" / "config")
+
+
+def test_the_kubeconfig_contexts_namespace_else_default(tmp_path) -> None:
+    pytest.importorskip("kubernetes")
+    conf = tmp_path / "kubeconfig"
+    conf.write_text("apiVersion: v1\nkind: Config\ncurrent-context: c\nclusters: [{name: k, cluster: "
+                    "{server: 'https://127.0.0.1:1'}}]\nusers: [{name: u, user: {token: t}}]\n"
+                    "contexts: [{name: c, context: {cluster: k, user: u, namespace: team-a}}]\n")
+    api, ns = k8s.connect({"KUBECONFIG": str(conf)})
+    assert ns == "team-a" and api.configuration.host == "https://127.0.0.1:1"
+    conf.write_text(conf.read_text().replace(", namespace: team-a", ""))
+    assert k8s.connect({"KUBECONFIG": str(conf)})[1] == "default"

@@ -38,10 +38,27 @@ def test_container_env_in_order_with_field_refs() -> None:
 
 
 def test_container_env_refuses_what_the_test_node_cannot_give() -> None:
-    with pytest.raises(ValueError, match="only value and fieldRef"):
-        node.container_env({"env": [{"name": "S", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}, POD, {})
+    with pytest.raises(ValueError, match="only value, fieldRef and secretKeyRef"):
+        node.container_env({"env": [{"name": "S", "valueFrom": {"configMapKeyRef": {"name": "s", "key": "k"}}}]},
+                           POD, {})
     with pytest.raises(ValueError, match="not supported"):
         node.field_ref("status.podIPs", POD)
+
+
+def test_container_env_reads_secret_key_refs_unexpanded() -> None:
+    asked = []
+
+    def secret(name: str) -> dict[str, str]:
+        asked.append(name)
+        return {"k": "$(A) $$ as written"}
+
+    c = {"env": [{"name": "A", "value": "1"},
+                 {"name": "S", "valueFrom": {"secretKeyRef": {"name": "job-task", "key": "k"}}}]}
+    assert node.container_env(c, POD, {}, secret=secret) == {"A": "1", "S": "$(A) $$ as written"}
+    assert asked == ["job-task"]
+    with pytest.raises(ValueError, match="Secret job-task has no key other"):
+        ref = {"secretKeyRef": {"name": "job-task", "key": "other"}}
+        node.container_env({"env": [{"name": "S", "valueFrom": ref}]}, POD, {}, secret=secret)
 
 
 def test_container_argv_is_command_then_args_expanded() -> None:
