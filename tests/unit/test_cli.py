@@ -249,7 +249,7 @@ def test_dry_run_of_the_builtin_scheduler(capsys) -> None:
 
 
 def test_an_unknown_backend_is_one_line_naming_the_available_ones() -> None:
-    with pytest.raises(BackendUnavailableError, match="unknown launcher 'nope': choose one of local, mpi, "):
+    with pytest.raises(BackendUnavailableError, match="unknown launcher 'nope': choose one of k8s, local, mpi, "):
         backends.get("nope")
 
 
