@@ -1,28 +1,34 @@
-"""Kubernetes objects for a job (issue 37): the pure builders of the future ``--launcher k8s``.
+"""``--launcher k8s``: one Pod per process on a Kubernetes cluster, no operator (issue 37; docs/k8s.md).
 
-Not a backend yet (it is not registered: ``--launcher k8s`` does not exist). What is here is the
-shape of what that backend will create, checked against the test cluster's real apiserver and
-nodes (``tests/integration/test_k8s_manifests.py``), so that the backend itself only has to
-create, watch and delete them:
+pslaunch is a client of the apiserver (the ``kubernetes`` package, the ``k8s`` extra, imported
+only here): kubeconfig from ``KUBECONFIG`` or ``~/.kube/config``, else in-cluster. For a job it
+creates, in ``--k8s-namespace`` (default: the kubeconfig context's, else ``default``), what the
+pure builders below make:
 
 * one **parent**, a ConfigMap named after the job (:func:`parent_manifest`): every other object
   names it in its ``ownerReferences``, so deleting the parent makes the garbage collector remove
   the rest, even after the launcher is gone;
+* one **Secret** with the task document (:func:`secret_manifest`: the job's variables, its
+  secret among them), which each Pod reads through ``secretKeyRef``: never in a Pod's spec;
 * one **headless Service** (:func:`service_manifest`: ``clusterIP: None``, selecting the job's
   Pods, ``publishNotReadyAddresses``), and ``hostname``/``subdomain`` on every Pod, so that a
   cluster with DNS gives each Pod the name ``<process>.<job>.<namespace>.svc``;
 * one **Pod per process** (:func:`pod_manifest`), ``restartPolicy: Never`` (pslaunch owns
-  restarts), labelled ``pslaunch.io/{job,role,rank,attempt}``, running pslaunch's task wrapper
-  (``launcher.node.task --index k8s``) like a Slurm or Grid Engine task: the task document (the
-  job's variables) in ``PSLAUNCH_TASK``, the Pod's index within its role from its own
-  ``pslaunch.io/rank`` label (the downward API), and the wrapper's node agent connecting back to
-  the launcher's hub for output, exit codes and graceful stops.
+  restarts), labelled ``pslaunch.io/{job,role,rank,attempt}``, requesting its role's
+  ``--worker-cores``/``--server-cores`` CPUs, running pslaunch's task wrapper
+  (``launcher.node.task --index k8s``, from ``--k8s-image``, which must hold this pslaunch at the
+  same path, as a Slurm node's shared filesystem does) like a Slurm or Ray task: its index within
+  its role from its own ``pslaunch.io/rank`` label (the downward API), and its node agent
+  connecting back to the launcher's hub (on the scheduler's address: ``DMLC_INTERFACE`` or
+  ``--host-ip``) for output, exit codes and graceful stops.
 
-Open (for the backend): the task document carries the job's secret and sits in the Pod's spec,
-readable by whoever may read Pods in the namespace (a Secret per job, with ``secretKeyRef``,
-needs Secret rights that pslaunch's service account does not have today); and the Pods must
-reach the launcher's hub, which on a real cluster means the launcher runs in the cluster or is
-reachable from it.
+Then :class:`K8sBackend` follows the Pods (a list by the job's label every
+:attr:`K8sBackend.poll_every` s: phase, node and ``podIP``, the container's exit code); a Pod
+still Pending after ``--start-timeout`` fails the launch with one line in the scheduler's words
+(:func:`scheduler_reason`). At the end it deletes the Pods, the Secret, the Service and the
+parent (propagation ``Background``) and waits until no Pod of the job is left; the node stops a
+deleted Pod's processes (SIGTERM, then SIGKILL after its grace period, ``--kill-grace`` +
+:data:`GRACE_MARGIN`).
 """
 
 from __future__ import annotations
@@ -357,7 +363,8 @@ class K8sBackend(BatchBackend):
     @classmethod
     def dry_run(cls, spec: JobSpec, plan: Plan) -> list[str]:
         opts: K8sOptions = spec.options or K8sOptions()
-        return [f"Kubernetes: in namespace {opts.namespace or '(the kubeconfig context`s, else default)'}, a parent "
+        ns = opts.namespace or "(the kubeconfig context's, else default)"
+        return [f"Kubernetes: in namespace {ns}, a parent "
                 "ConfigMap named after the job, a Secret with the task document (the job secret), a headless Service, "
                 f"and one Pod per process ({len(plan.procs)}; image {opts.image}, restartPolicy Never, labels "
                 f"{LABEL_JOB}, {LABEL_ROLE}, {LABEL_RANK}, {LABEL_ATTEMPT}), each running the task wrapper, which "
