@@ -481,10 +481,12 @@ class K8sBackend(BatchBackend):
                     t.host = f"{pod['spec'].get('nodeName')}/{status['podIP']}"
             end = pod_end(pod)
             if end is not None and t.code is None:
-                # its agent's last output and exit frame may still be on their way (the Pod ends
-                # once the wrapper has sent them): its word first, the Pod's after AGENT_GONE_WAIT
+                # its agent's connection, last output and exit frame may still be on their way
+                # (the Pod ends once the wrapper has sent them; a busy launcher's hub may not even
+                # have taken the connection yet): its word first, the Pod's after AGENT_GONE_WAIT
                 t.ended_seen = t.ended_seen or time.monotonic()
-                if t.channel == "open" and time.monotonic() - t.ended_seen < AGENT_GONE_WAIT:
+                if (self.hub is not None and t.channel != "closed"
+                        and time.monotonic() - t.ended_seen < AGENT_GONE_WAIT):
                     continue
                 code, why = end
                 if code != 0 and not (status.get("containerStatuses") or []):

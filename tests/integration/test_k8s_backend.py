@@ -68,7 +68,7 @@ def test_a_ps_job_runs_in_pods_and_ends_0_with_labelled_output(k8s_cluster: K8sC
     assert r.returncode == 0, r.stdout + r.stderr
     job = job_of(r.stderr)
     for label in ("worker 0", "worker 1", "server 0"):
-        assert f"[{label}] hello" in r.stdout, r.stdout
+        assert f"[{label}] hello" in r.stdout, r.stdout + r.stderr
     recs = records(out)
     assert sorted(recs) == ["server-0", "worker-0", "worker-1"], sorted(recs)
     here = os.readlink("/proc/self/ns/net")
