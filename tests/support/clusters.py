@@ -485,6 +485,60 @@ def sge_jobs(name: str) -> list[str]:
                    if j.findtext("JB_name") == name})
 
 
+class KubeCluster(Cluster):
+    """``--launcher k8s`` on the Kubernetes test cluster (scripts/setup-k8s.sh: a real control plane,
+    3 nodes run by scripts/k8s_node.py), as pslaunch's service account. The Pods' processes run on
+    this machine (in network namespaces of their own), so the mark finds them; the cluster's own
+    leftovers are objects labelled ``pslaunch.io/job`` in the namespace (the k8s tests run one at
+    a time)."""
+
+    launcher = "k8s"
+    start_timeout = 60.0
+    timeout = 5.0
+    #: this machine's address on the Pods' bridge: where the scheduler and the hub listen
+    gateway = "10.202.8.1"
+
+    def __init__(self, out: Path, kube: object) -> None:
+        super().__init__(out)
+        self.kube = kube
+
+    def options(self) -> list[str]:
+        return [*super().options(), "--k8s-namespace", self.kube.namespace,  # type: ignore[attr-defined]
+                "--k8s-image", "localhost/unused:test", "--host-ip", self.gateway]
+
+    def env(self) -> dict:
+        return {**os.environ, "KUBECONFIG": str(self.kube.kubeconfig)}  # type: ignore[attr-defined]
+
+    def node_host(self, name: str, rec: dict) -> str:
+        addr = rec["env"].get("DMLC_NODE_HOST", "")
+        # a Pod's own address on the bridge (not this machine's): the test node's podCIDRs
+        return addr if addr.startswith("10.202.8.") and addr != self.gateway else f"<a Pod address, not {addr!r}>"
+
+    def check_record(self, name: str, rec: dict) -> None:
+        assert rec["netns"] != os.readlink("/proc/self/ns/net"), f"{name} ran in the launcher's namespace"
+        assert "PSLAUNCH_TASK" not in rec["env"]
+
+    def backend_leftovers(self) -> list[str]:
+        core = self.kube.core(admin=True)  # type: ignore[attr-defined]
+        ns, sel = self.kube.namespace, "pslaunch.io/job"  # type: ignore[attr-defined]
+        left = [f"pod/{x.metadata.name}" for x in core.list_namespaced_pod(ns, label_selector=sel).items]
+        left += [f"service/{x.metadata.name}" for x in core.list_namespaced_service(ns, label_selector=sel).items]
+        left += [f"configmap/{x.metadata.name}" for x in core.list_namespaced_config_map(ns, label_selector=sel).items]
+        left += [f"secret/{x.metadata.name}" for x in core.list_namespaced_secret(ns, label_selector=sel).items]
+        return left
+
+    def close(self) -> None:
+        super().close()
+        for what in self.backend_leftovers():
+            kind, name = what.split("/", 1)
+            core = self.kube.core(admin=True)  # type: ignore[attr-defined]
+            try:
+                getattr(core, f"delete_namespaced_{ {'configmap': 'config_map'}.get(kind, kind)}")(
+                    name, self.kube.namespace)  # type: ignore[attr-defined]
+            except Exception:  # noqa: BLE001 - gone meanwhile
+                pass
+
+
 #: The clusters of the conformance suite: id -> pytest marks.
 CLUSTERS = {
     "local": (),
@@ -532,8 +586,13 @@ def make_cluster(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> C
         out = tmp_path / "probes"
         out.mkdir()
         return RayCluster(out, request.getfixturevalue("ray_cluster"))
+    if kind == "k8s":
+        out = tmp_path / "probes"
+        out.mkdir()
+        return KubeCluster(out, request.getfixturevalue("k8s_cluster"))
     raise ValueError(f"unknown cluster {kind!r}")
 
 
-__all__ = ["CLUSTERS", "Cluster", "MARK", "RayCluster", "SlurmAllocationCluster", "SlurmCluster", "make_cluster",
+__all__ = ["CLUSTERS", "Cluster", "KubeCluster", "MARK", "RayCluster", "SlurmAllocationCluster", "SlurmCluster",
+           "make_cluster",
            "sge_jobs", "sge_problem"]
