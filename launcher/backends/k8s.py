@@ -40,6 +40,8 @@ import math
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
@@ -307,6 +309,51 @@ def pod_end(pod: Mapping[str, Any]) -> Optional[tuple[int, str]]:
     return (0, "") if status["phase"] == "Succeeded" else (1, why or "its Pod failed")
 
 
+def delete_job(core: Any, namespace: str, job: str, parent: bool = True) -> list[str]:
+    """Delete every object of ``job`` (Pods by label, the Secret, the Service, the parent with
+    propagation ``Background``); returns one line per failure (a 404 is not one)."""
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    selector = f"{LABEL_JOB}={job}"
+    steps = [("Pods", lambda: core.delete_collection_namespaced_pod(namespace, label_selector=selector)),
+             ("Secret", lambda: core.delete_namespaced_secret(secret_name(job), namespace)),
+             ("Service", lambda: core.delete_namespaced_service(job, namespace))]
+    if parent:
+        steps.append(("parent ConfigMap", lambda: core.delete_namespaced_config_map(
+            job, namespace, body=client.V1DeleteOptions(propagation_policy="Background"))))
+    errors = []
+    for what, step in steps:
+        try:
+            step()
+        except ApiException as e:
+            if e.status != 404:
+                errors.append(f"cannot delete the job's {what} in namespace {namespace}: {api_error(e)}")
+        except OSError as e:
+            errors.append(f"cannot delete the job's {what} in namespace {namespace}: {e}")
+    return errors
+
+
+def reaper_main() -> int:
+    """The reaper (``python -c ... reaper_main() NAMESPACE JOB``): started by the launcher in a
+    session of its own once the job's parent exists, it reads its stdin until the end. ``done``
+    first: the launcher deleted the job itself. The end without it: the launcher died (SIGKILL,
+    OOM), and the reaper deletes the job's objects (the nodes then stop the Pods' processes)."""
+    import sys
+
+    namespace, job = sys.argv[1], sys.argv[2]
+    said = sys.stdin.read()
+    if said.startswith("done"):
+        return 0
+    api, _ = connect(os.environ)
+    from kubernetes import client
+
+    errors = delete_job(client.CoreV1Api(api), namespace, job)
+    for line in errors:
+        print(f"pslaunch (reaper of job {job}): {line}", file=sys.stderr)
+    return 1 if errors else 0
+
+
 class K8sTask(BatchTask):
     """One process of the job: its Pod."""
 
@@ -344,6 +391,7 @@ class K8sBackend(BatchBackend):
         self.namespace = ""
         self.job = ""
         self._parent = False  # the parent was created (release deletes it)
+        self._reaper: Optional[subprocess.Popen[bytes]] = None
 
     # -- what the rest of the launcher asks of the class ------------------------------------------
 
@@ -413,6 +461,7 @@ class K8sBackend(BatchBackend):
         parent = self._create("parent ConfigMap", core.create_namespaced_config_map,
                               parent_manifest(self.job, env.get(pc.JOB_ID, self.job)))
         self._parent = True
+        self._start_reaper()
         owner = owner_reference(self._api.sanitize_for_serialization(parent))
         self._create("Secret", core.create_namespaced_secret, secret_manifest(self.job, owner, doc))
         self._create("Service", core.create_namespaced_service, service_manifest(self.job, owner))
@@ -428,6 +477,37 @@ class K8sBackend(BatchBackend):
             self._create(f"Pod {t.pod}", core.create_namespaced_pod, body)
         log.info("created %d Pods in namespace %s (job %s)", len(procs), self.namespace, self.job)
         return self.tasks
+
+    def _start_reaper(self) -> None:
+        """The reaper (:func:`reaper_main`), in a session of its own (a signal to the launcher's
+        group does not reach it), holding the write end of a pipe that only this process holds:
+        if the launcher dies without saying ``done``, the reaper deletes the job's objects."""
+        code = (f"import sys; sys.path.insert(0, {node.ROOT!r}); from launcher.backends.k8s import reaper_main; "
+                "sys.exit(reaper_main())")
+        try:
+            self._reaper = subprocess.Popen([sys.executable, "-c", code, self.namespace, self.job],
+                                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                            start_new_session=True, close_fds=True)
+        except OSError as e:
+            log.warning("cannot start the reaper of the job's Kubernetes objects (%s): a launcher killed with "
+                        "SIGKILL would leave them; kubectl delete configmap %s -n %s removes them", e, self.job,
+                        self.namespace)
+
+    def _stop_reaper(self) -> None:
+        """The launcher deleted the job itself: tell the reaper so, and let it go."""
+        reaper, self._reaper = self._reaper, None
+        if reaper is None or reaper.stdin is None:
+            return
+        try:
+            reaper.stdin.write(b"done\n")
+            reaper.stdin.close()
+            reaper.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            reaper.kill()
+            reaper.wait()
+
+    def helper_pids(self) -> set[int]:
+        return {self._reaper.pid} if self._reaper is not None else set()
 
     def describe_pending(self, pending: Sequence[BatchTask], timeout: float) -> str:
         """One line: how many Pods do not run, and why in the scheduler's words (grouped)."""
@@ -520,27 +600,14 @@ class K8sBackend(BatchBackend):
         """Delete the parent (the garbage collector removes what it owns), the Secret, the Service
         and every Pod of the job (not left to the collector: its pace is its own), and wait until
         no Pod of the job is left."""
-        from kubernetes import client
         from kubernetes.client.rest import ApiException
 
         if self._core is None or not self.job:
             return
         core, ns, job = self._core, self.namespace, self.job
         selector = f"{LABEL_JOB}={job}"
-        steps = [("Pods", lambda: core.delete_collection_namespaced_pod(ns, label_selector=selector)),
-                 ("Secret", lambda: core.delete_namespaced_secret(secret_name(job), ns)),
-                 ("Service", lambda: core.delete_namespaced_service(job, ns))]
-        if self._parent:
-            steps.append(("parent ConfigMap", lambda: core.delete_namespaced_config_map(
-                job, ns, body=client.V1DeleteOptions(propagation_policy="Background"))))
-        for what, step in steps:
-            try:
-                step()
-            except ApiException as e:
-                if e.status != 404:
-                    log.warning("cannot delete the job's %s in namespace %s: %s", what, ns, api_error(e))
-            except OSError as e:
-                log.warning("cannot delete the job's %s in namespace %s: %s", what, ns, e)
+        for line in delete_job(core, ns, job, parent=self._parent):
+            log.warning("%s", line)
         deadline = time.monotonic() + self.spec.kill_grace + GRACE_MARGIN + GONE_WAIT
         left: list[str] = []
         while time.monotonic() < deadline:
@@ -554,5 +621,6 @@ class K8sBackend(BatchBackend):
         if left:
             log.warning("Kubernetes has not removed the job's Pods %s in namespace %s yet; check with kubectl get pods "
                         "-n %s -l %s", ", ".join(left), ns, ns, selector)
+        self._stop_reaper()
         self._api.close()
         self._core = None
