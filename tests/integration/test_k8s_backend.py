@@ -148,3 +148,27 @@ def test_without_an_image_it_is_one_line(k8s_cluster: K8sCluster) -> None:
                      env=launcher_env(k8s_cluster))
     assert r.returncode != 0
     assert "--launcher k8s needs --k8s-image IMAGE" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_launcher_killed_with_sigkill_leaves_nothing(k8s_cluster: K8sCluster, tmp_path: Path) -> None:
+    """Its reaper (a session of its own, reading the launcher's pipe) deletes the job's objects;
+    the nodes then stop the Pods' processes."""
+    import signal
+
+    out = tmp_path / "probes"
+    out.mkdir()
+    p = start_pslaunch(*options(k8s_cluster), "-n", "2", "-s", "1", *probe_argv(out, "--sleep", "300"),
+                       env=launcher_env(k8s_cluster))
+    try:
+        wait_for(lambda: len(records(out)) == 3, DEADLINE, interval=0.2, what="3 probes running")
+        p.send_signal(signal.SIGKILL)
+        _, stderr = p.communicate(timeout=DEADLINE)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    job = job_of(stderr)
+    wait_for(lambda: left_of(k8s_cluster, job) == [], 60, interval=0.3, what=f"nothing of {job} left")
+    pids = [rec["pid"] for rec in records(out).values()]
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in pids), 60, interval=0.3,
+             what="the probes' processes gone")
