@@ -28,7 +28,8 @@ still Pending after ``--start-timeout`` fails the launch with one line in the sc
 (:func:`scheduler_reason`). At the end it deletes the Pods, the Secret, the Service and the
 parent (propagation ``Background``) and waits until no Pod of the job is left; the node stops a
 deleted Pod's processes (SIGTERM, then SIGKILL after its grace period, ``--kill-grace`` +
-:data:`GRACE_MARGIN`).
+:data:`GRACE_MARGIN`). A launcher that dies first (SIGKILL) leaves that to its reaper
+(:func:`reaper_main`).
 """
 
 from __future__ import annotations
@@ -370,7 +371,7 @@ class K8sTask(BatchTask):
 
 
 class K8sBackend(BatchBackend):
-    """Kubernetes Pods, one per process, with no operator (see docs/k8s.md)."""
+    """Kubernetes Pods, one per process, with no operator (see the module docstring and docs/k8s.md)."""
 
     name = "k8s"
     elsewhere = "the Kubernetes Pods"
