@@ -346,7 +346,12 @@ def reaper_main() -> int:
     said = sys.stdin.read()
     if said.startswith("done"):
         return 0
-    api, _ = connect(os.environ)
+    try:
+        api, _ = connect(os.environ)
+    except LaunchError as e:
+        print(f"pslaunch (reaper of job {job}): {e}; kubectl delete configmap {job} -n {namespace} removes it",
+              file=sys.stderr)
+        return 1
     from kubernetes import client
 
     errors = delete_job(client.CoreV1Api(api), namespace, job)

@@ -142,3 +142,22 @@ def test_the_kubeconfig_contexts_namespace_else_default(tmp_path) -> None:
     assert ns == "team-a" and api.configuration.host == "https://127.0.0.1:1"
     conf.write_text(conf.read_text().replace(", namespace: team-a", ""))
     assert k8s.connect({"KUBECONFIG": str(conf)})[1] == "default"
+
+
+def test_the_reaper_leaves_the_job_alone_once_the_launcher_said_done() -> None:
+    import subprocess
+    import sys
+
+    from launcher import node
+
+    code = (f"import sys; sys.path.insert(0, {node.ROOT!r}); from launcher.backends.k8s import reaper_main; "
+            "sys.exit(reaper_main())")
+    # "done": nothing to do, no cluster asked (there is none: KUBECONFIG names no file)
+    r = subprocess.run([sys.executable, "-c", code, "ns", "job-1"], input="done\n", capture_output=True, text=True,
+                       timeout=60, env={"KUBECONFIG": "/nonexistent", "PATH": "/usr/bin:/bin"})
+    assert (r.returncode, r.stderr) == (0, "")
+    # the pipe's end without it: it tries to delete the job (and says why it cannot here)
+    r = subprocess.run([sys.executable, "-c", code, "ns", "job-1"], input="", capture_output=True, text=True,
+                       timeout=60, env={"KUBECONFIG": "/nonexistent", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 1 and "Kubernetes configuration /nonexistent" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
