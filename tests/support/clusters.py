@@ -594,5 +594,4 @@ def make_cluster(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> C
 
 
 __all__ = ["CLUSTERS", "Cluster", "KubeCluster", "MARK", "RayCluster", "SlurmAllocationCluster", "SlurmCluster",
-           "make_cluster",
-           "sge_jobs", "sge_problem"]
+           "make_cluster", "sge_jobs", "sge_problem"]
