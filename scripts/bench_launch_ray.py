@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 from support import ray_testbed  # noqa: E402
-from support.testbed import _SSHD_CONFIG, SSHD, _keygen, _wait_port  # noqa: E402
+from support.testbed import NamespaceSSHDs  # noqa: E402
 
 JOB_SH = """#!/bin/sh
 me="$DMLC_ROLE-$DMLC_TASK_ID"
@@ -53,45 +53,6 @@ while [ "$(ls "$BENCH_OUT" | wc -l)" -lt "$BENCH_EXPECTED" ] && [ "$(date +%s)" 
 # start of the rest; the stamps, not the poll, give the time)
 
 MODES = ("ray", "ssh")
-
-
-class SSHNodes:
-    """An sshd in each Ray node's network namespace, and a client HOME whose known_hosts has their keys."""
-
-    def __init__(self, cluster: ray_testbed.RayCluster, root: Path) -> None:
-        root.mkdir()
-        self.home = root / "home"
-        (self.home / ".ssh").mkdir(parents=True)
-        client = _keygen(self.home / ".ssh" / "id_ed25519", "bench-client")
-        (root / "authorized_keys").write_text(client + "\n")
-        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
-        self.procs: list[subprocess.Popen] = []
-        known = []
-        for n in cluster.nodes:
-            d = root / n.name
-            d.mkdir()
-            pub = _keygen(d / "hostkey", f"bench-{n.name}")
-            known.append(f"{n.addr} {' '.join(pub.split()[:2])}")
-            cfg = d / "sshd_config"
-            cfg.write_text(_SSHD_CONFIG.format(hostkey=d / "hostkey", authorized_keys=root / "authorized_keys")
-                           + f"ListenAddress {n.addr}\n")
-            with open(d / "sshd.log", "wb") as log:
-                self.procs.append(subprocess.Popen(["ip", "netns", "exec", n.netns, SSHD, "-D", "-e", "-f", str(cfg)],
-                                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
-                                                   start_new_session=True))
-        (self.home / ".ssh" / "known_hosts").write_text("\n".join(known) + "\n")
-        (self.home / ".ssh" / "config").write_text("Host 10.202.5.*\n    User root\n    StrictHostKeyChecking yes\n")
-        for n in cluster.nodes:
-            _wait_port(n.addr, 22, 15)
-
-    def close(self) -> None:
-        for p in self.procs:
-            p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 def setup_ray(*args: str, cpus: int) -> None:
@@ -139,14 +100,14 @@ def main() -> int:
     hostfile.write_text("".join(f"{n.addr}\n" for n in cluster.nodes))
     load = os.getloadavg()
     rows = []
-    ssh: SSHNodes | None = None
+    ssh: NamespaceSSHDs | None = None
     try:
         for p in a.processes:
             cpus = max(2, math.ceil(p / len(cluster.nodes)))
             if ssh is not None:
                 ssh.close()
             setup_ray("start", cpus=cpus)  # (restarts it when the CPUs differ, and kills all in the namespaces)
-            ssh = SSHNodes(cluster, root / f"ssh-{p}")
+            ssh = NamespaceSSHDs([(n.name, n.netns, n.addr) for n in cluster.nodes], root / f"ssh-{p}", "10.202.5.*")
             common = ["-n", str(p), "-s", "0", "--kill-grace", "1", "--start-timeout", "240",
                       "--env", "BENCH_OUT", "--env", "BENCH_EXPECTED"]
             prefix = [*cluster.launcher_prefix(), sys.executable, "-m", "launcher"]

@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 from support import slurm_testbed  # noqa: E402
-from support.testbed import _SSHD_CONFIG, SSHD, _keygen, _wait_port  # noqa: E402
+from support.testbed import NamespaceSSHDs  # noqa: E402
 
 SCHEDULER_PY = """
 import os, socket, sys, time
@@ -74,44 +74,6 @@ fi
 """
 
 MODES = ("ssh", "slurm, in allocation", "slurm, new allocation")
-
-
-class SSHNodes:
-    """An sshd in each Slurm node's network namespace, and a client config that reaches them."""
-
-    def __init__(self, cluster: slurm_testbed.SlurmCluster, root: Path) -> None:
-        self.root = root
-        self.home = root / "home"
-        (self.home / ".ssh").mkdir(parents=True)
-        client = _keygen(self.home / ".ssh" / "id_ed25519", "bench-client")
-        (root / "authorized_keys").write_text(client + "\n")
-        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
-        self.procs: list[subprocess.Popen] = []
-        known = []
-        for n in cluster.nodes:
-            d = root / n.name
-            d.mkdir()
-            pub = _keygen(d / "hostkey", f"bench-{n.name}")
-            known.append(f"{n.addr_a} {' '.join(pub.split()[:2])}")
-            cfg = d / "sshd_config"
-            cfg.write_text(_SSHD_CONFIG.format(hostkey=d / "hostkey", authorized_keys=root / "authorized_keys")
-                           + f"ListenAddress {n.addr_a}\n")
-            self.procs.append(subprocess.Popen(["ip", "netns", "exec", n.netns, SSHD, "-D", "-e", "-f", str(cfg)],
-                                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                               stderr=open(d / "sshd.log", "wb"), start_new_session=True))
-        (self.home / ".ssh" / "known_hosts").write_text("\n".join(known) + "\n")
-        (self.home / ".ssh" / "config").write_text("Host 10.202.*\n    User root\n    StrictHostKeyChecking yes\n")
-        for n in cluster.nodes:
-            _wait_port(n.addr_a, 22, 15)
-
-    def close(self) -> None:
-        for p in self.procs:
-            p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 def one_run(argv: list[str], env: dict[str, str], root: Path, expected: int, failure: bool) -> tuple[float, float]:
@@ -154,7 +116,7 @@ def main() -> int:
     job = root / "job.sh"
     job.write_text(JOB_SH)
     job.chmod(0o755)
-    ssh = SSHNodes(cluster, root)
+    ssh = NamespaceSSHDs([(n.name, n.netns, n.addr_a) for n in cluster.nodes], root / "ssh", "10.202.*")
     load = os.getloadavg()
     rows = []
     try:

@@ -410,6 +410,53 @@ def _wait_port(addr: str, port: int, timeout: float) -> None:
         time.sleep(0.05)
 
 
+class NamespaceSSHDs:
+    """An sshd in each of some network namespaces that another testbed built (the Slurm and Ray
+    testbeds' nodes, for the benchmarks that put ssh beside them), and a client ``HOME`` whose
+    ``.ssh`` has the key they accept, their host keys and ``User root`` for ``host_pattern``.
+
+    ``nodes``: ``(name, netns, address)`` of each; ``root``: a new directory for their files."""
+
+    def __init__(self, nodes: Sequence[tuple[str, str, str]], root: Path, host_pattern: str) -> None:
+        root.mkdir()
+        self.home = root / "home"
+        client = _keygen(self.home / ".ssh" / "id_ed25519", "bench-client")
+        (root / "authorized_keys").write_text(client + "\n")
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+        self.procs: list[subprocess.Popen] = []
+        known = []
+        try:
+            for name, netns, addr in nodes:
+                d = root / name
+                d.mkdir()
+                pub = _keygen(d / "hostkey", f"bench-{name}")
+                known.append(f"{addr} {' '.join(pub.split()[:2])}")
+                cfg = d / "sshd_config"
+                cfg.write_text(_SSHD_CONFIG.format(hostkey=d / "hostkey", authorized_keys=root / "authorized_keys")
+                               + f"ListenAddress {addr}\n")
+                with open(d / "sshd.log", "wb") as log:
+                    self.procs.append(subprocess.Popen(["ip", "netns", "exec", netns, SSHD, "-D", "-e", "-f", str(cfg)],
+                                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                       stderr=log, start_new_session=True))
+            (self.home / ".ssh" / "known_hosts").write_text("\n".join(known) + "\n")
+            (self.home / ".ssh" / "config").write_text(
+                f"Host {host_pattern}\n    User root\n    StrictHostKeyChecking yes\n")
+            for _, _, addr in nodes:
+                _wait_port(addr, 22, 15)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
 def check_prerequisites() -> None:
     if os.geteuid() != 0:
         raise TestbedError("the ssh testbed needs root (network namespaces)")
