@@ -550,6 +550,7 @@ CLUSTERS = {
     "slurm": (pytest.mark.slurm,),
     "slurm-alloc": (pytest.mark.slurm,),
     "ray": (pytest.mark.ray,),
+    "k8s": (pytest.mark.k8s,),
 }
 
 
