@@ -2,14 +2,14 @@
 """Real collective programs under ``--tracker``: XGBoost 2.0 (rabit), XGBoost 3.0 (its own tracker) and
 PyTorch DDP (torch), each checked against one process trained on all the data.
 
-* XGBoost 2.0.3 under plain ``pslaunch -n 2 -s 0`` (local and ray): one job of world size 2 (rabit reads the
+* XGBoost 2.0.3 under plain ``pslaunch -n 2 -s 0`` (local, ray and k8s): one job of world size 2 (rabit reads the
   variables itself), the same model on both workers, equal to one process on all the data;
-* XGBoost 3.0 under ``--tracker xgboost`` (local and ray): predictions identical to one process on all the data;
+* XGBoost 3.0 under ``--tracker xgboost`` (local, ray and k8s): predictions identical to one process on all the data;
 * a torch job restarted twice (``--max-restarts``): one store program, a fresh store on a new port
   in each attempt, holding no key of an attempt before;
 * DDP (gloo, float64) under ``--tracker torch`` on local, over ssh on the testbed (2 hosts,
   ``DMLC_INTERFACE`` as a CIDR, and without it: each host's interface of the address ssh reached),
-  under mpi (Open MPI, MPICH), sge, yarn, slurm and ray: the parameters of
+  under mpi (Open MPI, MPICH), sge, yarn, slurm, ray and k8s: the parameters of
   every rank equal those of one process trained on the ranks' batches together.
 
 Workers are tests/bin/xgb_worker.py and tests/bin/ddp_worker.py.
@@ -58,7 +58,8 @@ def solo_xgb(python: str, out: Path) -> dict:
 
 @pytest.mark.xgboost
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["local", pytest.param("ray", marks=pytest.mark.ray)])
+@pytest.mark.parametrize("kind", ["local", pytest.param("ray", marks=pytest.mark.ray),
+                                  pytest.param("k8s", marks=pytest.mark.k8s)])
 def test_xgboost20_under_plain_s0_is_one_job(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     python = xgb("2.0")
     out = tmp_path / "out"
@@ -112,7 +113,8 @@ def test_xgboost20_over_ssh_the_rabit_tracker_takes_its_hosts(testbed: Testbed, 
 
 @pytest.mark.xgboost
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["local", pytest.param("ray", marks=pytest.mark.ray)])
+@pytest.mark.parametrize("kind", ["local", pytest.param("ray", marks=pytest.mark.ray),
+                                  pytest.param("k8s", marks=pytest.mark.k8s)])
 def test_xgboost3_under_tracker_xgboost_matches_one_process(kind: str, tmp_path: Path,
                                                             request: pytest.FixtureRequest) -> None:
     python = xgb("3.0")
@@ -168,6 +170,7 @@ def check_ddp(out: Path, n: int, tmp_path: Path) -> dict[str, dict]:
     pytest.param("yarn", marks=pytest.mark.yarn),
     pytest.param("slurm", marks=pytest.mark.slurm),  # 4 nodes, DMLC_INTERFACE as a CIDR
     pytest.param("ray", marks=pytest.mark.ray),  # 3 nodes, each actor's node address
+    pytest.param("k8s", marks=pytest.mark.k8s),  # a Pod per rank, each with its own address and hostname
 ])
 def test_ddp_under_tracker_torch_matches_one_process(kind: str, tmp_path: Path,
                                                      request: pytest.FixtureRequest) -> None:

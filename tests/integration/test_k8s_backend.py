@@ -1,8 +1,9 @@
 """``--launcher k8s`` on the test cluster (scripts/setup-k8s.sh: a real control plane, 3 nodes run
 by scripts/k8s_node.py), as pslaunch's service account: a PS job's Pods run the probe and end 0
 with labelled output; a failing worker stops every Pod and the launcher exits with its code; an
-unschedulable job is one line in the scheduler's words; and after every job no Pod, Service,
-ConfigMap or Secret of it is left.
+unschedulable job is one line in the scheduler's words; the bundled trainer trains under dist_sync;
+and after every job no Pod, Service, ConfigMap or Secret of it is left. (DDP and XGBoost on k8s:
+tests/integration/test_collective_jobs.py.)
 
 The node program runs each Pod's command on this machine's filesystem (there are no images):
 ``--k8s-image`` is required by pslaunch and ignored by the test nodes.
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support import trainer as T
 from support.helpers import probe_argv, run_pslaunch, start_pslaunch, wait_for
 from support.k8s_testbed import K8sCluster
 
@@ -172,3 +174,22 @@ def test_a_launcher_killed_with_sigkill_leaves_nothing(k8s_cluster: K8sCluster, 
     pids = [rec["pid"] for rec in records(out).values()]
     wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in pids), 60, interval=0.3,
              what="the probes' processes gone")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_trainer_dist_sync_on_k8s(k8s_cluster: K8sCluster) -> None:
+    """The bundled trainer, dist_sync, its workers and server in Pods: one set of weights on the
+    server, so both workers validate alike, and nothing of the job is left."""
+    data = T.mnist_dir()
+    r = run_pslaunch(*options(k8s_cluster), "-n", "2", "-s", "1", "--kill-grace", "1", "--env", "OMP_NUM_THREADS=1",
+                     *T.train_argv("--network", "lenet", "--kv-store", "dist_sync", "--num-epochs", "1",
+                                   "--num-examples", "640", "--batch-size", "64", "--disp-batches", "0",
+                                   "--seed", "3", data_dir=data),
+                     env=launcher_env(k8s_cluster), timeout=280)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "all 4 processes exited 0" in r.stderr
+    s0, s1 = T.summaries(r.stdout)
+    assert s0["batches_per_epoch"] == s1["batches_per_epoch"] == 5
+    assert s0["validation_accuracy"] == s1["validation_accuracy"]
+    assert left_of(k8s_cluster, job_of(r.stderr)) == []
