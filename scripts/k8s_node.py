@@ -566,7 +566,7 @@ def main() -> None:
     ap.add_argument("--bridge", required=True)
     ap.add_argument("--gateway", required=True, help="the bridge's address: the Pods' route")
     ap.add_argument("--log-dir", required=True)
-    ap.add_argument("--cpus", type=int, default=4)
+    ap.add_argument("--cpus", type=int, default=8)
     ap.add_argument("--memory", default="8Gi")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name} %(levelname)s %(message)s")

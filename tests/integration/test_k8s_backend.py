@@ -139,7 +139,7 @@ def test_an_unschedulable_job_is_one_line_with_the_schedulers_reason(k8s_cluster
     assert "Traceback" not in r.stderr
     errors = [x for x in r.stderr.splitlines() if x.startswith("pslaunch: error:")]
     assert len(errors) == 1, r.stderr
-    # the scheduler's own words: 64 CPUs fit none of the 3 nodes (4 each)
+    # the scheduler's own words: 64 CPUs fit none of the 3 nodes (8 each)
     assert re.search(r"2 of 3 Pods not running after --start-timeout 5s .*worker 0, worker 1: "
                      r"Unschedulable: 0/3 nodes are available: 3 Insufficient cpu", errors[0]), errors[0]
     assert left_of(k8s_cluster, job_of(r.stderr)) == []
