@@ -44,7 +44,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Sequence
 
 import pscontract as pc
@@ -53,8 +53,9 @@ from .. import node
 from ..errors import BackendUnavailableError, ConfigError, LaunchError
 from ..node import task as task_wrapper
 from ..runtime.output import ProcOutput
+from ..spec import env as jobenv
 from ..spec.job import JobSpec, Role
-from ..spec.plan import Plan, ProcSpec
+from ..spec.plan import Plan, ProcSpec, build_plan, placement_env
 from .base import BackendOption
 from .batch import AGENT_GONE_WAIT, BatchBackend, BatchTask, build_task_file
 
@@ -114,12 +115,15 @@ def owner_reference(parent: Mapping[str, Any]) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "ConfigMap", "name": meta["name"], "uid": meta["uid"]}
 
 
-def service_manifest(job: str, owner: Mapping[str, Any]) -> dict[str, Any]:
+def service_manifest(job: str, owner: Optional[Mapping[str, Any]]) -> dict[str, Any]:
     """The job's headless Service: the ``subdomain`` of its Pods (their DNS names, where the
     cluster has DNS), with not-yet-ready Pods listed (a PS scheduler is looked up before it is
-    "ready" in any sense a probe could tell)."""
-    return {"apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": job, "labels": labels(job), "ownerReferences": [dict(owner)]},
+    "ready" in any sense a probe could tell). ``owner`` None: no ownerReferences (a manifest's
+    Service, which no parent of a running launcher owns)."""
+    meta: dict[str, Any] = {"name": job, "labels": labels(job)}
+    if owner is not None:
+        meta["ownerReferences"] = [dict(owner)]
+    return {"apiVersion": "v1", "kind": "Service", "metadata": meta,
             "spec": {"clusterIP": "None", "selector": labels(job), "publishNotReadyAddresses": True}}
 
 
@@ -195,6 +199,261 @@ def pod_manifest(job: str, proc: ProcSpec, *, attempt: int, owner: Mapping[str, 
             "metadata": {"name": pod_name(job, proc, attempt), "labels": labels(job, proc, attempt),
                          "ownerReferences": [dict(owner)]},
             "spec": spec}
+
+
+# --- ``pslaunch manifest``: the same job as YAML, with no launcher (issue 37, item 4) ---------------
+
+#: what ``pslaunch manifest --format`` prints
+MANIFEST_FORMATS = ("plain", "pytorchjob", "mxjob")
+KUBEFLOW_API = "kubeflow.org/v1"
+#: the container and port names each Kubeflow operator looks for in a replica's template
+PYTORCH_CONTAINER, PYTORCH_PORT = "pytorch", "pytorchjob-port"
+MXNET_CONTAINER, MXNET_PORT = "mxnet", "mxjob-port"
+#: what each operator sets in every replica's container itself: left out of the templates
+PYTORCHJOB_SETS = frozenset({pc.MASTER_ADDR, pc.MASTER_PORT, pc.TORCH_RANK, pc.WORLD_SIZE})
+MXJOB_SETS = frozenset({pc.ROOT_URI, pc.ROOT_PORT, pc.NUM_SERVER, pc.NUM_WORKER, pc.ROLE})
+
+
+def manifest_job_name(spec: JobSpec, job_id: str) -> str:
+    """The manifest's object name: ``--jobname`` (stable, for a pipeline that applies the same job
+    again), else the job's name and its id (``pslaunch-python3-3fa29b...``), as a DNS label."""
+    return job_object_name(spec.jobname or f"{spec.name}-{job_id}")
+
+
+def manifest_secret_name(job: str) -> str:
+    """The manifest's Secret: ``<job>-secret`` (``PSLAUNCH_SECRET`` and every secret-named variable)."""
+    return f"{job}-secret"
+
+
+def peer_address(job: str, proc: ProcSpec) -> str:
+    """A Pod's DNS name as its peers write it: ``<hostname>.<service>``, the headless Service's
+    record for the Pod, which the Pods' search path (``<namespace>.svc.<cluster domain>``) completes.
+    The short form keeps the namespace and the cluster's domain out of the manifest."""
+    return f"{process_host(proc)}.{job}"
+
+
+def manifest_refusal(spec: JobSpec, fmt: str) -> Optional[str]:
+    """Why the job has no manifest of format ``fmt``, in one line that names the fix; None: it has."""
+    if spec.tracker in ("rabit", "xgboost"):
+        return (f"--tracker {spec.tracker} has no manifest: its tracker runs inside pslaunch, which a manifest "
+                "leaves out; run the job with --launcher k8s, or print a ps job (-s 1 or more) or --tracker torch")
+    if fmt == "pytorchjob" and spec.tracker != "torch":
+        return ("--format pytorchjob is a collective torch job (--tracker torch); a ps job (scheduler, servers, "
+                "workers) maps to --format mxjob or plain")
+    if fmt == "mxjob" and spec.tracker != "ps":
+        return (f"--format mxjob is a ps job (scheduler, servers, workers: -s 1 or more); a --tracker {spec.tracker} "
+                "job maps to --format pytorchjob or plain")
+    if spec.max_restarts:
+        return ("--max-restarts has no manifest: restarts are pslaunch's, and nothing of pslaunch runs a manifest's "
+                "job; drop it, or run the job with --launcher k8s")
+    if spec.gpus_chosen:
+        return ("--gpus-per-process has no manifest yet: drop it and add resources.limits nvidia.com/gpu to the "
+                "printed containers")
+    return None
+
+
+def manifest_plan(spec: JobSpec, *, job: str, job_id: str, secret: str) -> Plan:
+    """The job's plan when no launcher runs it: the ps scheduler (or a torch job's rank 0, which
+    then hosts the rendezvous store itself: ``TORCHELASTIC_USE_AGENT_STORE`` False) is a Pod of the
+    job, found by its DNS name (:func:`peer_address`) on the first port of ``--port-range`` (each Pod
+    has its ports to itself); each torch worker is a host of its own (:func:`placement_env`: its
+    ``RANK``, ``LOCAL_RANK`` 0, ``GROUP_RANK``). Nothing of the launcher's environment is inherited."""
+    first = ProcSpec(Role.SCHEDULER if spec.has_scheduler else Role.WORKER, 0, None, None, ())
+    plan = build_plan(spec, root_uri=peer_address(job, first), root_port=spec.port_range[0], secret=secret,
+                      job_id=job_id, inherit_environ=False, scheduler_inherits=False)
+    if spec.tracker != "torch":
+        return plan
+    placed = placement_env(plan.procs, {p.task_id: p.name for p in plan.procs if p.task_id is not None})
+    procs = tuple(replace(p, awaits_placement=False, env={**p.env, **placed.get(p.task_id or 0, {}),
+                                                          pc.USE_AGENT_STORE: "False"})
+                  for p in plan.procs)
+    return replace(plan, procs=procs)
+
+
+def manifest_secret_data(procs: Sequence[ProcSpec]) -> dict[str, str]:
+    """The job's secret variables (``PSLAUNCH_SECRET``, and any whose name looks secret:
+    :func:`launcher.spec.env.is_secret`) for the manifest's Secret: one value per name."""
+    data: dict[str, str] = {}
+    for p in procs:
+        for k, v in sorted(p.env.items()):
+            if jobenv.is_secret(k) and data.setdefault(k, v) != v:
+                raise ConfigError(f"{k} has a different value for servers and workers (--env-server, --env-worker); "
+                                  "a manifest's Secret holds one value per name: give it once with --env")
+    return data
+
+
+def manifest_env(env: Mapping[str, str], secret: str, *, role: Role,
+                 skip: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """A container's ``env`` from a process's variables (sorted; ``skip`` left out): a secret one
+    through ``secretKeyRef`` to the job's Secret, every other one as written (each ``$`` doubled:
+    a kubelet expands ``$(VAR)`` and ``$$`` in values); a server's or worker's ``DMLC_NODE_HOST``
+    is its Pod's address (the downward API) where the plan leaves it to the node."""
+    out: list[dict[str, Any]] = []
+    for k in sorted(env):
+        if k in skip:
+            continue
+        if jobenv.is_secret(k):
+            out.append({"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": k}}})
+        else:
+            out.append({"name": k, "value": env[k].replace("$", "$$")})
+    if role is not Role.SCHEDULER and pc.NODE_HOST not in env and pc.NODE_HOST not in skip:
+        out.append({"name": pc.NODE_HOST, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    return out
+
+
+def _container(spec: JobSpec, role: Role, name: str, argv: Sequence[str], env: list[dict[str, Any]],
+               port: Optional[tuple[str, int]] = None) -> dict[str, Any]:
+    """A container that runs ``argv`` directly (each ``$`` doubled: a kubelet expands ``$(VAR)``
+    and ``$$`` in a command too) with its role's CPU and memory requests (the scheduler: none)."""
+    opts: K8sOptions = spec.options or K8sOptions()
+    container: dict[str, Any] = {"name": name, "image": opts.image, "command": [a.replace("$", "$$") for a in argv],
+                                 "env": env}
+    requests: dict[str, str] = {}
+    if role is not Role.SCHEDULER:
+        server = role is Role.SERVER
+        cpus = spec.server_cores if server else spec.worker_cores
+        memory = spec.server_memory_mb if server else spec.worker_memory_mb
+        if cpus:
+            requests["cpu"] = f"{cpus:g}"
+        if memory:
+            requests["memory"] = f"{memory}Mi"
+    if requests:
+        container["resources"] = {"requests": requests}
+    if port is not None:
+        container["ports"] = [{"name": port[0], "containerPort": port[1]}]
+    return container
+
+
+def _pod_spec(spec: JobSpec, containers: list[dict[str, Any]]) -> dict[str, Any]:
+    """What every Pod of a manifest has: ``restartPolicy: Never``, no service-account token, no
+    service links, ``--kill-grace`` between SIGTERM and SIGKILL."""
+    return {"restartPolicy": "Never", "automountServiceAccountToken": False, "enableServiceLinks": False,
+            "terminationGracePeriodSeconds": int(math.ceil(spec.kill_grace)), "containers": containers}
+
+
+def _metadata(name: str, namespace: Optional[str], object_labels: Mapping[str, str]) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name}
+    if namespace:
+        meta["namespace"] = namespace
+    meta["labels"] = dict(object_labels)
+    return meta
+
+
+def manifest_secret(job: str, namespace: Optional[str], data: Mapping[str, str]) -> dict[str, Any]:
+    """The manifest's Secret (``stringData``: a Secret's values are not expanded)."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _metadata(manifest_secret_name(job), namespace, labels(job)), "stringData": dict(data)}
+
+
+def plain_manifest(spec: JobSpec, plan: Plan, job: str) -> list[dict[str, Any]]:
+    """The job as core objects: its Secret, a headless Service and one Pod per process
+    (``restartPolicy: Never``, ``hostname``/``subdomain``, labels ``pslaunch.io/{job,role,rank}``),
+    each running the command directly with its role's environment (``--timeout``: the Pods'
+    ``activeDeadlineSeconds``)."""
+    ns = (spec.options or K8sOptions()).namespace
+    secret = manifest_secret_name(job)
+    service = service_manifest(job, None)
+    service["metadata"] = _metadata(job, ns, labels(job))
+    out = [manifest_secret(job, ns, manifest_secret_data(plan.all)), service]
+    for p in plan.all:
+        pod = _pod_spec(spec, [_container(spec, p.role, CONTAINER, p.argv, manifest_env(p.env, secret, role=p.role))])
+        pod = {"hostname": process_host(p), "subdomain": job, **pod}
+        if spec.timeout:
+            pod["activeDeadlineSeconds"] = int(math.ceil(spec.timeout))
+        out.append({"apiVersion": "v1", "kind": "Pod",
+                    "metadata": _metadata(pod_name(job, p, 0), ns, labels(job, p)), "spec": pod})
+    return out
+
+
+def _shared_env(procs: Sequence[ProcSpec]) -> dict[str, str]:
+    """The variables every one of ``procs`` has with the same value: what a replica's one
+    template can hold (``DMLC_TASK_ID``, ``PSLAUNCH_PROCESS`` and other per-process ones cannot)."""
+    first = dict(procs[0].env)
+    return {k: v for k, v in first.items() if all(p.env.get(k) == v for p in procs[1:])}
+
+
+def _replica(spec: JobSpec, job: str, procs: Sequence[ProcSpec], *, container: str, port: tuple[str, int],
+             skip: frozenset[str]) -> dict[str, Any]:
+    """One replica type of a Kubeflow job: ``procs`` (one role) as one template."""
+    role = procs[0].role
+    env = manifest_env(_shared_env(procs), manifest_secret_name(job), role=role, skip=skip)
+    return {"replicas": len(procs), "restartPolicy": "Never",
+            "template": {"metadata": {"labels": {**labels(job), LABEL_ROLE: str(role)}},
+                         "spec": _pod_spec(spec, [_container(spec, role, container, procs[0].argv, env, port)])}}
+
+
+def _kubeflow(spec: JobSpec, plan: Plan, job: str, kind: str, replica_specs: str,
+              replicas: Mapping[str, dict[str, Any]], extra: Mapping[str, Any]) -> list[dict[str, Any]]:
+    ns = (spec.options or K8sOptions()).namespace
+    body: dict[str, Any] = {**extra, replica_specs: dict(replicas)}
+    if spec.timeout:
+        body["runPolicy"] = {"activeDeadlineSeconds": int(math.ceil(spec.timeout))}
+    return [manifest_secret(job, ns, manifest_secret_data(plan.all)),
+            {"apiVersion": KUBEFLOW_API, "kind": kind, "metadata": _metadata(job, ns, labels(job)), "spec": body}]
+
+
+def pytorchjob_manifest(spec: JobSpec, plan: Plan, job: str) -> list[dict[str, Any]]:
+    """The job as a Kubeflow PyTorchJob: Master (worker 0) and Worker (the other n-1), container
+    ``pytorch`` with the port ``pytorchjob-port``; the operator sets ``MASTER_ADDR``,
+    ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE`` itself."""
+    port = (PYTORCH_PORT, plan.root_port)
+    workers = [p for p in plan.procs if p.role is Role.WORKER]
+    replicas = {"Master": _replica(spec, job, workers[:1], container=PYTORCH_CONTAINER, port=port,
+                                   skip=PYTORCHJOB_SETS)}
+    if len(workers) > 1:
+        replicas["Worker"] = _replica(spec, job, workers[1:], container=PYTORCH_CONTAINER, port=port,
+                                      skip=PYTORCHJOB_SETS)
+    # (what differs between the Master and the Workers beyond the operator's variables is dropped)
+    shared = set(_shared_env(workers))
+    for r in replicas.values():
+        c = r["template"]["spec"]["containers"][0]
+        c["env"] = [e for e in c["env"] if e["name"] in shared or e["name"] == pc.NODE_HOST]
+    return _kubeflow(spec, plan, job, "PyTorchJob", "pytorchReplicaSpecs", replicas, {})
+
+
+def mxjob_manifest(spec: JobSpec, plan: Plan, job: str) -> list[dict[str, Any]]:
+    """The job as a Kubeflow MXJob (``jobMode: MXTrain``): Scheduler, Server and Worker replicas,
+    container ``mxnet`` with the port ``mxjob-port``; the operator sets ``DMLC_PS_ROOT_URI``,
+    ``DMLC_PS_ROOT_PORT``, ``DMLC_NUM_SERVER``, ``DMLC_NUM_WORKER`` and ``DMLC_ROLE`` itself."""
+    assert plan.scheduler is not None
+    port = (MXNET_PORT, plan.root_port)
+    replicas = {}
+    for kind, procs in (("Scheduler", [plan.scheduler]),
+                        ("Server", [p for p in plan.procs if p.role is Role.SERVER]),
+                        ("Worker", [p for p in plan.procs if p.role is Role.WORKER])):
+        replicas[kind] = _replica(spec, job, procs, container=MXNET_CONTAINER, port=port, skip=MXJOB_SETS)
+    return _kubeflow(spec, plan, job, "MXJob", "mxReplicaSpecs", replicas, {"jobMode": "MXTrain"})
+
+
+MANIFEST_BUILDERS = {"plain": plain_manifest, "pytorchjob": pytorchjob_manifest, "mxjob": mxjob_manifest}
+
+
+def job_manifest(spec: JobSpec, fmt: str, *, job_id: str, secret: str) -> tuple[str, list[dict[str, Any]]]:
+    """``(the job's object name, its objects)`` in format ``fmt``; pure: the job id and secret are given.
+
+    Raises:
+        ConfigError: the job has no such manifest (:func:`manifest_refusal`).
+    """
+    if fmt not in MANIFEST_BUILDERS:
+        raise ConfigError(f"--format {fmt}: choose one of {', '.join(MANIFEST_FORMATS)}")
+    why = manifest_refusal(spec, fmt)
+    if why:
+        raise ConfigError(why)
+    job = manifest_job_name(spec, job_id)
+    plan = manifest_plan(spec, job=job, job_id=job_id, secret=secret)
+    return job, MANIFEST_BUILDERS[fmt](spec, plan, job)
+
+
+def manifest_yaml(job: str, fmt: str, objects: Sequence[Mapping[str, Any]]) -> str:
+    """The objects as one YAML stream, after a comment that says what it is and that it holds the
+    job's secret (in its Secret: apply it, keep it out of a repository)."""
+    import yaml
+
+    head = (f"# pslaunch manifest --format {fmt}: job {job}. The Secret {manifest_secret_name(job)} holds the job's "
+            "secret:\n# apply it (kubectl apply -f -), keep it out of a repository. "
+            f"Delete: kubectl delete {'pods,services' if fmt == 'plain' else fmt},secrets -l {LABEL_JOB}={job}\n")
+    return head + yaml.safe_dump_all([dict(o) for o in objects], sort_keys=False, default_flow_style=False,
+                                     explicit_start=True)
 
 
 # --- the backend ---------------------------------------------------------------------------------

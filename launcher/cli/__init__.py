@@ -1,6 +1,6 @@
-"""The face of pslaunch: ``pslaunch [OPTIONS] COMMAND...`` (:mod:`.run`) and ``pslaunch doctor``
-(:mod:`.doctor`). Options go in, a validated spec comes out, and an exit code goes back; the
-work is done below (``launcher.run``).
+"""The face of pslaunch: ``pslaunch [OPTIONS] COMMAND...`` (:mod:`.run`), ``pslaunch doctor``
+(:mod:`.doctor`) and ``pslaunch manifest`` (:mod:`.manifest`). Options go in, a validated spec
+comes out, and an exit code goes back; the work is done below (``launcher.run``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ def main(argv: Optional[Sequence[str]] = None, prog_name: str = "pslaunch") -> i
         from .doctor import main as doctor_main
 
         code = doctor_main(args[1:])
+    elif args and args[0] == "manifest":  # (the same: a job's options, every backend's)
+        from .manifest import main as manifest_main
+
+        code = manifest_main(args[1:])
     else:
         code = invoke(command_for(args), args, prog_name, "pslaunch --help")
     if argv is None:
