@@ -246,9 +246,6 @@ def manifest_refusal(spec: JobSpec, fmt: str) -> Optional[str]:
     if spec.max_restarts:
         return ("--max-restarts has no manifest: restarts are pslaunch's, and nothing of pslaunch runs a manifest's "
                 "job; drop it, or run the job with --launcher k8s")
-    if spec.gpus_chosen:
-        return ("--gpus-per-process has no manifest yet: drop it and add resources.limits nvidia.com/gpu to the "
-                "printed containers")
     return None
 
 

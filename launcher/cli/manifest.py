@@ -57,13 +57,13 @@ Examples:
                    "job (the operator's then: restarts, MASTER_ADDR/RANK or DMLC_*, the Pods' names).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def manifest_command(**kw: Any) -> None:
-    launcher = kw.get("launcher")
-    if launcher not in (None, "k8s"):
+    launcher, k8s_name = kw.get("launcher"), k8s.K8sBackend.name
+    if launcher not in (None, k8s_name):
         raise ConfigError(f"pslaunch manifest prints Kubernetes objects; drop --launcher {launcher}")
     if not kw.get("k8s_image"):
         raise ConfigError("pslaunch manifest needs --k8s-image IMAGE: the image the Pods run (with the job's "
                           "Python and program)")
-    spec = build_spec({**kw, "launcher": "k8s"}, dict(os.environ))
+    spec = build_spec({**kw, "launcher": k8s_name}, dict(os.environ))
     # (the job's id and secret: new ones each time, as a run makes them; the builders are pure)
     job, objects = k8s.job_manifest(spec, kw["fmt"], job_id=os.urandom(6).hex(), secret=os.urandom(32).hex())
     click.echo(k8s.manifest_yaml(job, kw["fmt"], objects), nl=False)
