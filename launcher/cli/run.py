@@ -68,6 +68,8 @@ Hosts: -H FILE (lines: host, host:port, user@host:port, [ipv6]:port,
 host slots=N, host gpus=0,2) or inline: -H h1,h2:2222,alice@h3.
 Before a multi-host job: pslaunch doctor, then the job's own options and
 command (ssh, python3, the command's program, interface, ports, reachability).
+The job as Kubernetes YAML instead (Pods, or a Kubeflow PyTorchJob/MXJob):
+pslaunch manifest --k8s-image IMAGE, then the job's own options and command.
 From torchrun: pslaunch -n 4 --tracker torch python ddp.py (-n counts every
 process of the job; docs/usage.md lists torchrun's and mpirun's flags).
 """
