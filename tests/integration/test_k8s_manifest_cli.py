@@ -36,13 +36,18 @@ from launcher.backends import k8s
 pytestmark = [pytest.mark.integration, pytest.mark.k8s, pytest.mark.timeout(300)]
 DEADLINE = 180.0
 WORKER = REPO / "tests" / "bin" / "kv_worker.py"
-# every role: wait until the scheduler's name is in the Pod's hosts file, write what it resolves to,
-# then run the trainer. (On a cluster the loop would be `until getent hosts ...`; here a name not in
-# the hosts file goes to this machine's nameserver, which no Pod reaches: each try would wait out
-# the resolver's timeout.)
-WAIT = ('out=$0; until grep -qw -- "$DMLC_PS_ROOT_URI" /etc/hosts; do sleep 0.2; done; '
-        'getent hosts "$DMLC_PS_ROOT_URI" > "$out/$(hostname).dns"; '
-        'echo "$DMLC_PS_ROOT_URI $DMLC_NODE_HOST" >> "$out/$(hostname).dns"; exec "$@"')
+DDP = REPO / "tests" / "bin" / "ddp_worker.py"
+
+
+def wait_for_name(var: str) -> str:
+    """A shell script for every Pod: wait until the peer's name in ``$var`` is in the Pod's hosts
+    file, write what it resolves to (and ``$var`` and ``DMLC_NODE_HOST``) to ``$0/<hostname>.dns``,
+    then run the program. (On a cluster the loop would be ``until getent hosts ...``; here a name not
+    in the hosts file goes to this machine's nameserver, which no Pod reaches: each try would wait
+    out the resolver's timeout.)"""
+    return (f'out=$0; until grep -qw -- "${var}" /etc/hosts; do sleep 0.2; done; '
+            f'getent hosts "${var}" > "$out/$(hostname).dns"; '
+            f'echo "${var} $DMLC_NODE_HOST" >> "$out/$(hostname).dns"; exec "$@"')
 
 
 class StandInDNS:
@@ -122,60 +127,110 @@ def delete_job(cluster: K8sCluster, job: str) -> None:
                 raise
 
 
-def test_a_printed_ps_job_runs_on_the_cluster_without_pslaunch(k8s_cluster: K8sCluster, tmp_path: Path) -> None:
+def run_printed_job(cluster: K8sCluster, job: str, objects: list[dict[str, Any]]) -> list[Any]:
+    """Create the printed objects as they are, as pslaunch's service account (its rights are
+    enough to apply a job), with the stand-in DNS; return every Pod once all have ended."""
     from kubernetes import utils
 
-    ns, admin = k8s_cluster.namespace, k8s_cluster.core(admin=True)
+    ns, admin, api = cluster.namespace, cluster.core(admin=True), cluster.client()
+    with StandInDNS(cluster, job) as dns:
+        for o in objects:
+            utils.create_from_dict(api, o, namespace=ns)
+        names = [o["metadata"]["name"] for o in objects if o["kind"] == "Pod"]
+
+        def ended() -> list:
+            pods = [admin.read_namespaced_pod(n, ns) for n in names]
+            return pods if all(p.status.phase in ("Succeeded", "Failed") for p in pods) else []
+
+        pods = wait_for(ended, DEADLINE, interval=0.5, what="every Pod of the printed job ended")
+    assert not dns.errors, dns.errors
+    return pods  # type: ignore[return-value]
+
+
+def check_found(out: Path, pods: list[Any], peer: Any, name: str) -> None:
+    """Each of ``pods`` resolved ``name`` (its variable's value) to ``peer``'s Pod address, and its
+    own ``DMLC_NODE_HOST`` was its Pod's address."""
+    for pod in pods:
+        host = pod.spec.hostname
+        resolved, said = (out / f"{host}.dns").read_text().splitlines()
+        value, _, node_host = said.partition(" ")
+        assert value == name and resolved.split()[0] == peer.status.pod_ip, (host, resolved, said)
+        assert node_host == pod.status.pod_ip, (host, said)
+
+
+def check_secret_only_in_its_secret(cluster: K8sCluster, job: str, secret: str, pods: list[Any]) -> None:
+    """The secret is in the Secret only (no Pod's spec holds it; each Pod names the Secret)."""
+    admin = cluster.core(admin=True)
+    for pod in pods:
+        assert secret not in json.dumps(admin.api_client.sanitize_for_serialization(pod.spec))
+        env = {e.name: e for e in pod.spec.containers[0].env}
+        assert env[pc.SECRET].value_from.secret_key_ref.name == f"{job}-secret"
+
+
+def all_gone(cluster: K8sCluster, job: str) -> None:
+    admin, ns, selector = cluster.core(admin=True), cluster.namespace, f"{k8s.LABEL_JOB}={job}"
+
+    def gone() -> bool:
+        return not (admin.list_namespaced_pod(ns, label_selector=selector).items
+                    or admin.list_namespaced_service(ns, label_selector=selector).items
+                    or admin.list_namespaced_secret(ns, label_selector=selector).items)
+
+    wait_for(gone, 60, interval=0.3, what="the job's Pods, Service and Secret deleted")
+
+
+def test_a_printed_ps_job_runs_on_the_cluster_without_pslaunch(k8s_cluster: K8sCluster, tmp_path: Path) -> None:
+    ns = k8s_cluster.namespace
     job = k8s.job_object_name(f"manifest-{uuid.uuid4().hex[:8]}")
     out = tmp_path / "out"
     out.mkdir()
     objects = manifest("--k8s-image", "localhost/pslaunch:none", "--k8s-namespace", ns, "--jobname", job,
                        "-n", "2", "-s", "1", "--start-timeout", "150", "--env", f"PYTHONPATH={REPO}",
-                       "--env", f"{pc.BIGARRAY_BOUND}=100",
-                       "sh", "-c", WAIT, str(out), sys.executable, str(WORKER), "sync", "--out", str(out))
+                       "--env", f"{pc.BIGARRAY_BOUND}=100", "sh", "-c", wait_for_name(pc.ROOT_URI), str(out),
+                       sys.executable, str(WORKER), "sync", "--out", str(out))
     assert [o["kind"] for o in objects] == ["Secret", "Service", "Pod", "Pod", "Pod", "Pod"]
-    secret = objects[0]["stringData"][pc.SECRET]
-    api = k8s_cluster.client()  # (pslaunch's service account: its rights are enough to apply the job)
     try:
-        with StandInDNS(k8s_cluster, job) as dns:
-            for o in objects:
-                utils.create_from_dict(api, o, namespace=ns)
-            names = [o["metadata"]["name"] for o in objects[2:]]
-
-            def ended() -> list:
-                pods = [admin.read_namespaced_pod(n, ns) for n in names]
-                return pods if all(p.status.phase in ("Succeeded", "Failed") for p in pods) else []
-
-            pods = wait_for(ended, DEADLINE, interval=0.5, what="every Pod of the printed job ended")
-        assert not dns.errors, dns.errors
+        pods = run_printed_job(k8s_cluster, job, objects)
         logs = {p.metadata.name: k8s_cluster.pod_log(p) for p in pods}
         assert [p.status.phase for p in pods] == ["Succeeded"] * 4, logs
         # the workers pushed and pulled through the server: the scheduler and the secret worked
         results = {int(f.stem.split("-")[1]): json.loads(f.read_text()) for f in out.glob("worker-*.json")}
         assert sorted(results) == [0, 1] and results[0]["sum"] == [6.0] * 4, (results, logs)
-        # each worker found the scheduler's Pod by DMLC_PS_ROOT_URI, its DNS name; its own address its Pod's
-        scheduler_ip = pods[0].status.pod_ip
-        for pod in pods[1:]:
-            host = pod.spec.hostname
-            resolved, said = (out / f"{host}.dns").read_text().splitlines()
-            uri, _, node_host = said.partition(" ")
-            assert uri == f"scheduler.{job}" and resolved.split()[0] == scheduler_ip, (host, resolved, said)
-            assert node_host == pod.status.pod_ip, (host, said)
-        # the secret is in the Secret only: no Pod's spec holds it
-        for pod in pods:
-            assert secret not in json.dumps(admin.api_client.sanitize_for_serialization(pod.spec))
-            env = {e.name: e for e in pod.spec.containers[0].env}
-            assert env[pc.SECRET].value_from.secret_key_ref.name == f"{job}-secret"
+        # every other Pod found the scheduler's by DMLC_PS_ROOT_URI, its DNS name
+        check_found(out, pods[1:], pods[0], f"scheduler.{job}")
+        check_secret_only_in_its_secret(k8s_cluster, job, objects[0]["stringData"][pc.SECRET], pods)
     finally:
         delete_job(k8s_cluster, job)
+    all_gone(k8s_cluster, job)
 
-    def all_gone() -> bool:
-        left = admin.list_namespaced_pod(ns, label_selector=f"{k8s.LABEL_JOB}={job}").items
-        left += admin.list_namespaced_service(ns, label_selector=f"{k8s.LABEL_JOB}={job}").items
-        left += admin.list_namespaced_secret(ns, label_selector=f"{k8s.LABEL_JOB}={job}").items
-        return not left
 
-    wait_for(all_gone, 60, interval=0.3, what="the job's Pods, Service and Secret deleted")
+def test_a_printed_torch_job_runs_on_the_cluster_without_pslaunch(k8s_cluster: K8sCluster, tmp_path: Path) -> None:
+    """DDP (gloo) over 2 Pods: rank 0 hosts the rendezvous store itself at MASTER_ADDR, its Pod's
+    DNS name; each Pod a host of its own."""
+    ns = k8s_cluster.namespace
+    job = k8s.job_object_name(f"manifest-{uuid.uuid4().hex[:8]}")
+    out = tmp_path / "out"
+    out.mkdir()
+    objects = manifest("--k8s-image", "localhost/pslaunch:none", "--k8s-namespace", ns, "--jobname", job,
+                       "-n", "2", "--tracker", "torch", "--start-timeout", "150",
+                       "sh", "-c", wait_for_name(pc.MASTER_ADDR), str(out), sys.executable, str(DDP),
+                       "--out", str(out))
+    assert [o["kind"] for o in objects] == ["Secret", "Service", "Pod", "Pod"]
+    try:
+        pods = run_printed_job(k8s_cluster, job, objects)
+        logs = {p.metadata.name: k8s_cluster.pod_log(p) for p in pods}
+        assert [p.status.phase for p in pods] == ["Succeeded"] * 2, logs
+        records = {r["rank"]: r for r in (json.loads(f.read_text()) for f in out.glob("task-*.json"))}
+        assert sorted(records) == [0, 1] and {r["world"] for r in records.values()} == {2}, (records, logs)
+        assert records[0]["params"] == records[1]["params"]  # (DDP: the ranks' gradients averaged)
+        for rank, r in records.items():
+            got = r["env"]
+            assert (got["MASTER_ADDR"], got["RANK"], got["LOCAL_RANK"], got["TORCHELASTIC_USE_AGENT_STORE"]) == \
+                (f"worker-0.{job}", str(rank), "0", "False"), got
+        check_found(out, pods, pods[0], f"worker-0.{job}")
+        check_secret_only_in_its_secret(k8s_cluster, job, objects[0]["stringData"][pc.SECRET], pods)
+    finally:
+        delete_job(k8s_cluster, job)
+    all_gone(k8s_cluster, job)
 
 
 @pytest.mark.parametrize("fmt, job_args", [
