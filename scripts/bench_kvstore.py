@@ -11,16 +11,18 @@ workers on loopback. Each worker pushes a float32 array and pulls the result,
 and the round-trip latency of a 4 KB push+pull in microseconds. Configurations: W workers
 x S servers (``--grid``, default W = 2, 4, 8 and S = 1, 2, 4), ours and, with
 ``--compare-mxnet``, the same loop with ``mx.kv.create('dist_sync')`` in an MXNet 1.9.1
-venv (ps-lite). The raw TCP column is what this machine does without any parameter server
-at the same scale: W client processes, each echoing the same bytes through one of S echo
-processes with plain sockets, all at once; its MB/s per client bounds what any parameter
-server can reach here (on a 2-core machine, W + S busy processes share two cores). With
+venv (ps-lite). The raw TCP column is the same dist_sync round without any parameter server:
+W client processes, each with one stream to each of S server processes; each client pushes its
+array (each server its share, placed as the KVStore places the key), and a server answers every
+client once all of them have pushed. Its MB/s per client is what this machine moves in that
+round (on a 2-core machine, W + S busy processes share two cores); ``ours / raw TCP`` is the
+ratio in the same run. With
 ``--allreduce on`` (the default) the same loop also runs with
 ``kvstore.create('dist_allreduce')`` under ``--tracker torch`` for each W: no servers, one
 gloo allreduce per push (trainer/collective.py), counted the same way, in a table beside
 push+pull with one server; the sizes gain LeNet's gradient (431,080 float32, what the trainer
-pushes per batch). Each configuration runs ``--repeat`` times, interleaved, and the best run
-is shown, because other load on a small machine only ever slows a run.
+pushes per batch). Each configuration runs ``--repeat`` times (3), interleaved (every system of a row, raw TCP
+included, once per pass), and the median is shown (``--stat best``: the best run).
 
 Examples:
     python scripts/bench_kvstore.py --compare-mxnet             # the grid, beside ps-lite
@@ -49,6 +51,7 @@ import json  # noqa: E402
 import multiprocessing as mp  # noqa: E402
 import os  # noqa: E402
 import socket  # noqa: E402
+import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -161,77 +164,112 @@ def worker_main(args: argparse.Namespace) -> None:
 # --- raw TCP -------------------------------------------------------------------------------------
 
 
-def _echo_server(listener: socket.socket, clients: int, sizes: list[int], budget: int) -> None:
-    """Echo every size's iterations back to each of ``clients`` connections, one thread each."""
-    import threading
+def round_shares(sizes: list[int], servers: int) -> list[list[int]]:
+    """Bytes of each size's array that each server holds, as the KVStore places them.
 
-    def serve(conn: socket.socket) -> None:
+    The worker inits one key per size, in order, so :class:`trainer.kv.placement.Placement`
+    run over the same sizes gives the same servers: a small array on the least loaded one, a
+    big one (``MXNET_KVSTORE_BIGARRAY_BOUND``) split across all of them.
+    """
+    from trainer.kv.placement import Placement
+
+    bound = int(os.environ.get("MXNET_KVSTORE_BIGARRAY_BOUND") or 1_000_000)
+    placement = Placement(servers, bound)
+    out = []
+    for size in sizes:
+        share = [0] * servers
+        for part in placement.assign([(size // 4, 4)])[0]:
+            share[part.server] += (part.hi - part.lo) * 4
+        out.append(share)
+    return out
+
+
+def _recv_exactly(conn: socket.socket, view: memoryview) -> bool:
+    got, size = 0, len(view)
+    while got < size:
+        n = conn.recv_into(view[got:], size - got)
+        if not n:
+            return False
+        got += n
+    return True
+
+
+def _round_server(listener: socket.socket, clients: int, shares: list[int], budget: int,
+                  sizes: list[int]) -> None:
+    """One server of the raw TCP round: for every size it holds a share of, each client
+    pushes its share over its stream, and once all have, every client gets its share back.
+    One thread, blocking sockets (the kernel buffers what a client sends while the server
+    reads another): no thread hand-offs, no GIL, only the copies in and out."""
+    conns = [listener.accept()[0] for _ in range(clients)]
+    for conn in conns:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for size in sizes:
-            buf = bytearray(size)
-            view = memoryview(buf)
-            for _ in range(WARMUP + iterations(size, budget)):
-                got = 0
-                while got < size:
-                    n = conn.recv_into(view[got:], size - got)
-                    if not n:
-                        return
-                    got += n
+    for size, share in zip(sizes, shares):
+        if not share:
+            continue
+        views = [memoryview(bytearray(share)) for _ in conns]
+        for _ in range(WARMUP + iterations(size, budget)):
+            for conn, view in zip(conns, views):
+                if not _recv_exactly(conn, view):
+                    return
+            for conn, view in zip(conns, views):
                 conn.sendall(view)
+    for conn in conns:
         conn.close()
 
-    threads = []
-    for _ in range(clients):
-        conn, _ = listener.accept()
-        t = threading.Thread(target=serve, args=(conn,))
-        t.start()
-        threads.append(t)
-    for t in threads:
-        t.join()
 
-
-def _echo_client(address: tuple[str, int], sizes: list[int], budget: int, barrier: Any,
-                 results: Any, index: int) -> None:
-    sock = socket.create_connection(address)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+def _round_client(addresses: list[tuple[str, int]], sizes: list[int], shares: list[list[int]],
+                  budget: int, barrier: Any, results: Any, index: int) -> None:
+    """One worker of the raw TCP round: push each server's share of the array, then take
+    the answers; seconds per round for each size."""
+    socks = [socket.create_connection(a) for a in addresses]
+    for s in socks:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     out = {}
-    for size in sizes:
+    for size, share in zip(sizes, shares):
         data = bytearray(size)
-        back = bytearray(size)
-        view = memoryview(back)
+        back = memoryview(bytearray(size))
+        used = [(socks[s], memoryview(data)[:n], back[:n]) for s, n in enumerate(share) if n]
         iters = iterations(size, budget)
         barrier.wait()
         for i in range(WARMUP + iters):
             if i == WARMUP:
                 t = time.perf_counter()
-            sock.sendall(data)
-            got = 0
-            while got < size:
-                got += sock.recv_into(view[got:], size - got)
+            for sock, pushed, _ in used:
+                sock.sendall(pushed)
+            for sock, _, answer in used:
+                if not _recv_exactly(sock, answer):
+                    return
         out[size] = (time.perf_counter() - t) / iters
-    sock.close()
+    for s in socks:
+        s.close()
     results[index] = out
 
 
 def raw_tcp(sizes: list[int], budget: int, workers: int, servers: int) -> dict[int, float]:
-    """Seconds per echo (send ``size`` bytes, receive them back) over loopback TCP for W
-    clients at once through S echo processes; the mean over the clients."""
+    """Seconds per round of the KVStore's dist_sync push+pull done with plain sockets on
+    loopback: W client processes, S server processes, every client one stream to every
+    server; each pushes its array (each server its share of it, placed as the KVStore
+    places it), and a server answers every client once all have pushed. No ZeroMQ, no
+    Python per part, no summing: what this machine moves in that round. The mean over the
+    clients."""
     ctx = mp.get_context("fork")
+    shares = round_shares(sizes, servers)
     listeners = []
     procs = []
     for s in range(servers):
         listener = socket.socket()
         listener.bind(("127.0.0.1", 0))
         listener.listen(workers)
-        clients = len(range(s, workers, servers))
-        procs.append(ctx.Process(target=_echo_server, args=(listener, clients, sizes, budget)))
+        procs.append(ctx.Process(target=_round_server,
+                                 args=(listener, workers, [sh[s] for sh in shares], budget, sizes)))
         listeners.append(listener)
     barrier = ctx.Barrier(workers)
     manager = ctx.Manager()
     results = manager.dict()
+    addresses = [listener.getsockname() for listener in listeners]
     for w in range(workers):
-        address = listeners[w % servers].getsockname()
-        procs.append(ctx.Process(target=_echo_client, args=(address, sizes, budget, barrier, results, w)))
+        procs.append(ctx.Process(target=_round_client,
+                                 args=(addresses, sizes, shares, budget, barrier, results, w)))
     for p in procs:
         p.start()
     for p in procs:
@@ -274,12 +312,15 @@ def run_job(python: str, servers: int, workers: int, mac: bool, mxnet: bool,
     return {int(s): float(t) for s, t in json.loads(result.read_text())}
 
 
-def best(runs: list[dict[int, float] | None]) -> dict[int, float]:
-    out: dict[int, float] = {}
+def summarize(runs: list[dict[int, float] | None], stat: str = "median") -> dict[int, float]:
+    """Each size's median (or best) time over the runs that finished."""
+    times: dict[int, list[float]] = {}
     for r in runs:
         for size, t in (r or {}).items():
-            out[size] = min(out.get(size, t), t)
-    return out
+            times.setdefault(size, []).append(t)
+    if stat == "best":
+        return {size: min(ts) for size, ts in times.items()}
+    return {size: statistics.median(ts) for size, ts in times.items()}
 
 
 def main() -> None:
@@ -296,7 +337,9 @@ def main() -> None:
     ap.add_argument("--before", metavar="DIR", help="also run another checkout's KVStore (under "
                     "this launcher), for example the commit before a change, as a column 'before'")
     ap.add_argument("--no-raw-tcp", action="store_true", help="skip the raw TCP column")
-    ap.add_argument("--repeat", type=int, default=1, help="runs per configuration; best shown")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per configuration, interleaved")
+    ap.add_argument("--stat", choices=("median", "best"), default="median",
+                    help="what the table shows of the --repeat runs")
     ap.add_argument("--budget", type=parse_size, default=parse_size("128M"),
                     help="bytes per worker and size to time (iterations = budget / size, 5..1000)")
     ap.add_argument("--timeout", type=float, default=900)
@@ -344,14 +387,15 @@ def main() -> None:
                     print(f"[{rep + 1}/{args.repeat}] W={w} allreduce ...", file=sys.stderr, flush=True)
                     runs.setdefault(("allreduce", w, 0), []).append(
                         run_job(sys.executable, 0, w, False, False, args, Path(tmp), allreduce=True))
-    table = {k: best(v) for k, v in runs.items()}
-    tcp = {k: best(v) for k, v in tcp_runs.items()}
+    table = {k: summarize(v, args.stat) for k, v in runs.items()}
+    tcp = {k: summarize(v, args.stat) for k, v in tcp_runs.items()}
     names = [n for n, _, _ in systems]
 
     def mbs(size: int, t: float | None) -> str:
         return "-" if t is None else f"{2 * size / t / 1e6:,.0f}"
 
-    print(f"\nKVStore push+pull, dist_sync, float32, op={args.op}, best of {args.repeat}; "
+    print(f"\nKVStore push+pull, dist_sync, float32, op={args.op}, {args.stat} of {args.repeat} "
+          "interleaved runs; "
           "MB/s per worker = (pushed + pulled) / time")
     print(f"load average at start: {load0[0]:.2f}, at the end: {os.getloadavg()[0]:.2f}; "
           f"cores: {os.cpu_count()}; {time.time() - started:.0f} s in all")
@@ -360,6 +404,8 @@ def main() -> None:
             continue
         print(f"\n{show_size(size)}: MB/s per worker")
         head = "| W | S |" + ("" if args.no_raw_tcp else " raw TCP |") + "".join(f" {n} |" for n in names)
+        if not args.no_raw_tcp:
+            head += " ours / raw TCP |"
         if args.compare_mxnet:
             head += " ours / MXNet |"
         print(head)
@@ -370,6 +416,9 @@ def main() -> None:
                 row += f" {mbs(size, tcp.get((w, s), {}).get(size))} |"
             for n in names:
                 row += f" {mbs(size, table[(n, w, s)].get(size))} |"
+            if not args.no_raw_tcp:
+                ours, raw = table[(names[0], w, s)].get(size), tcp.get((w, s), {}).get(size)
+                row += f" {raw / ours:.2f}x |" if ours and raw else " - |"
             if args.compare_mxnet:
                 ours, theirs = table[(names[0], w, s)].get(size), table[("MXNet", w, s)].get(size)
                 row += f" {theirs / ours:.2f}x |" if ours and theirs else " - |"
@@ -404,8 +453,9 @@ def main() -> None:
                 ps = table.get((names[0], w, 1), {}).get(size)
                 ar = table[("allreduce", w, 0)].get(size)
                 print(f"| {show_size(size)} | {w} | {mbs(size, ps)} | {mbs(size, ar)} |")
-    print("\nraw TCP: W client processes echoing through S echo processes with plain sockets, all "
-          "at once (no ZeroMQ, no server work): what this machine moves at that scale")
+    print("\nraw TCP: the same dist_sync round with plain sockets (W client processes, one stream "
+          "to each of S server processes, each server answers every client once all have pushed; "
+          "no ZeroMQ, no summing): what this machine moves in that round")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "sizes": sizes, "grid": grid, "raw_tcp": {f"{w}x{s}": v for (w, s), v in tcp.items()},
