@@ -87,7 +87,7 @@ def show_size(n: int) -> str:
 
 def iterations(size: int, budget: int) -> int:
     """Timed iterations for one size: the same on every worker (sync jobs run in lock-step)."""
-    return max(5, min(1000, budget // size))
+    return max(5, min(int(os.environ.get("KVBENCH_MAX_ITERS", 1000)), budget // size))
 
 
 def parse_grid(text: str) -> list[tuple[int, int]]:
@@ -334,8 +334,9 @@ def main() -> None:
     ap.add_argument("--compare-mxnet", action="store_true",
                     help="also run the same loop with MXNet 1.9.1's dist_sync (ps-lite)")
     ap.add_argument("--mxnet-python", default=os.environ.get("PSLAUNCH_MXNET_PYTHON", MXNET_PYTHON))
-    ap.add_argument("--before", metavar="DIR", help="also run another checkout's KVStore (under "
-                    "this launcher), for example the commit before a change, as a column 'before'")
+    ap.add_argument("--before", metavar="[NAME=]DIR", action="append", default=[],
+                    help="also run another checkout's KVStore (under this launcher), for example "
+                    "the commit before a change, as a column NAME ('before'); repeatable")
     ap.add_argument("--no-raw-tcp", action="store_true", help="skip the raw TCP column")
     ap.add_argument("--repeat", type=int, default=3, help="runs per configuration, interleaved")
     ap.add_argument("--stat", choices=("median", "best"), default="median",
@@ -363,8 +364,11 @@ def main() -> None:
     if args.compare_mxnet and not os.path.exists(args.mxnet_python):
         sys.exit(f"bench: no MXNet python at {args.mxnet_python}; pass --mxnet-python")
     systems: list[tuple[str, bool, bool]] = [("ours" + (" MAC" if mac else ""), mac, False) for mac in macs]
-    if args.before:
-        systems.append(("before", False, False))
+    others: dict[str, Path] = {}
+    for item in args.before:
+        name, _, where = item.rpartition("=")
+        others[name or "before"] = Path(where).resolve()
+    systems += [(name, False, False) for name in others]
     if args.compare_mxnet:
         systems.append(("MXNet", False, True))
     runs: dict[tuple[str, int, int], list[dict[int, float] | None]] = {}
@@ -379,7 +383,7 @@ def main() -> None:
                 for name, mac, mx in systems:
                     python = args.mxnet_python if mx else sys.executable
                     print(f"[{rep + 1}/{args.repeat}] W={w} S={s} {name} ...", file=sys.stderr, flush=True)
-                    repo = Path(args.before).resolve() if name == "before" else REPO
+                    repo = others.get(name, REPO)
                     runs.setdefault((name, w, s), []).append(
                         run_job(python, s, w, mac, mx, args, Path(tmp), repo))
             if args.allreduce == "on":
