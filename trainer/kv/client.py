@@ -743,16 +743,23 @@ class KVClient:
                 packed = out.index if index is None else P.pack_index(index)
                 self._send(self.links[out.server], P.PULL, _VALUE, batch, targets,
                            count=len(targets), flags=self._flags, payload=[packed])
-        for slot, _ in kept:
-            while slot not in stash:
+        # Copy each answer as soon as it is here, while ZeroMQ receives the next ones (a
+        # 16 MB key comes in 4 messages: the copy of the first overlaps the others' transfer).
+        while kept:
+            waiting = []
+            for slot, view in kept:
+                value = stash.pop(slot, None)
+                if value is None:
+                    waiting.append((slot, view))
+                    continue
+                del latest[slot]
+                if isinstance(value, str):
+                    batch.error = batch.error or value
+                else:
+                    np.copyto(view, np.frombuffer(value.buffer, view.dtype))
+            kept = waiting
+            if kept:
                 self._poll(500)
-        for slot, view in kept:
-            value = stash.pop(slot)
-            del latest[slot]
-            if isinstance(value, str):
-                batch.error = batch.error or value
-            else:
-                np.copyto(view, np.frombuffer(value.buffer, view.dtype))
         self._wait(batch)
         if self._announce and self._steps:
             self._training_again()
