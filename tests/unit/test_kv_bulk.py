@@ -6,12 +6,14 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 import zmq
 from support.kvjob import free_port
 from test_kv_recovery import Thread
 from test_kv_scheduler import SECRET
 
 from pscontract import ClusterEnv
+from trainer.kv import client as C
 from trainer.kv import protocol as P
 from trainer.kv import transport as T
 from trainer.kv.client import KVClient
@@ -36,10 +38,14 @@ def pushed(rank: int, step: int, n: int) -> np.ndarray:
         np.float32)
 
 
-def test_big_keys_come_back_exactly_after_a_push_and_a_pull() -> None:
+@pytest.mark.parametrize("pooled", [True, False], ids=["zmq-copies", "staged"])
+def test_big_keys_come_back_exactly_after_a_push_and_a_pull(pooled: bool,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Two workers, two servers, dist_sync: each step pushes a 20 MB key (both servers' parts
-    in several messages) and a small one, then pulls both from the answers the pushes got.
-    Every pulled value is the exact sum of the two workers' pushes of that step."""
+    in several messages) and a small one, overwrites what it pushed, then pulls both from the
+    answers the pushes got. Every pulled value is the exact sum of the two workers' pushes of
+    that step, whether ZeroMQ copied the pushed frames (pooled memory) or buffers of ours did."""
+    monkeypatch.setattr(C, "keep_freed_memory", lambda: pooled)
     port = free_port()
     threads = [Thread(Scheduler(env("scheduler", port, None), SECRET).run),
                Thread(Server(env("server", port, 2), SECRET).run),

@@ -119,7 +119,8 @@ def test_a_dist_async_barrier_first_confirms_this_workers_pushes(monkeypatch) ->
                "small": KeyInfo(1, 1, 3, [Part(1, 0, 0, 3)])}
     sent: list[tuple] = []
 
-    def fake_send(link, cmd, kind, batch, targets=None, count=0, flags=0, payload=(), step=0):
+    def fake_send(link, cmd, kind, batch, targets=None, count=0, flags=0, payload=(), step=0,
+                  copy=False):
         items = list(P.ITEM.iter_unpack(payload[0]))
         sent.append((link, cmd, items, [len(p) for p in payload[1:]]))
         if batch is not None:

@@ -49,6 +49,7 @@ import zmq
 import pscontract as pc
 from pscontract import ClusterEnv
 
+from ..memory import keep_freed_memory
 from . import protocol as P
 from . import recovery as R
 from .errors import (
@@ -68,8 +69,10 @@ logger = logging.getLogger(__name__)
 
 #: Seconds the control thread waits for the main thread to act on an abort.
 ABORT_GRACE = 1.0
-#: Data frames from this size on go without pyzmq's copy (which allocates fresh memory for
-#: every message and costs ten times a copy into a buffer of ours); smaller ones it copies.
+#: Without pooled memory (:func:`trainer.memory.keep_freed_memory` refused: not glibc, or the
+#: user tunes malloc), a plain push stages data frames from this size on in buffers of ours:
+#: pyzmq's copy would take fresh pages from the kernel for every message, ten times the cost of
+#: a copy into a buffer of ours. Smaller ones pyzmq copies.
 _ZERO_COPY_MIN = 64 << 10
 #: A server link closed without an abort from the scheduler: give up after this long.
 LOST_LINK_GRACE = 3.0
@@ -292,6 +295,7 @@ class KVClient:
     resume_step: int | None = None
     _rejoining = False
     _announce = False
+    _copy_sends = False
     _step0 = 0
 
     def __init__(self, env: ClusterEnv, secret: bytes, asynchronous: bool = False) -> None:
@@ -313,6 +317,8 @@ class KVClient:
         self.v = Verbose(env.verbose, "W[?]")
         self.host = node_address(env)
         self.ctx = bulk_context()
+        #: freed memory is pooled: a plain push lets pyzmq copy its data (see :meth:`push`)
+        self._copy_sends = keep_freed_memory()
         endpoint = f"inproc://kv-control-{os.getpid()}-{next(_pipe_ids)}"
         self._pipe = self.ctx.socket(zmq.PAIR)
         self._pipe.setsockopt(zmq.LINGER, 0)
@@ -520,8 +526,9 @@ class KVClient:
 
     def _send(self, link: Link, cmd: int, kind: int | None, batch: _Batch | None,
               targets: Any = None, count: int = 0, flags: int = 0,
-              payload: Sequence[Any] = (), step: int = 0) -> int:
+              payload: Sequence[Any] = (), step: int = 0, copy: bool = False) -> int:
         """Send a request; ``kind`` None means no reply is expected (a plain push).
+        ``copy``: ZeroMQ takes copies of the frames now (else it reads them as it sends).
         Returns the request id."""
         self._req = req = (self._req + 1) & 0xFFFFFFFF
         if kind is not None:
@@ -531,7 +538,7 @@ class KVClient:
         key = part = 0
         if cmd in P.BATCH_COMMANDS and count:  # the first item, for PS_VERBOSE=2 lines
             key, part = _FIRST_ITEM.unpack_from(payload[0])
-        link.send(cmd, key, part, req, step, 0, count, flags, payload, copy=False)
+        link.send(cmd, key, part, req, step, 0, count, flags, payload, copy=copy)
         return req
 
     def _stage(self, slot: tuple[int, int], view: np.ndarray) -> np.ndarray:
@@ -659,8 +666,14 @@ class KVClient:
         steps, step0 = self._steps, self._step0
         # A pushpull waits for its answer, and the server answers once it has all the
         # data: the caller's arrays can go as they are. A plain push returns at once, and
-        # the caller may change its arrays then: big ones go through buffers of ours.
+        # the caller may change its arrays then: ZeroMQ takes a copy of each frame as it is
+        # sent (one copy, as into a buffer of ours, but without pyzmq's zero-copy
+        # bookkeeping: a hand-off to its collector thread per frame of 128 KB or more,
+        # about 5% of a worker's CPU at 1 MB and 16 MB). Without pooled memory that copy would fault
+        # in fresh pages every time: big frames go through buffers of ours instead.
         stage = kind != _VALUE and not owned
+        copying = stage and self._copy_sends
+        stage = stage and not copying
         for out in plan:
             payload: list[Any] = [out.index]
             targets: list[Any] = []
@@ -688,7 +701,7 @@ class KVClient:
                 steps[slot] = taken + 1
             req = self._send(links[out.server], P.PUSH, kind, batch, targets,
                              count=len(out.items), flags=flags | (P.F_STEP if same else 0),
-                             payload=payload, step=step & 0xFFFFFFFF)
+                             payload=payload, step=step & 0xFFFFFFFF, copy=copying)
             if kind == _STASH:
                 for slot in targets:
                     latest[slot] = req
