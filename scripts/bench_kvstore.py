@@ -140,6 +140,7 @@ def worker_main(args: argparse.Namespace) -> None:
 
         kv = kvstore.create(args.kv)
         rank = kv.rank
+        cpus: list[tuple[int, float]] = []
         for i, size in enumerate(sizes):
             n = size // 4
             a = torch.ones(n)
@@ -149,14 +150,18 @@ def worker_main(args: argparse.Namespace) -> None:
             both = args.op == "pushpull"
             for _ in range(WARMUP):
                 _step(kv, i, a, out, both)
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.process_time()
             for _ in range(iters):
                 _step(kv, i, a, out, both)
             results.append((size, (time.perf_counter() - t) / iters))
+            cpus.append((size, (time.process_time() - cpu) / iters))
             expected = float(kv.num_workers)
             if float(out[0]) != expected or float(out[-1]) != expected:
                 raise SystemExit(f"bench: wrong sum {float(out[0])} != {expected}")
         kv.close()
+        if os.environ.get("KVBENCH_CPU_FILE"):  # this worker's CPU (all its threads) per round
+            with open(os.environ["KVBENCH_CPU_FILE"], "a") as f:
+                f.write(json.dumps({"rank": rank, "cpu": cpus}) + "\n")
     if rank == 0:
         Path(args.result).write_text(json.dumps([[s, t] for s, t in results]))
 
