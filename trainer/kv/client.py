@@ -63,7 +63,15 @@ from .errors import (
 )
 from .node import SchedulerSession
 from .placement import Part, Placement
-from .transport import CLEAN_LINGER_MS, Link, Verbose, bulk_context, handshake_all, node_address
+from .transport import (
+    CLEAN_LINGER_MS,
+    Link,
+    Verbose,
+    bulk_context,
+    handshake_all,
+    node_address,
+    recv_frames,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -441,7 +449,7 @@ class KVClient:
             link = self._by_sock[sock]
             # EVENTS instead of catching zmq.Again: an exception costs more than a message
             while sock.getsockopt(_EVENTS) & _POLLIN:
-                frames = sock.recv_multipart(copy=False)
+                frames = recv_frames(sock)
                 msg = link.receive(frames)
                 if msg is None:
                     continue
