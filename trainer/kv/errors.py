@@ -46,23 +46,18 @@ def report_cause(reason: str, role: str | None, rank: int | None) -> None:
     fault (``role``/``rank``; a scheduler has no rank): the launcher puts that
     process in its report instead of whoever happened to exit first.
     """
-    line = pc.cause_line(reason, role, rank)
-    with _cause_lock:
-        if _cause_written:
-            return
-        _cause_written.append(line)
-    try:
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
+    _write_cause(pc.cause_line(reason, role, rank))
 
 
 def relay_cause(reason: str) -> None:
     """Write :func:`pscontract.relayed_cause_line` to stderr (unless this process wrote a cause
     already): the scheduler told this process to stop for ``reason``, and the launcher's console
     learns it before this process's own error line repeats it."""
-    line = pc.relayed_cause_line(reason)
+    _write_cause(pc.relayed_cause_line(reason))
+
+
+def _write_cause(line: str) -> None:
+    """``line`` on stderr, unless this process wrote a cause line already."""
     with _cause_lock:
         if _cause_written:
             return
