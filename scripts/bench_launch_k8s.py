@@ -29,10 +29,8 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,38 +38,13 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "scripts"))
 
 import k8s_node  # noqa: E402
-from support import k8s_testbed  # noqa: E402
+from support import k8s_testbed, stamps  # noqa: E402
 from support.testbed import NamespaceSSHDs  # noqa: E402
-
-JOB_SH = """#!/bin/sh
-me="$DMLC_ROLE-$DMLC_TASK_ID"
-date +%s.%N > "$BENCH_OUT/.$me" && mv "$BENCH_OUT/.$me" "$BENCH_OUT/$me"
-end=$(( $(date +%s) + 120 ))
-while [ "$(ls "$BENCH_OUT" | wc -l)" -lt "$BENCH_EXPECTED" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 1; done
-"""
-# (a slow poll: many processes polling every 50 ms fork thousands of times a second and slow the
-# start of the rest; the stamps, not the poll, give the time)
 
 MODES = ("k8s", "ssh")
 GATEWAY = "10.202.8.1"  # this machine on the bridge (scripts/setup-k8s.sh)
 SUBNET = "10.202.8.0/24"
 SSH_HOSTS = ("10.202.8.201", "10.202.8.202", "10.202.8.203")
-
-
-def one_run(argv: list[str], env: dict[str, str], root: Path, expected: int) -> float:
-    """Seconds from the launcher's start until the last of ``expected`` processes wrote its stamp."""
-    out = Path(tempfile.mkdtemp(dir=root))
-    out.chmod(0o777)
-    env = dict(env, BENCH_OUT=str(out), BENCH_EXPECTED=str(expected))
-    t0 = time.time()
-    r = subprocess.run(argv, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                       timeout=300)
-    stamps = {p.name: float(p.read_text()) for p in out.iterdir() if not p.name.startswith(".")}
-    if r.returncode != 0 or len(stamps) != expected:
-        raise RuntimeError(f"{' '.join(argv[:8])}... exited {r.returncode}, {len(stamps)} of {expected} "
-                           f"processes ran: {r.stderr[-2000:]}")
-    shutil.rmtree(out, ignore_errors=True)
-    return max(stamps.values()) - t0
 
 
 def main() -> int:
@@ -91,9 +64,7 @@ def main() -> int:
     kube = k8s_testbed.parse_exports(r.stdout)
     root = Path(tempfile.mkdtemp(prefix="pslaunch-bench-k8s-"))
     root.chmod(0o755)
-    job = root / "job.sh"
-    job.write_text(JOB_SH)
-    job.chmod(0o755)
+    job = stamps.write_job(root)
     hostfile = root / "hosts"
     hostfile.write_text("".join(f"{ip}\n" for ip in SSH_HOSTS))
     load = os.getloadavg()
@@ -121,7 +92,7 @@ def main() -> int:
             times: dict[str, list[float]] = {m: [] for m in MODES}
             for _ in range(a.repeats):  # interleaved
                 for mode in MODES:
-                    times[mode].append(one_run(runs[mode], env[mode], root, p))
+                    times[mode].append(stamps.time_to_all_running(runs[mode], env[mode], root, p))
             rows.append((p, {m: statistics.median(times[m]) for m in MODES}, times))
             print(json.dumps({"processes": p, "runs": times}), file=sys.stderr, flush=True)
     finally:

@@ -34,23 +34,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from support import ray_testbed  # noqa: E402
+from support import ray_testbed, stamps  # noqa: E402
 from support.testbed import NamespaceSSHDs  # noqa: E402
-
-JOB_SH = """#!/bin/sh
-me="$DMLC_ROLE-$DMLC_TASK_ID"
-date +%s.%N > "$BENCH_OUT/.$me" && mv "$BENCH_OUT/.$me" "$BENCH_OUT/$me"
-end=$(( $(date +%s) + 120 ))
-while [ "$(ls "$BENCH_OUT" | wc -l)" -lt "$BENCH_EXPECTED" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 1; done
-"""
-# (a slow poll: 64 processes polling every 50 ms fork thousands of times a second and slow the
-# start of the rest; the stamps, not the poll, give the time)
 
 MODES = ("ray", "ssh")
 
@@ -60,22 +50,6 @@ def setup_ray(*args: str, cpus: int) -> None:
                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
     if r.returncode != 0:
         raise RuntimeError(f"scripts/setup-ray.sh {' '.join(args)} failed: {r.stderr[-2000:]}")
-
-
-def one_run(argv: list[str], env: dict[str, str], root: Path, expected: int) -> float:
-    """Seconds from the launcher's start until the last of ``expected`` processes wrote its stamp."""
-    out = Path(tempfile.mkdtemp(dir=root))
-    out.chmod(0o777)
-    env = dict(env, BENCH_OUT=str(out), BENCH_EXPECTED=str(expected))
-    t0 = time.time()
-    r = subprocess.run(argv, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                       timeout=300)
-    stamps = {p.name: float(p.read_text()) for p in out.iterdir() if not p.name.startswith(".")}
-    if r.returncode != 0 or len(stamps) != expected:
-        raise RuntimeError(f"{' '.join(argv[:8])}... exited {r.returncode}, {len(stamps)} of {expected} "
-                           f"processes ran: {r.stderr[-2000:]}")
-    shutil.rmtree(out, ignore_errors=True)
-    return max(stamps.values()) - t0
 
 
 def main() -> int:
@@ -91,9 +65,7 @@ def main() -> int:
     ran_before = ray_testbed._running()
     root = Path(tempfile.mkdtemp(prefix="pslaunch-bench-ray-"))
     root.chmod(0o755)
-    job = root / "job.sh"
-    job.write_text(JOB_SH)
-    job.chmod(0o755)
+    job = stamps.write_job(root)
     setup_ray("start", cpus=2)
     cluster = ray_testbed.load()
     hostfile = root / "hosts"
@@ -122,7 +94,7 @@ def main() -> int:
             times: dict[str, list[float]] = {m: [] for m in MODES}
             for _ in range(a.repeats):  # interleaved
                 for mode in MODES:
-                    times[mode].append(one_run(runs[mode], env[mode], root, p))
+                    times[mode].append(stamps.time_to_all_running(runs[mode], env[mode], root, p))
             rows.append((p, cpus, {m: statistics.median(times[m]) for m in MODES}, times))
             print(json.dumps({"processes": p, "cpus_per_node": cpus, "runs": times}), file=sys.stderr, flush=True)
     finally:
