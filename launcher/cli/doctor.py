@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 from typing import Any, Sequence
@@ -17,9 +16,9 @@ from ..errors import ConfigError
 from ..logs import printable
 from ..run.doctor import run_doctor
 from ..run.preflight import run_preflight
-from .clickutil import JobCommand, invoke, takes_value
+from .clickutil import JobCommand, invoke
 from .common import configure_logging, job_env, parse_port_range_option, read_hosts_option
-from .run import with_backend_options
+from .run import add_job_options
 
 #: doctor checks what an ssh job needs, over the ssh backend's connection settings
 SSH = SSHBackend
@@ -119,24 +118,7 @@ def _check_hosts(kw: dict[str, Any], environ: dict[str, str], env: dict[str, str
                       sync_src=os.getcwd() if sync else None)
 
 
-def _add_job_options(command: click.Command) -> None:
-    """Give ``command`` every option of a job's command line (pslaunch's, every backend's) that it
-    has not of its own, none required: the doctor takes the job's command line as it is."""
-    names = {p.name for p in command.params}
-    spellings = set(takes_value(command.params))
-    extra = []
-    for p in with_backend_options().params:
-        if not isinstance(p, click.Option) or p.name in names or p.name == "version" or \
-                any(o in spellings for o in (*p.opts, *p.secondary_opts)):
-            continue
-        q = copy.copy(p)
-        q.required = False
-        extra.append(q)
-    cut = next(i for i, p in enumerate(command.params) if isinstance(p, click.Argument))
-    command.params[cut:cut] = extra
-
-
-_add_job_options(doctor_command)
+add_job_options(doctor_command, optional=True)
 
 
 def main(args: Sequence[str]) -> int:

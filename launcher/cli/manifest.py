@@ -5,7 +5,6 @@ Nothing is created and nothing connects back: the YAML is for a cluster's own pi
 
 from __future__ import annotations
 
-import copy
 import os
 from typing import Any, Sequence
 
@@ -13,10 +12,10 @@ import click
 
 from ..backends import k8s
 from ..errors import ConfigError
-from .clickutil import JobCommand, invoke, takes_value
+from .clickutil import JobCommand, invoke
 from .common import configure_logging
 from .job import build_spec
-from .run import with_backend_options
+from .run import add_job_options
 
 MANIFEST_HELP = """Print the job as Kubernetes YAML instead of running it, for a cluster that
 applies its objects through its own pipeline. Give it the job's own options and
@@ -69,19 +68,7 @@ def manifest_command(**kw: Any) -> None:
     click.echo(k8s.manifest_yaml(job, kw["fmt"], objects), nl=False)
 
 
-def _add_job_options(command: click.Command) -> None:
-    """Give ``command`` every option of a job's command line (pslaunch's and every backend's)
-    that it has not of its own: ``pslaunch manifest`` takes a run's command line as it is."""
-    names = {p.name for p in command.params}
-    spellings = set(takes_value(command.params))
-    extra = [copy.copy(p) for p in with_backend_options().params
-             if isinstance(p, click.Option) and p.name not in names and p.name != "version"
-             and not any(o in spellings for o in (*p.opts, *p.secondary_opts))]
-    cut = next(i for i, p in enumerate(command.params) if isinstance(p, click.Argument))
-    command.params[cut:cut] = extra
-
-
-_add_job_options(manifest_command)
+add_job_options(manifest_command)
 
 
 def main(args: Sequence[str]) -> int:

@@ -7,6 +7,7 @@ Every backend's options come from its class (``launcher.backends``); exit codes 
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from typing import Any, Optional, Sequence
@@ -251,6 +252,26 @@ def with_backend_options() -> click.Command:
     if len(run_command.params) == _CORE_PARAMS:
         add_backend_options(run_command, ((cls.name, cls.options) for cls in backends.classes()))
     return run_command
+
+
+def add_job_options(command: click.Command, optional: bool = False) -> None:
+    """Give ``command`` (a subcommand that takes a job's command line as it is: ``pslaunch
+    doctor``, ``pslaunch manifest``) every option of a run, pslaunch's and every backend's, that it
+    has not of its own (``--version`` excepted), before its arguments; ``optional``: none of them
+    required."""
+    names = {p.name for p in command.params}
+    spellings = set(takes_value(command.params))
+    extra = []
+    for p in with_backend_options().params:
+        if not isinstance(p, click.Option) or p.name in names or p.name == "version" or \
+                any(o in spellings for o in (*p.opts, *p.secondary_opts)):
+            continue
+        q = copy.copy(p)
+        if optional:
+            q.required = False
+        extra.append(q)
+    cut = next(i for i, p in enumerate(command.params) if isinstance(p, click.Argument))
+    command.params[cut:cut] = extra
 
 
 def command_for(args: Sequence[str]) -> click.Command:
