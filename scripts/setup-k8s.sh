@@ -161,7 +161,7 @@ build() {
         flock 9
         have_binaries && exit 0
         fetch_source "$KCACHE/src-$K8S_SRC_VERSION"
-        note "building ${BINARIES[*]} from $K8S_TREE with Go 1.19 under nice -n $NICE (15 min measured on 2 busy cores; once per machine)"
+        note "building ${BINARIES[*]} from $K8S_TREE with Go 1.19 under nice -n $NICE (5.5 min measured on 2 quiet cores, 15 on busy ones; once per machine)"
         rm -rf "$work" && mkdir -p "$work"
         cp "$KCACHE/src-$K8S_SRC_VERSION/$K8S_ORIG" "$KCACHE/src-$K8S_SRC_VERSION"/${REFLECT2_PACKAGE}_*.deb "$work"/
         local t=$SECONDS
