@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from support.helpers import REPO, pid_alive, wait_for
@@ -418,3 +419,27 @@ def test_a_rank_whose_wrapper_is_killed_is_the_first_failure(job: Job) -> None:
     assert job.job.ranks[0].poll() == 143
     assert "its wrapper was killed" in killed.describe()
     assert killed.end_time is not None and killed.end_time <= (job.job.ranks[0].end_time or 0)
+
+
+def test_ranks_whose_connections_end_after_mpirun_exited_are_dated_by_their_connections_end(job: Job) -> None:
+    """MPICH kills every other rank when one dies and exits at once: on a busy machine the hub can
+    see all the wrappers' connections end after mpirun exited (a fresh CI run: the killed worker 1
+    and the server that mpirun killed after it were both 'ended without reporting', and the report
+    blamed the server, the first in the list). The first connection to end is the first failure."""
+    chans = {}
+    for rank in (0, 2):
+        chans[rank] = connect(job.channels.address, rank, SECRET)
+        chans[rank].send(STARTED, rank, json.dumps({"pid": 4240 + rank, "host": "h"}).encode())
+    wait_for(lambda: all(job.job.ranks[r].pid for r in (0, 2)), 5, what="the start frames")
+    job.job.code = 137  # mpirun has exited (as MPICH does once a rank died)
+    job.job._out_closed.set()
+    for rank in (2, 0):  # rank 2's wrapper was killed first, rank 0's by mpirun after it
+        sock = chans[rank].sock
+        assert sock is not None
+        sock.close()
+        wait_for(lambda r=job.job.ranks[rank]: r.channel == "closed", 5, what="the connection to end")
+        time.sleep(0.05)
+    first, second = job.job.ranks[2], job.job.ranks[0]
+    assert second.poll() == 137 and first.poll() == 137  # (seen in this order: the launcher's look)
+    assert "ended without reporting" in first.describe()
+    assert first.end_time is not None and second.end_time is not None and first.end_time < second.end_time

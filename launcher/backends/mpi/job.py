@@ -54,6 +54,8 @@ class MPIRank(RemoteProcess):
         self.mpi_rank = mpi_rank
         self.local_pgid: Optional[int] = None
         self.note = ""
+        #: when its wrapper's connection to the hub ended (the hub's clock)
+        self.closed_at: Optional[float] = None
 
     @property
     def node(self) -> dict[str, Any]:
@@ -80,6 +82,7 @@ class MPIRank(RemoteProcess):
         return self.job.clock.time()  # (tests: when a frame arrived)
 
     def channel_closed(self) -> None:
+        self.closed_at = self.now()
         if self.reported is None and self.job.mpirun_code() is None:
             # Its wrapper reports the command's end before it closes, and signals make it report:
             # the connection ended without a report while mpirun runs, so the wrapper was killed
@@ -244,6 +247,10 @@ class MPIJob:
                 log.debug("%s: no exit frame, but mpirun exited 0, so it exited 0", r.label)
                 return 0
             r.note = "its wrapper ended without reporting"
+            # Dated by its connection's end: when mpirun stops the other ranks at once (MPICH kills
+            # them when one dies), the hub can see every connection end only after mpirun exited,
+            # and the first to end is the rank that failed first.
+            r.ended_at = r.ended_at or r.closed_at
             return 128 + signal.SIGKILL
         if not r.note:
             r.note = f"mpirun exited with code {code} before this rank started"
