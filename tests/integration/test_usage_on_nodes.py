@@ -53,7 +53,8 @@ def check_busy(rows: list[dict], name: str) -> None:
     assert len(values) >= 3, mine
     assert truth is not None and truth > 5.0, kernel  # (it did spin: on a loaded machine, not much)
     assert cpu is not None and abs(cpu - truth) <= max(15.0, 0.25 * truth), (cpu, truth)
-    assert all(100 << 20 <= v[1] < 400e6 for v in values[1:]), values  # (the first may come before b is made)
+    # (the first may come before b is made, the last as the program ends: 10 MiB once in a fresh CI run)
+    assert all(100 << 20 <= v[1] < 400e6 for v in values[1:-1]), values
 
 
 @pytest.mark.ssh
